@@ -1,0 +1,115 @@
+//! Lanes: the ways a worker reaches another worker.
+//!
+//! A *link* is one connection between two workers over one lane. It moves whole frames in order
+//! (the protocol layer above fragments large messages to `max_frame`) and, where the lane can,
+//! reads and writes the peer's memory directly (zero-copy rendezvous and one-sided put/get).
+//!
+//! Every lane provides the same small set of operations (the `Link` trait), so the worker and the
+//! protocols never know which lane they are on; only `caps()` tells them what is possible.
+//!
+//! - `loopback`: workers inside one process; frames through an in-process queue, memory by memcpy.
+//! - `shm`: processes on one host; frames through SPSC rings in a shared mapping, memory through
+//!   cross-memory attach (process_vm_readv/writev) when the kernel allows it.
+//! - later: `nvlink` (CUDA IPC), `ucx` (other hosts), `verbs`.
+
+pub mod loopback;
+pub mod proc_identity;
+pub mod shm;
+
+use crate::error::Result;
+
+/// Which lane a link runs on. The numeric values appear in packed worker addresses.
+#[repr(u8)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum LaneKind {
+    Loopback = 1,
+    Shm = 2,
+}
+
+impl LaneKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            LaneKind::Loopback => "loopback",
+            LaneKind::Shm => "shm",
+        }
+    }
+
+    pub fn from_u8(v: u8) -> Option<LaneKind> {
+        match v {
+            1 => Some(LaneKind::Loopback),
+            2 => Some(LaneKind::Shm),
+            _ => None,
+        }
+    }
+
+    pub const ALL: &'static [LaneKind] = &[LaneKind::Loopback, LaneKind::Shm];
+}
+
+/// Who is on the other side of a link, as far as liveness checks are concerned.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ProcessIdentity {
+    pub pid: u32,
+    /// Process start time in clock ticks since boot (field 22 of /proc/<pid>/stat), so that a
+    /// reused pid is never mistaken for the original process.
+    pub start_time: u64,
+}
+
+/// What a link can do beyond moving frames.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct LinkCaps {
+    /// `read_remote` / `write_remote` work: the peer's memory can be accessed directly.
+    pub remote_memory: bool,
+}
+
+/// One ordered, reliable, bidirectional connection to a peer worker.
+///
+/// Frames are delivered whole and in the order they were sent. A frame is at most `max_frame()`
+/// bytes. Implementations never block: a full queue is reported, not waited on.
+pub trait Link: Send {
+    fn lane(&self) -> LaneKind;
+
+    /// Largest frame `try_send` accepts, in bytes.
+    fn max_frame(&self) -> usize;
+
+    fn caps(&self) -> LinkCaps;
+
+    /// Enqueue one frame made of the concatenation of `parts`. `Ok(false)` means there is no room
+    /// right now (try again after progress); an error means the link is dead.
+    fn try_send(&mut self, parts: &[&[u8]]) -> Result<bool>;
+
+    /// Hand up to `max` received frames to `deliver`, in order, and return how many were handed.
+    /// A frame slice is valid only during its call. An error means the link is dead (peer
+    /// failure or close); frames received before the failure have been delivered first.
+    fn poll_recv(&mut self, max: usize, deliver: &mut dyn FnMut(&[u8])) -> Result<usize>;
+
+    /// Copy `len` bytes from the peer's address `remote` into `local`.
+    ///
+    /// # Safety
+    /// `local` must be valid for `len` bytes of writes. `remote` is checked by the kernel (or, in
+    /// loopback, must have been validated by the caller against a registered region).
+    unsafe fn read_remote(&self, local: *mut u8, remote: u64, len: usize) -> Result<()>;
+
+    /// Copy `len` bytes from `local` to the peer's address `remote`.
+    ///
+    /// # Safety
+    /// `local` must be valid for `len` bytes of reads; `remote` as for `read_remote`.
+    unsafe fn write_remote(&self, local: *const u8, remote: u64, len: usize) -> Result<()>;
+
+    /// Is the peer still alive? Cheap enough to call every few milliseconds. An error names the
+    /// failure (`PeerFailed`, `ConnectionReset` when the peer closed the link).
+    fn check_peer(&mut self) -> Result<()>;
+
+    /// Tell the peer this side is going away; frames already queued are still delivered.
+    fn close(&mut self);
+}
+
+/// A worker's side of a lane that accepts incoming links from peers that connected to it.
+pub trait Listener: Send {
+    fn lane(&self) -> LaneKind;
+
+    /// Bytes a peer needs to connect to this listener; embedded in the packed worker address.
+    fn address_blob(&self) -> Vec<u8>;
+
+    /// Take one pending incoming connection, if any. The `u128` is the connecting worker's uuid.
+    fn accept(&mut self) -> Result<Option<(u128, Box<dyn Link>)>>;
+}
