@@ -1,0 +1,253 @@
+//! MPI-grade tag matching: posted receives and unexpected messages.
+//!
+//! A message matches a receive when `(msg_tag & mask) == (recv_tag & mask)`. Among several
+//! candidates the *oldest* wins on both sides, which gives MPI's non-overtaking rule: two messages
+//! from one link that both match a receive are taken in the order they arrived, and two receives
+//! that both match a message are satisfied in the order they were posted.
+//!
+//! Exact receives (mask = all ones, the common MPI case) are found through a hash bucket per tag;
+//! wildcard receives are kept in post order and scanned. Both carry a global sequence number so
+//! the oldest candidate across the two structures wins. Removal is lazy in the buckets: the ordered
+//! map is the source of truth and stale sequence numbers are skipped when met.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+pub const FULL_MASK: u64 = u64::MAX;
+
+#[inline]
+pub fn tag_matches(msg_tag: u64, recv_tag: u64, mask: u64) -> bool {
+    (msg_tag & mask) == (recv_tag & mask)
+}
+
+/// Receives waiting for a message, in post order.
+pub struct PostedQueue<R> {
+    entries: BTreeMap<u64, (u64, u64, R)>,
+    exact: HashMap<u64, VecDeque<u64>>,
+    wild: BTreeMap<u64, ()>,
+    next_seq: u64,
+}
+
+impl<R: Copy + PartialEq> Default for PostedQueue<R> {
+    fn default() -> Self {
+        PostedQueue { entries: BTreeMap::new(), exact: HashMap::new(), wild: BTreeMap::new(), next_seq: 0 }
+    }
+}
+
+impl<R: Copy + PartialEq> PostedQueue<R> {
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn post(&mut self, tag: u64, mask: u64, r: R) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.entries.insert(seq, (tag, mask, r));
+        if mask == FULL_MASK {
+            self.exact.entry(tag).or_default().push_back(seq);
+        } else {
+            self.wild.insert(seq, ());
+        }
+    }
+
+    /// Remove and return the oldest receive that matches `msg_tag`.
+    pub fn take_match(&mut self, msg_tag: u64) -> Option<R> {
+        let exact_seq = match self.exact.get_mut(&msg_tag) {
+            Some(bucket) => {
+                while bucket.front().is_some_and(|s| !self.entries.contains_key(s)) {
+                    bucket.pop_front();
+                }
+                let front = bucket.front().copied();
+                if bucket.is_empty() {
+                    self.exact.remove(&msg_tag);
+                }
+                front
+            }
+            None => None,
+        };
+        // Only wildcards older than the exact candidate can win, so stop the scan there.
+        let limit = exact_seq.unwrap_or(u64::MAX);
+        let wild_seq = self
+            .wild
+            .range(..limit)
+            .map(|(s, _)| *s)
+            .find(|s| {
+                let (tag, mask, _) = self.entries[s];
+                tag_matches(msg_tag, tag, mask)
+            });
+        let seq = wild_seq.or(exact_seq)?;
+        if wild_seq.is_some() {
+            self.wild.remove(&seq);
+        } else if let Some(bucket) = self.exact.get_mut(&msg_tag) {
+            bucket.pop_front();
+            if bucket.is_empty() {
+                self.exact.remove(&msg_tag);
+            }
+        }
+        self.entries.remove(&seq).map(|(_, _, r)| r)
+    }
+
+    /// Remove a specific receive (cancel). Returns whether it was posted.
+    pub fn remove(&mut self, r: R) -> bool {
+        let Some(seq) = self.entries.iter().find(|(_, e)| e.2 == r).map(|(s, _)| *s) else {
+            return false;
+        };
+        self.entries.remove(&seq);
+        self.wild.remove(&seq);
+        // The exact bucket keeps a stale seq; it is skipped lazily by take_match.
+        true
+    }
+}
+
+/// Messages that arrived before a matching receive, in arrival order.
+pub struct UnexpectedQueue<M> {
+    entries: BTreeMap<u64, (u64, M)>,
+    by_tag: HashMap<u64, VecDeque<u64>>,
+    next_seq: u64,
+}
+
+impl<M> Default for UnexpectedQueue<M> {
+    fn default() -> Self {
+        UnexpectedQueue { entries: BTreeMap::new(), by_tag: HashMap::new(), next_seq: 0 }
+    }
+}
+
+impl<M> UnexpectedQueue<M> {
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Append a message; returns its handle (a sequence number, never reused).
+    pub fn push(&mut self, tag: u64, m: M) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.entries.insert(seq, (tag, m));
+        self.by_tag.entry(tag).or_default().push_back(seq);
+        seq
+    }
+
+    /// The oldest message matching `(tag, mask)`.
+    pub fn find(&mut self, tag: u64, mask: u64) -> Option<u64> {
+        if mask == FULL_MASK {
+            let bucket = self.by_tag.get_mut(&tag)?;
+            while bucket.front().is_some_and(|s| !self.entries.contains_key(s)) {
+                bucket.pop_front();
+            }
+            let front = bucket.front().copied();
+            if bucket.is_empty() {
+                self.by_tag.remove(&tag);
+            }
+            front
+        } else {
+            self.entries.iter().find(|(_, (t, _))| tag_matches(*t, tag, mask)).map(|(s, _)| *s)
+        }
+    }
+
+    pub fn get(&self, seq: u64) -> Option<&(u64, M)> {
+        self.entries.get(&seq)
+    }
+
+    pub fn get_mut(&mut self, seq: u64) -> Option<&mut (u64, M)> {
+        self.entries.get_mut(&seq)
+    }
+
+    pub fn take(&mut self, seq: u64) -> Option<(u64, M)> {
+        self.entries.remove(&seq)
+    }
+
+    /// Remove every message for which `drop_it` says so (e.g. those from a failed peer).
+    pub fn retain(&mut self, mut keep: impl FnMut(&M) -> bool) {
+        self.entries.retain(|_, (_, m)| keep(m));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_receives_match_in_post_order() {
+        let mut q = PostedQueue::default();
+        q.post(5, FULL_MASK, 1);
+        q.post(5, FULL_MASK, 2);
+        q.post(6, FULL_MASK, 3);
+        assert_eq!(q.take_match(5), Some(1));
+        assert_eq!(q.take_match(6), Some(3));
+        assert_eq!(q.take_match(5), Some(2));
+        assert_eq!(q.take_match(5), None);
+        assert!(q.is_empty());
+    }
+
+    #[test]
+    fn oldest_of_wildcard_and_exact_wins() {
+        let mut q = PostedQueue::default();
+        q.post(0, 0, 10); // matches anything
+        q.post(7, FULL_MASK, 11);
+        q.post(0x70, 0xF0, 12); // matches 0x7?
+        assert_eq!(q.take_match(7), Some(10), "the wildcard was posted first");
+        assert_eq!(q.take_match(0x71), Some(12), "exact bucket for 0x71 is empty");
+        assert_eq!(q.take_match(7), Some(11));
+        assert_eq!(q.take_match(0x72), None);
+    }
+
+    #[test]
+    fn masked_bits_are_ignored_and_others_compared() {
+        assert!(tag_matches(0xAB_CD, 0xAB_00, 0xFF_00));
+        assert!(!tag_matches(0xAC_CD, 0xAB_00, 0xFF_00));
+        assert!(tag_matches(u64::MAX, 0, 0));
+    }
+
+    #[test]
+    fn cancel_removes_only_that_receive() {
+        let mut q = PostedQueue::default();
+        q.post(1, FULL_MASK, 1);
+        q.post(1, FULL_MASK, 2);
+        q.post(2, 0, 3);
+        assert!(q.remove(1));
+        assert!(!q.remove(1));
+        assert!(q.remove(3));
+        assert_eq!(q.take_match(1), Some(2));
+        assert_eq!(q.len(), 0);
+    }
+
+    #[test]
+    fn unexpected_messages_are_found_oldest_first() {
+        let mut u = UnexpectedQueue::default();
+        let a = u.push(3, "a");
+        let b = u.push(4, "b");
+        let c = u.push(3, "c");
+        assert_eq!(u.find(3, FULL_MASK), Some(a));
+        assert_eq!(u.find(0, 0), Some(a));
+        assert_eq!(u.take(a).unwrap().1, "a");
+        assert_eq!(u.find(3, FULL_MASK), Some(c));
+        assert_eq!(u.find(0, 0), Some(b));
+        assert_eq!(u.find(4, 0xF), Some(b));
+        u.retain(|m| *m != "b");
+        assert_eq!(u.find(4, FULL_MASK), None);
+        assert_eq!(u.len(), 1);
+    }
+
+    #[test]
+    fn ten_thousand_posted_receives_stay_ordered() {
+        let mut q = PostedQueue::default();
+        for i in 0..10_000u64 {
+            q.post(i % 10, if i % 3 == 0 { 0 } else { FULL_MASK }, i);
+        }
+        let mut last_per_tag = [None::<u64>; 10];
+        while let Some(r) = (0..10).find_map(|t| q.take_match(t).map(|r| (t, r))) {
+            let (t, r) = r;
+            if let Some(prev) = last_per_tag[t as usize] {
+                assert!(r > prev, "tag {t}: {r} after {prev}");
+            }
+            last_per_tag[t as usize] = Some(r);
+        }
+        assert!(q.is_empty());
+    }
+}

@@ -1,0 +1,226 @@
+//! The protocol registry and the one selection table.
+//!
+//! Like UCX's `proto.c`: a static list of protocols, each with a pure probe that says for which
+//! message sizes it applies to a given (memory type, lane). Selection walks the list in order of
+//! preference and takes the first protocol whose range holds the size. The same walk renders the
+//! table `gsc-info -p` prints, so what is printed is what runs.
+
+use crate::error::{Error, Result};
+use crate::transport::LaneKind;
+use std::fmt::Write;
+
+/// Where a buffer lives. Only host memory has protocols so far; device memory arrives with the
+/// GPU lanes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum MemType {
+    Host,
+    Cuda,
+}
+
+impl MemType {
+    pub fn name(self) -> &'static str {
+        match self {
+            MemType::Host => "host",
+            MemType::Cuda => "cuda",
+        }
+    }
+}
+
+/// How the rendezvous data moves: the receiver reads the sender's buffer (`Get`, needs remote
+/// memory access on the lane) or the sender pushes it in frames once the receiver is ready.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RndvScheme {
+    Auto,
+    Get,
+    Pipeline,
+}
+
+/// The knobs protocol selection depends on (a slice of `Config`).
+#[derive(Copy, Clone, Debug)]
+pub struct ProtoConfig {
+    pub eager_short_max: usize,
+    pub rndv_thresh: usize,
+    pub rndv_scheme: RndvScheme,
+}
+
+impl Default for ProtoConfig {
+    fn default() -> Self {
+        ProtoConfig { eager_short_max: 128, rndv_thresh: 16 * 1024, rndv_scheme: RndvScheme::Auto }
+    }
+}
+
+/// What protocol selection needs to know about a link.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LaneProps {
+    pub lane: LaneKind,
+    pub max_frame: usize,
+    pub remote_memory: bool,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ProtoId {
+    /// Whole message in one frame; the sender's buffer is free as soon as the call returns.
+    EagerShort,
+    /// Copied through frames (fragmented at the lane's frame size), no handshake.
+    EagerCopy,
+    /// RTS, then the receiver reads the sender's buffer directly into its own (one copy), then ATS.
+    RndvGet,
+    /// RTS, RTR from the ready receiver, then the sender pushes the data in frames.
+    RndvPipeline,
+}
+
+struct Protocol {
+    id: ProtoId,
+    name: &'static str,
+    /// Inclusive size range this protocol serves for (memory type, lane), or None.
+    probe: fn(&ProtoConfig, MemType, &LaneProps) -> Option<(usize, usize)>,
+}
+
+/// Header bytes the eager frames carry in front of the data (see wire.rs).
+const EAGER_ONLY_HEADER: usize = 16;
+
+fn eager_short(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usize, usize)> {
+    if mem != MemType::Host {
+        return None;
+    }
+    let max = cfg.eager_short_max.min(lane.max_frame.saturating_sub(EAGER_ONLY_HEADER));
+    // Eager-short never exceeds the rendezvous threshold either.
+    Some((0, max.min(cfg.rndv_thresh.saturating_sub(1))))
+}
+
+fn eager_copy(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usize, usize)> {
+    let (_, short_max) = eager_short(cfg, mem, lane)?;
+    let lo = short_max + 1;
+    let hi = cfg.rndv_thresh.checked_sub(1)?;
+    (lo <= hi).then_some((lo, hi))
+}
+
+fn rndv_get(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usize, usize)> {
+    let usable = mem == MemType::Host && lane.remote_memory && cfg.rndv_scheme != RndvScheme::Pipeline;
+    usable.then_some((cfg.rndv_thresh, usize::MAX))
+}
+
+fn rndv_pipeline(cfg: &ProtoConfig, mem: MemType, _lane: &LaneProps) -> Option<(usize, usize)> {
+    // Always possible for host memory: it only needs frames. It is listed after rndv_get, so it
+    // is chosen when Get is excluded or the lane cannot read remote memory.
+    (mem == MemType::Host).then_some((cfg.rndv_thresh, usize::MAX))
+}
+
+/// In order of preference.
+static REGISTRY: &[Protocol] = &[
+    Protocol { id: ProtoId::EagerShort, name: "eager_short", probe: eager_short },
+    Protocol { id: ProtoId::EagerCopy, name: "eager_copy", probe: eager_copy },
+    Protocol { id: ProtoId::RndvGet, name: "rndv_get", probe: rndv_get },
+    Protocol { id: ProtoId::RndvPipeline, name: "rndv_pipeline", probe: rndv_pipeline },
+];
+
+impl ProtoId {
+    pub fn name(self) -> &'static str {
+        REGISTRY.iter().find(|p| p.id == self).map(|p| p.name).unwrap_or("?")
+    }
+}
+
+/// The protocol for a tagged send of `size` bytes.
+pub fn select(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps, size: usize) -> Result<ProtoId> {
+    for p in REGISTRY {
+        if let Some((lo, hi)) = (p.probe)(cfg, mem, lane) {
+            if (lo..=hi).contains(&size) {
+                return Ok(p.id);
+            }
+        }
+    }
+    Err(Error::unsupported(format!(
+        "no protocol sends {size} bytes of {} memory over the {} lane",
+        mem.name(),
+        lane.lane.name()
+    )))
+}
+
+/// The selection table as text, one block per (lane, memory type), for `gsc-info -p`.
+pub fn describe(cfg: &ProtoConfig, lanes: &[LaneProps]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# tag send protocols (GSC_EAGER_SHORT_MAX={}, GSC_RNDV_THRESH={}, GSC_RNDV_SCHEME={:?})",
+        cfg.eager_short_max, cfg.rndv_thresh, cfg.rndv_scheme
+    );
+    for lane in lanes {
+        for mem in [MemType::Host, MemType::Cuda] {
+            let _ = writeln!(
+                out,
+                "[{} lane, {} memory, frame {} B, remote memory {}]",
+                lane.lane.name(),
+                mem.name(),
+                lane.max_frame,
+                if lane.remote_memory { "yes" } else { "no" }
+            );
+            let mut covered_to: Option<usize> = None;
+            let mut any = false;
+            for p in REGISTRY {
+                let Some((lo, hi)) = (p.probe)(cfg, mem, lane) else { continue };
+                // A range already served by an earlier protocol is not reachable.
+                let lo = match covered_to {
+                    Some(c) if c >= hi => continue,
+                    Some(c) => lo.max(c + 1),
+                    None => lo,
+                };
+                let hi_text = if hi == usize::MAX { "inf".to_string() } else { hi.to_string() };
+                let _ = writeln!(out, "  {lo:>10} .. {hi_text:<10} {}", p.name);
+                covered_to = Some(hi);
+                any = true;
+            }
+            if !any {
+                let _ = writeln!(out, "  (no protocol yet)");
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shm(remote: bool) -> LaneProps {
+        LaneProps { lane: LaneKind::Shm, max_frame: 65536, remote_memory: remote }
+    }
+
+    #[test]
+    fn boundaries_follow_the_thresholds() {
+        let cfg = ProtoConfig { eager_short_max: 128, rndv_thresh: 16384, rndv_scheme: RndvScheme::Auto };
+        let l = shm(true);
+        assert_eq!(select(&cfg, MemType::Host, &l, 0).unwrap(), ProtoId::EagerShort);
+        assert_eq!(select(&cfg, MemType::Host, &l, 128).unwrap(), ProtoId::EagerShort);
+        assert_eq!(select(&cfg, MemType::Host, &l, 129).unwrap(), ProtoId::EagerCopy);
+        assert_eq!(select(&cfg, MemType::Host, &l, 16383).unwrap(), ProtoId::EagerCopy);
+        assert_eq!(select(&cfg, MemType::Host, &l, 16384).unwrap(), ProtoId::RndvGet);
+        assert_eq!(select(&cfg, MemType::Host, &l, 64 << 20).unwrap(), ProtoId::RndvGet);
+        assert_eq!(select(&cfg, MemType::Host, &shm(false), 16384).unwrap(), ProtoId::RndvPipeline);
+    }
+
+    #[test]
+    fn scheme_knob_and_small_frames_are_respected() {
+        let cfg = ProtoConfig { eager_short_max: 4096, rndv_thresh: 1000, rndv_scheme: RndvScheme::Pipeline };
+        let small = LaneProps { lane: LaneKind::Shm, max_frame: 256, remote_memory: true };
+        // eager_short is capped by the frame and by the rendezvous threshold.
+        assert_eq!(select(&cfg, MemType::Host, &small, 240).unwrap(), ProtoId::EagerShort);
+        assert_eq!(select(&cfg, MemType::Host, &small, 241).unwrap(), ProtoId::EagerCopy);
+        assert_eq!(select(&cfg, MemType::Host, &small, 1000).unwrap(), ProtoId::RndvPipeline);
+    }
+
+    #[test]
+    fn device_memory_has_no_protocol_yet_and_says_so() {
+        let e = select(&ProtoConfig::default(), MemType::Cuda, &shm(true), 8).unwrap_err();
+        assert_eq!(e.status(), crate::Status::Unsupported);
+        assert!(e.message().contains("cuda"));
+    }
+
+    #[test]
+    fn table_shows_each_reachable_range_once() {
+        let t = describe(&ProtoConfig::default(), &[shm(true)]);
+        assert!(t.contains("eager_short"));
+        assert!(t.contains("rndv_get"));
+        assert!(!t.contains("rndv_pipeline"), "pipeline is unreachable when get covers the range:\n{t}");
+        assert!(t.contains("(no protocol yet)"));
+    }
+}

@@ -1,0 +1,652 @@
+//! Tagged send/receive: the eager and rendezvous state machines over matching.
+//!
+//! `TagEngine` does no I/O and reads no clock. The worker feeds it events (a send or receive was
+//! posted, a frame arrived, a frame left, a remote read finished, a link failed) and executes the
+//! actions it pushes into an `Actions` list: transmit a frame, copy bytes into a user buffer, read
+//! the peer's memory, complete a request. Buffers are plain addresses here; the worker owns the
+//! unsafe copies. This keeps the whole protocol testable with a loopback in a unit test.
+//!
+//! Request ids (`ReqId`) are chosen by the worker and echoed on the wire (RTS/RTR/ATS carry them),
+//! so they include a generation: a frame naming a request that is gone is ignored, not misrouted.
+
+use super::matching::{PostedQueue, UnexpectedQueue};
+use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
+use super::wire::{Encoded, Header, RTS_REMOTE_MEMORY};
+use crate::error::{Error, Result, Status};
+use std::collections::HashMap;
+
+pub type ConnId = usize;
+pub type ReqId = u64;
+
+/// A user buffer: where it is and how long. Validity is the worker's (and the user's) business.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct UserBuf {
+    pub addr: usize,
+    pub len: usize,
+}
+
+/// What a completed receive reports.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecvInfo {
+    pub tag: u64,
+    /// The sender's message length. On `MessageTruncated` only the receive buffer's length was
+    /// written.
+    pub length: usize,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Payload {
+    None,
+    /// Bytes of a user buffer, read when the frame is written into the link.
+    User { addr: usize, len: usize },
+    Owned(Vec<u8>),
+}
+
+impl Payload {
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::None => 0,
+            Payload::User { len, .. } => *len,
+            Payload::Owned(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[derive(Debug)]
+pub struct OutFrame {
+    pub header: Encoded,
+    pub payload: Payload,
+    /// Report `frame_sent(req)` once this frame is in the link.
+    pub on_sent: Option<ReqId>,
+    /// The request may complete before the frame leaves: if the frame must wait in a queue, the
+    /// worker copies the payload (eager-short semantics: the user buffer is free on return).
+    pub copy_if_queued: bool,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Action {
+    Transmit { conn: ConnId, frame: OutFrameEq },
+    /// Copy `len` bytes from the payload of the frame being handled, at `src_offset`, to `dst`.
+    CopyFromFrame { dst: usize, src_offset: usize, len: usize },
+    /// Copy bytes the engine buffered (an unexpected message) to `dst`.
+    CopyOwned { dst: usize, data: Vec<u8> },
+    /// Read `len` bytes of the peer's memory at `remote` into `dst`, then call `remote_read_done`.
+    ReadRemote { conn: ConnId, dst: usize, remote: u64, len: usize, req: ReqId },
+    Complete { req: ReqId, status: Status, info: RecvInfo },
+}
+
+/// `OutFrame` compared by content, so tests can assert on actions.
+#[derive(Debug)]
+pub struct OutFrameEq(pub OutFrame);
+
+impl PartialEq for OutFrameEq {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.header.as_bytes() == other.0.header.as_bytes()
+            && self.0.payload == other.0.payload
+            && self.0.on_sent == other.0.on_sent
+            && self.0.copy_if_queued == other.0.copy_if_queued
+    }
+}
+impl Eq for OutFrameEq {}
+
+pub type Actions = Vec<Action>;
+
+#[derive(Debug)]
+enum SendState {
+    /// Frames queued; completes when the last one leaves.
+    Frames { conn: ConnId },
+    /// RTS sent; waiting for ATS (receiver read it) or RTR (push it).
+    AwaitingReceiver { conn: ConnId, buf: UserBuf, max_frame: usize },
+}
+
+#[derive(Debug)]
+enum RecvState {
+    Posted { buf: UserBuf },
+    /// Matched an eager message that is still arriving in fragments.
+    Eager { conn: ConnId, buf: UserBuf, info: RecvInfo, received: usize },
+    /// Matched an RTS; reading the sender's buffer.
+    Reading { conn: ConnId, buf: UserBuf, info: RecvInfo, sreq: ReqId },
+    /// Matched an RTS; the sender is pushing `want` bytes.
+    Pushed { conn: ConnId, buf: UserBuf, info: RecvInfo, want: usize, received: usize },
+}
+
+/// An unexpected (or probed, not yet received) message.
+#[derive(Debug)]
+struct Unexpected {
+    conn: ConnId,
+    total: usize,
+    body: UnexpectedBody,
+    /// Set when the link died before the whole message arrived.
+    failed: Option<Status>,
+}
+
+#[derive(Debug)]
+enum UnexpectedBody {
+    /// Eager data received so far (`data.len()` of `total`), still keyed by `msg_id` if partial.
+    Eager { data: Vec<u8>, msg_id: Option<u64> },
+    Rts { sreq: ReqId, remote_addr: u64, remote_memory: bool },
+}
+
+/// Where the next fragments of a multi-fragment eager message go.
+#[derive(Copy, Clone, Debug)]
+enum Assembly {
+    Recv(ReqId),
+    Unexpected(u64),
+    Probed(u64),
+}
+
+struct ConnState {
+    props: LaneProps,
+    assembling: HashMap<u64, Assembly>,
+    next_msg_id: u64,
+}
+
+/// Result of a probe.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ProbeInfo {
+    pub tag: u64,
+    pub length: usize,
+    /// With `remove`, the handle to pass to `msg_recv`.
+    pub msg: Option<u64>,
+}
+
+pub struct TagEngine {
+    cfg: ProtoConfig,
+    conns: HashMap<ConnId, ConnState>,
+    posted: PostedQueue<ReqId>,
+    recvs: HashMap<ReqId, RecvState>,
+    unexpected: UnexpectedQueue<Unexpected>,
+    probed: HashMap<u64, (u64, Unexpected)>,
+    next_probe_id: u64,
+    sends: HashMap<ReqId, SendState>,
+}
+
+fn header_room(frame: usize, h: &Header) -> usize {
+    frame.saturating_sub(h.encoded_len())
+}
+
+fn transmit(out: &mut Actions, conn: ConnId, header: Header, payload: Payload, on_sent: Option<ReqId>) {
+    let frame = OutFrame { header: header.encode(), payload, on_sent, copy_if_queued: false };
+    out.push(Action::Transmit { conn, frame: OutFrameEq(frame) });
+}
+
+fn status_of(total: usize, buf: UserBuf) -> Status {
+    if total > buf.len { Status::MessageTruncated } else { Status::Ok }
+}
+
+impl TagEngine {
+    pub fn new(cfg: ProtoConfig) -> TagEngine {
+        TagEngine {
+            cfg,
+            conns: HashMap::new(),
+            posted: PostedQueue::default(),
+            recvs: HashMap::new(),
+            unexpected: UnexpectedQueue::default(),
+            probed: HashMap::new(),
+            next_probe_id: 1,
+            sends: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &ProtoConfig {
+        &self.cfg
+    }
+
+    pub fn add_conn(&mut self, conn: ConnId, props: LaneProps) {
+        self.conns.insert(conn, ConnState { props, assembling: HashMap::new(), next_msg_id: 0 });
+    }
+
+    /// Requests the engine still tracks (sends awaiting completion, matched or posted receives).
+    pub fn in_flight(&self) -> usize {
+        self.sends.len() + self.recvs.len()
+    }
+
+    pub fn unexpected_len(&self) -> usize {
+        self.unexpected.len()
+    }
+
+    /// Start a tagged send. Selection errors leave the engine unchanged.
+    pub fn send(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, tag: u64, buf: UserBuf, mem: MemType) -> Result<ProtoId> {
+        let cs = self
+            .conns
+            .get_mut(&conn)
+            .ok_or_else(|| Error::new(Status::NotConnected, "send on a connection the protocol layer does not know"))?;
+        let props = cs.props;
+        let proto = select::select(&self.cfg, mem, &props, buf.len)?;
+        match proto {
+            ProtoId::EagerShort => {
+                let header = Header::EagerOnly { tag }.encode();
+                let frame = OutFrame { header, payload: Payload::User { addr: buf.addr, len: buf.len }, on_sent: Some(req), copy_if_queued: true };
+                out.push(Action::Transmit { conn, frame: OutFrameEq(frame) });
+                self.sends.insert(req, SendState::Frames { conn });
+            }
+            ProtoId::EagerCopy => {
+                let only = Header::EagerOnly { tag };
+                if buf.len <= header_room(props.max_frame, &only) {
+                    transmit(out, conn, only, Payload::User { addr: buf.addr, len: buf.len }, Some(req));
+                } else {
+                    let msg_id = cs.next_msg_id;
+                    cs.next_msg_id += 1;
+                    let first = Header::EagerFirst { tag, msg_id, total: buf.len as u64 };
+                    let n0 = header_room(props.max_frame, &first);
+                    transmit(out, conn, first, Payload::User { addr: buf.addr, len: n0 }, None);
+                    push_fragments(out, conn, buf, n0, props.max_frame, req, |offset| Header::EagerNext { msg_id, offset });
+                }
+                self.sends.insert(req, SendState::Frames { conn });
+            }
+            ProtoId::RndvGet | ProtoId::RndvPipeline => {
+                let remote = proto == ProtoId::RndvGet;
+                let h = Header::Rts {
+                    tag,
+                    sreq: req,
+                    total: buf.len as u64,
+                    remote_addr: buf.addr as u64,
+                    flags: if remote { RTS_REMOTE_MEMORY } else { 0 },
+                };
+                transmit(out, conn, h, Payload::None, None);
+                self.sends.insert(req, SendState::AwaitingReceiver { conn, buf, max_frame: props.max_frame });
+            }
+        }
+        Ok(proto)
+    }
+
+    /// Post a receive for messages matching `(tag, mask)`.
+    pub fn recv(&mut self, out: &mut Actions, req: ReqId, tag: u64, mask: u64, buf: UserBuf) {
+        if let Some(seq) = self.unexpected.find(tag, mask) {
+            let (msg_tag, u) = self.unexpected.take(seq).expect("found entry exists");
+            self.match_unexpected(out, req, msg_tag, u, buf);
+        } else {
+            self.posted.post(tag, mask, req);
+            self.recvs.insert(req, RecvState::Posted { buf });
+        }
+    }
+
+    /// Look for an unexpected message; with `remove`, take it out of matching for `msg_recv`.
+    pub fn probe(&mut self, tag: u64, mask: u64, remove: bool) -> Option<ProbeInfo> {
+        let seq = self.unexpected.find(tag, mask)?;
+        let (msg_tag, total) = {
+            let (t, u) = self.unexpected.get(seq)?;
+            (*t, u.total)
+        };
+        if !remove {
+            return Some(ProbeInfo { tag: msg_tag, length: total, msg: None });
+        }
+        let (t, u) = self.unexpected.take(seq)?;
+        let id = self.next_probe_id;
+        self.next_probe_id += 1;
+        self.redirect_assembly(&u, Assembly::Probed(id));
+        self.probed.insert(id, (t, u));
+        Some(ProbeInfo { tag: msg_tag, length: total, msg: Some(id) })
+    }
+
+    /// Receive a message taken by `probe(.., remove = true)`.
+    pub fn msg_recv(&mut self, out: &mut Actions, req: ReqId, msg: u64, buf: UserBuf) -> Result<()> {
+        let (tag, u) = self
+            .probed
+            .remove(&msg)
+            .ok_or_else(|| Error::new(Status::InvalidHandle, format!("message handle {msg} is unknown or already received")))?;
+        self.match_unexpected(out, req, tag, u, buf);
+        Ok(())
+    }
+
+    /// Cancel a receive that has not matched yet. Matched receives and started sends cannot be
+    /// withdrawn: the peer may already be writing.
+    pub fn cancel(&mut self, out: &mut Actions, req: ReqId) -> Result<()> {
+        match self.recvs.get(&req) {
+            Some(RecvState::Posted { .. }) => {
+                self.posted.remove(req);
+                self.recvs.remove(&req);
+                out.push(Action::Complete { req, status: Status::Canceled, info: RecvInfo::default() });
+                Ok(())
+            }
+            Some(_) => Err(Error::new(Status::Busy, "the receive already matched a message; it can no longer be canceled")),
+            None if self.sends.contains_key(&req) => {
+                Err(Error::new(Status::Busy, "a send that has started cannot be canceled"))
+            }
+            None => Err(Error::new(Status::InvalidHandle, "request is not in progress")),
+        }
+    }
+
+    /// The frame carrying `on_sent = req` is in the link.
+    pub fn frame_sent(&mut self, out: &mut Actions, req: ReqId) {
+        if let Some(SendState::Frames { .. }) = self.sends.get(&req) {
+            self.sends.remove(&req);
+            out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+        }
+    }
+
+    /// A `ReadRemote` finished.
+    pub fn remote_read_done(&mut self, out: &mut Actions, req: ReqId, result: Result<()>) {
+        let Some(RecvState::Reading { conn, buf, info, sreq }) = self.recvs.remove(&req) else { return };
+        let status = match &result {
+            Ok(()) => Status::Ok,
+            Err(e) => {
+                tracing::debug!(target: "gsc::proto", req, error = %e, "rendezvous read failed");
+                e.status()
+            }
+        };
+        transmit(out, conn, Header::Ats { sreq, status: status.code() }, Payload::None, None);
+        let final_status = if status == Status::Ok { status_of(info.length, buf) } else { status };
+        out.push(Action::Complete { req, status: final_status, info });
+    }
+
+    /// Handle one received frame. Errors mean the peer violated the protocol; the worker should
+    /// treat the link as failed.
+    pub fn on_frame(&mut self, out: &mut Actions, conn: ConnId, frame: &[u8]) -> Result<()> {
+        let (header, payload) = Header::decode(frame).map_err(|e| Error::new(Status::ConnectionReset, format!("malformed frame from peer: {e}")))?;
+        match header {
+            Header::EagerOnly { tag } => {
+                let u = Unexpected { conn, total: payload.len(), body: UnexpectedBody::Eager { data: Vec::new(), msg_id: None }, failed: None };
+                self.arrive(out, conn, tag, u, payload, None);
+            }
+            Header::EagerFirst { tag, msg_id, total } => {
+                let total = usize::try_from(total).map_err(|_| protocol_error("eager message length overflows"))?;
+                if payload.len() > total {
+                    return Err(protocol_error("eager first fragment longer than its message"));
+                }
+                let u = Unexpected { conn, total, body: UnexpectedBody::Eager { data: Vec::new(), msg_id: Some(msg_id) }, failed: None };
+                self.arrive(out, conn, tag, u, payload, Some(msg_id));
+            }
+            Header::EagerNext { msg_id, offset } => self.eager_fragment(out, conn, msg_id, offset as usize, payload)?,
+            Header::Rts { tag, sreq, total, remote_addr, flags } => {
+                let total = usize::try_from(total).map_err(|_| protocol_error("rendezvous length overflows"))?;
+                let u = Unexpected {
+                    conn,
+                    total,
+                    body: UnexpectedBody::Rts { sreq, remote_addr, remote_memory: flags & RTS_REMOTE_MEMORY != 0 },
+                    failed: None,
+                };
+                self.arrive(out, conn, tag, u, &[], None);
+            }
+            Header::Rtr { sreq, rreq, len } => {
+                let Some(SendState::AwaitingReceiver { conn: c, buf, max_frame }) = self.sends.get(&sreq) else {
+                    tracing::debug!(target: "gsc::proto", sreq, "RTR for a send that is gone; ignored");
+                    return Ok(());
+                };
+                let (c, buf, max_frame) = (*c, *buf, *max_frame);
+                if c != conn {
+                    return Err(protocol_error("RTR arrived on a different link than its RTS"));
+                }
+                let len = (len as usize).min(buf.len);
+                let part = UserBuf { addr: buf.addr, len };
+                push_fragments(out, conn, part, 0, max_frame, sreq, |offset| Header::RndvData { rreq, offset });
+                self.sends.insert(sreq, SendState::Frames { conn });
+            }
+            Header::RndvData { rreq, offset } => {
+                let Some(RecvState::Pushed { conn: c, buf, want, received, .. }) = self.recvs.get_mut(&rreq) else {
+                    return Err(protocol_error("rendezvous data for an unknown receive"));
+                };
+                let offset = offset as usize;
+                if *c != conn || offset.checked_add(payload.len()).is_none_or(|end| end > *want) {
+                    return Err(protocol_error("rendezvous data outside the receive window"));
+                }
+                out.push(Action::CopyFromFrame { dst: buf.addr + offset, src_offset: 0, len: payload.len() });
+                *received += payload.len();
+                if *received >= *want {
+                    if let Some(RecvState::Pushed { buf, info, .. }) = self.recvs.remove(&rreq) {
+                        out.push(Action::Complete { req: rreq, status: status_of(info.length, buf), info });
+                    }
+                }
+            }
+            Header::Ats { sreq, status } => {
+                if let Some(SendState::AwaitingReceiver { .. }) = self.sends.get(&sreq) {
+                    self.sends.remove(&sreq);
+                    // The receiver's trouble (e.g. it could not read our buffer) is ours too; a
+                    // truncation at the receiver is not the sender's error.
+                    let s = Status::from_code(status).unwrap_or(Status::Internal);
+                    let s = if s == Status::MessageTruncated { Status::Ok } else { s };
+                    out.push(Action::Complete { req: sreq, status: s, info: RecvInfo::default() });
+                }
+            }
+            other => return Err(protocol_error(&format!("frame {other:?} is not a tag protocol frame"))),
+        }
+        Ok(())
+    }
+
+    /// A message envelope arrived: match it or queue it as unexpected.
+    fn arrive(&mut self, out: &mut Actions, conn: ConnId, tag: u64, mut u: Unexpected, first: &[u8], msg_id: Option<u64>) {
+        if let Some(req) = self.posted.take_match(tag) {
+            let Some(RecvState::Posted { buf }) = self.recvs.remove(&req) else {
+                unreachable!("a posted request is in Posted state")
+            };
+            let info = RecvInfo { tag, length: u.total };
+            match u.body {
+                UnexpectedBody::Eager { .. } => {
+                    copy_clipped(out, buf, 0, first, CopySrc::Frame);
+                    self.eager_progress(out, conn, req, buf, info, first.len(), msg_id);
+                }
+                UnexpectedBody::Rts { sreq, remote_addr, remote_memory } => {
+                    self.match_rts(out, conn, req, buf, info, sreq, remote_addr, remote_memory);
+                }
+            }
+        } else {
+            if let UnexpectedBody::Eager { data, .. } = &mut u.body {
+                data.extend_from_slice(first);
+            }
+            let complete = !matches!(u.body, UnexpectedBody::Eager { .. }) || first.len() >= u.total;
+            let seq = self.unexpected.push(tag, u);
+            if let (Some(id), false) = (msg_id, complete) {
+                if let Some(cs) = self.conns.get_mut(&conn) {
+                    cs.assembling.insert(id, Assembly::Unexpected(seq));
+                }
+            }
+        }
+    }
+
+    /// Eager data of a matched receive: complete it or remember where the rest goes.
+    #[allow(clippy::too_many_arguments)]
+    fn eager_progress(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, buf: UserBuf, info: RecvInfo, received: usize, msg_id: Option<u64>) {
+        if received >= info.length {
+            out.push(Action::Complete { req, status: status_of(info.length, buf), info });
+            if let (Some(id), Some(cs)) = (msg_id, self.conns.get_mut(&conn)) {
+                cs.assembling.remove(&id);
+            }
+        } else {
+            self.recvs.insert(req, RecvState::Eager { conn, buf, info, received });
+            if let (Some(id), Some(cs)) = (msg_id, self.conns.get_mut(&conn)) {
+                cs.assembling.insert(id, Assembly::Recv(req));
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn match_rts(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, buf: UserBuf, info: RecvInfo, sreq: ReqId, remote_addr: u64, remote_memory: bool) {
+        let want = info.length.min(buf.len);
+        let local_remote_memory = self.conns.get(&conn).is_some_and(|c| c.props.remote_memory);
+        if want == 0 {
+            // Nothing to move (empty message or empty buffer): release the sender at once.
+            transmit(out, conn, Header::Ats { sreq, status: Status::Ok.code() }, Payload::None, None);
+            out.push(Action::Complete { req, status: status_of(info.length, buf), info });
+        } else if remote_memory && local_remote_memory {
+            self.recvs.insert(req, RecvState::Reading { conn, buf, info, sreq });
+            out.push(Action::ReadRemote { conn, dst: buf.addr, remote: remote_addr, len: want, req });
+        } else {
+            transmit(out, conn, Header::Rtr { sreq, rreq: req, len: want as u64 }, Payload::None, None);
+            self.recvs.insert(req, RecvState::Pushed { conn, buf, info, want, received: 0 });
+        }
+    }
+
+    /// A receive met a message that was already (partly) here.
+    fn match_unexpected(&mut self, out: &mut Actions, req: ReqId, tag: u64, u: Unexpected, buf: UserBuf) {
+        let info = RecvInfo { tag, length: u.total };
+        if let Some(status) = u.failed {
+            out.push(Action::Complete { req, status, info });
+            return;
+        }
+        match u.body {
+            UnexpectedBody::Eager { data, msg_id } => {
+                let received = data.len();
+                copy_clipped(out, buf, 0, &data, CopySrc::Owned);
+                self.eager_progress(out, u.conn, req, buf, info, received, msg_id);
+            }
+            UnexpectedBody::Rts { sreq, remote_addr, remote_memory } => {
+                self.match_rts(out, u.conn, req, buf, info, sreq, remote_addr, remote_memory);
+            }
+        }
+    }
+
+    fn redirect_assembly(&mut self, u: &Unexpected, to: Assembly) {
+        if let UnexpectedBody::Eager { msg_id: Some(id), .. } = u.body {
+            if let Some(cs) = self.conns.get_mut(&u.conn) {
+                if let Some(a) = cs.assembling.get_mut(&id) {
+                    *a = to;
+                }
+            }
+        }
+    }
+
+    fn eager_fragment(&mut self, out: &mut Actions, conn: ConnId, msg_id: u64, offset: usize, payload: &[u8]) -> Result<()> {
+        let target = self
+            .conns
+            .get(&conn)
+            .and_then(|c| c.assembling.get(&msg_id).copied())
+            .ok_or_else(|| protocol_error("eager fragment for a message that is not being assembled"))?;
+        match target {
+            Assembly::Recv(req) => {
+                let Some(RecvState::Eager { buf, info, received, .. }) = self.recvs.get_mut(&req) else {
+                    return Err(protocol_error("eager fragment for a receive in the wrong state"));
+                };
+                if offset.checked_add(payload.len()).is_none_or(|end| end > info.length) {
+                    return Err(protocol_error("eager fragment past the end of its message"));
+                }
+                let (buf, info) = (*buf, *info);
+                copy_clipped(out, buf, offset, payload, CopySrc::Frame);
+                *received += payload.len();
+                let received = *received;
+                if received >= info.length {
+                    self.recvs.remove(&req);
+                    self.eager_progress(out, conn, req, buf, info, received, Some(msg_id));
+                }
+            }
+            Assembly::Unexpected(seq) => {
+                let (_, u) = self.unexpected.get_mut(seq).ok_or_else(|| protocol_error("fragment for a vanished message"))?;
+                append_fragment(u, offset, payload)?;
+                if let UnexpectedBody::Eager { data, msg_id: id } = &mut u.body {
+                    if data.len() >= u.total {
+                        *id = None;
+                        if let Some(cs) = self.conns.get_mut(&conn) {
+                            cs.assembling.remove(&msg_id);
+                        }
+                    }
+                }
+            }
+            Assembly::Probed(pid) => {
+                let (_, u) = self.probed.get_mut(&pid).ok_or_else(|| protocol_error("fragment for a vanished message"))?;
+                append_fragment(u, offset, payload)?;
+                if let UnexpectedBody::Eager { data, msg_id: id } = &mut u.body {
+                    if data.len() >= u.total {
+                        *id = None;
+                        if let Some(cs) = self.conns.get_mut(&conn) {
+                            cs.assembling.remove(&msg_id);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The link `conn` is dead: every request that needs it completes with `status`, partial
+    /// unexpected messages from it are dropped (complete ones stay receivable), and it is
+    /// forgotten.
+    pub fn conn_failed(&mut self, out: &mut Actions, conn: ConnId, status: Status) {
+        let mut failed_sends: Vec<ReqId> = self
+            .sends
+            .iter()
+            .filter(|(_, s)| matches!(s, SendState::Frames { conn: c } | SendState::AwaitingReceiver { conn: c, .. } if *c == conn))
+            .map(|(r, _)| *r)
+            .collect();
+        failed_sends.sort_unstable();
+        for req in failed_sends {
+            self.sends.remove(&req);
+            out.push(Action::Complete { req, status, info: RecvInfo::default() });
+        }
+        let mut failed_recvs: Vec<(ReqId, RecvInfo)> = self
+            .recvs
+            .iter()
+            .filter_map(|(r, s)| match s {
+                RecvState::Eager { conn: c, info, .. } | RecvState::Reading { conn: c, info, .. } | RecvState::Pushed { conn: c, info, .. } if *c == conn => Some((*r, *info)),
+                _ => None,
+            })
+            .collect();
+        failed_recvs.sort_unstable_by_key(|(r, _)| *r);
+        for (req, info) in failed_recvs {
+            self.recvs.remove(&req);
+            out.push(Action::Complete { req, status, info });
+        }
+        self.unexpected.retain(|u| u.conn != conn || is_complete(u));
+        for (_, u) in self.probed.values_mut() {
+            if u.conn == conn && !is_complete(u) {
+                u.failed = Some(status);
+            }
+        }
+        self.conns.remove(&conn);
+    }
+}
+
+fn is_complete(u: &Unexpected) -> bool {
+    match &u.body {
+        UnexpectedBody::Eager { data, .. } => data.len() >= u.total,
+        // An RTS needs the sender to move its data; it is useless once the link is gone.
+        UnexpectedBody::Rts { .. } => false,
+    }
+}
+
+fn append_fragment(u: &mut Unexpected, offset: usize, payload: &[u8]) -> Result<()> {
+    let UnexpectedBody::Eager { data, .. } = &mut u.body else {
+        return Err(protocol_error("eager fragment for a rendezvous message"));
+    };
+    // Fragments of one message arrive in order on one link; anything else is a broken peer.
+    if offset != data.len() || offset + payload.len() > u.total {
+        return Err(protocol_error("eager fragment out of order or past the end of its message"));
+    }
+    data.extend_from_slice(payload);
+    Ok(())
+}
+
+enum CopySrc {
+    Frame,
+    Owned,
+}
+
+/// Copy `data` (which belongs at `offset` of the message) into `buf`, writing nothing past the
+/// buffer's end: truncation keeps the bytes that fit.
+fn copy_clipped(out: &mut Actions, buf: UserBuf, offset: usize, data: &[u8], src: CopySrc) {
+    if offset >= buf.len || data.is_empty() {
+        return;
+    }
+    let n = data.len().min(buf.len - offset);
+    match src {
+        CopySrc::Frame => out.push(Action::CopyFromFrame { dst: buf.addr + offset, src_offset: 0, len: n }),
+        CopySrc::Owned => out.push(Action::CopyOwned { dst: buf.addr + offset, data: data[..n].to_vec() }),
+    }
+}
+
+/// Frames for `buf[start..]`, each as large as the frame allows; the last reports `req` sent.
+fn push_fragments(out: &mut Actions, conn: ConnId, buf: UserBuf, start: usize, max_frame: usize, req: ReqId, header_at: impl Fn(u64) -> Header) {
+    let mut offset = start;
+    if offset >= buf.len {
+        // Nothing left to push: completion rides on an empty last frame only if none was sent.
+        if start == 0 {
+            transmit(out, conn, header_at(0), Payload::None, Some(req));
+        } else if let Some(Action::Transmit { frame, .. }) = out.last_mut() {
+            frame.0.on_sent = Some(req);
+        }
+        return;
+    }
+    while offset < buf.len {
+        let h = header_at(offset as u64);
+        let n = header_room(max_frame, &h).min(buf.len - offset);
+        let last = offset + n >= buf.len;
+        transmit(out, conn, h, Payload::User { addr: buf.addr + offset, len: n }, last.then_some(req));
+        offset += n;
+    }
+}
+
+fn protocol_error(what: &str) -> Error {
+    Error::new(Status::ConnectionReset, format!("protocol violation by peer: {what}"))
+}
