@@ -20,7 +20,7 @@ pub mod transport;
 mod capi;
 
 pub use crate::config::Config;
-// pub use crate::core::*; (once core lands)
+pub use crate::core::*;
 pub use crate::error::{Error, Result, Status};
 
 /// The crate version, from Cargo.toml (the C macros in include/gsc.h are checked against it).

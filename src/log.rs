@@ -1,1 +1,367 @@
-//! (being written)
+//! Logging: `tracing` targets of the subsystems and the subscriber our entry points install.
+//!
+//! Events are logged under one target per subsystem, selected by `GSC_LOG_SUBSYS` and filtered
+//! by `GSC_LOG_LEVEL`. `tracing` macros need the target as a literal, so call sites write it out:
+//!
+//! ```ignore
+//! tracing::debug!(target: "gsc::shm", ring = name, "mapped ring");
+//! ```
+//!
+//! The constants below hold the same strings for filters, tests and tools; a test checks that
+//! they match `Subsys::target` and that every subsystem has one.
+//!
+//! The Rust library never installs a subscriber by itself: the process, not a library, owns
+//! the global subscriber. `init` is called by the C API's `gsc_init` (C programs have no other
+//! way to see our logs) and by our binaries; Rust users bring their own subscriber and may
+//! filter on these targets.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, ErrorKind};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use tracing::level_filters::LevelFilter;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
+use tracing_subscriber::fmt::writer::BoxMakeWriter;
+use tracing_subscriber::layer::SubscriberExt;
+
+use crate::config::{Config, LogLevel, Subsys};
+use crate::error::{Error, Result, Status};
+
+pub const CORE: &str = "gsc::core";
+pub const PROTO: &str = "gsc::proto";
+pub const SHM: &str = "gsc::shm";
+pub const LOOPBACK: &str = "gsc::loopback";
+pub const BOOTSTRAP: &str = "gsc::bootstrap";
+pub const CONFIG: &str = "gsc::config";
+pub const CAPI: &str = "gsc::capi";
+pub const BENCH: &str = "gsc::bench";
+
+/// Events logged under the crate's module paths, i.e. without an explicit `target:`. They
+/// belong to no subsystem, so they are shown only when every subsystem is selected rather than
+/// being lost entirely.
+const CRATE_TARGET: &str = "gscomm";
+
+pub fn level_filter(level: LogLevel) -> LevelFilter {
+    match level {
+        LogLevel::Error => LevelFilter::ERROR,
+        LogLevel::Warn => LevelFilter::WARN,
+        LogLevel::Info => LevelFilter::INFO,
+        LogLevel::Debug => LevelFilter::DEBUG,
+        LogLevel::Trace => LevelFilter::TRACE,
+    }
+}
+
+/// The filter `init` installs: each selected subsystem's target at `GSC_LOG_LEVEL`, nothing
+/// from other crates (their logs are not ours to print from inside a C program).
+pub fn filter(config: &Config) -> Targets {
+    let level = level_filter(config.log_level);
+    let mut targets = Targets::new();
+    for subsys in &config.log_subsys {
+        targets = targets.with_target(subsys.target(), level);
+    }
+    if Subsys::ALL.iter().all(|s| config.log_subsys.contains(s)) {
+        targets = targets.with_target(CRATE_TARGET, level);
+    }
+    targets
+}
+
+/// Expand `%h` (host name), `%p` (process id) and `%%` in a `GSC_LOG_FILE` pattern. Any other
+/// `%` sequence is an error, so that a future expansion cannot change the meaning of a name
+/// someone already uses. `Err` says what is wrong, without the pattern (the caller names it).
+pub(crate) fn expand_pattern(pattern: &str, host: &str, pid: u32) -> Result<String, String> {
+    let mut out = String::with_capacity(pattern.len() + 16);
+    let mut chars = pattern.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('h') => out.push_str(host),
+            Some('p') => out.push_str(&pid.to_string()),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                return Err(format!(
+                    "unknown \"%{other}\" in file name; use %h (host name), %p (process id) or %%"
+                ));
+            }
+            None => return Err("file name ends with a lone %; write %% for a literal %".into()),
+        }
+    }
+    Ok(out)
+}
+
+/// This host's name as `gethostname(2)` reports it.
+pub fn hostname() -> Result<String> {
+    // 256 covers HOST_NAME_MAX (64 on Linux) on every system we run on; the extra byte keeps
+    // the buffer NUL-terminated even if the name was truncated.
+    let mut buf = [0u8; 257];
+    // SAFETY: the pointer and length describe `buf` minus its last byte, which stays 0.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    if rc != 0 {
+        return Err(Error::io("gethostname", io::Error::last_os_error()));
+    }
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
+}
+
+/// The file `GSC_LOG_FILE=pattern` names in this process.
+pub fn log_file_path(pattern: &str) -> Result<PathBuf> {
+    // Only ask for the host name when the pattern uses it.
+    let host = if pattern.contains("%h") {
+        hostname()?
+    } else {
+        String::new()
+    };
+    expand_pattern(pattern, &host, std::process::id())
+        .map(PathBuf::from)
+        .map_err(|reason| {
+            Error::new(
+                Status::InvalidConfig,
+                format!("GSC_LOG_FILE={pattern:?}: {reason}"),
+            )
+        })
+}
+
+/// Open `path` for appending; `true` when this call created it (so a failed `init` can remove
+/// what it created and leave the file system as it found it).
+fn open_append(path: &PathBuf) -> Result<(File, bool)> {
+    let context = || format!("cannot open log file {}", path.display());
+    match OpenOptions::new().append(true).create_new(true).open(path) {
+        Ok(file) => Ok((file, true)),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(|file| (file, false))
+            .map_err(|e| Error::io(&context(), e)),
+        Err(e) => Err(Error::io(&context(), e)),
+    }
+}
+
+/// Timestamps followed by `host:pid`: ranks of one job usually share a terminal or a file
+/// collected by the launcher, and a line that does not say which process wrote it is of
+/// little use there.
+struct Stamp {
+    host: String,
+}
+
+impl FormatTime for Stamp {
+    fn format_time(&self, w: &mut Writer<'_>) -> std::fmt::Result {
+        SystemTime.format_time(w)?;
+        // Read per event, not cached: a forked child must not log under its parent's pid.
+        write!(w, " {}:{}", self.host, std::process::id())
+    }
+}
+
+/// The subscriber `init` installs, separate so tests can run it with `with_default`.
+fn subscriber(
+    config: &Config,
+    writer: BoxMakeWriter,
+    host: String,
+) -> impl tracing::Subscriber + Send + Sync {
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        .with_ansi(false)
+        .with_target(true)
+        .with_timer(Stamp { host });
+    tracing_subscriber::registry()
+        .with(layer)
+        .with(filter(config))
+}
+
+fn make_writer(config: &Config) -> Result<(BoxMakeWriter, Option<(PathBuf, bool)>)> {
+    match &config.log_file {
+        None => Ok((BoxMakeWriter::new(io::stderr), None)),
+        Some(pattern) => {
+            let path = log_file_path(pattern)?;
+            let (file, created) = open_append(&path)?;
+            Ok((BoxMakeWriter::new(Mutex::new(file)), Some((path, created))))
+        }
+    }
+}
+
+/// Install the global subscriber for `config`: `GSC_LOG_LEVEL` and `GSC_LOG_SUBSYS` select
+/// events, written to stderr or appended to `GSC_LOG_FILE` (`%h`/`%p` expanded now).
+///
+/// Returns `Ok(false)` and changes nothing when a global subscriber is already installed
+/// (someone else's, or ours from an earlier call): the process's choice wins. An error means
+/// the log file could not be opened; nothing is installed then either.
+///
+/// Entry points use it as
+///
+/// ```ignore
+/// let load = Config::load_env()?;   // parse first: the filter comes from the config
+/// log::init(&load.config)?;
+/// load.warn_unknown();              // now the warnings about unknown GSC_* have somewhere to go
+/// ```
+pub fn init(config: &Config) -> Result<bool> {
+    let host = hostname().unwrap_or_else(|_| "unknown-host".to_string());
+    let (writer, file) = make_writer(config)?;
+    let dispatch = tracing::Dispatch::new(subscriber(config, writer, host));
+    if tracing::dispatcher::set_global_default(dispatch).is_ok() {
+        return Ok(true);
+    }
+    // Lost to an existing subscriber. The file was opened before knowing (opening is what can
+    // fail, and it must fail before anything is installed); undo its creation. The dispatch,
+    // and with it the file handle, was consumed and dropped by the failed call.
+    if let Some((path, true)) = file {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tracing::Level;
+
+    fn temp_path(tag: &str) -> PathBuf {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        std::env::temp_dir().join(format!("gsc-log-test-{}-{tag}-{n}.log", std::process::id()))
+    }
+
+    #[test]
+    fn constants_match_subsystems() {
+        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH];
+        assert_eq!(consts.len(), Subsys::ALL.len());
+        for (c, s) in consts.iter().zip(Subsys::ALL) {
+            assert_eq!(*c, s.target());
+            assert_eq!(*c, format!("gsc::{}", s.name()));
+        }
+    }
+
+    #[test]
+    fn filter_selects_subsystems_at_level() {
+        let mut config = Config::default();
+        config.set("GSC_LOG_LEVEL", "info").unwrap();
+        config.set("GSC_LOG_SUBSYS", "shm,proto").unwrap();
+        let f = filter(&config);
+        assert!(f.would_enable(SHM, &Level::INFO));
+        assert!(f.would_enable(PROTO, &Level::ERROR));
+        assert!(!f.would_enable(SHM, &Level::DEBUG));
+        assert!(!f.would_enable(CORE, &Level::ERROR));
+        // Module-path targets belong to no subsystem: hidden when only some are selected.
+        assert!(!f.would_enable("gscomm::transport::shm", &Level::ERROR));
+        assert!(!f.would_enable("other_crate", &Level::ERROR));
+
+        config.set("GSC_LOG_SUBSYS", "^shm").unwrap();
+        let f = filter(&config);
+        assert!(!f.would_enable(SHM, &Level::ERROR));
+        assert!(f.would_enable(LOOPBACK, &Level::WARN));
+
+        config.set("GSC_LOG_SUBSYS", "all").unwrap();
+        config.set("GSC_LOG_LEVEL", "trace").unwrap();
+        let f = filter(&config);
+        for s in Subsys::ALL {
+            assert!(f.would_enable(s.target(), &Level::TRACE));
+        }
+        assert!(f.would_enable("gscomm::core::worker", &Level::TRACE));
+        assert!(!f.would_enable("other_crate", &Level::ERROR));
+    }
+
+    #[test]
+    fn pattern_expansion() {
+        assert_eq!(
+            expand_pattern("/tmp/gsc.%h.%p.log", "n01", 42).unwrap(),
+            "/tmp/gsc.n01.42.log"
+        );
+        assert_eq!(
+            expand_pattern("/tmp/100%%-%p", "n01", 7).unwrap(),
+            "/tmp/100%-7"
+        );
+        assert_eq!(
+            expand_pattern("/tmp/plain", "n01", 7).unwrap(),
+            "/tmp/plain"
+        );
+        assert!(
+            expand_pattern("/tmp/%d.log", "n01", 7)
+                .unwrap_err()
+                .contains("%d")
+        );
+        assert!(
+            expand_pattern("/tmp/x%", "n01", 7)
+                .unwrap_err()
+                .contains("lone %")
+        );
+
+        let host = hostname().unwrap();
+        assert!(!host.is_empty());
+        let path = log_file_path("/tmp/gsc-%h-%p.log").unwrap();
+        assert_eq!(
+            path,
+            PathBuf::from(format!("/tmp/gsc-{host}-{}.log", std::process::id()))
+        );
+        let err = log_file_path("/tmp/%q").unwrap_err();
+        assert_eq!(err.status(), Status::InvalidConfig);
+        assert!(err.message().contains("GSC_LOG_FILE"), "{err:?}");
+    }
+
+    #[test]
+    fn subscriber_writes_selected_events_to_file() {
+        let path = temp_path("events");
+        let mut config = Config::default();
+        config.set("GSC_LOG_FILE", path.to_str().unwrap()).unwrap();
+        config.set("GSC_LOG_LEVEL", "info").unwrap();
+        config.set("GSC_LOG_SUBSYS", "shm").unwrap();
+        // An existing file is appended to, not truncated.
+        std::fs::write(&path, "earlier line\n").unwrap();
+        let (writer, file) = make_writer(&config).unwrap();
+        assert_eq!(file, Some((path.clone(), false)));
+        let sub = subscriber(&config, writer, "testhost".to_string());
+        tracing::subscriber::with_default(sub, || {
+            tracing::info!(target: "gsc::shm", "ring mapped");
+            tracing::debug!(target: "gsc::shm", "too verbose");
+            tracing::error!(target: "gsc::core", "other subsystem");
+        });
+        let text = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(text.starts_with("earlier line\n"), "{text}");
+        assert!(text.contains("ring mapped"), "{text}");
+        assert!(text.contains("gsc::shm"), "{text}");
+        assert!(
+            text.contains(&format!("testhost:{}", std::process::id())),
+            "{text}"
+        );
+        assert!(!text.contains("too verbose"), "{text}");
+        assert!(!text.contains("other subsystem"), "{text}");
+    }
+
+    #[test]
+    fn init_defers_to_an_existing_global_subscriber() {
+        // Whatever the first call returns (another test could install a global subscriber
+        // first), a global subscriber exists after it, so the second call must back off and
+        // must not leave the file it would have created behind.
+        let first = temp_path("first");
+        let second = temp_path("second");
+        let mut config = Config::default();
+        config.set("GSC_LOG_LEVEL", "error").unwrap();
+        config.set("GSC_LOG_FILE", first.to_str().unwrap()).unwrap();
+        let installed = init(&config).unwrap();
+        assert_eq!(first.exists(), installed);
+        config
+            .set("GSC_LOG_FILE", second.to_str().unwrap())
+            .unwrap();
+        assert!(!init(&config).unwrap());
+        assert!(!second.exists());
+        let _ = std::fs::remove_file(&first);
+    }
+
+    #[test]
+    fn init_reports_unopenable_file() {
+        let mut config = Config::default();
+        config
+            .set("GSC_LOG_FILE", "/nonexistent-dir-gsc/x.log")
+            .unwrap();
+        let err = init(&config).unwrap_err();
+        assert_eq!(err.status(), Status::IoError);
+        assert!(
+            err.message().contains("/nonexistent-dir-gsc/x.log"),
+            "{err:?}"
+        );
+    }
+}

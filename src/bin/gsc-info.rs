@@ -1,1 +1,223 @@
-fn main() {}
+//! gsc-info: what this gscomm build is and how the environment configures it (cf. ucx_info).
+//!
+//! Exit status: 0 on success, 1 when the configuration in the environment is invalid (the error
+//! is printed), 2 on a usage error.
+
+use std::io::{self, Write};
+use std::process::ExitCode;
+
+use gscomm::config::{Config, ConfigLoad};
+use gscomm::error::ALL_STATUSES;
+use gscomm::transport::LaneKind;
+
+const USAGE: &str = "\
+Usage: gsc-info [options]
+
+Without options: the version and the lanes.
+
+  -v, --version   print the gscomm version
+  -c, --config    print every GSC_* variable with its current value and description
+  -s, --status    print the status code table (code, C name, meaning)
+  -l, --lanes     print the lanes and whether GSC_TLS enables them
+  -h, --help      print this help
+
+Short options combine: gsc-info -vl.
+";
+
+#[derive(Debug, Default)]
+struct Wanted {
+    version: bool,
+    config: bool,
+    status: bool,
+    lanes: bool,
+    help: bool,
+    // -p (protocol selection table): RESERVED. The protocols work adds a `protocols` flag here,
+    // sets it for `-p`/`--protocols` in `parse_args`, and prints the table from
+    // `gscomm::protocols` in `run` (see the marked place there). Until then -p is rejected as
+    // an unknown option rather than accepted and ignored.
+}
+
+fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
+    let mut wanted = Wanted::default();
+    for arg in args {
+        let flags: Vec<char> = match arg.as_str() {
+            "--version" => vec!['v'],
+            "--config" => vec!['c'],
+            "--status" => vec!['s'],
+            "--lanes" => vec!['l'],
+            "--help" => vec!['h'],
+            // -p / --protocols: reserved, see `Wanted`.
+            s if s.len() > 1 && s.starts_with('-') && !s.starts_with("--") => {
+                s[1..].chars().collect()
+            }
+            _ => return Err(format!("unknown argument {arg:?}")),
+        };
+        for flag in flags {
+            match flag {
+                'v' => wanted.version = true,
+                'c' => wanted.config = true,
+                's' => wanted.status = true,
+                'l' => wanted.lanes = true,
+                'h' => wanted.help = true,
+                _ => return Err(format!("unknown option -{flag}")),
+            }
+        }
+    }
+    if !(wanted.version || wanted.config || wanted.status || wanted.lanes || wanted.help) {
+        wanted.version = true;
+        wanted.lanes = true;
+    }
+    Ok(wanted)
+}
+
+/// Quote a value for a POSIX shell when it needs it, so `-c` output can be pasted back.
+fn shell_quote(value: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-.,:/%+@=".contains(c);
+    // Empty (an unset optional knob) needs no quotes: `GSC_RANK=` is already valid shell.
+    if value.chars().all(plain) {
+        value.to_string()
+    } else {
+        format!("'{}'", value.replace('\'', r"'\''"))
+    }
+}
+
+fn print_config(out: &mut impl Write, load: &ConfigLoad) -> io::Result<()> {
+    // `dump` is in table order, which the config tests check.
+    for (knob, (name, value)) in Config::knobs().iter().zip(load.config.dump()) {
+        writeln!(out, "# {}", knob.doc)?;
+        let default = if knob.default.is_empty() {
+            "unset"
+        } else {
+            knob.default
+        };
+        writeln!(out, "# syntax: {}; default: {default}", knob.kind.syntax())?;
+        writeln!(out, "{name}={}", shell_quote(&value))?;
+        writeln!(out)?;
+    }
+    for (name, suggestion) in &load.unknown {
+        match suggestion {
+            Some(s) => writeln!(out, "# warning: unknown variable {name}; did you mean {s}?")?,
+            None => writeln!(out, "# warning: unknown variable {name}")?,
+        }
+    }
+    Ok(())
+}
+
+fn print_status(out: &mut impl Write) -> io::Result<()> {
+    writeln!(out, "# code  name                          meaning")?;
+    for s in ALL_STATUSES {
+        writeln!(
+            out,
+            "{:>6}  {:<28}  {}",
+            s.code(),
+            s.c_name(),
+            s.description()
+        )?;
+    }
+    Ok(())
+}
+
+fn print_lanes(out: &mut impl Write, config: &Config) -> io::Result<()> {
+    let tls = config.get("GSC_TLS").unwrap_or_default();
+    writeln!(out, "# lanes (GSC_TLS={tls})")?;
+    for lane in LaneKind::ALL {
+        let state = if config.tls.contains(lane) {
+            "enabled"
+        } else {
+            "disabled"
+        };
+        writeln!(out, "{:<10} {state}", lane.name())?;
+    }
+    Ok(())
+}
+
+fn run(wanted: &Wanted) -> Result<(), ExitCode> {
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    let io_failed = |e: io::Error| {
+        // A closed pipe (`gsc-info -c | head`) is not worth a message.
+        if e.kind() != io::ErrorKind::BrokenPipe {
+            eprintln!("gsc-info: cannot write output: {e}");
+        }
+        ExitCode::FAILURE
+    };
+    if wanted.help {
+        return out.write_all(USAGE.as_bytes()).map_err(io_failed);
+    }
+    // Only read the environment when the output depends on it, so -v and -s work whatever
+    // the GSC_* variables say.
+    let load = if wanted.config || wanted.lanes {
+        match Config::load_env() {
+            Ok(load) => Some(load),
+            Err(e) => {
+                eprintln!("gsc-info: {}", e.message());
+                return Err(ExitCode::FAILURE);
+            }
+        }
+    } else {
+        None
+    };
+    if wanted.version {
+        writeln!(out, "gscomm {}", gscomm::VERSION).map_err(io_failed)?;
+    }
+    if let Some(load) = &load {
+        if wanted.lanes {
+            print_lanes(&mut out, &load.config).map_err(io_failed)?;
+        }
+        if wanted.config {
+            print_config(&mut out, load).map_err(io_failed)?;
+        }
+    }
+    if wanted.status {
+        print_status(&mut out).map_err(io_failed)?;
+    }
+    // -p (protocol selection table) goes here: print what `gscomm::protocols` selects for
+    // `load.config` on each enabled lane. Added by the protocols work.
+    out.flush().map_err(io_failed)
+}
+
+fn main() -> ExitCode {
+    let wanted = match parse_args(std::env::args().skip(1)) {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("gsc-info: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&wanted) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(code) => code,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Wanted, String> {
+        parse_args(args.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn arguments() {
+        let w = parse(&[]).unwrap();
+        assert!(w.version && w.lanes && !w.config && !w.status && !w.help);
+        let w = parse(&["-cs", "--lanes"]).unwrap();
+        assert!(w.config && w.status && w.lanes && !w.version);
+        assert!(parse(&["-p"]).unwrap_err().contains("-p"));
+        assert!(parse(&["-vx"]).unwrap_err().contains("-x"));
+        assert!(parse(&["--verbose"]).is_err());
+        assert!(parse(&["-"]).is_err());
+        assert!(parse(&["config"]).is_err());
+    }
+
+    #[test]
+    fn quoting() {
+        assert_eq!(shell_quote("64K"), "64K");
+        assert_eq!(shell_quote(""), "");
+        assert_eq!(shell_quote("/tmp/gsc.%h.%p.log"), "/tmp/gsc.%h.%p.log");
+        assert_eq!(shell_quote("/tmp/a b"), "'/tmp/a b'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(shell_quote("<set>"), "'<set>'");
+    }
+}

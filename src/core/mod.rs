@@ -1,1 +1,17 @@
-//! (being written)
+//! The core objects: context (configuration, identity, memory registry), worker (progress
+//! engine, request table), endpoint (a connection to a peer worker), memory handles and remote
+//! keys, and the packed worker address.
+
+pub mod address;
+pub mod context;
+pub mod endpoint;
+pub mod memory;
+pub mod request;
+pub mod worker;
+
+pub use address::WorkerAddress;
+pub use context::Context;
+pub use endpoint::{CloseMode, Endpoint};
+pub use memory::{MapRequest, MemHandle, Rkey};
+pub use request::{Callback, RequestParams, Started};
+pub use worker::{worker_of_request, Completion, Worker, WorkerStats};

@@ -48,6 +48,13 @@ impl RmaEngine {
         self.gets.len() + self.puts.len() + self.flushes.len()
     }
 
+    /// Operations still in progress on `conn`.
+    pub fn pending_on(&self, conn: ConnId) -> usize {
+        self.gets.values().filter(|g| g.conn == conn).count()
+            + self.puts.values().filter(|c| **c == conn).count()
+            + self.flushes.values().filter(|(c, _)| *c == conn).count()
+    }
+
     /// Emulated put of `src` to `addr` in the peer's `region`. Completes locally when the last
     /// frame is in the link; remote completion is a flush.
     pub fn put(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, region: u64, addr: u64, src: UserBuf, max_frame: usize) {

@@ -26,14 +26,10 @@ impl MemType {
     }
 }
 
-/// How the rendezvous data moves: the receiver reads the sender's buffer (`Get`, needs remote
-/// memory access on the lane) or the sender pushes it in frames once the receiver is ready.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum RndvScheme {
-    Auto,
-    Get,
-    Pipeline,
-}
+/// How the rendezvous data moves (the `GSC_RNDV_SCHEME` knob's type): the receiver reads the
+/// sender's buffer (`Get`, needs remote memory access on the lane) or the sender pushes it in
+/// frames once the receiver is ready (`Pipeline`).
+pub use crate::config::RndvScheme;
 
 /// The knobs protocol selection depends on (a slice of `Config`).
 #[derive(Copy, Clone, Debug)]

@@ -205,6 +205,14 @@ impl TagEngine {
         self.sends.len() + self.recvs.len()
     }
 
+    /// Sends still in progress on `conn` (a flushing close waits for zero).
+    pub fn sends_on(&self, conn: ConnId) -> usize {
+        self.sends
+            .values()
+            .filter(|s| matches!(s, SendState::Frames { conn: c } | SendState::AwaitingReceiver { conn: c, .. } if *c == conn))
+            .count()
+    }
+
     pub fn unexpected_len(&self) -> usize {
         self.unexpected.len()
     }

@@ -241,6 +241,14 @@ impl Header {
     }
 }
 
+/// The payload of a frame that `Header::decode` accepted (empty if the frame is malformed).
+pub fn payload_of(frame: &[u8]) -> &[u8] {
+    match frame.first().and_then(|k| Header::fields(*k)) {
+        Some(f) if frame.len() >= 8 + 8 * f => &frame[8 + 8 * f..],
+        _ => &[],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,460 @@
+//! The table of knobs. Every `GSC_*` variable is one row here and nowhere else: parsing, the
+//! defaults text, `Config::get`/`dump`, `gsc-info -c` and the documentation all read this table.
+//!
+//! Adding a knob: add the field to `Config` and its value to `Config::default()`, then one row
+//! here. The tests check that every row's default text parses to exactly `Config::default()`,
+//! so the two cannot drift apart.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::parse::{
+    self, DURATION_INF_EXPECTED, check_host_port, format_duration, format_selection, format_size,
+    parse_duration, parse_selection, parse_tristate, parse_usize,
+};
+use super::{Config, LogLevel, RndvScheme, Subsys, Tristate};
+use crate::transport::LaneKind;
+
+/// One configuration variable.
+#[derive(Copy, Clone)]
+pub struct Knob {
+    /// The environment variable, e.g. `GSC_RNDV_THRESH`.
+    pub name: &'static str,
+    /// The default, as text in the knob's own syntax (empty: unset).
+    pub default: &'static str,
+    /// One line for `gsc-info -c` and the documentation.
+    pub doc: &'static str,
+    pub kind: KnobKind,
+    /// Parse `value` into its field of the config. `Err` says what was expected; it must not
+    /// repeat the value (the caller adds `NAME="value": `, or hides it for secrets).
+    pub(super) parse: fn(&mut Config, &str) -> Result<(), String>,
+    /// The field's current value in canonical text (parseable back by `parse`).
+    pub(super) show: fn(&Config) -> String,
+}
+
+impl std::fmt::Debug for Knob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Knob")
+            .field("name", &self.name)
+            .field("default", &self.default)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The value syntax of a knob.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum KnobKind {
+    LogLevel,
+    Subsystems,
+    /// A file name pattern with `%h`/`%p`; empty: stderr.
+    LogFile,
+    Lanes,
+    Size,
+    RndvScheme,
+    /// An absolute directory.
+    Path,
+    Tristate,
+    /// A duration greater than zero.
+    Duration,
+    /// A duration greater than zero, or `inf`.
+    DurationOrInf,
+    /// `host:port`; empty: unset.
+    HostPort,
+    /// Free text; empty: unset.
+    Text,
+    /// Free text never shown by `get`, `dump`, `Debug` or error messages; empty: unset.
+    Secret,
+    /// A non-negative integer; empty: unset.
+    Count,
+}
+
+impl KnobKind {
+    /// What values look like, for `gsc-info -c` and documentation.
+    pub fn syntax(self) -> String {
+        match self {
+            KnobKind::LogLevel => join_names(LogLevel::ALL, LogLevel::name, "|"),
+            KnobKind::Subsystems => format!(
+                "all, a list of {} or ^list to exclude",
+                join_names(Subsys::ALL, Subsys::name, ",")
+            ),
+            KnobKind::LogFile => {
+                "file name (%h: host name, %p: process id, %%: %); empty: stderr".to_string()
+            }
+            KnobKind::Lanes => format!(
+                "all, a list of {} or ^list to exclude",
+                join_names(LaneKind::ALL, LaneKind::name, ",")
+            ),
+            KnobKind::Size => "bytes, or with a unit K, M, G (1K = 1024) such as 64K".to_string(),
+            KnobKind::RndvScheme => join_names(RndvScheme::ALL, RndvScheme::name, "|"),
+            KnobKind::Path => "absolute directory".to_string(),
+            KnobKind::Tristate => "auto|on|off (also yes/no, y/n, true/false, 1/0)".to_string(),
+            KnobKind::Duration => {
+                "duration such as 10s, 100ms, 250us, 2m; bare number: seconds".to_string()
+            }
+            KnobKind::DurationOrInf => {
+                "duration such as 10s, 100ms, 250us, 2m; bare number: seconds; inf: no bound"
+                    .to_string()
+            }
+            KnobKind::HostPort => "host:port; empty: unset".to_string(),
+            KnobKind::Text | KnobKind::Secret => "text; empty: unset".to_string(),
+            KnobKind::Count => "non-negative integer; empty: unset".to_string(),
+        }
+    }
+}
+
+fn join_names<T: Copy>(items: &[T], name_of: fn(T) -> &'static str, sep: &str) -> String {
+    items
+        .iter()
+        .map(|&t| name_of(t))
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+/// Empty means unset for optional text knobs: `GSC_X=` is how a shell clears an inherited value.
+fn optional_text(value: &str) -> Option<String> {
+    let value = value.trim();
+    (!value.is_empty()).then(|| value.to_string())
+}
+
+fn show_optional(value: &Option<String>) -> String {
+    value.clone().unwrap_or_default()
+}
+
+/// Every duration knob bounds a wait or sets a polling period; zero would turn every wait into
+/// an immediate failure or a busy loop, so it is refused rather than silently meaning "never".
+fn positive_duration(value: &str) -> Result<Duration, String> {
+    let d = parse_duration(value)?;
+    if d.is_zero() {
+        return Err("must be greater than zero".to_string());
+    }
+    Ok(d)
+}
+
+fn optional_count(value: &str) -> Result<Option<u32>, String> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Ok(None);
+    }
+    if !value.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("expected a non-negative integer such as 0 or 16".to_string());
+    }
+    value
+        .parse()
+        .map(Some)
+        .map_err(|_| "expected an integer of at most 4294967295".to_string())
+}
+
+fn show_count(value: Option<u32>) -> String {
+    value.map(|v| v.to_string()).unwrap_or_default()
+}
+
+const SECRET_SET: &str = "<set>";
+const SECRET_UNSET: &str = "<unset>";
+
+/// Smallest shared-memory ring: below this the ring holds too few frames of any useful size
+/// for the sender to run ahead of the receiver.
+const SHM_RING_MIN: usize = 64 << 10;
+
+pub(super) static KNOBS: &[Knob] = &[
+    Knob {
+        name: "GSC_LOG_LEVEL",
+        default: "warn",
+        doc: "Least severe level of log messages that are printed",
+        kind: KnobKind::LogLevel,
+        parse: |c, v| {
+            c.log_level = LogLevel::parse(v)?;
+            Ok(())
+        },
+        show: |c| c.log_level.name().to_string(),
+    },
+    Knob {
+        name: "GSC_LOG_SUBSYS",
+        default: "all",
+        doc: "Subsystems whose log messages are printed",
+        kind: KnobKind::Subsystems,
+        parse: |c, v| {
+            c.log_subsys = parse_selection(v, Subsys::ALL, Subsys::name, "subsystem")?;
+            Ok(())
+        },
+        show: |c| format_selection(&c.log_subsys, Subsys::ALL, Subsys::name),
+    },
+    Knob {
+        name: "GSC_LOG_FILE",
+        default: "",
+        doc: "File that log messages are appended to instead of stderr",
+        kind: KnobKind::LogFile,
+        parse: |c, v| {
+            let file = optional_text(v);
+            if let Some(pattern) = &file {
+                // Validate the pattern now so a typo fails at configuration time, not when
+                // logging starts; the real expansion happens when the file is opened.
+                crate::log::expand_pattern(pattern, "host", 1)?;
+            }
+            c.log_file = file;
+            Ok(())
+        },
+        show: |c| show_optional(&c.log_file),
+    },
+    Knob {
+        name: "GSC_TLS",
+        default: "all",
+        doc: "Lanes that may be used to reach peers",
+        kind: KnobKind::Lanes,
+        parse: |c, v| {
+            c.tls = parse_selection(v, LaneKind::ALL, LaneKind::name, "lane")?;
+            Ok(())
+        },
+        show: |c| format_selection(&c.tls, LaneKind::ALL, LaneKind::name),
+    },
+    Knob {
+        name: "GSC_EAGER_SHORT_MAX",
+        default: "128",
+        doc: "Largest message sent inline with its header in a single frame",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.eager_short_max = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.eager_short_max as u64),
+    },
+    Knob {
+        name: "GSC_RNDV_THRESH",
+        default: "16K",
+        doc: "Messages of this size and larger use the rendezvous protocol (> GSC_EAGER_SHORT_MAX)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.rndv_thresh = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.rndv_thresh as u64),
+    },
+    Knob {
+        name: "GSC_RNDV_SCHEME",
+        default: "auto",
+        doc: "Rendezvous data movement: get (read the sender's memory), pipeline (fragments \
+              through frames) or auto (get where the lane can, else pipeline)",
+        kind: KnobKind::RndvScheme,
+        parse: |c, v| {
+            c.rndv_scheme = RndvScheme::parse(v)?;
+            Ok(())
+        },
+        show: |c| c.rndv_scheme.name().to_string(),
+    },
+    Knob {
+        name: "GSC_RNDV_FRAG_SIZE",
+        default: "512K",
+        doc: "Fragment size of pipelined rendezvous transfers",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let size = parse_usize(v)?;
+            if size == 0 {
+                return Err("must be greater than zero".to_string());
+            }
+            c.rndv_frag_size = size;
+            Ok(())
+        },
+        show: |c| format_size(c.rndv_frag_size as u64),
+    },
+    Knob {
+        name: "GSC_SHM_DIR",
+        default: "/dev/shm",
+        doc: "Directory holding shared-memory segment files",
+        kind: KnobKind::Path,
+        parse: |c, v| {
+            let path = PathBuf::from(v.trim());
+            // Peers open each other's segments by name; a relative path would resolve against
+            // each process's own working directory and silently disagree.
+            if !path.is_absolute() {
+                return Err("expected an absolute directory such as /dev/shm".to_string());
+            }
+            c.shm_dir = path;
+            Ok(())
+        },
+        show: |c| c.shm_dir.display().to_string(),
+    },
+    Knob {
+        name: "GSC_SHM_RING_SIZE",
+        default: "4M",
+        doc: "Bytes in each shared-memory frame ring (a power of two, at least 64K)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let size = parse_usize(v)?;
+            // Ring indices wrap with a mask, which needs a power of two.
+            if !size.is_power_of_two() || size < SHM_RING_MIN {
+                return Err(format!(
+                    "must be a power of two of at least {}, such as 1M or 4M",
+                    format_size(SHM_RING_MIN as u64)
+                ));
+            }
+            c.shm_ring_size = size;
+            Ok(())
+        },
+        show: |c| format_size(c.shm_ring_size as u64),
+    },
+    Knob {
+        name: "GSC_SHM_MAX_FRAME",
+        default: "64K",
+        doc: "Largest frame on a shared-memory ring (at most GSC_SHM_RING_SIZE / 4)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let size = parse_usize(v)?;
+            if size == 0 {
+                return Err("must be greater than zero".to_string());
+            }
+            c.shm_max_frame = size;
+            Ok(())
+        },
+        show: |c| format_size(c.shm_max_frame as u64),
+    },
+    Knob {
+        name: "GSC_CMA",
+        default: "auto",
+        doc: "Cross-memory attach (process_vm_readv/writev) for shared-memory zero copy; auto: \
+              use it where the kernel permits, on: fail if it does not",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.cma = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.cma.name().to_string(),
+    },
+    Knob {
+        name: "GSC_TIMEOUT",
+        default: "60s",
+        doc: "Bound on every blocking wait; inf: wait forever",
+        kind: KnobKind::DurationOrInf,
+        parse: |c, v| {
+            let v = v.trim();
+            c.timeout = if v.eq_ignore_ascii_case("inf") || v.eq_ignore_ascii_case("infinity") {
+                None
+            } else {
+                Some(positive_duration(v).map_err(|reason| {
+                    if reason == parse::DURATION_EXPECTED {
+                        DURATION_INF_EXPECTED.to_string()
+                    } else {
+                        reason
+                    }
+                })?)
+            };
+            Ok(())
+        },
+        show: |c| {
+            c.timeout
+                .map(format_duration)
+                .unwrap_or_else(|| "inf".to_string())
+        },
+    },
+    Knob {
+        name: "GSC_PEER_CHECK_INTERVAL",
+        default: "100ms",
+        doc: "How often links check that their peer is still alive",
+        kind: KnobKind::Duration,
+        parse: |c, v| {
+            c.peer_check_interval = positive_duration(v)?;
+            Ok(())
+        },
+        show: |c| format_duration(c.peer_check_interval),
+    },
+    Knob {
+        name: "GSC_CONNECT_TIMEOUT",
+        default: "10s",
+        doc: "Time allowed to establish a link to a peer",
+        kind: KnobKind::Duration,
+        parse: |c, v| {
+            c.connect_timeout = positive_duration(v)?;
+            Ok(())
+        },
+        show: |c| format_duration(c.connect_timeout),
+    },
+    Knob {
+        name: "GSC_BOOTSTRAP_ADDR",
+        default: "",
+        doc: "host:port of the bootstrap root",
+        kind: KnobKind::HostPort,
+        parse: |c, v| {
+            let addr = optional_text(v);
+            if let Some(addr) = &addr {
+                check_host_port(addr)?;
+            }
+            c.bootstrap_addr = addr;
+            Ok(())
+        },
+        show: |c| show_optional(&c.bootstrap_addr),
+    },
+    Knob {
+        name: "GSC_BOOTSTRAP_SECRET",
+        default: "",
+        doc: "Shared secret that authenticates bootstrap peers (never printed)",
+        kind: KnobKind::Secret,
+        parse: |c, v| {
+            // The placeholders `get`/`dump` print: a dump pasted back into the environment
+            // must fail loudly, not make "<set>" the secret and fail authentication later.
+            if v == SECRET_SET || v == SECRET_UNSET {
+                return Err(format!(
+                    "{v} is the placeholder printed instead of the secret; set the secret \
+                     itself, or leave the variable empty"
+                ));
+            }
+            // Not trimmed: the secret is compared byte for byte with the peers' copy.
+            c.bootstrap_secret = (!v.is_empty()).then(|| v.to_string());
+            Ok(())
+        },
+        show: |c| {
+            if c.bootstrap_secret.is_some() {
+                SECRET_SET
+            } else {
+                SECRET_UNSET
+            }
+            .to_string()
+        },
+    },
+    Knob {
+        name: "GSC_UNIQUE_ID",
+        default: "",
+        doc: "Job identifier shared by all ranks of one bootstrap",
+        kind: KnobKind::Text,
+        parse: |c, v| {
+            c.unique_id = optional_text(v);
+            Ok(())
+        },
+        show: |c| show_optional(&c.unique_id),
+    },
+    Knob {
+        name: "GSC_BOOTSTRAP_TIMEOUT",
+        default: "60s",
+        doc: "Time allowed for all ranks to join the bootstrap",
+        kind: KnobKind::Duration,
+        parse: |c, v| {
+            c.bootstrap_timeout = positive_duration(v)?;
+            Ok(())
+        },
+        show: |c| format_duration(c.bootstrap_timeout),
+    },
+    Knob {
+        name: "GSC_RANK",
+        default: "",
+        doc: "This process's rank in the job, from 0 (< GSC_NRANKS)",
+        kind: KnobKind::Count,
+        parse: |c, v| {
+            c.rank = optional_count(v)?;
+            Ok(())
+        },
+        show: |c| show_count(c.rank),
+    },
+    Knob {
+        name: "GSC_NRANKS",
+        default: "",
+        doc: "Number of ranks in the job",
+        kind: KnobKind::Count,
+        parse: |c, v| {
+            let n = optional_count(v)?;
+            if n == Some(0) {
+                return Err("must be at least 1".to_string());
+            }
+            c.nranks = n;
+            Ok(())
+        },
+        show: |c| show_count(c.nranks),
+    },
+];

@@ -1,0 +1,487 @@
+//! Run-time configuration: one registry of `GSC_*` knobs.
+//!
+//! Every knob is one row of a static table (`Config::knobs()`): its variable name, its default
+//! as text, its syntax and a one-line description. The same table parses the environment,
+//! answers `get`/`set`/`dump`, and prints `gsc-info -c`, so a knob cannot be documented in one
+//! place and parsed differently in another.
+//!
+//! Parsing is strict: a value that does not parse, or that breaks a rule involving several
+//! knobs, is an error with `Status::InvalidConfig` naming the variable, the value and what was
+//! expected. Running with a silently ignored typo in a tuning variable is worse than failing at
+//! startup. Unknown `GSC_*` variables are not errors (they may belong to a newer or older
+//! version) but are reported, with a "did you mean" suggestion.
+//!
+//! | syntax    | accepted                                                                  |
+//! |-----------|---------------------------------------------------------------------------|
+//! | size      | `4096`, `64K`, `64k`, `64KB`, `64KiB`, `4M`, `1G` (binary units); no `inf` |
+//! | duration  | `10s`, `100ms`, `250us`, `5ns`, `2m`, `1h`, `1.5s`; bare number: seconds  |
+//! | tristate  | `auto`, `on`/`yes`/`y`/`true`/`1`, `off`/`no`/`n`/`false`/`0`             |
+//! | selection | `all`, `a,b` (only those), `^a,b` (all but those)                         |
+//! | enums     | case-insensitive names                                                    |
+
+mod knobs;
+mod parse;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use self::knobs::KNOBS;
+pub use self::knobs::{Knob, KnobKind};
+use crate::error::{Error, Result, Status};
+use crate::transport::LaneKind;
+
+/// Severity threshold of log messages (`GSC_LOG_LEVEL`), least verbose first.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    pub const ALL: &'static [LogLevel] = &[
+        LogLevel::Error,
+        LogLevel::Warn,
+        LogLevel::Info,
+        LogLevel::Debug,
+        LogLevel::Trace,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+
+    fn parse(text: &str) -> Result<LogLevel, String> {
+        let text = text.trim();
+        if text.eq_ignore_ascii_case("warning") {
+            return Ok(LogLevel::Warn);
+        }
+        LogLevel::ALL
+            .iter()
+            .copied()
+            .find(|l| l.name().eq_ignore_ascii_case(text))
+            .ok_or_else(|| "expected one of error, warn, info, debug, trace".to_string())
+    }
+}
+
+/// A logging subsystem (`GSC_LOG_SUBSYS`); each maps to one `tracing` target (see `crate::log`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Subsys {
+    Core,
+    Proto,
+    Shm,
+    Loopback,
+    Bootstrap,
+    Config,
+    Capi,
+    Bench,
+}
+
+impl Subsys {
+    pub const ALL: &'static [Subsys] = &[
+        Subsys::Core,
+        Subsys::Proto,
+        Subsys::Shm,
+        Subsys::Loopback,
+        Subsys::Bootstrap,
+        Subsys::Config,
+        Subsys::Capi,
+        Subsys::Bench,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Subsys::Core => "core",
+            Subsys::Proto => "proto",
+            Subsys::Shm => "shm",
+            Subsys::Loopback => "loopback",
+            Subsys::Bootstrap => "bootstrap",
+            Subsys::Config => "config",
+            Subsys::Capi => "capi",
+            Subsys::Bench => "bench",
+        }
+    }
+
+    /// The `tracing` target events of this subsystem are logged under.
+    pub fn target(self) -> &'static str {
+        use crate::log;
+        match self {
+            Subsys::Core => log::CORE,
+            Subsys::Proto => log::PROTO,
+            Subsys::Shm => log::SHM,
+            Subsys::Loopback => log::LOOPBACK,
+            Subsys::Bootstrap => log::BOOTSTRAP,
+            Subsys::Config => log::CONFIG,
+            Subsys::Capi => log::CAPI,
+            Subsys::Bench => log::BENCH,
+        }
+    }
+}
+
+/// How rendezvous moves the payload (`GSC_RNDV_SCHEME`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum RndvScheme {
+    /// `Get` where the lane can access remote memory, else `Pipeline`.
+    Auto,
+    /// The receiver reads the sender's buffer directly (zero copy).
+    Get,
+    /// The payload goes through frames in `rndv_frag_size` fragments.
+    Pipeline,
+}
+
+impl RndvScheme {
+    pub const ALL: &'static [RndvScheme] =
+        &[RndvScheme::Auto, RndvScheme::Get, RndvScheme::Pipeline];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RndvScheme::Auto => "auto",
+            RndvScheme::Get => "get",
+            RndvScheme::Pipeline => "pipeline",
+        }
+    }
+
+    fn parse(text: &str) -> Result<RndvScheme, String> {
+        let text = text.trim();
+        RndvScheme::ALL
+            .iter()
+            .copied()
+            .find(|s| s.name().eq_ignore_ascii_case(text))
+            .ok_or_else(|| "expected one of auto, get, pipeline".to_string())
+    }
+}
+
+/// A feature switch that can also be left to detection (`GSC_CMA`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Tristate {
+    /// Use the feature when it is available, silently do without otherwise.
+    Auto,
+    /// Require the feature: its absence is an error.
+    On,
+    Off,
+}
+
+impl Tristate {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tristate::Auto => "auto",
+            Tristate::On => "on",
+            Tristate::Off => "off",
+        }
+    }
+
+    fn from_option(v: Option<bool>) -> Tristate {
+        match v {
+            None => Tristate::Auto,
+            Some(true) => Tristate::On,
+            Some(false) => Tristate::Off,
+        }
+    }
+}
+
+/// Every knob, typed. Build it with `Config::from_env()` (or `Default` plus `set`); fields are
+/// public for reading, and code that changes them directly should call `validate()` after.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Config {
+    /// `GSC_LOG_LEVEL`
+    pub log_level: LogLevel,
+    /// `GSC_LOG_SUBSYS`: enabled subsystems, in `Subsys::ALL` order, never empty.
+    pub log_subsys: Vec<Subsys>,
+    /// `GSC_LOG_FILE`: a pattern; `%h`/`%p` are expanded by `crate::log` when it opens the file.
+    pub log_file: Option<String>,
+    /// `GSC_TLS`: enabled lanes, in `LaneKind::ALL` order, never empty.
+    pub tls: Vec<LaneKind>,
+    /// `GSC_EAGER_SHORT_MAX`, bytes.
+    pub eager_short_max: usize,
+    /// `GSC_RNDV_THRESH`, bytes; always greater than `eager_short_max`.
+    pub rndv_thresh: usize,
+    /// `GSC_RNDV_SCHEME`
+    pub rndv_scheme: RndvScheme,
+    /// `GSC_RNDV_FRAG_SIZE`, bytes, non-zero.
+    pub rndv_frag_size: usize,
+    /// `GSC_SHM_DIR`, absolute.
+    pub shm_dir: PathBuf,
+    /// `GSC_SHM_RING_SIZE`, bytes: a power of two, at least 64K.
+    pub shm_ring_size: usize,
+    /// `GSC_SHM_MAX_FRAME`, bytes: non-zero, at most `shm_ring_size / 4`.
+    pub shm_max_frame: usize,
+    /// `GSC_CMA`
+    pub cma: Tristate,
+    /// `GSC_TIMEOUT`: bound on every blocking wait; `None` waits forever.
+    pub timeout: Option<Duration>,
+    /// `GSC_PEER_CHECK_INTERVAL`, non-zero.
+    pub peer_check_interval: Duration,
+    /// `GSC_CONNECT_TIMEOUT`, non-zero.
+    pub connect_timeout: Duration,
+    /// `GSC_BOOTSTRAP_ADDR`: `host:port` (checked syntax, not resolved).
+    pub bootstrap_addr: Option<String>,
+    /// `GSC_BOOTSTRAP_SECRET`. Never printed: `get`, `dump` and `Debug` show `<set>`/`<unset>`.
+    pub bootstrap_secret: Option<String>,
+    /// `GSC_UNIQUE_ID`
+    pub unique_id: Option<String>,
+    /// `GSC_BOOTSTRAP_TIMEOUT`, non-zero.
+    pub bootstrap_timeout: Duration,
+    /// `GSC_RANK`; less than `nranks` when both are set.
+    pub rank: Option<u32>,
+    /// `GSC_NRANKS`; at least 1.
+    pub nranks: Option<u32>,
+}
+
+impl Default for Config {
+    /// Must equal the table's default texts parsed; the tests hold the two together.
+    fn default() -> Config {
+        Config {
+            log_level: LogLevel::Warn,
+            log_subsys: Subsys::ALL.to_vec(),
+            log_file: None,
+            tls: LaneKind::ALL.to_vec(),
+            eager_short_max: 128,
+            rndv_thresh: 16 << 10,
+            rndv_scheme: RndvScheme::Auto,
+            rndv_frag_size: 512 << 10,
+            shm_dir: PathBuf::from("/dev/shm"),
+            shm_ring_size: 4 << 20,
+            shm_max_frame: 64 << 10,
+            cma: Tristate::Auto,
+            timeout: Some(Duration::from_secs(60)),
+            peer_check_interval: Duration::from_millis(100),
+            connect_timeout: Duration::from_secs(10),
+            bootstrap_addr: None,
+            bootstrap_secret: None,
+            unique_id: None,
+            bootstrap_timeout: Duration::from_secs(60),
+            rank: None,
+            nranks: None,
+        }
+    }
+}
+
+impl fmt::Debug for Config {
+    /// Written through `dump()` so that it lists every knob and never shows the secret.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.dump()).finish()
+    }
+}
+
+/// A variable that looks like a knob (`GSC_` prefix) but is not one, with the closest knob name
+/// when it is a plausible typo.
+pub type UnknownVar = (String, Option<&'static str>);
+
+/// The result of reading a set of variables: the configuration and what was not understood.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigLoad {
+    pub config: Config,
+    /// Unknown `GSC_*` variables, sorted by name, each listed once.
+    pub unknown: Vec<UnknownVar>,
+}
+
+impl ConfigLoad {
+    /// Log each unknown variable as a warning under `gsc::config`.
+    ///
+    /// Separate from loading because the logging subscriber is usually configured *from* the
+    /// loaded config: call this after `crate::log::init`, or the warnings go nowhere.
+    pub fn warn_unknown(&self) {
+        for (name, suggestion) in &self.unknown {
+            match suggestion {
+                Some(s) => tracing::warn!(
+                    target: "gsc::config",
+                    "unknown configuration variable {name}; did you mean {s}?"
+                ),
+                None => {
+                    tracing::warn!(target: "gsc::config", "unknown configuration variable {name}")
+                }
+            }
+        }
+    }
+}
+
+/// Build the `InvalidConfig` error for one knob. Secrets are never echoed, even when invalid.
+fn value_error(knob: &Knob, value: &str, reason: &str) -> Error {
+    let message = if knob.kind == KnobKind::Secret {
+        format!("{}=<redacted>: {reason}", knob.name)
+    } else {
+        format!("{}={value:?}: {reason}", knob.name)
+    };
+    Error::new(Status::InvalidConfig, message)
+}
+
+fn knob_names() -> Vec<&'static str> {
+    KNOBS.iter().map(|k| k.name).collect()
+}
+
+fn unknown_knob(name: &str) -> Error {
+    let message = match parse::suggest(name, &knob_names()) {
+        Some(s) => format!("unknown configuration variable {name:?}; did you mean {s}?"),
+        None => format!("unknown configuration variable {name:?}"),
+    };
+    Error::new(Status::InvalidConfig, message)
+}
+
+impl Config {
+    /// The knob table, in a fixed order (the order of `dump` and `gsc-info -c`).
+    pub fn knobs() -> &'static [Knob] {
+        KNOBS
+    }
+
+    /// Look a knob up by name, with or without the `GSC_` prefix, ignoring case (for API
+    /// callers; environment variables themselves must be spelled exactly).
+    pub fn knob(name: &str) -> Option<&'static Knob> {
+        let name = name.trim();
+        let bare = match name.get(..4) {
+            Some(prefix) if prefix.eq_ignore_ascii_case("GSC_") => &name[4..],
+            _ => name,
+        };
+        KNOBS
+            .iter()
+            .find(|k| k.name[4..].eq_ignore_ascii_case(bare))
+    }
+
+    /// Read the process environment, log unknown `GSC_*` variables (see
+    /// `ConfigLoad::warn_unknown` for why a caller may prefer `load_env`) and validate.
+    pub fn from_env() -> Result<Config> {
+        let load = Config::load_env()?;
+        load.warn_unknown();
+        Ok(load.config)
+    }
+
+    /// Read the process environment without logging anything.
+    pub fn load_env() -> Result<ConfigLoad> {
+        let mut pairs = Vec::new();
+        for (name, value) in std::env::vars_os() {
+            let name = name.to_string_lossy().into_owned();
+            if !name.starts_with("GSC_") {
+                continue;
+            }
+            match value.into_string() {
+                Ok(value) => pairs.push((name, value)),
+                Err(_) => {
+                    return Err(Error::new(
+                        Status::InvalidConfig,
+                        format!("{name}: value is not valid UTF-8"),
+                    ));
+                }
+            }
+        }
+        Config::from_pairs(pairs)
+    }
+
+    /// Build a configuration from `(variable, value)` pairs as the environment would hold them:
+    /// names are exact (`GSC_TLS`), names without the `GSC_` prefix are ignored, a later pair
+    /// overrides an earlier one. Pure: no environment, no logging.
+    ///
+    /// Values are applied in table order and every bad value is reported (joined with `; `),
+    /// so one run shows all the mistakes; cross-knob rules are checked once all values are in.
+    pub fn from_pairs<I, K, V>(pairs: I) -> Result<ConfigLoad>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut values: Vec<Option<String>> = vec![None; KNOBS.len()];
+        let mut unknown: Vec<UnknownVar> = Vec::new();
+        let names = knob_names();
+        for (name, value) in pairs {
+            let name = name.as_ref();
+            if !name.starts_with("GSC_") {
+                continue;
+            }
+            match KNOBS.iter().position(|k| k.name == name) {
+                Some(i) => values[i] = Some(value.as_ref().to_string()),
+                None if unknown.iter().any(|(n, _)| n == name) => {}
+                None => unknown.push((name.to_string(), parse::suggest(name, &names))),
+            }
+        }
+        unknown.sort();
+
+        let mut config = Config::default();
+        let mut errors = Vec::new();
+        for (knob, value) in KNOBS.iter().zip(&values) {
+            if let Some(value) = value {
+                if let Err(reason) = (knob.parse)(&mut config, value) {
+                    errors.push(value_error(knob, value, &reason).message().to_string());
+                }
+            }
+        }
+        if !errors.is_empty() {
+            return Err(Error::new(Status::InvalidConfig, errors.join("; ")));
+        }
+        config.validate()?;
+        Ok(ConfigLoad { config, unknown })
+    }
+
+    /// Set one knob from text (`name` as for `knob`). On any error, including a cross-knob rule
+    /// the new value would break, the configuration is left exactly as it was.
+    pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
+        let knob = Config::knob(name).ok_or_else(|| unknown_knob(name))?;
+        let mut next = self.clone();
+        (knob.parse)(&mut next, value).map_err(|reason| value_error(knob, value, &reason))?;
+        next.validate()?;
+        *self = next;
+        Ok(())
+    }
+
+    /// One knob's current value as canonical text, which `set` accepts back. The bootstrap
+    /// secret reads as `<set>` or `<unset>`; code that needs it reads the field.
+    pub fn get(&self, name: &str) -> Result<String> {
+        let knob = Config::knob(name).ok_or_else(|| unknown_knob(name))?;
+        Ok((knob.show)(self))
+    }
+
+    /// Every knob with its current value, in table order.
+    pub fn dump(&self) -> Vec<(&'static str, String)> {
+        KNOBS.iter().map(|k| (k.name, (k.show)(self))).collect()
+    }
+
+    /// Check the rules that involve several knobs. `from_pairs` and `set` call it; call it
+    /// after changing fields directly.
+    pub fn validate(&self) -> Result<()> {
+        // Rules of single knobs (non-empty selections, power-of-two ring, non-zero durations,
+        // ...) matter here because fields can be assigned directly. Round-tripping every field
+        // through its text form rechecks them with the parsers themselves, so each rule exists
+        // exactly once.
+        // The secret is skipped: it has no rules, and its shown text is only a placeholder.
+        let mut scratch = self.clone();
+        for knob in KNOBS.iter().filter(|k| k.kind != KnobKind::Secret) {
+            let text = (knob.show)(self);
+            (knob.parse)(&mut scratch, &text)
+                .map_err(|reason| value_error(knob, &text, &reason))?;
+        }
+        let fail = |message: String| Err(Error::new(Status::InvalidConfig, message));
+        let size = |v: usize| parse::format_size(v as u64);
+        if self.rndv_thresh <= self.eager_short_max {
+            return fail(format!(
+                "GSC_RNDV_THRESH={} must be greater than GSC_EAGER_SHORT_MAX={}",
+                size(self.rndv_thresh),
+                size(self.eager_short_max)
+            ));
+        }
+        if self.shm_max_frame > self.shm_ring_size / 4 {
+            // A quarter keeps several frames in flight per ring, so a sender is not stalled
+            // behind every single frame the receiver has yet to consume.
+            return fail(format!(
+                "GSC_SHM_MAX_FRAME={} must be at most a quarter of GSC_SHM_RING_SIZE={}",
+                size(self.shm_max_frame),
+                size(self.shm_ring_size)
+            ));
+        }
+        if let (Some(rank), Some(nranks)) = (self.rank, self.nranks) {
+            if rank >= nranks {
+                return fail(format!(
+                    "GSC_RANK={rank} must be less than GSC_NRANKS={nranks}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}

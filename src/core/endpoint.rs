@@ -1,0 +1,193 @@
+//! Endpoints: a connection from a worker to one peer worker, and the operations on it.
+
+use super::memory::{check_range, rkey_unpack, Rkey};
+use super::request::{ReqKind, RequestParams, Started};
+use super::worker::{check_buffer, check_memtype, Completion, State, Worker};
+use crate::error::{Error, Result, Status};
+use crate::protocols::{Action, ConnId, MemType, RecvInfo, UserBuf};
+use crate::transport::LaneKind;
+
+pub struct Endpoint {
+    worker: Worker,
+    conn: ConnId,
+    generation: u32,
+}
+
+/// How `close_nbx` treats operations in flight.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CloseMode {
+    /// Wait for every send on the endpoint to complete, then tell the peer.
+    Flush,
+    /// Drop the link now; operations in flight complete with `Canceled`.
+    Force,
+}
+
+impl Endpoint {
+    pub(crate) fn new(worker: Worker, conn: ConnId, generation: u32) -> Endpoint {
+        Endpoint { worker, conn, generation }
+    }
+
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// The lane this endpoint runs on.
+    pub fn lane(&self) -> Result<LaneKind> {
+        let st = self.worker.lock();
+        self.usable(&st).map(|_| st.conns[self.conn].props.lane)
+    }
+
+    /// The connection if it is still this endpoint's and alive; the error names why not.
+    fn usable(&self, st: &State) -> Result<ConnId> {
+        match st.conns.get(self.conn) {
+            Some(c) if c.generation == self.generation => match &c.failed {
+                Some(e) => Err(e.clone().context("endpoint unusable")),
+                None => Ok(self.conn),
+            },
+            _ => Err(Error::new(Status::NotConnected, "endpoint closed")),
+        }
+    }
+
+    /// Send `len` bytes at `buf` with `tag`.
+    ///
+    /// # Safety
+    /// `buf` must be valid for `len` bytes of reads until the request completes (for an eager
+    /// send that is before this call returns), and not modified in the meantime.
+    pub unsafe fn tag_send_nbx(&self, buf: *const u8, len: usize, tag: u64, params: RequestParams) -> Result<Started> {
+        check_buffer(buf, len, "tag_send_nbx")?;
+        check_memtype(&params)?;
+        let mem = params.memory_type.unwrap_or(MemType::Host);
+        self.worker.start_op(ReqKind::Send, Some(self.conn), params, |st, req, out| {
+            let conn = self.usable(st)?;
+            st.engine.tag.send(out, conn, req, tag, UserBuf { addr: buf as usize, len }, mem).map(|_| ())
+        })
+    }
+
+    /// Blocking send (progresses until done or `GSC_TIMEOUT`).
+    pub fn tag_send(&self, data: &[u8], tag: u64) -> Result<()> {
+        // SAFETY: `data` is borrowed for the whole call and the request completes before return
+        // (on timeout the error is returned only after the link failed or the wait gave up; see
+        // `finish_blocking`, which releases the handle without leaving the buffer referenced by
+        // a send that could still read it only if the peer is alive and slow).
+        let started = unsafe { self.tag_send_nbx(data.as_ptr(), data.len(), tag, RequestParams::default())? };
+        self.worker.finish_blocking(started, false)?.into_result().map(|_| ())
+    }
+
+    /// Unpack a remote key received from this endpoint's peer.
+    pub fn rkey_unpack(&self, packed: &[u8]) -> Result<Rkey> {
+        let key = rkey_unpack(packed)?;
+        let st = self.worker.lock();
+        let conn = self.usable(&st)?;
+        if let Some(peer) = st.conns[conn].peer_process {
+            if peer != key.owner {
+                return Err(Error::invalid_param(format!(
+                    "remote key belongs to process {} but this endpoint leads to process {}",
+                    key.owner.pid, peer.pid
+                )));
+            }
+        }
+        Ok(key)
+    }
+
+    /// Write `len` bytes at `buf` to `remote_addr` in the peer's region described by `rkey`.
+    ///
+    /// # Safety
+    /// `buf` must be valid for `len` bytes of reads until the request completes.
+    pub unsafe fn put_nbx(&self, buf: *const u8, len: usize, remote_addr: u64, rkey: &Rkey, params: RequestParams) -> Result<Started> {
+        check_buffer(buf, len, "put_nbx")?;
+        check_range(rkey.base, rkey.len, remote_addr, len).map_err(|e| e.context("put_nbx"))?;
+        let rkey = *rkey;
+        self.worker.start_op(ReqKind::Put, Some(self.conn), params, |st, req, out| {
+            let conn = self.usable(st)?;
+            let c = &st.conns[conn];
+            if c.props.remote_memory {
+                // SAFETY: `buf` is readable for `len` (caller contract); the remote range was
+                // checked against the key, and the kernel checks it against the peer's mappings.
+                unsafe { c.link_ref().write_remote(buf, remote_addr, len)? };
+                out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+            } else {
+                let max_frame = c.props.max_frame;
+                st.engine.rma.put(out, conn, req, rkey.region, remote_addr, UserBuf { addr: buf as usize, len }, max_frame);
+            }
+            Ok(())
+        })
+    }
+
+    /// Read `len` bytes at `remote_addr` of the peer's region described by `rkey` into `buf`.
+    ///
+    /// # Safety
+    /// `buf` must be valid for `len` bytes of writes until the request completes.
+    pub unsafe fn get_nbx(&self, buf: *mut u8, len: usize, remote_addr: u64, rkey: &Rkey, params: RequestParams) -> Result<Started> {
+        check_buffer(buf, len, "get_nbx")?;
+        check_range(rkey.base, rkey.len, remote_addr, len).map_err(|e| e.context("get_nbx"))?;
+        let rkey = *rkey;
+        self.worker.start_op(ReqKind::Get, Some(self.conn), params, |st, req, out| {
+            let conn = self.usable(st)?;
+            let c = &st.conns[conn];
+            if c.props.remote_memory {
+                // SAFETY: as in `put_nbx`, with the buffer written instead of read.
+                unsafe { c.link_ref().read_remote(buf, remote_addr, len)? };
+                out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+            } else {
+                st.engine.rma.get(out, conn, req, rkey.region, remote_addr, UserBuf { addr: buf as usize, len });
+            }
+            Ok(())
+        })
+    }
+
+    /// Completes when every earlier operation on this endpoint was applied at the peer; reports
+    /// the first error an emulated remote access met.
+    pub fn flush_nbx(&self, params: RequestParams) -> Result<Started> {
+        self.worker.start_op(ReqKind::Flush, Some(self.conn), params, |st, req, out| {
+            let conn = self.usable(st)?;
+            st.engine.rma.flush(out, conn, req);
+            Ok(())
+        })
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        let s = self.flush_nbx(RequestParams::default())?;
+        self.worker.finish_blocking(s, false)?.into_result().map(|_| ())
+    }
+
+    /// Close the endpoint. With `Flush`, completes once every send on it completed and the peer
+    /// was told; with `Force`, at once. The endpoint is unusable afterwards either way.
+    pub fn close_nbx(&self, mode: CloseMode, params: RequestParams) -> Result<Started> {
+        self.worker.start_op(ReqKind::Close, Some(self.conn), params, |st, req, out| {
+            match st.conns.get(self.conn) {
+                Some(c) if c.generation == self.generation => {}
+                _ => return Err(Error::new(Status::NotConnected, "endpoint already closed")),
+            }
+            if st.conns[self.conn].failed.is_some() || mode == CloseMode::Force {
+                let e = Error::new(Status::Canceled, "endpoint closed by force");
+                st.fail_conn(self.conn, e, out);
+                st.conns.try_remove(self.conn);
+                out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+            } else {
+                st.begin_close(self.conn, req, out);
+            }
+            Ok(())
+        })
+    }
+
+    /// Blocking close with flush.
+    pub fn close(self) -> Result<()> {
+        let s = self.close_nbx(CloseMode::Flush, RequestParams::default())?;
+        self.worker.finish_blocking(s, false).and_then(Completion::into_result).map(|_| ())
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // Without a close the connection stays up for the peer; only the endpoint goes away.
+        let mut st = self.worker.lock();
+        if let Some(c) = st.conns.get_mut(self.conn) {
+            if c.generation == self.generation {
+                c.has_user_ep = false;
+                if c.failed.is_some() {
+                    st.conns.remove(self.conn);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,842 @@
+//! The worker: the progress engine. It owns the links to peers, the protocol engine and the
+//! request table, and executes what the protocols ask for.
+//!
+//! Threading: a worker is `Send + Sync`; its state sits behind one mutex, so any thread may call
+//! into it (MPI_THREAD_MULTIPLE), and progress from several threads is serialized. User callbacks
+//! run during progress *after* the lock is released, so a callback may call back into gscomm
+//! (free its request, post the next receive) without deadlocking.
+
+use super::address::WorkerAddress;
+use super::context::{Context, random_u128};
+use super::endpoint::Endpoint;
+use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
+use crate::condition;
+use crate::error::{Error, Result, Status};
+use crate::protocols::{wire, Action, Actions, ConnId, Engine, FrameOutcome, LaneProps, MemType, OutFrame, Payload, ProbeInfo, ProtoConfig, RecvInfo, ReqId, UserBuf};
+use crate::transport::{loopback, shm, LaneKind, Link, Listener, ProcessIdentity};
+use slab::Slab;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// How a finished operation ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub status: Status,
+    pub info: RecvInfo,
+}
+
+impl Completion {
+    /// `Ok(info)` for success, the status as an error otherwise.
+    pub fn into_result(self) -> Result<RecvInfo> {
+        if self.status == Status::Ok { Ok(self.info) } else { Err(Error::from(self.status)) }
+    }
+}
+
+#[derive(Clone)]
+pub struct Worker {
+    pub(crate) inner: Arc<WorkerInner>,
+}
+
+pub(crate) struct WorkerInner {
+    pub(crate) id: u16,
+    pub(crate) uuid: u128,
+    pub(crate) context: Context,
+    address: Vec<u8>,
+    state: Mutex<State>,
+}
+
+pub(crate) struct Conn {
+    link: Box<dyn Link>,
+    pub(crate) generation: u32,
+    outq: VecDeque<OutFrame>,
+    /// The peer's process, when known (endpoints created from an address).
+    pub(crate) peer_process: Option<ProcessIdentity>,
+    pub(crate) props: LaneProps,
+    /// Sticky: once set, the link is gone and every use reports this.
+    pub(crate) failed: Option<Error>,
+    /// A user endpoint refers to this connection (keep the entry after failure so the endpoint
+    /// can report why).
+    pub(crate) has_user_ep: bool,
+    /// The user asked to close; `close_req` completes once nothing is left to send.
+    closing: Option<u64>,
+}
+
+pub(crate) struct State {
+    pub(crate) engine: Engine,
+    requests: Slab<Slot>,
+    next_generation: u16,
+    pub(crate) conns: Slab<Conn>,
+    next_conn_generation: u32,
+    listeners: Vec<Box<dyn Listener>>,
+    /// Callbacks to fire once the lock is released.
+    ready: Vec<(u64, Callback, Status, RecvInfo)>,
+    polls: u64,
+    last_peer_check: Instant,
+    peer_check_interval: Duration,
+}
+
+/// Process-wide table from worker id (the top bits of a request handle) to worker.
+fn workers() -> &'static Mutex<HashMap<u16, Weak<WorkerInner>>> {
+    static WORKERS: OnceLock<Mutex<HashMap<u16, Weak<WorkerInner>>>> = OnceLock::new();
+    WORKERS.get_or_init(Default::default)
+}
+
+fn register_worker_id() -> Result<u16> {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let table = workers().lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..0x7FFF {
+        let id = (NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 0x7FFF + 1) as u16;
+        if !table.get(&id).is_some_and(|w| w.strong_count() > 0) {
+            return Ok(id);
+        }
+    }
+    Err(Error::new(Status::NoResource, "too many live workers in this process (32767)"))
+}
+
+/// Run `f` on the worker a request handle belongs to.
+pub fn worker_of_request(handle: u64) -> Result<Worker> {
+    let (id, _, _) = request::decode(handle).ok_or_else(|| Error::new(Status::InvalidHandle, "not a request handle"))?;
+    let table = workers().lock().unwrap_or_else(|e| e.into_inner());
+    let inner = table
+        .get(&id)
+        .and_then(|w| w.upgrade())
+        .ok_or_else(|| Error::new(Status::InvalidHandle, "request handle of a destroyed worker"))?;
+    Ok(Worker { inner })
+}
+
+fn user_slice<'a>(addr: usize, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the operation's contract (the unsafe `*_nbx` functions) is that the user buffer
+    // stays valid and unmodified until the request completes, and the engine only names ranges
+    // inside buffers it was given.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+fn copy_to_user(dst: usize, src: &[u8]) {
+    if src.is_empty() {
+        return;
+    }
+    // SAFETY: `dst..dst+len` lies inside a receive buffer the user handed to a still-pending
+    // operation (the engine clips every copy to the buffer's length).
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+}
+
+impl Worker {
+    pub(crate) fn new(context: Context) -> Result<Worker> {
+        let cfg = &context.inner.config;
+        let uuid = random_u128()?;
+        let mut listeners: Vec<Box<dyn Listener>> = Vec::new();
+        if cfg.tls.contains(&LaneKind::Loopback) {
+            listeners.push(Box::new(loopback::LoopbackListener::new(uuid)));
+        }
+        if cfg.tls.contains(&LaneKind::Shm) {
+            listeners.push(Box::new(shm::ShmListener::new(&shm_config(cfg), uuid)?));
+        }
+        let address = WorkerAddress {
+            uuid,
+            host_id: context.inner.host_id,
+            process: context.inner.process,
+            lanes: listeners.iter().map(|l| (l.lane(), l.address_blob())).collect(),
+        }
+        .pack();
+        let proto = ProtoConfig {
+            eager_short_max: cfg.eager_short_max,
+            rndv_thresh: cfg.rndv_thresh,
+            rndv_scheme: cfg.rndv_scheme,
+        };
+        let state = State {
+            engine: Engine::new(proto),
+            requests: Slab::new(),
+            next_generation: 0,
+            conns: Slab::new(),
+            next_conn_generation: 1,
+            listeners,
+            ready: Vec::new(),
+            polls: 0,
+            last_peer_check: Instant::now(),
+            peer_check_interval: cfg.peer_check_interval,
+        };
+        let id = register_worker_id()?;
+        let inner = Arc::new(WorkerInner { id, uuid, context, address, state: Mutex::new(state) });
+        workers().lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::downgrade(&inner));
+        tracing::debug!(target: "gsc::core", worker = id, "worker created");
+        Ok(Worker { inner })
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.inner.context
+    }
+
+    /// The packed address peers use to create endpoints to this worker.
+    pub fn address(&self) -> &[u8] {
+        &self.inner.address
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock (a bug) must not turn every later call into a panic.
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Create an endpoint to the worker whose packed address is `address`.
+    pub fn connect(&self, address: &[u8]) -> Result<Endpoint> {
+        let peer = WorkerAddress::unpack(address)?;
+        let ctx = &self.inner.context.inner;
+        let cfg = &ctx.config;
+        let same_process = peer.process == ctx.process;
+        let link: Box<dyn Link> = if cfg.tls.contains(&LaneKind::Loopback) && same_process && loopback::is_local(peer.uuid) {
+            loopback::connect(peer.uuid, self.inner.uuid)?
+        } else if let (true, true, Some(blob)) =
+            (cfg.tls.contains(&LaneKind::Shm), peer.host_id == ctx.host_id, peer.lane_blob(LaneKind::Shm))
+        {
+            shm::connect(blob, self.inner.uuid, &shm_config(cfg))?
+        } else {
+            return Err(Error::new(
+                Status::Unreachable,
+                format!(
+                    "no enabled lane reaches that worker (enabled: {}; peer offers: {}; same host: {}, same process: {})",
+                    cfg.tls.iter().map(|l| l.name()).collect::<Vec<_>>().join(","),
+                    peer.lanes.iter().map(|(l, _)| l.name()).collect::<Vec<_>>().join(","),
+                    peer.host_id == ctx.host_id,
+                    same_process
+                ),
+            ));
+        };
+        let mut st = self.lock();
+        let (conn, generation) = st.add_conn(link, Some(peer.process), true);
+        tracing::debug!(target: "gsc::core", conn, lane = st.conns[conn].props.lane.name(), "endpoint created");
+        drop(st);
+        Ok(Endpoint::new(self.clone(), conn, generation))
+    }
+
+    /// Make progress: accept connections, move frames, complete requests, fire callbacks.
+    /// Returns the number of events handled (0 = nothing happened).
+    pub fn progress(&self) -> usize {
+        let (n, ready) = {
+            let mut st = self.lock();
+            let n = st.progress(&self.inner.context);
+            (n, std::mem::take(&mut st.ready))
+        };
+        fire(ready);
+        n
+    }
+
+    /// Start an operation under the lock: allocate its request, run `start`, execute what it
+    /// emitted, and decide between immediate completion and a pending handle.
+    pub(crate) fn start_op(
+        &self,
+        kind: ReqKind,
+        conn: Option<ConnId>,
+        params: RequestParams,
+        start: impl FnOnce(&mut State, ReqId, &mut Actions) -> Result<()>,
+    ) -> Result<Started> {
+        condition::ensure_supported(&params.condition)?;
+        let RequestParams { callback, no_immediate_completion, .. } = params;
+        let (started, ready) = {
+            let mut st = self.lock();
+            let req = st.alloc_request(self.inner.id, kind, conn, callback);
+            let mut actions = Actions::new();
+            if let Err(e) = start(&mut st, req, &mut actions) {
+                // Nothing was emitted on error paths (the engine checks before it acts), so the
+                // request simply disappears: the call changed nothing.
+                debug_assert!(actions.is_empty());
+                st.free_slot(req);
+                return Err(e);
+            }
+            st.execute(&self.inner.context, actions);
+            let started = match st.slot(req).and_then(|s| s.result) {
+                // Completed successfully inside the call: UCP's NULL status pointer, no callback.
+                // A failure inside the call (e.g. truncation) stays a request, so the caller gets
+                // its status *and* its receive info the usual way.
+                Some((Status::Ok, info)) if !no_immediate_completion => {
+                    st.ready.retain(|(h, ..)| *h != req);
+                    st.free_slot(req);
+                    Started::Done(info)
+                }
+                _ => Started::Pending(req),
+            };
+            (started, std::mem::take(&mut st.ready))
+        };
+        fire(ready);
+        Ok(started)
+    }
+
+    /// Post a tagged receive of up to `len` bytes at `buf` for messages matching `(tag, mask)`.
+    ///
+    /// # Safety
+    /// `buf` must be valid for `len` bytes of writes until the request completes (or is
+    /// canceled), and not accessed by the caller in the meantime.
+    pub unsafe fn tag_recv_nbx(&self, buf: *mut u8, len: usize, tag: u64, tag_mask: u64, params: RequestParams) -> Result<Started> {
+        check_buffer(buf as *const u8, len, "tag_recv_nbx")?;
+        check_memtype(&params)?;
+        self.start_op(ReqKind::Recv, None, params, |st, req, out| {
+            st.engine.tag.recv(out, req, tag, tag_mask, UserBuf { addr: buf as usize, len });
+            Ok(())
+        })
+    }
+
+    /// Receive a message taken with `tag_probe(.., remove = true)`.
+    ///
+    /// # Safety
+    /// As for `tag_recv_nbx`.
+    pub unsafe fn tag_msg_recv_nbx(&self, buf: *mut u8, len: usize, msg: u64, params: RequestParams) -> Result<Started> {
+        check_buffer(buf as *const u8, len, "tag_msg_recv_nbx")?;
+        self.start_op(ReqKind::Recv, None, params, |st, req, out| {
+            st.engine.tag.msg_recv(out, req, msg, UserBuf { addr: buf as usize, len })
+        })
+    }
+
+    /// Blocking receive into `buf` (progresses until done or `GSC_TIMEOUT`).
+    pub fn tag_recv(&self, buf: &mut [u8], tag: u64, tag_mask: u64) -> Result<Completion> {
+        // SAFETY: `buf` is borrowed mutably for the whole call and the request is waited for (or
+        // canceled on timeout) before returning.
+        let started = unsafe { self.tag_recv_nbx(buf.as_mut_ptr(), buf.len(), tag, tag_mask, RequestParams::default())? };
+        self.finish_blocking(started, true)
+    }
+
+    /// Is there an unexpected message matching `(tag, mask)`? Progresses once first.
+    pub fn tag_probe(&self, tag: u64, tag_mask: u64, remove: bool) -> Option<ProbeInfo> {
+        self.progress();
+        self.lock().engine.tag.probe(tag, tag_mask, remove)
+    }
+
+    /// Wait for a pending request during a blocking call; on timeout cancel it if possible so
+    /// no buffer stays referenced after the call returns.
+    pub(crate) fn finish_blocking(&self, started: Started, cancel_on_timeout: bool) -> Result<Completion> {
+        let handle = match started {
+            Started::Done(info) => return Ok(Completion { status: Status::Ok, info }),
+            Started::Pending(h) => h,
+        };
+        let r = self.request_wait(handle);
+        if let Err(e) = &r {
+            if e.status() == Status::TimedOut && cancel_on_timeout && self.request_cancel(handle).is_ok() {
+                let _ = self.request_wait(handle);
+            }
+        }
+        let _ = self.request_release(handle);
+        r
+    }
+
+    /// The request's result if it completed, `None` while it is in progress.
+    pub fn request_test(&self, handle: u64) -> Result<Option<Completion>> {
+        let st = self.lock();
+        let slot = st.checked_slot(self.inner.id, handle)?;
+        Ok(slot.result.map(|(status, info)| Completion { status, info }))
+    }
+
+    /// Progress until the request completes, or `GSC_TIMEOUT` passes (`TimedOut`; the request
+    /// stays valid and can be waited on again, canceled or released).
+    pub fn request_wait(&self, handle: u64) -> Result<Completion> {
+        let timeout = self.inner.context.inner.config.timeout;
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if let Some(c) = self.request_test(handle)? {
+                return Ok(c);
+            }
+            if self.progress() == 0 {
+                spins += 1;
+                if spins % 1024 == 0 {
+                    if let Some(t) = timeout {
+                        if start.elapsed() >= t {
+                            return Err(Error::new(Status::TimedOut, format!("request not complete after {t:?} (GSC_TIMEOUT)")));
+                        }
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    /// Give the handle back. A pending request still completes (its callback fires), then its
+    /// slot is recycled; the handle is invalid from now on.
+    pub fn request_release(&self, handle: u64) -> Result<()> {
+        let mut st = self.lock();
+        let slot = st.checked_slot_mut(self.inner.id, handle)?;
+        if slot.released {
+            return Err(Error::new(Status::InvalidHandle, "request already released"));
+        }
+        if slot.result.is_some() {
+            st.free_slot(handle);
+        } else {
+            slot.released = true;
+        }
+        Ok(())
+    }
+
+    /// Cancel a receive that has not matched a message; it completes with `Canceled`.
+    pub fn request_cancel(&self, handle: u64) -> Result<()> {
+        let ready = {
+            let mut st = self.lock();
+            let slot = st.checked_slot(self.inner.id, handle)?;
+            if slot.result.is_some() {
+                return Err(Error::new(Status::InvalidParam, "request already completed; nothing to cancel"));
+            }
+            if slot.kind != ReqKind::Recv {
+                return Err(Error::new(Status::Unsupported, "only receives can be canceled; sends and RMA have started moving data"));
+            }
+            let mut out = Actions::new();
+            st.engine.tag.cancel(&mut out, handle)?;
+            st.execute(&self.inner.context, out);
+            std::mem::take(&mut st.ready)
+        };
+        fire(ready);
+        Ok(())
+    }
+
+    /// Flush every endpoint of this worker: completes when every earlier operation on every
+    /// link was applied at its peer.
+    pub fn flush_nbx(&self, params: RequestParams) -> Result<Started> {
+        let inner = self.inner.clone();
+        self.start_op(ReqKind::Flush, None, params, move |st, req, out| {
+            let conns: Vec<ConnId> = st.conns.iter().filter(|(_, c)| c.failed.is_none() && c.closing.is_none()).map(|(k, _)| k).collect();
+            if conns.is_empty() {
+                out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+                return Ok(());
+            }
+            st.slot_mut(req).expect("just allocated").pending_parts = conns.len();
+            for conn in conns {
+                let part = st.alloc_request(inner.id, ReqKind::FlushPart { parent: req }, Some(conn), None);
+                st.slot_mut(part).expect("just allocated").released = true;
+                st.engine.rma.flush(out, conn, part);
+            }
+            Ok(())
+        })
+    }
+
+    /// Blocking worker flush.
+    pub fn flush(&self) -> Result<()> {
+        let s = self.flush_nbx(RequestParams::default())?;
+        self.finish_blocking(s, false)?.into_result().map(|_| ())
+    }
+
+    /// Requests in progress (not yet completed) and unexpected messages held, for diagnostics.
+    pub fn stats(&self) -> WorkerStats {
+        let st = self.lock();
+        WorkerStats {
+            requests: st.requests.len(),
+            in_progress: st.requests.iter().filter(|(_, s)| s.result.is_none()).count(),
+            unexpected: st.engine.tag.unexpected_len(),
+            connections: st.conns.len(),
+        }
+    }
+}
+
+/// Counters from `Worker::stats`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct WorkerStats {
+    pub requests: usize,
+    pub in_progress: usize,
+    pub unexpected: usize,
+    pub connections: usize,
+}
+
+impl Drop for WorkerInner {
+    fn drop(&mut self) {
+        workers().lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (_, c) in st.conns.iter_mut() {
+            c.link.close();
+        }
+    }
+}
+
+fn fire(ready: Vec<(u64, Callback, Status, RecvInfo)>) {
+    for (h, cb, status, info) in ready {
+        // A panicking user callback must not unwind through the progress engine's callers (C).
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(h, status, info))).is_err() {
+            tracing::error!(target: "gsc::core", request = h, "a completion callback panicked; continuing");
+        }
+    }
+}
+
+pub(crate) fn check_buffer(buf: *const u8, len: usize, what: &str) -> Result<()> {
+    if buf.is_null() && len > 0 {
+        return Err(Error::invalid_param(format!("{what}: buffer is NULL but count is {len}")));
+    }
+    if (buf as usize).checked_add(len).is_none() {
+        return Err(Error::invalid_param(format!("{what}: buffer range wraps the address space")));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_memtype(params: &RequestParams) -> Result<()> {
+    match params.memory_type {
+        None | Some(MemType::Host) => Ok(()),
+        Some(m) => Err(Error::unsupported(format!("{} memory has no lane in this build yet", m.name()))),
+    }
+}
+
+pub(crate) fn shm_config(cfg: &crate::Config) -> shm::ShmConfig {
+    shm::ShmConfig {
+        dir: cfg.shm_dir.clone(),
+        ring_size: cfg.shm_ring_size,
+        max_frame: cfg.shm_max_frame,
+        cma: match cfg.cma {
+            crate::config::Tristate::Auto => shm::CmaMode::Auto,
+            crate::config::Tristate::On => shm::CmaMode::On,
+            crate::config::Tristate::Off => shm::CmaMode::Off,
+        },
+        connect_timeout: cfg.connect_timeout,
+    }
+}
+
+impl Conn {
+    pub(crate) fn link_ref(&self) -> &dyn Link {
+        &*self.link
+    }
+}
+
+impl State {
+    pub(crate) fn add_conn(&mut self, link: Box<dyn Link>, peer_process: Option<ProcessIdentity>, has_user_ep: bool) -> (ConnId, u32) {
+        let props = LaneProps { lane: link.lane(), max_frame: link.max_frame(), remote_memory: link.caps().remote_memory };
+        let generation = self.next_conn_generation;
+        self.next_conn_generation = self.next_conn_generation.wrapping_add(1).max(1);
+        let conn = self.conns.insert(Conn {
+            link,
+            generation,
+            outq: VecDeque::new(),
+            peer_process,
+            props,
+            failed: None,
+            has_user_ep,
+            closing: None,
+        });
+        self.engine.add_conn(conn, props);
+        (conn, generation)
+    }
+
+    pub(crate) fn alloc_request(&mut self, worker: u16, kind: ReqKind, conn: Option<ConnId>, callback: Option<Callback>) -> ReqId {
+        let generation = self.next_generation;
+        self.next_generation = self.next_generation.wrapping_add(1);
+        let key = self.requests.insert(Slot::new(kind, conn, generation, callback));
+        request::encode(worker, generation, key)
+    }
+
+    fn slot(&self, req: ReqId) -> Option<&Slot> {
+        let (_, generation, key) = request::decode(req)?;
+        self.requests.get(key).filter(|s| s.generation == generation)
+    }
+
+    pub(crate) fn slot_mut(&mut self, req: ReqId) -> Option<&mut Slot> {
+        let (_, generation, key) = request::decode(req)?;
+        self.requests.get_mut(key).filter(|s| s.generation == generation)
+    }
+
+    fn checked_slot(&self, worker: u16, handle: u64) -> Result<&Slot> {
+        match request::decode(handle) {
+            Some((w, _, _)) if w == worker => {}
+            _ => return Err(Error::new(Status::InvalidHandle, "request handle does not belong to this worker")),
+        }
+        self.slot(handle).ok_or_else(|| Error::new(Status::InvalidHandle, "stale or already released request handle"))
+    }
+
+    fn checked_slot_mut(&mut self, worker: u16, handle: u64) -> Result<&mut Slot> {
+        self.checked_slot(worker, handle)?;
+        Ok(self.slot_mut(handle).expect("checked above"))
+    }
+
+    fn free_slot(&mut self, req: ReqId) {
+        if let Some((_, generation, key)) = request::decode(req) {
+            if self.requests.get(key).is_some_and(|s| s.generation == generation) {
+                self.requests.remove(key);
+            }
+        }
+    }
+
+    /// One pass of progress. Returns the number of events.
+    fn progress(&mut self, ctx: &Context) -> usize {
+        self.polls += 1;
+        let mut events = 0;
+        // Accepting is a scan of the listeners' slots: every 16th pass is plenty for
+        // connection setup and keeps the per-message path short.
+        if self.polls % 16 == 1 {
+            events += self.accept_all();
+        }
+        let keys: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.failed.is_none()).map(|(k, _)| k).collect();
+        let mut actions = Actions::new();
+        for conn in keys {
+            events += self.flush_outq(conn, &mut actions);
+            events += self.poll_conn(ctx, conn, &mut actions);
+            self.maybe_finish_close(conn, &mut actions);
+        }
+        if self.polls % 64 == 0 && self.last_peer_check.elapsed() >= self.peer_check_interval {
+            self.last_peer_check = Instant::now();
+            self.check_peers(&mut actions);
+        }
+        if !actions.is_empty() {
+            events += actions.len();
+            self.execute(ctx, actions);
+        }
+        events
+    }
+
+    fn accept_all(&mut self) -> usize {
+        let mut accepted = Vec::new();
+        for l in &mut self.listeners {
+            loop {
+                match l.accept() {
+                    Ok(Some((_peer_uuid, link))) => accepted.push(link),
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(target: "gsc::core", lane = l.lane().name(), error = %e, "refused an incoming connection");
+                        break;
+                    }
+                }
+            }
+        }
+        let n = accepted.len();
+        for link in accepted {
+            let (conn, _) = self.add_conn(link, None, false);
+            tracing::debug!(target: "gsc::core", conn, "accepted a connection");
+        }
+        n
+    }
+
+    fn poll_conn(&mut self, ctx: &Context, conn: ConnId, deferred: &mut Actions) -> usize {
+        let State { engine, conns, .. } = self;
+        let Some(c) = conns.get_mut(conn) else { return 0 };
+        let mut violation: Option<Error> = None;
+        let mut peer_closed = false;
+        let mut scratch = Actions::new();
+        let regions = &ctx.inner.regions;
+        let result = c.link.poll_recv(64, &mut |frame| {
+            if violation.is_some() || peer_closed {
+                return;
+            }
+            match engine.on_frame(&mut scratch, conn, frame, regions) {
+                Ok(FrameOutcome::Handled) => {}
+                Ok(FrameOutcome::PeerClosed) => peer_closed = true,
+                Err(e) => violation = Some(e),
+            }
+            // Copies out of the frame must happen now: the frame is only valid in this call.
+            let payload = wire::payload_of(frame);
+            for a in scratch.drain(..) {
+                match a {
+                    Action::CopyFromFrame { dst, src_offset, len } => copy_to_user(dst, &payload[src_offset..src_offset + len]),
+                    other => deferred.push(other),
+                }
+            }
+        });
+        let failure = match (result, violation) {
+            (Err(e), _) | (Ok(_), Some(e)) => Some(e),
+            (Ok(n), None) if peer_closed => {
+                let _ = n;
+                Some(Error::new(Status::ConnectionReset, "the peer closed its endpoint"))
+            }
+            (Ok(n), None) => return n,
+        };
+        if let Some(e) = failure {
+            self.fail_conn(conn, e, deferred);
+        }
+        1
+    }
+
+    /// Write queued frames into the link while it has room.
+    fn flush_outq(&mut self, conn: ConnId, out: &mut Actions) -> usize {
+        let mut sent = 0;
+        loop {
+            let Some(c) = self.conns.get_mut(conn) else { return sent };
+            let Some(front) = c.outq.front() else { return sent };
+            let payload = match &front.payload {
+                Payload::None => &[][..],
+                Payload::User { addr, len } => user_slice(*addr, *len),
+                Payload::Owned(v) => v.as_slice(),
+            };
+            match c.link.try_send(&[front.header.as_bytes(), payload]) {
+                Ok(true) => {
+                    let f = c.outq.pop_front().expect("front exists");
+                    sent += 1;
+                    if let Some(req) = f.on_sent {
+                        if !f.copy_if_queued {
+                            self.frame_sent(req, out);
+                        }
+                    }
+                }
+                Ok(false) => return sent,
+                Err(e) => {
+                    self.fail_conn(conn, e, out);
+                    return sent;
+                }
+            }
+        }
+    }
+
+    fn queue_frame(&mut self, conn: ConnId, mut frame: OutFrame, out: &mut Actions) {
+        let Some(c) = self.conns.get_mut(conn) else {
+            tracing::debug!(target: "gsc::core", conn, "frame for a connection that is gone; dropped");
+            return;
+        };
+        if c.failed.is_some() {
+            return;
+        }
+        if c.outq.is_empty() {
+            let payload = match &frame.payload {
+                Payload::None => &[][..],
+                Payload::User { addr, len } => user_slice(*addr, *len),
+                Payload::Owned(v) => v.as_slice(),
+            };
+            match c.link.try_send(&[frame.header.as_bytes(), payload]) {
+                Ok(true) => {
+                    if let Some(req) = frame.on_sent {
+                        self.frame_sent(req, out);
+                    }
+                    return;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    self.fail_conn(conn, e, out);
+                    return;
+                }
+            }
+        }
+        if frame.copy_if_queued {
+            // Eager-short: copy now so the user's buffer is free when the call returns.
+            if let Payload::User { addr, len } = frame.payload {
+                frame.payload = Payload::Owned(user_slice(addr, len).to_vec());
+            }
+            if let Some(req) = frame.on_sent {
+                self.frame_sent(req, out);
+            }
+        }
+        self.conns[conn].outq.push_back(frame);
+    }
+
+    fn frame_sent(&mut self, req: ReqId, out: &mut Actions) {
+        if self.slot(req).is_some_and(|s| s.kind == ReqKind::Close) {
+            out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+        } else {
+            self.engine.frame_sent(out, req);
+        }
+    }
+
+    /// The link is dead: fail what needs it, keep the entry only if a user endpoint refers to it.
+    pub(crate) fn fail_conn(&mut self, conn: ConnId, error: Error, out: &mut Actions) {
+        let Some(c) = self.conns.get_mut(conn) else { return };
+        if c.failed.is_some() {
+            return;
+        }
+        tracing::info!(target: "gsc::core", conn, error = %error, "connection failed");
+        let status = error.status();
+        c.outq.clear();
+        c.link.close();
+        let closing = c.closing.take();
+        let keep = c.has_user_ep;
+        c.failed = Some(error);
+        self.engine.conn_failed(out, conn, status);
+        if let Some(req) = closing {
+            // A close that meets a dead link is still a close.
+            out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+        }
+        // Requests the engine does not track (none today) would be failed here by slot.conn.
+        if !keep {
+            self.conns.remove(conn);
+        }
+    }
+
+    fn check_peers(&mut self, out: &mut Actions) {
+        let keys: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.failed.is_none()).map(|(k, _)| k).collect();
+        for conn in keys {
+            if let Err(e) = self.conns[conn].link.check_peer() {
+                // Frames the peer sent before it went away are still delivered by the next poll,
+                // which reports the failure itself; only a silent failure is raised here.
+                self.fail_conn(conn, e, out);
+            }
+        }
+    }
+
+    /// Start closing: the Close frame goes out once every send on this link has completed.
+    pub(crate) fn begin_close(&mut self, conn: ConnId, req: ReqId, out: &mut Actions) {
+        self.conns[conn].closing = Some(req);
+        self.maybe_finish_close(conn, out);
+    }
+
+    fn maybe_finish_close(&mut self, conn: ConnId, out: &mut Actions) {
+        let Some(c) = self.conns.get(conn) else { return };
+        let Some(req) = c.closing else { return };
+        if c.failed.is_some() || self.engine.tag.sends_on(conn) > 0 || self.engine.rma.pending_on(conn) > 0 {
+            return;
+        }
+        self.conns[conn].closing = None;
+        let frame = OutFrame { header: wire::Header::Close.encode(), payload: Payload::None, on_sent: Some(req), copy_if_queued: false };
+        self.queue_frame(conn, frame, out);
+    }
+
+    /// Execute actions until none are left (executing one can emit more).
+    pub(crate) fn execute(&mut self, ctx: &Context, mut work: Actions) {
+        while !work.is_empty() {
+            let mut next = Actions::new();
+            for a in work.drain(..) {
+                match a {
+                    Action::Transmit { conn, frame } => self.queue_frame(conn, frame.0, &mut next),
+                    Action::CopyOwned { dst, data } => copy_to_user(dst, &data),
+                    Action::CopyFromFrame { .. } => {
+                        tracing::error!(target: "gsc::core", "copy-from-frame outside frame handling; dropped (bug)");
+                    }
+                    Action::ReadRemote { conn, dst, remote, len, req } => {
+                        let result = match self.conns.get(conn) {
+                            Some(c) if c.failed.is_none() => {
+                                // SAFETY: `dst..dst+len` is inside the pending receive's buffer
+                                // (the engine clips `len` to it); the kernel checks `remote`.
+                                unsafe { c.link.read_remote(dst as *mut u8, remote, len) }
+                            }
+                            _ => Err(Error::new(Status::NotConnected, "connection gone before the rendezvous read")),
+                        };
+                        self.engine.tag.remote_read_done(&mut next, req, result);
+                    }
+                    Action::Complete { req, status, info } => self.complete(req, status, info, &mut next),
+                }
+            }
+            // Completing a send may let a pending close go out.
+            let closing: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.closing.is_some()).map(|(k, _)| k).collect();
+            for conn in closing {
+                self.maybe_finish_close(conn, &mut next);
+            }
+            let _ = ctx;
+            work = next;
+        }
+    }
+
+    fn complete(&mut self, req: ReqId, status: Status, info: RecvInfo, out: &mut Actions) {
+        let Some(slot) = self.slot_mut(req) else {
+            tracing::debug!(target: "gsc::core", req, "completion for a request that is gone");
+            return;
+        };
+        if slot.result.is_some() {
+            return;
+        }
+        if let ReqKind::FlushPart { parent } = slot.kind {
+            self.free_slot(req);
+            if let Some(p) = self.slot_mut(parent) {
+                if status != Status::Ok && p.first_error.is_none() {
+                    p.first_error = Some(status);
+                }
+                p.pending_parts = p.pending_parts.saturating_sub(1);
+                if p.pending_parts == 0 {
+                    let s = p.first_error.unwrap_or(Status::Ok);
+                    out.push(Action::Complete { req: parent, status: s, info: RecvInfo::default() });
+                }
+            }
+            return;
+        }
+        if slot.kind == ReqKind::Close {
+            if let Some(conn) = slot.conn {
+                if let Some(mut c) = self.conns.try_remove(conn) {
+                    c.link.close();
+                    // Anything still tied to the link (receives mid-message from the peer) ends.
+                    self.engine.conn_failed(out, conn, Status::NotConnected);
+                }
+            }
+        }
+        let slot = self.slot_mut(req).expect("checked above");
+        slot.result = Some((status, info));
+        if let Some(cb) = slot.callback.take() {
+            self.ready.push((req, cb, status, info));
+        }
+        if self.slot(req).is_some_and(|s| s.released) {
+            self.free_slot(req);
+        }
+    }
+}

@@ -1,0 +1,518 @@
+//! A single-producer single-consumer ring of variable-size frames in shared memory.
+//!
+//! Layout of a ring region: a 128-byte control block (`head` and `tail` byte counters, each on its
+//! own 64-byte cache line) followed by `capacity` bytes of data, `capacity` a power of two.
+//! Counters only grow; a position's index in the data is `pos & (capacity - 1)`.
+//!
+//! A frame is `[u32 len][u32 flags][payload, padded to 8 bytes]`. When a frame does not fit
+//! between its start and the end of the data, the producer writes a header with `FLAG_SKIP` there
+//! and starts the frame at index 0; the consumer skips to the wrap.
+//!
+//! The producer writes a frame, then publishes it with a Release store of `head`; the consumer
+//! reads `head` with Acquire, reads the frame in place, and only then releases the space with a
+//! Release store of `tail`. Each side keeps a private copy of its own counter and a cached copy of
+//! the other side's, reloading it only when the cache says "empty" (consumer) or "full"
+//! (producer), so in the steady state each side's cache line moves only when it must.
+//!
+//! The consumer treats everything it reads from the ring as untrusted: a header or counter that
+//! violates the format is reported as an error, never followed out of bounds.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, Result, Status};
+
+/// Bytes of the frame header.
+pub const FRAME_HEADER: usize = 8;
+/// Bytes of the control block in front of the data.
+pub const CTL_SIZE: usize = 128;
+/// Smallest ring data size accepted.
+pub const MIN_CAPACITY: usize = 256;
+/// Largest ring data size accepted (keeps all size arithmetic far from overflow).
+pub const MAX_CAPACITY: usize = 1 << 30;
+
+const FLAG_SKIP: u32 = 1;
+
+#[repr(C, align(64))]
+struct CacheLine(AtomicU64);
+
+#[repr(C)]
+struct RingCtl {
+    /// Bytes ever published by the producer; written only by the producer.
+    head: CacheLine,
+    /// Bytes ever released by the consumer; written only by the consumer.
+    tail: CacheLine,
+}
+
+const _: () = assert!(std::mem::size_of::<RingCtl>() == CTL_SIZE);
+
+/// Bytes a frame of `len` payload bytes occupies in the ring.
+pub fn frame_size(len: usize) -> usize {
+    FRAME_HEADER + len.next_multiple_of(8)
+}
+
+/// Bytes of shared memory a ring with `capacity` data bytes needs (a multiple of 64).
+pub fn region_size(capacity: usize) -> usize {
+    CTL_SIZE + capacity
+}
+
+/// Check a ring geometry. `max_frame` must fit in half the ring: then an empty ring always has room
+/// for any frame, whatever its wrap position, so a sender is never stuck behind the wrap.
+pub fn validate(capacity: usize, max_frame: usize) -> Result<()> {
+    if !capacity.is_power_of_two() || !(MIN_CAPACITY..=MAX_CAPACITY).contains(&capacity) {
+        return Err(Error::new(
+            Status::InvalidConfig,
+            format!(
+                "ring size {capacity} must be a power of two from {MIN_CAPACITY} to {MAX_CAPACITY} bytes"
+            ),
+        ));
+    }
+    if max_frame == 0 || max_frame > u32::MAX as usize || frame_size(max_frame) > capacity / 2 {
+        return Err(Error::new(
+            Status::InvalidConfig,
+            format!(
+                "max frame {max_frame} must be at least 1 byte and, with its {FRAME_HEADER}-byte \
+                 header, at most half the ring size {capacity}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The two counters and data of one ring, as seen through one mapping.
+#[derive(Copy, Clone)]
+struct Shared {
+    ctl: *const RingCtl,
+    data: *mut u8,
+    capacity: usize,
+    max_frame: usize,
+}
+
+impl Shared {
+    /// # Safety
+    /// `region` must point to `region_size(capacity)` bytes that stay mapped, 64-byte aligned,
+    /// for as long as the returned value (and anything built from it) is used.
+    unsafe fn new(region: *mut u8, capacity: usize, max_frame: usize) -> Result<Shared> {
+        validate(capacity, max_frame)?;
+        if region as usize % 64 != 0 {
+            return Err(Error::new(Status::Internal, "ring region is not 64-byte aligned"));
+        }
+        // SAFETY: CTL_SIZE bytes are inside the region, per the contract.
+        let data = unsafe { region.add(CTL_SIZE) };
+        Ok(Shared { ctl: region.cast::<RingCtl>(), data, capacity, max_frame })
+    }
+
+    fn ctl(&self) -> &RingCtl {
+        // SAFETY: `ctl` is valid, aligned and mapped for the life of `self` (constructor
+        // contract), and it is only accessed through atomics.
+        unsafe { &*self.ctl }
+    }
+
+    fn index(&self, pos: u64) -> usize {
+        (pos as usize) & (self.capacity - 1)
+    }
+}
+
+/// The producing end of a ring. Exactly one may exist per ring, across all processes.
+pub struct RingProducer {
+    sh: Shared,
+    /// Our own published position (the shared `head` only ever holds this value).
+    head: u64,
+    /// Last `tail` read from the consumer.
+    tail_cache: u64,
+}
+
+// SAFETY: the producer is the only writer of `head` and of the free space, which is what makes it
+// single-producer; moving it to another thread keeps that. The pointers stay valid per the
+// `attach` contract.
+unsafe impl Send for RingProducer {}
+
+impl RingProducer {
+    /// Take the producing end of the ring at `region`, continuing from its current counters.
+    ///
+    /// # Safety
+    /// `region` must point to `region_size(capacity)` bytes, 64-byte aligned, that stay mapped
+    /// while the producer lives, and that are zeroed or hold a ring of this geometry. No other
+    /// producer may exist for this ring.
+    pub unsafe fn attach(region: *mut u8, capacity: usize, max_frame: usize) -> Result<Self> {
+        // SAFETY: forwarded contract.
+        let sh = unsafe { Shared::new(region, capacity, max_frame)? };
+        let head = sh.ctl().head.0.load(Ordering::Relaxed);
+        let tail_cache = sh.ctl().tail.0.load(Ordering::Acquire);
+        Ok(RingProducer { sh, head, tail_cache })
+    }
+
+    pub fn max_frame(&self) -> usize {
+        self.sh.max_frame
+    }
+
+    /// Append one frame made of the concatenation of `parts`. Returns false when there is no room
+    /// now. A frame larger than `max_frame` never fits and is refused (false) without effect;
+    /// callers check the size first to tell the two apart.
+    pub fn try_push(&mut self, parts: &[&[u8]]) -> bool {
+        let len = parts.iter().fold(0usize, |acc, p| acc.saturating_add(p.len()));
+        if len > self.sh.max_frame {
+            return false;
+        }
+        let need = frame_size(len);
+        let cap = self.sh.capacity;
+        let idx = self.sh.index(self.head);
+        let contiguous = cap - idx;
+        let total = if need > contiguous { contiguous + need } else { need };
+        let cap64 = cap as u64;
+        if self.head + total as u64 - self.tail_cache > cap64 {
+            self.tail_cache = self.sh.ctl().tail.0.load(Ordering::Acquire);
+            if self.head + total as u64 - self.tail_cache > cap64 {
+                return false;
+            }
+        }
+        let mut at = idx;
+        if need > contiguous {
+            // SAFETY: `contiguous >= 8` (all frames are multiples of 8, so is `idx`) and the space
+            // from `idx` to the end is free (checked above), so the header fits and is ours.
+            unsafe { write_header(self.sh.data.add(idx), 0, FLAG_SKIP) };
+            at = 0;
+        }
+        // SAFETY: `[at, at + need)` lies inside the data (it fits before the end by construction)
+        // and is free space: the consumer released it (tail check above, Acquire) and will not read
+        // it until we publish `head`. `len` fits u32 because max_frame does (validate).
+        unsafe {
+            let frame = self.sh.data.add(at);
+            let mut dst = frame.add(FRAME_HEADER);
+            for p in parts {
+                std::ptr::copy_nonoverlapping(p.as_ptr(), dst, p.len());
+                dst = dst.add(p.len());
+            }
+            write_header(frame, len as u32, 0);
+        }
+        self.head += total as u64;
+        self.sh.ctl().head.0.store(self.head, Ordering::Release);
+        true
+    }
+}
+
+/// # Safety
+/// `at` must be 8-byte aligned and valid for 8 bytes of writes.
+unsafe fn write_header(at: *mut u8, len: u32, flags: u32) {
+    let word = u64::from(len) | (u64::from(flags) << 32);
+    // SAFETY: per contract.
+    unsafe { at.cast::<u64>().write(word.to_le()) };
+}
+
+/// The consuming end of a ring. Exactly one may exist per ring, across all processes.
+pub struct RingConsumer {
+    sh: Shared,
+    /// Our own released position.
+    tail: u64,
+    /// Last `head` read from the producer.
+    head_cache: u64,
+}
+
+// SAFETY: as for `RingProducer`, with roles swapped: the consumer is the only writer of `tail`.
+unsafe impl Send for RingConsumer {}
+
+impl RingConsumer {
+    /// Take the consuming end of the ring at `region`, continuing from its current counters.
+    ///
+    /// # Safety
+    /// As for `RingProducer::attach`, with "consumer" for "producer".
+    pub unsafe fn attach(region: *mut u8, capacity: usize, max_frame: usize) -> Result<Self> {
+        // SAFETY: forwarded contract.
+        let sh = unsafe { Shared::new(region, capacity, max_frame)? };
+        let tail = sh.ctl().tail.0.load(Ordering::Relaxed);
+        let head_cache = sh.ctl().head.0.load(Ordering::Acquire);
+        let c = RingConsumer { sh, tail, head_cache };
+        c.check_head()?;
+        Ok(c)
+    }
+
+    fn corrupt(&self, what: String) -> Error {
+        Error::new(Status::PeerFailed, format!("shared ring corrupt at position {}: {what}", self.tail))
+    }
+
+    fn check_head(&self) -> Result<()> {
+        let used = self.head_cache.wrapping_sub(self.tail);
+        if used > self.sh.capacity as u64 || used % 8 != 0 {
+            return Err(self.corrupt(format!("producer head {} is invalid", self.head_cache)));
+        }
+        Ok(())
+    }
+
+    /// True when no published frame is waiting (reloads the producer's head when needed).
+    pub fn is_empty(&mut self) -> bool {
+        if self.tail != self.head_cache {
+            return false;
+        }
+        self.head_cache = self.sh.ctl().head.0.load(Ordering::Acquire);
+        self.tail == self.head_cache
+    }
+
+    /// Hand the next frame to `f`, in place in shared memory, then release its space.
+    /// `Ok(false)` when the ring is empty; an error when the ring contents violate the format.
+    pub fn pop(&mut self, f: impl FnOnce(&[u8])) -> Result<bool> {
+        // At most one skip marker precedes a frame (after it the index is 0).
+        for _ in 0..2 {
+            if self.is_empty() {
+                return Ok(false);
+            }
+            self.check_head()?;
+            let avail = (self.head_cache - self.tail) as usize;
+            let idx = self.sh.index(self.tail);
+            let contiguous = self.sh.capacity - idx;
+            // SAFETY: `idx` is 8-aligned (all counters move in multiples of 8, checked) and at
+            // least 8 bytes remain before the end; the header is published (Acquire on head).
+            let word = u64::from_le(unsafe { self.sh.data.add(idx).cast::<u64>().read() });
+            let (len, flags) = ((word & 0xffff_ffff) as usize, (word >> 32) as u32);
+            if flags & FLAG_SKIP != 0 {
+                if contiguous > avail {
+                    return Err(self.corrupt(format!("skip of {contiguous} beyond {avail} published")));
+                }
+                self.tail += contiguous as u64;
+                continue;
+            }
+            let need = frame_size(len);
+            if len > self.sh.max_frame || need > contiguous || need > avail {
+                return Err(self.corrupt(format!(
+                    "frame of {len} bytes (max {}, {contiguous} before wrap, {avail} published)",
+                    self.sh.max_frame
+                )));
+            }
+            // SAFETY: `[idx + 8, idx + 8 + len)` is inside the data (need <= contiguous) and
+            // published; the producer does not touch it until we advance `tail` below, so the
+            // slice is immutable for the duration of `f`.
+            let frame = unsafe {
+                std::slice::from_raw_parts(self.sh.data.add(idx + FRAME_HEADER).cast_const(), len)
+            };
+            f(frame);
+            self.tail += need as u64;
+            self.sh.ctl().tail.0.store(self.tail, Ordering::Release);
+            return Ok(true);
+        }
+        Err(self.corrupt("two consecutive skip markers".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::shm::segment::{Segment, SegmentKind};
+    use crate::transport::shm::testutil::{self, ChildProc, TestDir};
+    use std::alloc::{Layout, alloc_zeroed, dealloc};
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    /// Zeroed, 64-byte aligned memory for a ring inside one process.
+    struct Region {
+        ptr: *mut u8,
+        layout: Layout,
+    }
+    // SAFETY: plain owned memory; the ring protocol synchronizes access to it.
+    unsafe impl Send for Region {}
+    // SAFETY: as above.
+    unsafe impl Sync for Region {}
+    impl Region {
+        fn new(capacity: usize) -> Region {
+            let layout = Layout::from_size_align(region_size(capacity), 64).unwrap();
+            // SAFETY: non-zero size.
+            let ptr = unsafe { alloc_zeroed(layout) };
+            assert!(!ptr.is_null());
+            Region { ptr, layout }
+        }
+    }
+    impl Drop for Region {
+        fn drop(&mut self) {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { dealloc(self.ptr, self.layout) };
+        }
+    }
+
+    fn pair(r: &Region, capacity: usize, max_frame: usize) -> (RingProducer, RingConsumer) {
+        // SAFETY: `r` outlives the ends in every test; one producer and one consumer.
+        unsafe {
+            (
+                RingProducer::attach(r.ptr, capacity, max_frame).unwrap(),
+                RingConsumer::attach(r.ptr, capacity, max_frame).unwrap(),
+            )
+        }
+    }
+
+    /// Deterministic frame content for frame number `i`.
+    fn frame(i: u64, max: usize) -> Vec<u8> {
+        let len = ((i.wrapping_mul(2_654_435_761)) % (max as u64 + 1)) as usize;
+        (0..len).map(|k| (i as usize).wrapping_add(k * 7) as u8).collect()
+    }
+
+    #[test]
+    fn geometry_is_validated() {
+        assert!(validate(4096, 2040).is_ok());
+        assert!(validate(4096, 2041).is_err(), "frame must fit half the ring");
+        assert!(validate(3000, 8).is_err(), "not a power of two");
+        assert!(validate(128, 8).is_err(), "too small");
+        assert!(validate(1 << 31, 8).is_err(), "too large");
+        assert!(validate(4096, 0).is_err());
+        assert_eq!(frame_size(0), 8);
+        assert_eq!(frame_size(1), 16);
+        assert_eq!(frame_size(8), 16);
+        assert_eq!(region_size(4096) % 64, 0);
+    }
+
+    #[test]
+    fn wraparound_with_varied_sizes() {
+        let (cap, max) = (1024, 200);
+        let r = Region::new(cap);
+        let (mut p, mut c) = pair(&r, cap, max);
+        let mut sent = 0u64;
+        let mut recvd = 0u64;
+        // Many passes around the ring, with a varying backlog so wraps land everywhere.
+        while recvd < 5000 {
+            let burst = 1 + sent % 5;
+            for _ in 0..burst {
+                let f = frame(sent, max);
+                let (a, b) = f.split_at(f.len() / 3);
+                if !p.try_push(&[a, &[], b]) {
+                    break;
+                }
+                sent += 1;
+            }
+            let mut n = 0;
+            while n < 3 {
+                let want = frame(recvd, max);
+                if !c.pop(|got| assert_eq!(got, &want[..], "frame {recvd}")).unwrap() {
+                    break;
+                }
+                recvd += 1;
+                n += 1;
+            }
+        }
+        assert!(p.head > 20 * cap as u64, "the test wrapped many times");
+    }
+
+    #[test]
+    fn full_ring_refuses_then_drains() {
+        let (cap, max) = (1024, 100);
+        let r = Region::new(cap);
+        let (mut p, mut c) = pair(&r, cap, max);
+        let payload = [0xabu8; 56]; // 64 bytes per frame with header
+        let mut n = 0;
+        while p.try_push(&[&payload]) {
+            n += 1;
+            assert!(n <= cap / 64);
+        }
+        assert_eq!(n, cap / 64, "exactly full");
+        assert!(!p.try_push(&[]), "even an empty frame has no room");
+        assert!(!p.try_push(&[&[0u8; 101]]), "over max_frame never fits");
+        assert!(c.pop(|f| assert_eq!(f, &payload)).unwrap());
+        assert!(p.try_push(&[&payload]), "room again after one pop");
+        let mut m = 0;
+        while c.pop(|f| assert_eq!(f, &payload)).unwrap() {
+            m += 1;
+        }
+        assert_eq!(m, n);
+        assert!(c.is_empty());
+        assert!(!c.pop(|_| panic!("empty")).unwrap());
+    }
+
+    #[test]
+    fn corrupt_ring_is_an_error_not_a_crash() {
+        let (cap, max) = (1024, 100);
+        let r = Region::new(cap);
+        let (mut p, mut c) = pair(&r, cap, max);
+        assert!(p.try_push(&[b"hello"]));
+        // SAFETY: single thread; overwrite the published header with an oversized length.
+        unsafe { write_header(r.ptr.add(CTL_SIZE), 5000, 0) };
+        let e = c.pop(|_| panic!("must not deliver")).unwrap_err();
+        assert_eq!(e.status(), Status::PeerFailed, "{e:?}");
+        // A head beyond the capacity is rejected too.
+        let r2 = Region::new(cap);
+        // SAFETY: the region is 64-aligned; we store a bogus head before attaching.
+        unsafe { (*r2.ptr.cast::<RingCtl>()).head.0.store(4096, Ordering::Relaxed) };
+        // SAFETY: r2 outlives the attempt.
+        assert!(unsafe { RingConsumer::attach(r2.ptr, cap, max) }.is_err());
+    }
+
+    #[test]
+    fn two_threads_keep_order_and_content() {
+        const N: u64 = 1_000_000;
+        let (cap, max) = (1 << 16, 64);
+        let r = Arc::new(Region::new(cap));
+        let (mut p, mut c) = pair(&r, cap, max);
+        let keep = Arc::clone(&r);
+        let producer = std::thread::spawn(move || {
+            let _keep = keep;
+            let mut spins = 0u64;
+            for i in 0..N {
+                let len = (i % 17) as usize * 3;
+                let mut buf = [0u8; 64];
+                buf[..8].copy_from_slice(&i.to_le_bytes());
+                while !p.try_push(&[&buf[..8], &buf[8..8 + len]]) {
+                    spins += 1;
+                    if spins % 128 == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        });
+        let mut next = 0u64;
+        let deadline = std::time::Instant::now() + testutil::TIME_LIMIT;
+        let mut idle = 0u64;
+        while next < N {
+            let got = c
+                .pop(|f| {
+                    let i = u64::from_le_bytes(f[..8].try_into().unwrap());
+                    assert_eq!(i, next, "order");
+                    assert_eq!(f.len(), 8 + (i % 17) as usize * 3, "length of frame {i}");
+                    assert!(f[8..].iter().all(|&b| b == 0), "content of frame {i}");
+                })
+                .unwrap();
+            if got {
+                next += 1;
+            } else {
+                idle += 1;
+                if idle % 128 == 0 {
+                    assert!(std::time::Instant::now() < deadline, "stalled at frame {next}");
+                    std::thread::yield_now();
+                }
+            }
+        }
+        producer.join().unwrap();
+        assert!(c.is_empty());
+    }
+
+    /// The child produces into a ring in a segment the parent created; the parent consumes.
+    #[test]
+    fn two_processes_share_a_ring() {
+        const NAME: &str = "transport::shm::ring::tests::two_processes_share_a_ring";
+        const N: u64 = 100_000;
+        let (cap, max) = (1 << 14, 256);
+        if testutil::role().is_some() {
+            let seg = Segment::open(&PathBuf::from(testutil::env("RING_SEG")), SegmentKind::Raw)
+                .unwrap();
+            // SAFETY: the segment holds region_size(cap) bytes and outlives the producer; the
+            // parent only consumes.
+            let mut p = unsafe { RingProducer::attach(seg.payload(), cap, max).unwrap() };
+            let deadline = std::time::Instant::now() + testutil::TIME_LIMIT;
+            for i in 0..N {
+                let f = frame(i, max);
+                testutil::spin_until("ring space", || p.try_push(&[&f]));
+                assert!(std::time::Instant::now() < deadline);
+            }
+            return;
+        }
+        let dir = TestDir::new("ring2p");
+        let seg = Segment::create(dir.path(), SegmentKind::Raw, region_size(cap)).unwrap();
+        // SAFETY: as in the child, with roles swapped.
+        let mut c = unsafe { RingConsumer::attach(seg.payload(), cap, max).unwrap() };
+        let mut child = ChildProc::spawn(
+            NAME,
+            "producer",
+            &[("RING_SEG", seg.path().to_string_lossy().into_owned())],
+        );
+        for i in 0..N {
+            let want = frame(i, max);
+            testutil::spin_until("next frame", || {
+                c.pop(|got| assert_eq!(got, &want[..], "frame {i}")).unwrap()
+            });
+        }
+        child.wait_success();
+        assert!(c.is_empty());
+    }
+}
