@@ -1,1 +1,363 @@
-fn main() {}
+//! gsc-bench: gscomm's benchmark tool.
+//!
+//! Host point-to-point between two processes on this machine (the tool starts its peer itself):
+//!   gsc-bench tag-lat [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [--ucx]
+//!   gsc-bench tag-bw  [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx]
+//! Latency is half the round trip of a ping-pong; bandwidth streams WINDOW outstanding sends per
+//! iteration. `--ucx` runs UCX's `ucx_perftest` on the same sizes in the same run (Debian package
+//! ucx-utils) and prints both side by side. GSC_* knobs apply as usual (e.g. GSC_TLS=shm).
+
+use gscomm::{Config, Context, Endpoint, RequestParams, Started, Worker};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Test {
+    Lat,
+    Bw,
+}
+
+#[derive(Clone, Debug)]
+struct Opts {
+    test: Test,
+    min: usize,
+    max: usize,
+    factor: usize,
+    iters: usize,
+    warmup: usize,
+    window: usize,
+    ucx: bool,
+    pin: bool,
+}
+
+const TAG_DATA: u64 = 1;
+const TAG_ACK: u64 = 2;
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin]\n\
+         sizes accept K/M/G suffixes; defaults: -b 8 -e 4M -f 2 -n 10000 (bw: 200) -w 1000 (bw: 20) -W 32"
+    );
+    std::process::exit(2)
+}
+
+fn parse_size(s: &str) -> usize {
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().map(|n| n * mult).unwrap_or_else(|_| {
+        eprintln!("gsc-bench: bad size {s:?}");
+        usage()
+    })
+}
+
+fn parse_args(args: &[String]) -> Opts {
+    let test = match args.first().map(String::as_str) {
+        Some("tag-lat") => Test::Lat,
+        Some("tag-bw") => Test::Bw,
+        _ => usage(),
+    };
+    let mut o = Opts {
+        test,
+        min: 8,
+        max: 4 << 20,
+        factor: 2,
+        iters: if test == Test::Lat { 10_000 } else { 200 },
+        warmup: if test == Test::Lat { 1000 } else { 20 },
+        window: 32,
+        ucx: false,
+        pin: true,
+    };
+    let mut it = args[1..].iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().cloned().unwrap_or_else(|| usage());
+        match a.as_str() {
+            "-b" => o.min = parse_size(&val()),
+            "-e" => o.max = parse_size(&val()),
+            "-f" => o.factor = parse_size(&val()).max(2),
+            "-n" => o.iters = parse_size(&val()).max(1),
+            "-w" => o.warmup = parse_size(&val()),
+            "-W" => o.window = parse_size(&val()).max(1),
+            "--ucx" => o.ucx = true,
+            "--no-pin" => o.pin = false,
+            _ => usage(),
+        }
+    }
+    o
+}
+
+fn sizes(o: &Opts) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = o.min;
+    loop {
+        v.push(s);
+        if s >= o.max {
+            break;
+        }
+        s = if s == 0 { 1 } else { (s * o.factor).min(o.max) };
+    }
+    v
+}
+
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call only
+    // affects the calling thread's affinity.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn ncpus() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex address")).collect()
+}
+
+fn die(what: &str, e: impl std::fmt::Display) -> ! {
+    eprintln!("gsc-bench: {what}: {e}");
+    std::process::exit(1)
+}
+
+/// Wait for a pending request by spinning on progress (no yields: this is a benchmark).
+fn wait(w: &Worker, s: Started) {
+    if let Started::Pending(h) = s {
+        loop {
+            match w.request_test(h) {
+                Ok(Some(c)) => {
+                    if c.status != gscomm::Status::Ok {
+                        die("request failed", c.status);
+                    }
+                    break;
+                }
+                Ok(None) => {
+                    w.progress();
+                }
+                Err(e) => die("request_test", e),
+            }
+        }
+        let _ = w.request_release(h);
+    }
+}
+
+fn recv_nb(w: &Worker, buf: &mut [u8], tag: u64) -> Started {
+    // SAFETY: every caller waits for the request before the buffer is touched or dropped.
+    unsafe { w.tag_recv_nbx(buf.as_mut_ptr(), buf.len(), tag, u64::MAX, RequestParams::default()) }
+        .unwrap_or_else(|e| die("tag_recv_nbx", e))
+}
+
+fn send_nb(ep: &Endpoint, buf: &[u8], tag: u64) -> Started {
+    // SAFETY: as for recv_nb.
+    unsafe { ep.tag_send_nbx(buf.as_ptr(), buf.len(), tag, RequestParams::default()) }.unwrap_or_else(|e| die("tag_send_nbx", e))
+}
+
+/// One measured size. Returns seconds for `iters` iterations (client side).
+fn run_size(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) -> f64 {
+    let mut buf = vec![0x5Au8; size.max(1)];
+    let buf = &mut buf[..size];
+    let mut ack = [0u8; 1];
+    let total = o.warmup + o.iters;
+    let mut start = Instant::now();
+    match o.test {
+        Test::Lat => {
+            for i in 0..total {
+                if i == o.warmup {
+                    start = Instant::now();
+                }
+                if client {
+                    let r = recv_nb(w, buf, TAG_DATA);
+                    wait(w, send_nb(ep, buf, TAG_DATA));
+                    wait(w, r);
+                } else {
+                    let r = recv_nb(w, buf, TAG_DATA);
+                    wait(w, r);
+                    wait(w, send_nb(ep, buf, TAG_DATA));
+                }
+            }
+        }
+        Test::Bw => {
+            let mut bufs: Vec<Vec<u8>> = (0..o.window).map(|_| vec![0x5Au8; size]).collect();
+            for i in 0..total {
+                if i == o.warmup {
+                    start = Instant::now();
+                }
+                if client {
+                    let reqs: Vec<Started> = bufs.iter().map(|b| send_nb(ep, b, TAG_DATA)).collect();
+                    for r in reqs {
+                        wait(w, r);
+                    }
+                    wait(w, recv_nb(w, &mut ack, TAG_ACK));
+                } else {
+                    let reqs: Vec<Started> = bufs.iter_mut().map(|b| recv_nb(w, b, TAG_DATA)).collect();
+                    for r in reqs {
+                        wait(w, r);
+                    }
+                    wait(w, send_nb(ep, &ack, TAG_ACK));
+                }
+            }
+        }
+    }
+    start.elapsed().as_secs_f64()
+}
+
+fn setup(peer_hex: Option<&str>) -> (Worker, Option<Endpoint>) {
+    let cfg = Config::from_env().unwrap_or_else(|e| die("configuration", e));
+    let ctx = Context::new(cfg).unwrap_or_else(|e| die("context", e));
+    let w = ctx.create_worker().unwrap_or_else(|e| die("worker", e));
+    let ep = peer_hex.map(|h| w.connect(&unhex(h)).unwrap_or_else(|e| die("connect", e)));
+    (w, ep)
+}
+
+/// The peer process: connect back, then serve every size in the same order as the client.
+fn server(o: &Opts) {
+    if o.pin {
+        pin_to(1 % ncpus());
+    }
+    let (w, _) = setup(None);
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    writeln!(out, "ADDR {}", hex(w.address())).unwrap();
+    out.flush().unwrap();
+    let mut line = String::new();
+    stdin.lock().read_line(&mut line).unwrap();
+    let peer = line.trim().strip_prefix("ADDR ").unwrap_or_else(|| die("handshake", "expected ADDR"));
+    let ep = w.connect(&unhex(peer)).unwrap_or_else(|e| die("connect", e));
+    for size in sizes(o) {
+        run_size(o, &w, &ep, size, false);
+    }
+    let _ = ep.close();
+}
+
+fn spawn_server(args: &[String]) -> (Child, String) {
+    let exe = std::env::current_exe().unwrap_or_else(|e| die("current_exe", e));
+    let mut child = Command::new(exe)
+        .arg("__server")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| die("spawn peer", e));
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("ADDR ").unwrap_or_else(|| die("peer handshake", line.trim())).to_string();
+    (child, addr)
+}
+
+/// Run ucx_perftest for one size; returns (latency µs, bandwidth MB/s as printed by UCX).
+fn ucx_perftest(o: &Opts, size: usize) -> Option<(f64, f64)> {
+    let port = 13337 + (std::process::id() % 1000) as u16;
+    let test = if o.test == Test::Lat { "tag_lat" } else { "tag_bw" };
+    let iters = (o.warmup + o.iters).to_string();
+    let common = |c: &mut Command| {
+        c.args(["-t", test, "-s", &size.to_string(), "-n", &iters, "-p", &port.to_string()]);
+        if o.test == Test::Bw {
+            c.args(["-w", &o.warmup.to_string()]);
+        }
+        c.stdout(Stdio::piped()).stderr(Stdio::null());
+    };
+    let mut srv = Command::new("ucx_perftest");
+    common(&mut srv);
+    if o.pin {
+        srv.args(["-c", &(1 % ncpus()).to_string()]);
+    }
+    let mut srv = srv.spawn().ok()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut cli = Command::new("ucx_perftest");
+    cli.arg("127.0.0.1");
+    common(&mut cli);
+    if o.pin {
+        cli.args(["-c", "0"]);
+    }
+    let out = cli.output().ok()?;
+    let _ = srv.wait();
+    // The "Final:" line: iterations, then latency typical/avg/overall (µs), bandwidth avg/overall
+    // (MB/s), message rate avg/overall. We take overall latency and overall bandwidth.
+    let text = String::from_utf8_lossy(&out.stdout);
+    let fin = text.lines().find(|l| l.trim_start().starts_with("Final:"))?;
+    let nums: Vec<f64> = fin.split_whitespace().filter_map(|t| t.parse().ok()).collect();
+    if nums.len() < 6 {
+        return None;
+    }
+    Some((nums[3], nums[5]))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("__server") {
+        let o = parse_args(&args[1..]);
+        server(&o);
+        return;
+    }
+    let o = parse_args(&args);
+    if o.pin {
+        pin_to(0);
+    }
+    let (mut child, server_addr) = spawn_server(&args);
+    let (w, ep) = setup(Some(&server_addr));
+    let ep = ep.expect("client endpoint");
+    {
+        let stdin = child.stdin.as_mut().unwrap();
+        writeln!(stdin, "ADDR {}", hex(w.address())).unwrap();
+        stdin.flush().unwrap();
+    }
+    let lane = ep.lane().map(|l| l.name()).unwrap_or("?");
+    let cfg = w.context().config();
+    println!(
+        "# gsc-bench {} | gscomm {} | lane {} | GSC_EAGER_SHORT_MAX={} GSC_RNDV_THRESH={} GSC_RNDV_SCHEME={:?} | {} iters, {} warmup{}",
+        if o.test == Test::Lat { "tag-lat (half round trip)" } else { "tag-bw" },
+        gscomm::VERSION,
+        lane,
+        cfg.eager_short_max,
+        cfg.rndv_thresh,
+        cfg.rndv_scheme,
+        o.iters,
+        o.warmup,
+        if o.test == Test::Bw { format!(", window {}", o.window) } else { String::new() }
+    );
+    let mut results = Vec::new();
+    for size in sizes(&o) {
+        let secs = run_size(&o, &w, &ep, size, true);
+        results.push((size, secs));
+    }
+    let _ = ep.close();
+    let _ = child.wait();
+    let ucx: Vec<Option<(f64, f64)>> = if o.ucx { sizes(&o).iter().map(|s| ucx_perftest(&o, *s)).collect() } else { vec![] };
+    match o.test {
+        Test::Lat => println!("{:>12} {:>14} {:>14} {:>8}", "size(B)", "gscomm(us)", "ucx(us)", "ratio"),
+        Test::Bw => println!("{:>12} {:>14} {:>14} {:>8}", "size(B)", "gscomm(GB/s)", "ucx(GB/s)", "ratio"),
+    }
+    for (i, (size, secs)) in results.iter().enumerate() {
+        let (ours, theirs) = match o.test {
+            Test::Lat => (secs / o.iters as f64 / 2.0 * 1e6, ucx.get(i).copied().flatten().map(|u| u.0)),
+            Test::Bw => (
+                (*size * o.window * o.iters) as f64 / secs / 1e9,
+                // ucx_perftest prints MB/s with MB = 2^20 bytes.
+                ucx.get(i).copied().flatten().map(|u| u.1 * (1 << 20) as f64 / 1e9),
+            ),
+        };
+        let (t, ratio) = match theirs {
+            Some(t) if o.test == Test::Lat => (format!("{t:.3}"), format!("{:.2}", ours / t)),
+            Some(t) => (format!("{t:.2}"), format!("{:.2}", t / ours)),
+            None if o.ucx => ("n/a".into(), "".into()),
+            None => ("".into(), "".into()),
+        };
+        match o.test {
+            Test::Lat => println!("{size:>12} {ours:>14.3} {t:>14} {ratio:>8}"),
+            Test::Bw => println!("{size:>12} {ours:>14.2} {t:>14} {ratio:>8}"),
+        }
+    }
+    if o.ucx {
+        println!("# ratio = how many times slower gscomm is than UCX (1.00 = equal, < 1 = gscomm faster)");
+    }
+}

@@ -19,6 +19,7 @@ Without options: the version and the lanes.
   -c, --config    print every GSC_* variable with its current value and description
   -s, --status    print the status code table (code, C name, meaning)
   -l, --lanes     print the lanes and whether GSC_TLS enables them
+  -p, --protocols print the protocol selection table for each enabled lane
   -h, --help      print this help
 
 Short options combine: gsc-info -vl.
@@ -31,10 +32,7 @@ struct Wanted {
     status: bool,
     lanes: bool,
     help: bool,
-    // -p (protocol selection table): RESERVED. The protocols work adds a `protocols` flag here,
-    // sets it for `-p`/`--protocols` in `parse_args`, and prints the table from
-    // `gscomm::protocols` in `run` (see the marked place there). Until then -p is rejected as
-    // an unknown option rather than accepted and ignored.
+    protocols: bool,
 }
 
 fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
@@ -46,7 +44,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
             "--status" => vec!['s'],
             "--lanes" => vec!['l'],
             "--help" => vec!['h'],
-            // -p / --protocols: reserved, see `Wanted`.
+            "--protocols" => vec!['p'],
             s if s.len() > 1 && s.starts_with('-') && !s.starts_with("--") => {
                 s[1..].chars().collect()
             }
@@ -59,11 +57,12 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
                 's' => wanted.status = true,
                 'l' => wanted.lanes = true,
                 'h' => wanted.help = true,
+                'p' => wanted.protocols = true,
                 _ => return Err(format!("unknown option -{flag}")),
             }
         }
     }
-    if !(wanted.version || wanted.config || wanted.status || wanted.lanes || wanted.help) {
+    if !(wanted.version || wanted.config || wanted.status || wanted.lanes || wanted.help || wanted.protocols) {
         wanted.version = true;
         wanted.lanes = true;
     }
@@ -146,7 +145,7 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     }
     // Only read the environment when the output depends on it, so -v and -s work whatever
     // the GSC_* variables say.
-    let load = if wanted.config || wanted.lanes {
+    let load = if wanted.config || wanted.lanes || wanted.protocols {
         match Config::load_env() {
             Ok(load) => Some(load),
             Err(e) => {
@@ -171,8 +170,9 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     if wanted.status {
         print_status(&mut out).map_err(io_failed)?;
     }
-    // -p (protocol selection table) goes here: print what `gscomm::protocols` selects for
-    // `load.config` on each enabled lane. Added by the protocols work.
+    if let (true, Some(load)) = (wanted.protocols, &load) {
+        out.write_all(gscomm::protocols::selection_table(&load.config).as_bytes()).map_err(io_failed)?;
+    }
     out.flush().map_err(io_failed)
 }
 

@@ -72,6 +72,7 @@ pub(crate) struct State {
     /// Callbacks to fire once the lock is released.
     ready: Vec<(u64, Callback, Status, RecvInfo)>,
     polls: u64,
+    conn_keys: Vec<ConnId>,
     last_peer_check: Instant,
     peer_check_interval: Duration,
 }
@@ -156,6 +157,7 @@ impl Worker {
             listeners,
             ready: Vec::new(),
             polls: 0,
+            conn_keys: Vec::new(),
             last_peer_check: Instant::now(),
             peer_check_interval: cfg.peer_check_interval,
         };
@@ -555,13 +557,17 @@ impl State {
         if self.polls % 16 == 1 {
             events += self.accept_all();
         }
-        let keys: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.failed.is_none()).map(|(k, _)| k).collect();
+        // The key list is kept between passes so a progress call allocates nothing.
+        let mut keys = std::mem::take(&mut self.conn_keys);
+        keys.clear();
+        keys.extend(self.conns.iter().filter(|(_, c)| c.failed.is_none()).map(|(k, _)| k));
         let mut actions = Actions::new();
-        for conn in keys {
+        for &conn in &keys {
             events += self.flush_outq(conn, &mut actions);
             events += self.poll_conn(ctx, conn, &mut actions);
             self.maybe_finish_close(conn, &mut actions);
         }
+        self.conn_keys = keys;
         if self.polls % 64 == 0 && self.last_peer_check.elapsed() >= self.peer_check_interval {
             self.last_peer_check = Instant::now();
             self.check_peers(&mut actions);

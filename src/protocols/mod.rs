@@ -71,6 +71,30 @@ impl Engine {
     }
 }
 
+/// The selection table for a configuration, as `gsc-info -p` prints it: one block per enabled
+/// lane and memory type. For shm with `GSC_CMA=auto` both outcomes of the per-peer CMA probe
+/// are shown, since which one applies is only known when a peer connects.
+pub fn selection_table(cfg: &crate::Config) -> String {
+    use crate::config::Tristate;
+    use crate::transport::LaneKind;
+    let proto = ProtoConfig { eager_short_max: cfg.eager_short_max, rndv_thresh: cfg.rndv_thresh, rndv_scheme: cfg.rndv_scheme };
+    let mut lanes = Vec::new();
+    for lane in &cfg.tls {
+        match lane {
+            LaneKind::Loopback => lanes.push(LaneProps { lane: *lane, max_frame: crate::transport::loopback::MAX_FRAME, remote_memory: true }),
+            LaneKind::Shm => {
+                if cfg.cma != Tristate::Off {
+                    lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: true });
+                }
+                if cfg.cma != Tristate::On {
+                    lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: false });
+                }
+            }
+        }
+    }
+    select::describe(&proto, &lanes)
+}
+
 /// What a received frame meant for the link itself.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FrameOutcome {

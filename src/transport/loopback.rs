@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Per-direction queue budget, in bytes of payload.
 const QUEUE_BUDGET: usize = 8 << 20;
-const MAX_FRAME: usize = 64 << 10;
+/// Largest frame on the loopback lane.
+pub const MAX_FRAME: usize = 64 << 10;
 
 #[derive(Default)]
 struct Queue {

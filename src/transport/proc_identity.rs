@@ -58,7 +58,10 @@ fn is_exited_state(state: u8) -> bool {
 pub fn current() -> ProcessIdentity {
     let pid = std::process::id();
     match read_stat(pid) {
-        Ok(Some(stat)) => ProcessIdentity { pid, start_time: stat.start_time },
+        Ok(Some(stat)) => ProcessIdentity {
+            pid,
+            start_time: stat.start_time,
+        },
         Ok(None) => {
             tracing::warn!(target: "gsc::shm", pid, "/proc/self/stat missing; start time unknown");
             ProcessIdentity { pid, start_time: 0 }
@@ -78,7 +81,10 @@ pub fn read(pid: u32) -> Result<Option<ProcessIdentity>> {
     }
     Ok(read_stat(pid)?
         .filter(|s| !is_exited_state(s.state))
-        .map(|s| ProcessIdentity { pid, start_time: s.start_time }))
+        .map(|s| ProcessIdentity {
+            pid,
+            start_time: s.start_time,
+        }))
 }
 
 /// Is the process named by `id` still running? False when the pid is gone, is a zombie, or now
@@ -92,7 +98,9 @@ pub fn is_alive(id: &ProcessIdentity) -> bool {
         Ok(None) => false,
         Err(e) => {
             tracing::debug!(target: "gsc::shm", pid = id.pid, error = %e, "falling back to kill(0)");
-            let Ok(pid) = libc::pid_t::try_from(id.pid) else { return false };
+            let Ok(pid) = libc::pid_t::try_from(id.pid) else {
+                return false;
+            };
             // SAFETY: signal 0 performs only the existence and permission check; nothing is sent.
             let rc = unsafe { libc::kill(pid, 0) };
             rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
@@ -118,7 +126,9 @@ pub fn pid_namespace() -> u64 {
 /// FNV-1a: a hash whose value is fixed by its definition, so every build of every worker on a host
 /// computes the same identifier (std's `DefaultHasher` makes no such promise across releases).
 fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(seed, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    bytes.iter().fold(seed, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// A stable identifier of this host and boot: a hash of the kernel boot id and the host name.
@@ -163,7 +173,10 @@ mod tests {
         let stat = parse_stat(&text).expect("parses");
         assert_eq!(stat.state, b'S');
         assert_eq!(stat.start_time, 987_654_321);
-        assert!(parse_stat("1234 (x) S 1 2").is_none(), "too few fields must not parse");
+        assert!(
+            parse_stat("1234 (x) S 1 2").is_none(),
+            "too few fields must not parse"
+        );
         assert!(parse_stat("garbage").is_none());
     }
 
@@ -176,8 +189,14 @@ mod tests {
         assert!(is_alive(&me));
         assert_eq!(current(), me);
         // A different start time with the same pid is a different process (pid reuse).
-        assert!(!is_alive(&ProcessIdentity { pid: me.pid, start_time: me.start_time + 1 }));
-        assert!(!is_alive(&ProcessIdentity { pid: me.pid, start_time: me.start_time - 1 }));
+        assert!(!is_alive(&ProcessIdentity {
+            pid: me.pid,
+            start_time: me.start_time + 1
+        }));
+        assert!(!is_alive(&ProcessIdentity {
+            pid: me.pid,
+            start_time: me.start_time - 1
+        }));
         assert_eq!(read(0).unwrap(), None);
     }
 
@@ -206,7 +225,10 @@ mod tests {
         // Not reaped yet: the child becomes a zombie, which must already count as dead.
         let deadline = Instant::now() + testutil::TIME_LIMIT;
         while is_alive(&id) {
-            assert!(Instant::now() < deadline, "child still alive after stdin closed");
+            assert!(
+                Instant::now() < deadline,
+                "child still alive after stdin closed"
+            );
             std::thread::sleep(Duration::from_millis(2));
         }
         assert_eq!(read(id.pid).unwrap(), None);

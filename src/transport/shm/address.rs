@@ -87,11 +87,16 @@ impl ShmAddress {
             u64::from_le_bytes(w)
         };
         if b[..4] != MAGIC {
-            return Err(invalid(format!("bad magic {:02x?} (not a shm address)", &b[..4])));
+            return Err(invalid(format!(
+                "bad magic {:02x?} (not a shm address)",
+                &b[..4]
+            )));
         }
         let version = u16_at(4);
         if version != VERSION {
-            return Err(invalid(format!("version {version}, this build speaks {VERSION}")));
+            return Err(invalid(format!(
+                "version {version}, this build speaks {VERSION}"
+            )));
         }
         let path_len = usize::from(u16_at(6));
         if b.len() != HEADER_LEN + path_len {
@@ -107,14 +112,19 @@ impl ShmAddress {
         }
         let pid = u32_at(24);
         if pid == 0 || u32_at(28) != 0 {
-            return Err(invalid(format!("listener pid {pid} or reserved field invalid")));
+            return Err(invalid(format!(
+                "listener pid {pid} or reserved field invalid"
+            )));
         }
         let mut uuid = [0u8; 16];
         uuid.copy_from_slice(&b[40..56]);
         Ok(ShmAddress {
             host_id: u64_at(8),
             pid_ns: u64_at(16),
-            listener: ProcessIdentity { pid, start_time: u64_at(32) },
+            listener: ProcessIdentity {
+                pid,
+                start_time: u64_at(32),
+            },
             listener_uuid: u128::from_le_bytes(uuid),
             cookie_addr: u64_at(56),
             cookie_value: u64_at(64),
@@ -131,7 +141,10 @@ mod tests {
         ShmAddress {
             host_id: 0x1122_3344_5566_7788,
             pid_ns: 4_026_531_836,
-            listener: ProcessIdentity { pid: 4242, start_time: 987_654 },
+            listener: ProcessIdentity {
+                pid: 4242,
+                start_time: 987_654,
+            },
             listener_uuid: 0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10,
             cookie_addr: 0x7fff_0000_1000,
             cookie_value: 0xdead_beef_cafe_f00d,
@@ -153,7 +166,10 @@ mod tests {
         let check = |b: &[u8], needle: &str| {
             let e = ShmAddress::decode(b).unwrap_err();
             assert_eq!(e.status(), Status::InvalidAddress, "{e:?}");
-            assert!(e.message().contains(needle), "{e:?} should mention {needle:?}");
+            assert!(
+                e.message().contains(needle),
+                "{e:?} should mention {needle:?}"
+            );
         };
         check(&[], "shorter");
         check(&good[..HEADER_LEN - 1], "shorter");

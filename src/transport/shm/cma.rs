@@ -43,7 +43,9 @@ pub fn probe(pid: u32, addr: u64, expect: u64) -> std::result::Result<(), String
     let r = unsafe { transfer(pid, (&raw mut got).cast(), addr, 8, Dir::Read) };
     match r {
         Ok(()) if got == expect => Ok(()),
-        Ok(()) => Err(format!("pid {pid} has a different cookie at {addr:#x} (not the same process)")),
+        Ok(()) => Err(format!(
+            "pid {pid} has a different cookie at {addr:#x} (not the same process)"
+        )),
         Err(e) => Err(e.message().to_string()),
     }
 }
@@ -63,7 +65,9 @@ pub fn decide(mode: CmaMode, pid: u32, addr: u64, value: u64) -> Result<bool> {
         CmaMode::On => probe(pid, addr, value).map(|()| true).map_err(|why| {
             Error::new(
                 Status::Unsupported,
-                format!("cross-memory attach required (cma=on) but unavailable to pid {pid}: {why}"),
+                format!(
+                    "cross-memory attach required (cma=on) but unavailable to pid {pid}: {why}"
+                ),
             )
         }),
     }
@@ -86,11 +90,15 @@ fn os_error(pid: u32, remote: u64, len: usize, err: std::io::Error) -> Error {
             Status::Unsupported,
             format!("cross-memory attach to pid {pid} not permitted (ptrace policy): {err}"),
         ),
-        Some(libc::ENOSYS) => {
-            Error::new(Status::Unsupported, "process_vm_readv/writev not available in this kernel")
-        }
+        Some(libc::ENOSYS) => Error::new(
+            Status::Unsupported,
+            "process_vm_readv/writev not available in this kernel",
+        ),
         Some(libc::ENOMEM) => Error::new(Status::NoMemory, format!("cross-memory attach: {err}")),
-        _ => Error::new(Status::IoError, format!("cross-memory attach to pid {pid}: {err}")),
+        _ => Error::new(
+            Status::IoError,
+            format!("cross-memory attach to pid {pid}: {err}"),
+        ),
     }
 }
 
@@ -117,7 +125,10 @@ pub unsafe fn transfer(pid: u32, local: *mut u8, remote: u64, len: usize, dir: D
             iov_base: unsafe { local.add(done) }.cast(),
             iov_len: n,
         };
-        let riov = libc::iovec { iov_base: (remote + done as u64) as *mut libc::c_void, iov_len: n };
+        let riov = libc::iovec {
+            iov_base: (remote + done as u64) as *mut libc::c_void,
+            iov_len: n,
+        };
         // SAFETY: one local iovec inside the caller's valid buffer (contract); the remote iovec
         // is checked by the kernel against the target's address space, never dereferenced here.
         let rc = unsafe {
@@ -158,20 +169,37 @@ mod tests {
         assert_eq!(cookie(), (addr, value), "stable");
         let me = std::process::id();
         probe(me, addr, value).expect("CMA to self works on this host");
-        assert!(probe(me, addr, value ^ 1).unwrap_err().contains("different cookie"));
+        assert!(
+            probe(me, addr, value ^ 1)
+                .unwrap_err()
+                .contains("different cookie")
+        );
 
         let src: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
         let mut dst = vec![0u8; src.len()];
         // SAFETY: dst is valid for its length; src is a live buffer in this process.
         unsafe {
-            transfer(me, dst.as_mut_ptr(), src.as_ptr() as u64, src.len(), Dir::Read).unwrap()
+            transfer(
+                me,
+                dst.as_mut_ptr(),
+                src.as_ptr() as u64,
+                src.len(),
+                Dir::Read,
+            )
+            .unwrap()
         };
         assert_eq!(dst, src);
         let mut back = vec![0u8; 1000];
         // SAFETY: src readable for 1000 bytes; back is a live 1000-byte buffer.
         unsafe {
-            transfer(me, src.as_ptr().cast_mut(), back.as_mut_ptr() as u64, 1000, Dir::Write)
-                .unwrap()
+            transfer(
+                me,
+                src.as_ptr().cast_mut(),
+                back.as_mut_ptr() as u64,
+                1000,
+                Dir::Write,
+            )
+            .unwrap()
         };
         assert_eq!(back[..], src[..1000]);
 
@@ -198,7 +226,8 @@ mod tests {
     fn partial_transfer_then_fault_is_reported() {
         // Map two pages and unmap the second: a read across the boundary transfers the first
         // page, then must report the fault instead of looping.
-        let page = 4096usize;
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap();
         // SAFETY: a fresh anonymous mapping of two pages.
         let p = unsafe {
             libc::mmap(
@@ -211,12 +240,19 @@ mod tests {
             )
         };
         assert_ne!(p, libc::MAP_FAILED);
-        // SAFETY: the second page belongs to the mapping just made.
-        assert_eq!(unsafe { libc::munmap(p.cast::<u8>().add(page).cast(), page) }, 0);
+        // SAFETY: the second page belongs to the mapping just made; nothing refers to it.
+        let rc = unsafe { libc::munmap(p.cast::<u8>().add(page).cast(), page) };
+        assert_eq!(rc, 0);
         let mut dst = vec![0u8; 2 * page];
         // SAFETY: dst is valid for 2 pages; the remote range is checked by the kernel.
         let e = unsafe {
-            transfer(std::process::id(), dst.as_mut_ptr(), p as u64, 2 * page, Dir::Read)
+            transfer(
+                std::process::id(),
+                dst.as_mut_ptr(),
+                p as u64,
+                2 * page,
+                Dir::Read,
+            )
         }
         .unwrap_err();
         assert_eq!(e.status(), Status::OutOfRange, "{e:?}");

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result, Status};
 use crate::transport::shm::address::ShmAddress;
 use crate::transport::shm::layout::{
-    self, ACCEPT_SLOTS, SLOT_FREE, SLOT_PATH_MAX, SLOT_READY, WorkerArea, slot_writer,
-    slot_writing,
+    self, ACCEPT_SLOTS, SLOT_FREE, SLOT_PATH_MAX, SLOT_READY, WorkerArea, slot_writer, slot_writing,
 };
 use crate::transport::shm::link::{ShmLink, Side};
 use crate::transport::shm::listener::{absolute_dir, conn_ctrl, worker_area};
@@ -46,7 +45,10 @@ pub fn connect_link(blob: &[u8], my_worker_uuid: u128, cfg: &ShmConfig) -> Resul
         ));
     }
     let listener_gone = || {
-        Error::new(Status::PeerFailed, format!("shm listener pid {} is gone", addr.listener.pid))
+        Error::new(
+            Status::PeerFailed,
+            format!("shm listener pid {} is gone", addr.listener.pid),
+        )
     };
     // A killed listener leaves its segment behind; do not post into it.
     if !proc_identity::is_alive(&addr.listener) {
@@ -58,7 +60,10 @@ pub fn connect_link(blob: &[u8], my_worker_uuid: u128, cfg: &ShmConfig) -> Resul
         } else if e.status() == Status::InvalidAddress {
             e
         } else {
-            Error::new(Status::Unreachable, format!("shm listener segment: {}", e.message()))
+            Error::new(
+                Status::Unreachable,
+                format!("shm listener segment: {}", e.message()),
+            )
         }
     })?;
     if worker.creator() != addr.listener {
@@ -78,28 +83,53 @@ pub fn connect_link(blob: &[u8], my_worker_uuid: u128, cfg: &ShmConfig) -> Resul
     {
         return Err(Error::new(
             Status::InvalidAddress,
-            format!("{} is not the listener the address names", addr.segment.display()),
+            format!(
+                "{} is not the listener the address names",
+                addr.segment.display()
+            ),
         ));
     }
-    let cma = cma::decide(cfg.cma, addr.listener.pid, addr.cookie_addr, addr.cookie_value)?;
+    let cma = cma::decide(
+        cfg.cma,
+        addr.listener.pid,
+        addr.cookie_addr,
+        addr.cookie_value,
+    )?;
 
     let dir = absolute_dir(&cfg.dir)?;
     // Name length is fixed ("gsc-" + 32 hex), so the path length is known before creating.
     if dir.as_os_str().len() + 1 + 36 > SLOT_PATH_MAX {
         return Err(Error::new(
             Status::InvalidConfig,
-            format!("shm directory path {} is too long (max {SLOT_PATH_MAX})", dir.display()),
+            format!(
+                "shm directory path {} is too long (max {SLOT_PATH_MAX})",
+                dir.display()
+            ),
         ));
     }
-    let seg = Segment::create(&dir, SegmentKind::Connection, layout::connection_size(cfg.ring_size))?;
+    let seg = Segment::create(
+        &dir,
+        SegmentKind::Connection,
+        layout::connection_size(cfg.ring_size),
+    )?;
     let path = seg.path().as_os_str().as_bytes().to_vec();
     let ctrl = conn_ctrl(&seg)?;
     ctrl.sides[Side::Connector as usize].set_identity(seg.creator(), cma::cookie(), my_worker_uuid);
-    ctrl.geometry.ring_capacity.store(cfg.ring_size as u64, Ordering::Relaxed);
-    ctrl.geometry.max_frame.store(cfg.max_frame as u64, Ordering::Relaxed);
+    ctrl.geometry
+        .ring_capacity
+        .store(cfg.ring_size as u64, Ordering::Relaxed);
+    ctrl.geometry
+        .max_frame
+        .store(cfg.max_frame as u64, Ordering::Relaxed);
     // On error from here, dropping the link drops the segment, which unlinks it.
     let link = ShmLink::new(seg, Side::Connector, addr.listener, cma)?;
-    post(area, my_worker_uuid, &path, &addr.listener, cfg.connect_timeout)?;
+    post(
+        area,
+        my_worker_uuid,
+        &path,
+        &addr.listener,
+        cfg.connect_timeout,
+    )?;
     tracing::debug!(target: "gsc::shm", listener = addr.listener.pid, cma, "shm connect posted");
     Ok(link)
 }
@@ -127,7 +157,12 @@ fn post(
         for slot in &area.slots {
             if slot
                 .state
-                .compare_exchange(SLOT_FREE, slot_writing(me), Ordering::Acquire, Ordering::Relaxed)
+                .compare_exchange(
+                    SLOT_FREE,
+                    slot_writing(me),
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                )
                 .is_err()
             {
                 continue;
@@ -166,7 +201,10 @@ fn post(
         if !proc_identity::is_alive(listener) {
             return Err(Error::new(
                 Status::PeerFailed,
-                format!("shm listener pid {} died while all accept slots were busy", listener.pid),
+                format!(
+                    "shm listener pid {} died while all accept slots were busy",
+                    listener.pid
+                ),
             ));
         }
         if Instant::now() >= deadline {

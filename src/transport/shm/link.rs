@@ -37,7 +37,10 @@ impl ShmLink {
     /// segment (written by the connector) so both sides agree on it.
     pub fn new(seg: Segment, side: Side, peer: ProcessIdentity, cma: bool) -> Result<ShmLink> {
         if seg.payload_len() < layout::CTRL_SIZE {
-            return Err(Error::new(Status::InvalidAddress, "connection segment too small"));
+            return Err(Error::new(
+                Status::InvalidAddress,
+                "connection segment too small",
+            ));
         }
         // SAFETY: the payload holds a ConnCtrl (checked just above), 64-byte aligned; its fields
         // are all atomics; the reference does not outlive this function, while `seg` is alive.
@@ -66,7 +69,17 @@ impl ShmLink {
                 )?,
             )
         };
-        Ok(ShmLink { tx, rx, side, peer, max_frame, cma, closed: false, failure: None, seg })
+        Ok(ShmLink {
+            tx,
+            rx,
+            side,
+            peer,
+            max_frame,
+            cma,
+            closed: false,
+            failure: None,
+            seg,
+        })
     }
 
     fn ctrl(&self) -> &ConnCtrl {
@@ -80,7 +93,9 @@ impl ShmLink {
     }
 
     fn peer_state(&self) -> u32 {
-        self.ctrl().sides[1 - self.side as usize].state.load(Ordering::Acquire)
+        self.ctrl().sides[1 - self.side as usize]
+            .state
+            .load(Ordering::Acquire)
     }
 
     fn peer_state_error(&self, state: u32) -> Option<Error> {
@@ -88,7 +103,10 @@ impl ShmLink {
             SIDE_OPEN => None,
             SIDE_REJECTED => Some(Error::new(
                 Status::Rejected,
-                format!("peer pid {} rejected the shm connection (see its log)", self.peer.pid),
+                format!(
+                    "peer pid {} rejected the shm connection (see its log)",
+                    self.peer.pid
+                ),
             )),
             _ => Some(Error::new(
                 Status::ConnectionReset,
@@ -99,7 +117,9 @@ impl ShmLink {
 
     /// Why the link is dead, if it is.
     fn dead_reason(&self) -> Option<Error> {
-        self.failure.clone().or_else(|| self.peer_state_error(self.peer_state()))
+        self.failure
+            .clone()
+            .or_else(|| self.peer_state_error(self.peer_state()))
     }
 
     fn drain(&mut self, max: usize, deliver: &mut dyn FnMut(&[u8])) -> Result<usize> {
@@ -119,15 +139,15 @@ impl ShmLink {
     }
 
     fn remote_op(&self, local: *mut u8, remote: u64, len: usize, dir: Dir) -> Result<()> {
+        if let Some(e) = &self.failure {
+            // A dead peer's pid may be reused; never touch memory by pid after a failure.
+            return Err(e.clone());
+        }
         if !self.cma {
             return Err(Error::unsupported(format!(
                 "no cross-memory attach to peer pid {} on this shm link",
                 self.peer.pid
             )));
-        }
-        if let Some(e) = &self.failure {
-            // A dead peer's pid may be reused; never touch memory by pid after a failure.
-            return Err(e.clone());
         }
         // SAFETY: forwarded from read_remote/write_remote's contract on `local`.
         unsafe { cma::transfer(self.peer.pid, local, remote, len, dir) }
@@ -144,12 +164,17 @@ impl Link for ShmLink {
     }
 
     fn caps(&self) -> LinkCaps {
-        LinkCaps { remote_memory: self.cma }
+        LinkCaps {
+            remote_memory: self.cma,
+        }
     }
 
     fn try_send(&mut self, parts: &[&[u8]]) -> Result<bool> {
         if self.closed {
-            return Err(Error::new(Status::NotConnected, "shm link was closed by this side"));
+            return Err(Error::new(
+                Status::NotConnected,
+                "shm link was closed by this side",
+            ));
         }
         let len = parts.iter().fold(0usize, |a, p| a.saturating_add(p.len()));
         if len > self.max_frame {
@@ -169,7 +194,9 @@ impl Link for ShmLink {
         if n > 0 || max == 0 {
             return Ok(n);
         }
-        let Some(e) = self.dead_reason() else { return Ok(0) };
+        let Some(e) = self.dead_reason() else {
+            return Ok(0);
+        };
         // The peer's state was read (Acquire) after its last frame was published, so a second
         // drain sees everything it ever sent; only an empty ring makes the failure visible.
         let n = self.drain(max, deliver)?;

@@ -34,7 +34,10 @@ pub(crate) fn conn_ctrl(seg: &Segment) -> Result<&ConnCtrl> {
     if seg.payload_len() < layout::CTRL_SIZE {
         return Err(Error::new(
             Status::InvalidAddress,
-            format!("{} is too small for a connection segment", seg.path().display()),
+            format!(
+                "{} is too small for a connection segment",
+                seg.path().display()
+            ),
         ));
     }
     // SAFETY: as in `worker_area`.
@@ -44,7 +47,10 @@ pub(crate) fn conn_ctrl(seg: &Segment) -> Result<&ConnCtrl> {
 /// Directories are made absolute once, since segment paths travel to other processes.
 pub(crate) fn absolute_dir(dir: &Path) -> Result<PathBuf> {
     std::fs::canonicalize(dir).map_err(|e| {
-        Error::new(Status::InvalidConfig, format!("shm directory {}: {e}", dir.display()))
+        Error::new(
+            Status::InvalidConfig,
+            format!("shm directory {}: {e}", dir.display()),
+        )
     })
 }
 
@@ -74,7 +80,9 @@ impl ShmListener {
         let area = worker_area(&seg)?;
         layout::store_u128(&area.head.uuid, my_worker_uuid);
         // Release: a connector that reads `nslots` (Acquire) also sees the uuid.
-        area.head.nslots.store(ACCEPT_SLOTS as u32, Ordering::Release);
+        area.head
+            .nslots
+            .store(ACCEPT_SLOTS as u32, Ordering::Release);
         let (cookie_addr, cookie_value) = cma::cookie();
         let blob = ShmAddress {
             host_id: proc_identity::host_id(),
@@ -87,7 +95,13 @@ impl ShmListener {
         }
         .encode()?;
         tracing::debug!(target: "gsc::shm", path = %seg.path().display(), "shm listener ready");
-        Ok(ShmListener { seg, cfg, uuid: my_worker_uuid, last_posted: 0, blob })
+        Ok(ShmListener {
+            seg,
+            cfg,
+            uuid: my_worker_uuid,
+            last_posted: 0,
+            blob,
+        })
     }
 
     /// Path of the worker segment.
@@ -145,7 +159,9 @@ impl ShmListener {
         match Segment::open(path, SegmentKind::Connection) {
             Ok(seg) => {
                 if let Ok(ctrl) = conn_ctrl(&seg) {
-                    ctrl.sides[Side::Acceptor as usize].state.store(SIDE_CLOSED, Ordering::Release);
+                    ctrl.sides[Side::Acceptor as usize]
+                        .state
+                        .store(SIDE_CLOSED, Ordering::Release);
                 }
                 let _ = seg.unlink();
             }
@@ -194,7 +210,9 @@ impl Listener for ShmListener {
 
 impl Drop for ShmListener {
     fn drop(&mut self) {
-        let Ok(area) = worker_area(&self.seg) else { return };
+        let Ok(area) = worker_area(&self.seg) else {
+            return;
+        };
         // SeqCst pairs with the connector's SeqCst post-then-check: either we see its READY slot
         // here, or it sees `closed` and withdraws the request.
         area.head.closed.store(1, Ordering::SeqCst);

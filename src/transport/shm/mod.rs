@@ -27,9 +27,9 @@ mod listener;
 pub mod ring;
 pub mod segment;
 #[cfg(test)]
-pub(crate) mod testutil;
-#[cfg(test)]
 mod tests;
+#[cfg(test)]
+pub(crate) mod testutil;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -116,15 +116,21 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
 
 fn random_name() -> Result<String> {
     let mut r = [0u8; NAME_HEX_LEN / 2];
-    getrandom::getrandom(&mut r)
-        .map_err(|e| Error::new(Status::Internal, format!("no randomness for segment name: {e}")))?;
+    getrandom::getrandom(&mut r).map_err(|e| {
+        Error::new(
+            Status::Internal,
+            format!("no randomness for segment name: {e}"),
+        )
+    })?;
     let hex: String = r.iter().map(|b| format!("{b:02x}")).collect();
     Ok(format!("{NAME_PREFIX}{hex}"))
 }
 
 fn is_segment_name(name: &str) -> bool {
     name.strip_prefix(NAME_PREFIX).is_some_and(|h| {
-        h.len() == NAME_HEX_LEN && h.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+        h.len() == NAME_HEX_LEN
+            && h.bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
     })
 }
 
@@ -172,7 +178,8 @@ impl Segment {
             let _ = std::fs::remove_file(&path);
             e
         };
-        file.set_len(len as u64).map_err(|e| unlink_on_err(io_err("ftruncate", &path, e)))?;
+        file.set_len(len as u64)
+            .map_err(|e| unlink_on_err(io_err("ftruncate", &path, e)))?;
         let len_off = libc::off_t::try_from(len)
             .map_err(|_| unlink_on_err(Error::invalid_param("segment too large")))?;
         // SAFETY: plain syscall on an fd we own.
@@ -183,7 +190,13 @@ impl Segment {
         }
         let base = map(&file, len, &path).map_err(unlink_on_err)?;
         let creator = proc_identity::current();
-        let seg = Segment { base, len, path, creator, owner: true };
+        let seg = Segment {
+            base,
+            len,
+            path,
+            creator,
+            owner: true,
+        };
         // SAFETY: the mapping is `len >= HEADER_SIZE` bytes, page aligned, and nobody else can
         // have it mapped yet validly (the magic is still 0), so writing the header is race-free.
         unsafe {
@@ -214,14 +227,22 @@ impl Segment {
         if meta.uid() != euid {
             return Err(Error::new(
                 Status::Rejected,
-                format!("{} belongs to uid {}, not to us (uid {euid})", path.display(), meta.uid()),
+                format!(
+                    "{} belongs to uid {}, not to us (uid {euid})",
+                    path.display(),
+                    meta.uid()
+                ),
             ));
         }
         let len = usize::try_from(meta.len()).unwrap_or(usize::MAX);
         if len < HEADER_SIZE || len == usize::MAX {
             return Err(Error::new(
                 Status::InvalidAddress,
-                format!("{} is {} bytes, too small for a segment", path.display(), meta.len()),
+                format!(
+                    "{} is {} bytes, too small for a segment",
+                    path.display(),
+                    meta.len()
+                ),
             ));
         }
         let base = map(&file, len, path)?;
@@ -230,7 +251,10 @@ impl Segment {
             base,
             len,
             path: path.to_path_buf(),
-            creator: ProcessIdentity { pid: 0, start_time: 0 },
+            creator: ProcessIdentity {
+                pid: 0,
+                start_time: 0,
+            },
             owner: false,
         };
         let mut raw = [0u8; HEADER_SIZE];
@@ -245,19 +269,30 @@ impl Segment {
         let info = decode_header(&raw).ok_or_else(|| {
             Error::new(
                 Status::InvalidAddress,
-                format!("{} is not a gscomm segment of version {VERSION}", path.display()),
+                format!(
+                    "{} is not a gscomm segment of version {VERSION}",
+                    path.display()
+                ),
             )
         })?;
         if info.kind != kind as u32 {
             return Err(Error::new(
                 Status::InvalidAddress,
-                format!("{} holds segment kind {}, expected {kind:?}", path.display(), info.kind),
+                format!(
+                    "{} holds segment kind {}, expected {kind:?}",
+                    path.display(),
+                    info.kind
+                ),
             ));
         }
         if info.total_len != len as u64 {
             return Err(Error::new(
                 Status::InvalidAddress,
-                format!("{}: header says {} bytes, file has {len}", path.display(), info.total_len),
+                format!(
+                    "{}: header says {} bytes, file has {len}",
+                    path.display(),
+                    info.total_len
+                ),
             ));
         }
         seg.creator = info.creator;
@@ -336,7 +371,9 @@ pub fn cleanup_stale(dir: &Path) -> usize {
             continue;
         }
         let path = entry.path();
-        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
         if !meta.file_type().is_file() || meta.uid() != euid {
             continue;
         }
@@ -446,7 +483,16 @@ mod tests {
         assert_eq!(dir.entries().len(), 2);
         assert_eq!(cleanup_stale(dir.path()), 1);
         let left = dir.entries();
-        assert_eq!(left, vec![mine.path().file_name().unwrap().to_string_lossy().into_owned()]);
+        assert_eq!(
+            left,
+            vec![
+                mine.path()
+                    .file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned()
+            ]
+        );
         assert_eq!(cleanup_stale(dir.path()), 0);
     }
 }

@@ -30,7 +30,8 @@ pub fn env(name: &str) -> String {
 /// From the child: send one line to the parent.
 pub fn tell_parent(msg: &str) {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{MSG_PREFIX}{msg}").unwrap();
+    // Leading newline: libtest may have left a partial line ("test x ... ") on stdout.
+    writeln!(out, "\n{MSG_PREFIX}{msg}").unwrap();
     out.flush().unwrap();
 }
 
@@ -39,7 +40,10 @@ pub fn hex(bytes: &[u8]) -> String {
 }
 
 pub fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
 }
 
 /// A child test process; killed and reaped on drop so a failing parent never leaves it behind.
@@ -54,11 +58,17 @@ impl ChildProc {
     pub fn spawn(test_name: &str, role: &str, envs: &[(&str, String)]) -> ChildProc {
         let exe = std::env::current_exe().unwrap();
         let mut cmd = Command::new(exe);
-        cmd.args(["--exact", test_name, "--nocapture", "--include-ignored", "--test-threads=1"])
-            .env(ROLE_VAR, role)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+        cmd.args([
+            "--exact",
+            test_name,
+            "--nocapture",
+            "--include-ignored",
+            "--test-threads=1",
+        ])
+        .env(ROLE_VAR, role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
         for (k, v) in envs {
             cmd.env(k, v);
         }
@@ -69,7 +79,10 @@ impl ChildProc {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                match line.strip_prefix(MSG_PREFIX) {
+                match line
+                    .find(MSG_PREFIX)
+                    .map(|at| &line[at + MSG_PREFIX.len()..])
+                {
                     Some(msg) => {
                         if tx.send(msg.to_string()).is_err() {
                             break;
@@ -79,7 +92,11 @@ impl ChildProc {
                 }
             }
         });
-        ChildProc { child, stdin, lines }
+        ChildProc {
+            child,
+            stdin,
+            lines,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -142,7 +159,11 @@ impl TestDir {
     pub fn new(tag: &str) -> TestDir {
         let mut r = [0u8; 8];
         getrandom::getrandom(&mut r).unwrap();
-        let dir = PathBuf::from(format!("/dev/shm/gsctest-{tag}-{}-{}", std::process::id(), hex(&r)));
+        let dir = PathBuf::from(format!(
+            "/dev/shm/gsctest-{tag}-{}-{}",
+            std::process::id(),
+            hex(&r)
+        ));
         std::fs::create_dir(&dir).unwrap();
         TestDir(dir)
     }
