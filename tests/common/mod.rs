@@ -1,0 +1,548 @@
+//! Shared helpers of the integration tests: contexts with config overrides, a multi-process
+//! harness that re-runs the test binary as a child, private shm directories and data patterns.
+//!
+//! Multi-process protocol: the parent spawns `current_exe() --exact <test> --nocapture
+//! --test-threads=1` with `GSC_TEST_CHILD=<role>`; the same test function sees the variable and
+//! runs the child role instead. Parent and child exchange `@@key=hex` lines over the child's
+//! stdin/stdout (the test harness's own output on stdout is ignored: only `@@` lines count).
+//! Every wait has a deadline; on a deadline the parent SIGKILLs the child and panics.
+#![allow(dead_code)]
+
+use gscomm::{Config, Context, Started, Status, Worker};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+pub const CHILD_ENV: &str = "GSC_TEST_CHILD";
+/// Config overrides handed to a child, `NAME=VALUE` joined with `;`.
+pub const CHILD_CFG_ENV: &str = "GSC_TEST_CFG";
+/// Hard limit of a child's life: a child that outlives it exits on its own (a parent that died
+/// without killing it must not leave it spinning).
+pub const CHILD_MAX_LIFE: Duration = Duration::from_secs(60);
+
+/// A context over `tls` with the given `GSC_*` overrides (applied after the defaults, in order).
+pub fn ctx_with(overrides: &[(&str, &str)]) -> Context {
+    Context::new(config_with(overrides)).expect("context")
+}
+
+pub fn config_with(overrides: &[(&str, &str)]) -> Config {
+    let mut c = Config::default();
+    // Tests must never wait the default 60 s.
+    c.set("GSC_TIMEOUT", "20s").unwrap();
+    for (k, v) in overrides {
+        c.set(k, v).unwrap_or_else(|e| panic!("set {k}={v}: {e}"));
+    }
+    c
+}
+
+// ---------------------------------------------------------------------------------------------
+// Private shm directories
+
+/// A fresh directory under /dev/shm (a tmpfs, like production) owned by one test; removed on drop.
+pub struct ShmDir {
+    pub path: PathBuf,
+}
+
+impl ShmDir {
+    pub fn new(test: &str) -> ShmDir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+        let path = base.join(format!("gsctest-{}-{n}-{test}", std::process::id()));
+        std::fs::create_dir_all(&path).expect("create shm test dir");
+        ShmDir { path }
+    }
+
+    pub fn as_str(&self) -> &str {
+        self.path.to_str().unwrap()
+    }
+
+    /// `gsc-*` files currently in the directory.
+    pub fn segments(&self) -> Vec<String> {
+        list_segments(&self.path)
+    }
+}
+
+pub fn list_segments(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().filter_map(|e| e.file_name().into_string().ok()).filter(|n| n.starts_with("gsc-")).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+impl Drop for ShmDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child side
+
+/// The role this process plays, when it is a child of a multi-process test.
+pub fn child_role() -> Option<String> {
+    std::env::var(CHILD_ENV).ok()
+}
+
+/// Config overrides the parent passed to this child.
+pub fn child_overrides() -> Vec<(String, String)> {
+    std::env::var(CHILD_CFG_ENV)
+        .unwrap_or_default()
+        .split(';')
+        .filter(|s| !s.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("NAME=VALUE");
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+pub fn child_ctx() -> Context {
+    let o = child_overrides();
+    let refs: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    ctx_with(&refs)
+}
+
+/// The child's end of the line protocol. Creating it arms a watchdog that ends the process after
+/// `CHILD_MAX_LIFE`, and stdin EOF (the parent died) ends it too.
+pub struct Parent {
+    lines: Receiver<String>,
+}
+
+impl Parent {
+    pub fn new() -> Parent {
+        std::thread::spawn(|| {
+            std::thread::sleep(CHILD_MAX_LIFE);
+            eprintln!("child {}: watchdog expired; exiting", std::process::id());
+            std::process::exit(97);
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let stdin = std::io::stdin();
+            for line in stdin.lock().lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix("@@") {
+                    if tx.send(rest.to_string()).is_err() {
+                        break;
+                    }
+                }
+            }
+            // The parent went away (or closed our stdin on purpose): nothing left to do.
+            std::process::exit(98);
+        });
+        Parent { lines: rx }
+    }
+
+    pub fn put(&self, key: &str, value: &[u8]) {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "@@{key}={}", hex(value)).unwrap();
+        out.flush().unwrap();
+    }
+
+    pub fn get(&self, key: &str) -> Vec<u8> {
+        let line = self.lines.recv_timeout(CHILD_MAX_LIFE).unwrap_or_else(|_| panic!("child: no `{key}` from parent"));
+        let (k, v) = line.split_once('=').expect("key=value");
+        assert_eq!(k, key, "child: expected `{key}`, got `{k}`");
+        unhex(v)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parent side
+
+pub struct ChildProc {
+    proc: std::process::Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    pub role: String,
+    pub pid: u32,
+}
+
+/// Spawn this test binary as a child running `test` (its full name, e.g. `mod::name`) in `role`.
+pub fn spawn_child(test: &str, role: &str, cfg: &[(&str, &str)]) -> ChildProc {
+    let exe = std::env::current_exe().expect("current_exe");
+    let cfg_text: Vec<String> = cfg.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut proc = Command::new(exe)
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, role)
+        .env(CHILD_CFG_ENV, cfg_text.join(";"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn child");
+    let stdout = proc.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            // libtest prints "test name ... " without a newline before the test body runs, so
+            // the first message shares its line: look for the marker anywhere.
+            if let Some(at) = line.find("@@") {
+                if tx.send(line[at + 2..].to_string()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let pid = proc.id();
+    ChildProc { stdin: proc.stdin.take(), proc, lines: rx, role: role.to_string(), pid }
+}
+
+impl ChildProc {
+    pub fn put(&mut self, key: &str, value: &[u8]) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        let r = writeln!(stdin, "@@{key}={}", hex(value)).and_then(|_| stdin.flush());
+        if let Err(e) = r {
+            self.fail(&format!("cannot write `{key}` to the child: {e}"));
+        }
+    }
+
+    /// The next line from the child, which must be `key`; kill and fail after `timeout`.
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Vec<u8> {
+        match self.lines.recv_timeout(timeout) {
+            Ok(line) => {
+                let (k, v) = line.split_once('=').expect("key=value");
+                if k != key {
+                    self.fail(&format!("expected `{key}` from the child, got `{k}`"));
+                }
+                unhex(v)
+            }
+            Err(RecvTimeoutError::Timeout) => self.fail(&format!("no `{key}` from the child within {timeout:?}")),
+            Err(RecvTimeoutError::Disconnected) => {
+                let st = self.proc.wait().ok();
+                self.fail(&format!("child exited ({st:?}) before sending `{key}`"))
+            }
+        }
+    }
+
+    /// Wait for the child to exit successfully within `timeout`.
+    pub fn wait_success(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.proc.try_wait() {
+                Ok(Some(st)) if st.success() => return,
+                Ok(Some(st)) => self.fail(&format!("child failed: {st}")),
+                Ok(None) if Instant::now() >= deadline => self.fail(&format!("child still running after {timeout:?}")),
+                Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => self.fail(&format!("wait: {e}")),
+            }
+        }
+    }
+
+    /// Has the child exited (successfully or not)? Does not reap a failure's status away.
+    pub fn exited(&mut self) -> bool {
+        !matches!(self.proc.try_wait(), Ok(None))
+    }
+
+    /// Close the child's stdin (it exits when it next reads).
+    pub fn close_stdin(&mut self) {
+        self.stdin.take();
+    }
+
+    pub fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid, which is not reaped while `self` lives.
+        let rc = unsafe { libc::kill(self.pid as libc::pid_t, sig) };
+        assert_eq!(rc, 0, "kill({}, {sig})", self.pid);
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        let _ = self.proc.kill();
+        let _ = self.proc.wait();
+    }
+
+    /// Wait (bounded) until the kernel reports the process as gone or a zombie, without reaping.
+    pub fn wait_dead_unreaped(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let text = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+            let state = text.rfind(')').and_then(|i| text[i + 1..].split_whitespace().next().map(str::to_string));
+            if matches!(state.as_deref(), None | Some("Z") | Some("X")) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                self.fail("child did not die");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn fail(&mut self, what: &str) -> ! {
+        self.kill();
+        panic!("child `{}` (pid {}): {what}", self.role, self.pid);
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        // Never leave a child behind, whatever happened (a failed assertion included).
+        if let Ok(None) = self.proc.try_wait() {
+            let _ = self.proc.kill();
+        }
+        let _ = self.proc.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bytes and waiting
+
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
+}
+
+pub fn u64_bytes(v: u64) -> Vec<u8> {
+    v.to_le_bytes().to_vec()
+}
+
+pub fn bytes_u64(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b.try_into().expect("8 bytes"))
+}
+
+/// Deterministic content for (`seed`, `len`), cheap to build in a debug build even for 64 MiB:
+/// a 4093-byte (prime) pattern doubled with memcpy, with the offset stamped every 4 KiB so a
+/// block moved to the wrong offset is detected.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    let p = 4093.min(len);
+    for (i, b) in v[..p].iter_mut().enumerate() {
+        *b = (i as u64).wrapping_mul(31).wrapping_add(seed.wrapping_mul(7)).wrapping_add(i as u64 >> 3) as u8;
+    }
+    let mut filled = p;
+    while filled < len {
+        let n = filled.min(len - filled);
+        v.copy_within(0..n, filled);
+        filled += n;
+    }
+    let mut off = 0;
+    while off + 16 <= len {
+        v[off..off + 8].copy_from_slice(&(off as u64).to_le_bytes());
+        v[off + 8..off + 16].copy_from_slice(&seed.to_le_bytes());
+        off += 4096;
+    }
+    v
+}
+
+/// Assert two buffers are equal, reporting the first difference instead of megabytes of bytes.
+pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    if got == want {
+        return;
+    }
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let i = got.iter().zip(want).position(|(a, b)| a != b).unwrap();
+    panic!("{what}: first difference at byte {i} of {}: got {:#04x}, want {:#04x}", want.len(), got[i], want[i]);
+}
+
+/// Progress `w` until `done()` or the deadline; panics on the deadline.
+pub fn progress_until(w: &Worker, timeout: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        if w.progress() == 0 {
+            std::thread::yield_now();
+        }
+        if Instant::now() >= deadline {
+            panic!("{what}: not done within {timeout:?}");
+        }
+    }
+}
+
+/// Wait for `s` (if pending) and release it; returns (status, info).
+pub fn wait_release(w: &Worker, s: Started) -> gscomm::Completion {
+    match s {
+        Started::Done(info) => gscomm::Completion { status: Status::Ok, info },
+        Started::Pending(h) => {
+            let c = w.request_wait(h).expect("request_wait");
+            w.request_release(h).expect("release");
+            c
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One scenario, two lanes: a peer is a child process (shm) or a thread of this process
+// (loopback, which only reaches workers of one process). Roles are written once against `Chan`.
+
+/// The role side's end of the key/value line protocol.
+pub trait Chan: Send {
+    fn put(&self, key: &str, value: &[u8]);
+    fn get(&self, key: &str) -> Vec<u8>;
+    /// The next message if one is there (`key`, value), without waiting.
+    fn try_get(&self) -> Option<(String, Vec<u8>)>;
+}
+
+impl Chan for Parent {
+    fn put(&self, key: &str, value: &[u8]) {
+        Parent::put(self, key, value)
+    }
+    fn get(&self, key: &str) -> Vec<u8> {
+        Parent::get(self, key)
+    }
+    fn try_get(&self) -> Option<(String, Vec<u8>)> {
+        let line = self.lines.try_recv().ok()?;
+        let (k, v) = line.split_once('=').expect("key=value");
+        Some((k.to_string(), unhex(v)))
+    }
+}
+
+pub struct ThreadChan {
+    tx: std::sync::mpsc::Sender<(String, Vec<u8>)>,
+    rx: std::sync::Mutex<Receiver<(String, Vec<u8>)>>,
+}
+
+impl Chan for ThreadChan {
+    fn put(&self, key: &str, value: &[u8]) {
+        let _ = self.tx.send((key.to_string(), value.to_vec()));
+    }
+    fn get(&self, key: &str) -> Vec<u8> {
+        let (k, v) = self.rx.lock().unwrap().recv_timeout(CHILD_MAX_LIFE).unwrap_or_else(|_| panic!("role thread: no `{key}`"));
+        assert_eq!(k, key, "role thread: expected `{key}`");
+        v
+    }
+    fn try_get(&self) -> Option<(String, Vec<u8>)> {
+        self.rx.lock().unwrap().try_recv().ok()
+    }
+}
+
+/// The test side's handle on a peer.
+pub enum Peer {
+    Proc(ChildProc),
+    Thread {
+        handle: Option<std::thread::JoinHandle<()>>,
+        tx: std::sync::mpsc::Sender<(String, Vec<u8>)>,
+        rx: Receiver<(String, Vec<u8>)>,
+    },
+}
+
+/// The lane a scenario runs on.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// Between processes.
+    Shm,
+    /// Between threads of this process.
+    Loopback,
+}
+
+impl Lane {
+    pub fn tls(self) -> &'static str {
+        match self {
+            Lane::Shm => "shm",
+            Lane::Loopback => "loopback",
+        }
+    }
+}
+
+/// Start `role` as a peer: a child process running `test` for shm (the test function must call
+/// `run_child_role` first thing), a thread for loopback. `cfg` is the peer's config overrides.
+pub fn start_peer(lane: Lane, test: &str, role: &str, cfg: &[(&str, &str)], f: fn(&str, &dyn Chan, Context)) -> Peer {
+    match lane {
+        Lane::Shm => Peer::Proc(spawn_child(test, role, cfg)),
+        Lane::Loopback => {
+            let (to_role, role_rx) = std::sync::mpsc::channel();
+            let (role_tx, from_role) = std::sync::mpsc::channel();
+            let ctx = ctx_with(cfg);
+            let role = role.to_string();
+            let handle = std::thread::spawn(move || {
+                let chan = ThreadChan { tx: role_tx, rx: std::sync::Mutex::new(role_rx) };
+                f(&role, &chan, ctx);
+            });
+            Peer::Thread { handle: Some(handle), tx: to_role, rx: from_role }
+        }
+    }
+}
+
+/// In a child process: run the role named by `GSC_TEST_CHILD` and report whether this was one.
+pub fn run_child_role(f: fn(&str, &dyn Chan, Context)) -> bool {
+    let Some(role) = child_role() else { return false };
+    let parent = Parent::new();
+    f(&role, &parent, child_ctx());
+    true
+}
+
+impl Peer {
+    pub fn put(&mut self, key: &str, value: &[u8]) {
+        match self {
+            Peer::Proc(c) => c.put(key, value),
+            Peer::Thread { tx, .. } => {
+                let _ = tx.send((key.to_string(), value.to_vec()));
+            }
+        }
+    }
+
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Vec<u8> {
+        match self {
+            Peer::Proc(c) => c.get(key, timeout),
+            Peer::Thread { rx, .. } => match rx.recv_timeout(timeout) {
+                Ok((k, v)) => {
+                    assert_eq!(k, key, "expected `{key}` from the role thread");
+                    v
+                }
+                Err(e) => panic!("no `{key}` from the role thread within {timeout:?}: {e:?}"),
+            },
+        }
+    }
+
+    /// Like `get`, progressing `w` while waiting (the peer may need us to move to answer).
+    pub fn get_progress(&mut self, key: &str, timeout: Duration, w: &Worker) -> Vec<u8> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let got = match self {
+                Peer::Proc(c) => c.lines.try_recv().ok().map(|line| {
+                    let (k, v) = line.split_once('=').expect("key=value");
+                    (k.to_string(), unhex(v))
+                }),
+                Peer::Thread { rx, .. } => rx.try_recv().ok(),
+            };
+            if let Some((k, v)) = got {
+                if k != key {
+                    self.abort(&format!("expected `{key}`, got `{k}`"));
+                }
+                return v;
+            }
+            if Instant::now() >= deadline {
+                self.abort(&format!("no `{key}` within {timeout:?}"));
+            }
+            if w.progress() == 0 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Wait for the peer to finish successfully (process exit 0 / thread returned).
+    pub fn finish(&mut self, timeout: Duration) {
+        match self {
+            Peer::Proc(c) => c.wait_success(timeout),
+            Peer::Thread { handle, .. } => {
+                let deadline = Instant::now() + timeout;
+                let h = handle.take().expect("finish once");
+                while !h.is_finished() {
+                    assert!(Instant::now() < deadline, "role thread still running after {timeout:?}");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                if let Err(e) = h.join() {
+                    std::panic::resume_unwind(e);
+                }
+            }
+        }
+    }
+
+    fn abort(&mut self, what: &str) -> ! {
+        match self {
+            Peer::Proc(c) => c.fail(what),
+            Peer::Thread { .. } => panic!("role thread: {what}"),
+        }
+    }
+
+    pub fn proc(&mut self) -> &mut ChildProc {
+        match self {
+            Peer::Proc(c) => c,
+            Peer::Thread { .. } => panic!("not a process peer"),
+        }
+    }
+}
