@@ -532,7 +532,12 @@ impl State {
             Some((w, _, _)) if w == worker => {}
             _ => return Err(Error::new(Status::InvalidHandle, "request handle does not belong to this worker")),
         }
-        self.slot(handle).ok_or_else(|| Error::new(Status::InvalidHandle, "stale or already released request handle"))
+        // A released slot stays in the table until its request completes (so the callback can
+        // still fire), but the handle itself is dead: `request_release` promises "invalid from
+        // now on", and a test/wait/cancel through it would race with the slot being recycled.
+        self.slot(handle)
+            .filter(|s| !s.released)
+            .ok_or_else(|| Error::new(Status::InvalidHandle, "stale or already released request handle"))
     }
 
     fn checked_slot_mut(&mut self, worker: u16, handle: u64) -> Result<&mut Slot> {

@@ -46,11 +46,10 @@ pub(crate) fn conn_ctrl(seg: &Segment) -> Result<&ConnCtrl> {
 
 /// Directories are made absolute once, since segment paths travel to other processes.
 pub(crate) fn absolute_dir(dir: &Path) -> Result<PathBuf> {
+    // InvalidConfig must name the variable to fix (the config module's rule for every knob);
+    // the directory comes from GSC_SHM_DIR.
     std::fs::canonicalize(dir).map_err(|e| {
-        Error::new(
-            Status::InvalidConfig,
-            format!("shm directory {}: {e}", dir.display()),
-        )
+        Error::new(Status::InvalidConfig, format!("GSC_SHM_DIR: shm directory {}: {e}", dir.display()))
     })
 }
 
