@@ -424,6 +424,36 @@ fn stopped_peer_times_out_then_completes_shm() {
     });
 }
 
+/// A blocking send that times out must not leave the caller's buffer in use: it ends the
+/// endpoint's link (queued frames and protocol state naming the buffer are dropped), and the
+/// endpoint then reports why.
+#[test]
+fn blocking_send_timeout_releases_the_buffer_shm() {
+    child_or(|| {
+        let s = Setup::new(Lane::Shm, "blocking_send_timeout_releases_the_buffer_shm", &[("GSC_TIMEOUT", "1s"), ("GSC_RNDV_SCHEME", "pipeline")]);
+        let w = s.w();
+        let (mut p, addr) = s.peer("peer", &[("GSC_TIMEOUT", "20s")]);
+        p.get_progress("rkey", T, w);
+        p.get_progress("base", T, w);
+        let ep = w.connect(&addr).unwrap();
+        let c = p.proc();
+        c.signal(libc::SIGSTOP);
+        let data = pattern(5, 1 << 20);
+        let t0 = Instant::now();
+        let e = ep.tag_send(&data, 5).unwrap_err();
+        assert_eq!(e.status(), Status::TimedOut, "{e:?}");
+        assert!(t0.elapsed() < Duration::from_secs(4), "send returned after {:?}", t0.elapsed());
+        drop(data);
+        assert_eq!(w.stats().in_progress, 0, "nothing may stay in flight once the call returned");
+        let e = ep.tag_send(b"x", 6).unwrap_err();
+        assert_eq!(e.status(), Status::TimedOut, "the endpoint reports why it is unusable: {e:?}");
+        p.proc().signal(libc::SIGCONT);
+        drop(ep);
+        s.bye(p);
+        s.check_clean();
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // 11. Endpoint close
 

@@ -204,7 +204,8 @@ mod tests {
         assert!(w.version && w.lanes && !w.config && !w.status && !w.help);
         let w = parse(&["-cs", "--lanes"]).unwrap();
         assert!(w.config && w.status && w.lanes && !w.version);
-        assert!(parse(&["-p"]).unwrap_err().contains("-p"));
+        assert!(parse(&["-p"]).unwrap().protocols);
+        assert!(parse(&["-x"]).unwrap_err().contains("-x"));
         assert!(parse(&["-vx"]).unwrap_err().contains("-x"));
         assert!(parse(&["--verbose"]).is_err());
         assert!(parse(&["-"]).is_err());

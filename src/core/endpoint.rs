@@ -2,7 +2,7 @@
 
 use super::memory::{check_range, rkey_unpack, Rkey};
 use super::request::{ReqKind, RequestParams, Started};
-use super::worker::{check_buffer, check_memtype, Completion, State, Worker};
+use super::worker::{check_buffer, check_memtype, Completion, OnTimeout, State, Worker};
 use crate::error::{Error, Result, Status};
 use crate::protocols::{Action, ConnId, MemType, RecvInfo, UserBuf};
 use crate::transport::LaneKind;
@@ -65,12 +65,10 @@ impl Endpoint {
 
     /// Blocking send (progresses until done or `GSC_TIMEOUT`).
     pub fn tag_send(&self, data: &[u8], tag: u64) -> Result<()> {
-        // SAFETY: `data` is borrowed for the whole call and the request completes before return
-        // (on timeout the error is returned only after the link failed or the wait gave up; see
-        // `finish_blocking`, which releases the handle without leaving the buffer referenced by
-        // a send that could still read it only if the peer is alive and slow).
+        // SAFETY: `data` is borrowed for the whole call; the request completes before return, or
+        // on timeout `finish_blocking` ends the link so nothing refers to `data` afterwards.
         let started = unsafe { self.tag_send_nbx(data.as_ptr(), data.len(), tag, RequestParams::default())? };
-        self.worker.finish_blocking(started, false)?.into_result().map(|_| ())
+        self.worker.finish_blocking(started, OnTimeout::Withdraw)?.into_result().map(|_| ())
     }
 
     /// Unpack a remote key received from this endpoint's peer.
@@ -147,7 +145,7 @@ impl Endpoint {
 
     pub fn flush(&self) -> Result<()> {
         let s = self.flush_nbx(RequestParams::default())?;
-        self.worker.finish_blocking(s, false)?.into_result().map(|_| ())
+        self.worker.finish_blocking(s, OnTimeout::Release)?.into_result().map(|_| ())
     }
 
     /// Close the endpoint. With `Flush`, completes once every send on it completed and the peer
@@ -173,7 +171,7 @@ impl Endpoint {
     /// Blocking close with flush.
     pub fn close(self) -> Result<()> {
         let s = self.close_nbx(CloseMode::Flush, RequestParams::default())?;
-        self.worker.finish_blocking(s, false).and_then(Completion::into_result).map(|_| ())
+        self.worker.finish_blocking(s, OnTimeout::Release).and_then(Completion::into_result).map(|_| ())
     }
 }
 

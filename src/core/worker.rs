@@ -295,7 +295,7 @@ impl Worker {
         // SAFETY: `buf` is borrowed mutably for the whole call and the request is waited for (or
         // canceled on timeout) before returning.
         let started = unsafe { self.tag_recv_nbx(buf.as_mut_ptr(), buf.len(), tag, tag_mask, RequestParams::default())? };
-        self.finish_blocking(started, true)
+        self.finish_blocking(started, OnTimeout::Withdraw)
     }
 
     /// Is there an unexpected message matching `(tag, mask)`? Progresses once first.
@@ -304,21 +304,40 @@ impl Worker {
         self.lock().engine.tag.probe(tag, tag_mask, remove)
     }
 
-    /// Wait for a pending request during a blocking call; on timeout cancel it if possible so
-    /// no buffer stays referenced after the call returns.
-    pub(crate) fn finish_blocking(&self, started: Started, cancel_on_timeout: bool) -> Result<Completion> {
+    /// Wait for a pending request during a blocking call. On timeout nothing may keep referring
+    /// to the caller's buffer after the call returns: a receive that has not matched is canceled;
+    /// anything else that is still in flight (a send, a matched receive) ends its endpoint's link,
+    /// which drops the queued frames and the protocol state naming the buffer. Requests that hold
+    /// no user buffer (flush, close) are simply released.
+    pub(crate) fn finish_blocking(&self, started: Started, on_timeout: OnTimeout) -> Result<Completion> {
         let handle = match started {
             Started::Done(info) => return Ok(Completion { status: Status::Ok, info }),
             Started::Pending(h) => h,
         };
         let r = self.request_wait(handle);
-        if let Err(e) = &r {
-            if e.status() == Status::TimedOut && cancel_on_timeout && self.request_cancel(handle).is_ok() {
-                let _ = self.request_wait(handle);
+        if matches!(&r, Err(e) if e.status() == Status::TimedOut) && on_timeout == OnTimeout::Withdraw {
+            if self.request_cancel(handle).is_err() {
+                self.break_link_of(handle);
             }
         }
         let _ = self.request_release(handle);
         r
+    }
+
+    /// End the link a request depends on, failing it and everything else on that link.
+    fn break_link_of(&self, handle: u64) {
+        let ready = {
+            let mut st = self.lock();
+            let conn = st.slot(handle).and_then(|s| s.conn).or_else(|| st.engine.tag.conn_of(handle));
+            let mut out = Actions::new();
+            if let Some(conn) = conn {
+                let e = Error::new(Status::TimedOut, "a blocking operation timed out (GSC_TIMEOUT); the endpoint was closed so no buffer stays in use");
+                st.fail_conn(conn, e, &mut out);
+            }
+            st.execute(&self.inner.context, out);
+            std::mem::take(&mut st.ready)
+        };
+        fire(ready);
     }
 
     /// The request's result if it completed, `None` while it is in progress.
@@ -411,7 +430,7 @@ impl Worker {
     /// Blocking worker flush.
     pub fn flush(&self) -> Result<()> {
         let s = self.flush_nbx(RequestParams::default())?;
-        self.finish_blocking(s, false)?.into_result().map(|_| ())
+        self.finish_blocking(s, OnTimeout::Release)?.into_result().map(|_| ())
     }
 
     /// Requests in progress (not yet completed) and unexpected messages held, for diagnostics.
@@ -424,6 +443,15 @@ impl Worker {
             connections: st.conns.len(),
         }
     }
+}
+
+/// What a blocking call does with its request when `GSC_TIMEOUT` passes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum OnTimeout {
+    /// The request refers to a user buffer: withdraw it (cancel, or end its link).
+    Withdraw,
+    /// The request refers to no user memory: just release it.
+    Release,
 }
 
 /// Counters from `Worker::stats`.

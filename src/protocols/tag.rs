@@ -205,6 +205,14 @@ impl TagEngine {
         self.sends.len() + self.recvs.len()
     }
 
+    /// The link a matched receive is tied to (posted, unmatched receives have none).
+    pub fn conn_of(&self, req: ReqId) -> Option<ConnId> {
+        match self.recvs.get(&req)? {
+            RecvState::Posted { .. } => None,
+            RecvState::Eager { conn, .. } | RecvState::Reading { conn, .. } | RecvState::Pushed { conn, .. } => Some(*conn),
+        }
+    }
+
     /// Sends still in progress on `conn` (a flushing close waits for zero).
     pub fn sends_on(&self, conn: ConnId) -> usize {
         self.sends
