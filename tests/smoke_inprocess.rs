@@ -38,3 +38,16 @@ fn loopback_lane() {
 fn shm_lane_within_one_process() {
     exchange("shm");
 }
+
+/// A flush-close whose Close frame meets a link the peer already closed still completes (it
+/// used to stay pending forever: the frame, and with it the request, was dropped with the link).
+#[test]
+fn close_completes_when_the_peer_is_gone() {
+    let ctx = ctx("shm");
+    let a = ctx.create_worker().unwrap();
+    let b = ctx.create_worker().unwrap();
+    let ep = a.connect(b.address()).unwrap();
+    ep.tag_send(b"x", 1).unwrap();
+    drop(b);
+    ep.close().unwrap();
+}

@@ -38,6 +38,36 @@ impl WorkerAddress {
         out
     }
 
+    /// The length of the packed address at `ptr`, read from its own header: the C API receives
+    /// an address as a bare pointer (like UCP's `ucp_address_t *`). The magic and the format
+    /// version are checked before any lane header is read, so a pointer to something else fails
+    /// after the fixed header. `unpack` still checks the whole address afterwards.
+    ///
+    /// # Safety
+    /// `ptr` must point to readable memory holding a packed address (at least the fixed header,
+    /// and the whole address if the header is a valid one).
+    pub unsafe fn packed_len(ptr: *const u8) -> Result<usize> {
+        let bad = |what: &str| Error::new(Status::InvalidAddress, format!("worker address: {what}"));
+        // SAFETY: the caller guarantees the fixed header is readable.
+        let head = unsafe { std::slice::from_raw_parts(ptr, FIXED) };
+        if &head[..4] != MAGIC {
+            return Err(bad("not a gscomm worker address (bad magic)"));
+        }
+        let version = u16::from_le_bytes([head[4], head[5]]);
+        if version != VERSION {
+            return Err(bad(&format!("format version {version}, this library reads version {VERSION}")));
+        }
+        let nlanes = u16::from_le_bytes([head[6], head[7]]) as usize;
+        let mut at = FIXED;
+        for _ in 0..nlanes {
+            // SAFETY: a valid header announces `nlanes` lane records; the caller guarantees the
+            // whole address is readable, and `at` only advances by the lengths it declares.
+            let lane = unsafe { std::slice::from_raw_parts(ptr.add(at), 3) };
+            at += 3 + u16::from_le_bytes([lane[1], lane[2]]) as usize;
+        }
+        Ok(at)
+    }
+
     pub fn unpack(bytes: &[u8]) -> Result<WorkerAddress> {
         let bad = |what: &str| Error::new(Status::InvalidAddress, format!("worker address: {what}"));
         if bytes.len() < FIXED {
@@ -96,6 +126,16 @@ mod tests {
             process: ProcessIdentity { pid: 777, start_time: 123456 },
             lanes: vec![(LaneKind::Loopback, vec![]), (LaneKind::Shm, b"/dev/shm/gsc-x".to_vec())],
         }
+    }
+
+    #[test]
+    fn packed_len_reads_the_header() {
+        let packed = sample().pack();
+        // SAFETY: `packed` is a whole packed address.
+        assert_eq!(unsafe { WorkerAddress::packed_len(packed.as_ptr()) }.unwrap(), packed.len());
+        let junk = [0u8; FIXED];
+        // SAFETY: `junk` holds the fixed header's worth of bytes; the magic check stops there.
+        assert_eq!(unsafe { WorkerAddress::packed_len(junk.as_ptr()) }.unwrap_err().status(), Status::InvalidAddress);
     }
 
     #[test]

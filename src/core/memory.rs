@@ -100,7 +100,8 @@ impl MemHandle {
 }
 
 const RKEY_MAGIC: &[u8; 4] = b"GSCK";
-const RKEY_BYTES: usize = 4 + 8 + 8 + 8 + 4 + 8;
+/// Size of a packed remote key (fixed; the C API reads a packed key from a bare pointer).
+pub(crate) const RKEY_BYTES: usize = 4 + 8 + 8 + 8 + 4 + 8;
 
 /// A peer's region, usable for put/get through an endpoint to that peer.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -726,6 +726,9 @@ impl State {
                 }
                 Ok(false) => {}
                 Err(e) => {
+                    // Queue it first so that `fail_conn` sees it: a Close frame's request must
+                    // still complete.
+                    self.conns[conn].outq.push_back(frame);
                     self.fail_conn(conn, e, out);
                     return;
                 }
@@ -759,7 +762,9 @@ impl State {
         }
         tracing::info!(target: "gsc::core", conn, error = %error, "connection failed");
         let status = error.status();
-        c.outq.clear();
+        // Requests completed by their frame being sent and tracked by no protocol (closes) would
+        // never complete once their frame is dropped; a close that meets a dead link is a close.
+        let unsent: Vec<ReqId> = c.outq.drain(..).filter_map(|f| f.on_sent).collect();
         c.link.close();
         let closing = c.closing.take();
         let keep = c.has_user_ep;
@@ -768,6 +773,11 @@ impl State {
         if let Some(req) = closing {
             // A close that meets a dead link is still a close.
             out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+        }
+        for req in unsent {
+            if self.slot(req).is_some_and(|s| s.kind == ReqKind::Close) {
+                out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
+            }
         }
         // Requests the engine does not track (none today) would be failed here by slot.conn.
         if !keep {

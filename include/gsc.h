@@ -1,0 +1,472 @@
+/*
+ * gsc.h - the C API of gscomm, a GPU communication runtime.
+ *
+ * The shape follows UCP (ucp_init, ucp_worker_*, ucp_ep_*, ucp_tag_*_nbx, ucp_mem_map, rkeys)
+ * so that an MPI library with a UCX PML can adopt it with little glue. Differences from UCP are
+ * noted where they matter.
+ *
+ * General rules
+ * -------------
+ * - Every function checks its arguments. A failing call returns a named gsc_status_t (or an
+ *   error status pointer, or NULL/0 where the function has no status to return) and records a
+ *   message for the calling thread, readable with gsc_last_error_message().
+ * - Handles (gsc_context_h, gsc_worker_h, gsc_ep_h, gsc_mem_h, gsc_rkey_h) are checked against
+ *   the set of live handles on every use: a NULL, destroyed or wrong-type handle is reported as
+ *   GSC_ERR_INVALID_HANDLE instead of being dereferenced. (A destroyed handle whose memory was
+ *   reused for a new handle of the same type cannot be told apart from the new one.)
+ * - Request handles are not pointers: a stale, forged or already freed request is reported as
+ *   GSC_ERR_INVALID_HANDLE.
+ * - No call lets a Rust panic escape: an internal failure is reported as GSC_ERR_INTERNAL.
+ * - All objects may be used from any thread (like UCS_THREAD_MODE_MULTI); completion callbacks
+ *   run inside whichever thread calls gsc_worker_progress() (or a call that progresses).
+ * - Buffers are contiguous bytes: every `count` is a number of bytes.
+ * - The C API needs 64-bit pointers (request handles use 64 bits).
+ *
+ * Object lifetimes
+ * ----------------
+ * Destroy in reverse order of creation: close endpoints, destroy workers, unmap memory, then
+ * gsc_cleanup(). Destroying a parent early is not undefined behaviour: gsc_worker_destroy()
+ * releases the worker's endpoints (without telling peers), gsc_cleanup() releases the context's
+ * workers (and their endpoints) and unmaps its memory; their handles become invalid, and so do
+ * the worker's outstanding requests (their callbacks never run; receive buffers are no longer
+ * written). Address and rkey buffers stay valid until released.
+ */
+#ifndef GSC_H
+#define GSC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Version                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+/** Major version of this header (checked against the library's Cargo version at build time). */
+#define GSC_VERSION_MAJOR 0
+/** Minor version of this header. */
+#define GSC_VERSION_MINOR 1
+/** Patch version of this header. */
+#define GSC_VERSION_PATCH 0
+
+/**
+ * The version of the loaded library (which may differ from the GSC_VERSION_* macros the caller
+ * was compiled with). Any pointer may be NULL.
+ */
+void gsc_get_version(unsigned *major_p, unsigned *minor_p, unsigned *patch_p);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Status codes                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+
+/**
+ * Status codes. Values are stable: they never change meaning once released. Grouped by scope:
+ * -1..-19 the call itself, -20..-39 the operation, -40..-59 the peer or connection,
+ * -60..-79 devices and drivers, -80..-99 the library itself.
+ */
+typedef enum {
+    GSC_OK                    = 0,   /**< Success. */
+    GSC_INPROGRESS            = 1,   /**< Operation in progress. */
+
+    GSC_ERR_INVALID_PARAM     = -1,  /**< Invalid parameter (NULL pointer, bad field...). */
+    GSC_ERR_INVALID_HANDLE    = -2,  /**< Invalid, stale or already released handle. */
+    GSC_ERR_UNSUPPORTED       = -3,  /**< Operation not supported (in this build). */
+    GSC_ERR_NO_MEMORY         = -4,  /**< Out of memory. */
+    GSC_ERR_NO_RESOURCE       = -5,  /**< Resources temporarily exhausted. */
+    GSC_ERR_OUT_OF_RANGE      = -6,  /**< Value or address out of range. */
+    GSC_ERR_BUSY              = -7,  /**< Object busy (operations in flight). */
+    GSC_ERR_ALREADY_EXISTS    = -8,  /**< Already exists. */
+    GSC_ERR_NO_MESSAGE        = -9,  /**< No matching message. */
+    GSC_ERR_INVALID_ADDRESS   = -10, /**< Invalid or corrupt worker address. */
+    GSC_ERR_INVALID_CONFIG    = -11, /**< Invalid configuration value (GSC_* variable). */
+    GSC_ERR_IO_ERROR          = -12, /**< Input/output error. */
+
+    GSC_ERR_MESSAGE_TRUNCATED = -20, /**< Receive buffer smaller than the message. */
+    GSC_ERR_CANCELED          = -21, /**< Request canceled. */
+    GSC_ERR_TIMED_OUT         = -22, /**< Timed out (GSC_TIMEOUT). */
+    GSC_ERR_ABORTED           = -23, /**< Aborted. */
+
+    GSC_ERR_PEER_FAILED       = -40, /**< Peer failed (died or stopped answering). */
+    GSC_ERR_UNREACHABLE       = -41, /**< Peer unreachable by any enabled lane. */
+    GSC_ERR_NOT_CONNECTED     = -42, /**< Endpoint closed or not connected. */
+    GSC_ERR_CONNECTION_RESET  = -43, /**< Connection reset by peer. */
+    GSC_ERR_REJECTED          = -44, /**< Connection rejected. */
+
+    GSC_ERR_NO_DEVICE         = -60, /**< No such device. */
+    GSC_ERR_DEVICE            = -61, /**< Device or driver error. */
+    GSC_ERR_LIBRARY_MISSING   = -62, /**< A required shared library could not be loaded. */
+
+    GSC_ERR_INTERNAL          = -80, /**< Internal error (a bug; see the last-error message). */
+
+    GSC_ERR_LAST              = -100 /**< Bound of the error codes; not a status itself. */
+} gsc_status_t;
+
+/**
+ * Result of a non-blocking operation: NULL when it completed at once (successfully), an
+ * encoded error status (test with GSC_PTR_IS_ERR), or a request handle (GSC_PTR_IS_PTR) to
+ * test, wait on and finally release with gsc_request_free(). A request handle is an integer
+ * that is never 0 and never >= (uintptr_t)GSC_ERR_LAST; it must not be dereferenced.
+ */
+typedef void *gsc_status_ptr_t;
+
+/** True when the status pointer encodes an error. */
+#define GSC_PTR_IS_ERR(_ptr) ((uintptr_t)(_ptr) >= (uintptr_t)GSC_ERR_LAST)
+
+/** True when the status pointer is a request handle (neither NULL nor an error). */
+#define GSC_PTR_IS_PTR(_ptr) (((uintptr_t)(_ptr) - 1) < ((uintptr_t)GSC_ERR_LAST - 1))
+
+/**
+ * The status a status pointer stands for: the error it encodes, GSC_OK for NULL, and
+ * GSC_INPROGRESS for a request handle.
+ */
+#define GSC_PTR_STATUS(_ptr)                                                                  \
+    (GSC_PTR_IS_ERR(_ptr) ? (gsc_status_t)(intptr_t)(_ptr)                                    \
+                          : ((_ptr) == NULL ? GSC_OK : GSC_INPROGRESS))
+
+/**
+ * A static, NUL-terminated description of a status ("unknown status" for a value that is not a
+ * gsc_status_t). Never NULL.
+ */
+const char *gsc_status_string(gsc_status_t status);
+
+/**
+ * The message of the most recent failing gscomm call made by the calling thread (it names the
+ * function and what was wrong), or "" when none failed yet. Calls that succeed leave it alone.
+ * The string stays valid until the next failing call on this thread. Never NULL.
+ */
+const char *gsc_last_error_message(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Handles                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+/** A context: configuration, identity and the memory registry (cf. ucp_context_h). */
+typedef struct gsc_context *gsc_context_h;
+/** A worker: the progress engine owning endpoints and requests (cf. ucp_worker_h). */
+typedef struct gsc_worker *gsc_worker_h;
+/** An endpoint: a connection from a worker to one peer worker (cf. ucp_ep_h). */
+typedef struct gsc_ep *gsc_ep_h;
+/** A registered memory region (cf. ucp_mem_h). */
+typedef struct gsc_mem *gsc_mem_h;
+/** An unpacked remote key: a peer's region usable for put/get (cf. ucp_rkey_h). */
+typedef struct gsc_rkey *gsc_rkey_h;
+/** A message taken from the unexpected queue by gsc_tag_probe_nb(remove = 1). */
+typedef struct gsc_tag_message *gsc_tag_message_h;
+/**
+ * A condition: when an operation starts and what waits for it (a CUDA stream position, a graph
+ * node, a kernel trigger, a host stream). No condition can be created in this version: any
+ * non-NULL condition makes an operation fail with GSC_ERR_UNSUPPORTED.
+ */
+typedef struct gsc_condition *gsc_condition_h;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Context                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+/** One configuration override: a GSC_* variable name (the prefix and case are optional) and
+ *  its value, as it would be written in the environment. */
+typedef struct gsc_config_pair {
+    const char *name;  /**< e.g. "GSC_TIMEOUT" or "timeout". */
+    const char *value; /**< e.g. "30s". */
+} gsc_config_pair_t;
+
+/** gsc_params_t.field_mask: `config` and `config_count` are set. */
+#define GSC_PARAM_FIELD_CONFIG (UINT64_C(1) << 0)
+
+/** Parameters of gsc_init(). A zero field_mask (or a NULL pointer) means defaults. */
+typedef struct gsc_params {
+    uint64_t field_mask;              /**< GSC_PARAM_FIELD_* bits of the fields that are set. */
+    const gsc_config_pair_t *config;  /**< Overrides applied on top of the environment. */
+    size_t config_count;              /**< Number of entries in `config`. */
+} gsc_params_t;
+
+/**
+ * Create a context. The configuration is the GSC_* environment with the overrides of
+ * `params->config` applied on top (a later pair wins); an unknown name or a bad value fails with
+ * GSC_ERR_INVALID_CONFIG and a last-error message naming the variable. Also installs the
+ * library's log output (GSC_LOG_LEVEL, GSC_LOG_SUBSYS, GSC_LOG_FILE) unless the process already
+ * has a tracing subscriber.
+ * @param params     may be NULL (defaults).
+ * @param context_p  receives the context; must not be NULL.
+ */
+gsc_status_t gsc_init(const gsc_params_t *params, gsc_context_h *context_p);
+
+/**
+ * Release a context. Workers and memory regions still alive are released with it (see
+ * "Object lifetimes" above).
+ */
+gsc_status_t gsc_cleanup(gsc_context_h context);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Memory                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/** gsc_mem_map_params_t.field_mask: `address` is set. */
+#define GSC_MEM_MAP_PARAM_FIELD_ADDRESS (UINT64_C(1) << 0)
+/** gsc_mem_map_params_t.field_mask: `length` is set (required). */
+#define GSC_MEM_MAP_PARAM_FIELD_LENGTH  (UINT64_C(1) << 1)
+/** gsc_mem_map_params_t.field_mask: `flags` is set. */
+#define GSC_MEM_MAP_PARAM_FIELD_FLAGS   (UINT64_C(1) << 2)
+
+/** gsc_mem_map_params_t.flags: let the library allocate `length` zeroed bytes (then `address`
+ *  must not be given); gsc_mem_query() tells where. Freed by gsc_mem_unmap(). */
+#define GSC_MEM_MAP_ALLOCATE (UINT64_C(1) << 0)
+
+/** Parameters of gsc_mem_map(). */
+typedef struct gsc_mem_map_params {
+    uint64_t field_mask; /**< GSC_MEM_MAP_PARAM_FIELD_* bits of the fields that are set. */
+    void *address;       /**< Existing memory to register (without GSC_MEM_MAP_ALLOCATE). */
+    size_t length;       /**< Bytes to register or allocate. */
+    uint64_t flags;      /**< GSC_MEM_MAP_* flags. */
+} gsc_mem_map_params_t;
+
+/**
+ * Register memory for one-sided access by peers (or allocate it). Existing memory must stay
+ * valid until gsc_mem_unmap().
+ */
+gsc_status_t gsc_mem_map(gsc_context_h context, const gsc_mem_map_params_t *params,
+                         gsc_mem_h *memh_p);
+
+/** Unregister (and, if the library allocated it, free) a region; later peer accesses fail. */
+gsc_status_t gsc_mem_unmap(gsc_context_h context, gsc_mem_h memh);
+
+/** Where a region starts and how long it is. Either output pointer may be NULL. */
+gsc_status_t gsc_mem_query(gsc_mem_h memh, void **address_p, size_t *length_p);
+
+/**
+ * Pack the remote key of a region, for a peer to unpack with gsc_ep_rkey_unpack(). The buffer
+ * is owned by the library until gsc_rkey_buffer_release().
+ */
+gsc_status_t gsc_rkey_pack(gsc_context_h context, gsc_mem_h memh, void **buffer_p,
+                           size_t *size_p);
+
+/** Release a buffer returned by gsc_rkey_pack(). */
+gsc_status_t gsc_rkey_buffer_release(void *buffer);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Worker                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/** Parameters of gsc_worker_create(). No field is defined yet: field_mask must be 0. */
+typedef struct gsc_worker_params {
+    uint64_t field_mask; /**< Must be 0 in this version. */
+} gsc_worker_params_t;
+
+/** Create a worker. `params` may be NULL (defaults). */
+gsc_status_t gsc_worker_create(gsc_context_h context, const gsc_worker_params_t *params,
+                               gsc_worker_h *worker_p);
+
+/**
+ * Destroy a worker. Close its endpoints first; endpoints still open are released without
+ * telling their peers, and outstanding requests become invalid (see "Object lifetimes").
+ */
+gsc_status_t gsc_worker_destroy(gsc_worker_h worker);
+
+/**
+ * The worker's packed address, to give to peers (as opaque bytes) for gsc_ep_create(). The
+ * buffer is owned by the library until gsc_worker_release_address().
+ */
+gsc_status_t gsc_worker_get_address(gsc_worker_h worker, void **address_p, size_t *length_p);
+
+/** Release an address returned by gsc_worker_get_address() for the same worker. */
+gsc_status_t gsc_worker_release_address(gsc_worker_h worker, void *address);
+
+/**
+ * Make progress: accept connections, move data, complete requests and run their callbacks.
+ * Returns the number of events handled (0: nothing happened, or an invalid worker, which sets
+ * the last-error message).
+ */
+unsigned gsc_worker_progress(gsc_worker_h worker);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Request parameters                                                                          */
+/* ------------------------------------------------------------------------------------------ */
+
+/** Where a buffer lives. */
+typedef enum {
+    GSC_MEMORY_TYPE_HOST = 0, /**< Host memory. */
+    GSC_MEMORY_TYPE_CUDA = 1  /**< CUDA device memory (no lane carries it in this version). */
+} gsc_memory_type_t;
+
+/** What a completed tagged receive reports. */
+typedef struct gsc_tag_recv_info {
+    uint64_t sender_tag; /**< The tag the message was sent with. */
+    size_t length;       /**< The sender's length (on truncation, more than was written). */
+} gsc_tag_recv_info_t;
+
+/** Completion callback of sends, put/get, flushes and endpoint close. `request` is the handle
+ *  the operation returned; the callback may free it. */
+typedef void (*gsc_send_nbx_callback_t)(void *request, gsc_status_t status, void *user_data);
+
+/** Completion callback of tagged receives; `info` is valid during the call only. */
+typedef void (*gsc_tag_recv_nbx_callback_t)(void *request, gsc_status_t status,
+                                            const gsc_tag_recv_info_t *info, void *user_data);
+
+/** gsc_request_param_t.op_attr_mask: `cb` is set. */
+#define GSC_OP_ATTR_FIELD_CALLBACK    (UINT64_C(1) << 0)
+/** gsc_request_param_t.op_attr_mask: `user_data` is set. */
+#define GSC_OP_ATTR_FIELD_USER_DATA   (UINT64_C(1) << 1)
+/** gsc_request_param_t.op_attr_mask: `flags` is set. */
+#define GSC_OP_ATTR_FIELD_FLAGS       (UINT64_C(1) << 2)
+/** gsc_request_param_t.op_attr_mask: `memory_type` is set (otherwise: detected). */
+#define GSC_OP_ATTR_FIELD_MEMORY_TYPE (UINT64_C(1) << 3)
+/** gsc_request_param_t.op_attr_mask: `recv_info` is set (receives only). */
+#define GSC_OP_ATTR_FIELD_RECV_INFO   (UINT64_C(1) << 4)
+/** gsc_request_param_t.op_attr_mask: `condition` is set. */
+#define GSC_OP_ATTR_FIELD_CONDITION   (UINT64_C(1) << 5)
+
+/** gsc_request_param_t.flags: always return a request, even when the operation completed at
+ *  once; its callback then runs as for any request (possibly before the call returns). */
+#define GSC_OP_ATTR_FLAG_NO_IMM_CMPL (UINT64_C(1) << 0)
+/** gsc_request_param_t.flags, gsc_ep_close_nbx() only: close at once without waiting for
+ *  sends in flight (they complete with GSC_ERR_CANCELED). */
+#define GSC_EP_CLOSE_FLAG_FORCE      (UINT64_C(1) << 1)
+
+/**
+ * Options of a non-blocking operation (cf. ucp_request_param_t). Fields are read only when
+ * their bit is set in op_attr_mask; a zero mask (or a NULL pointer) means defaults: no
+ * callback, memory type detected, no condition. Unknown bits are rejected.
+ */
+typedef struct gsc_request_param {
+    uint64_t op_attr_mask; /**< GSC_OP_ATTR_FIELD_* bits of the fields that are set. */
+    uint64_t flags;        /**< GSC_OP_ATTR_FLAG_* / GSC_EP_CLOSE_FLAG_* bits. */
+    union {
+        gsc_send_nbx_callback_t send;     /**< For sends, put/get, flushes, close. */
+        gsc_tag_recv_nbx_callback_t recv; /**< For gsc_tag_recv_nbx, gsc_tag_msg_recv_nbx. */
+    } cb;                  /**< Called once when an operation that returns a request completes
+                                (never when it completed at once and NULL was returned). It may
+                                run before the initiating call returns (e.g. an immediate error
+                                such as a truncation, or with GSC_OP_ATTR_FLAG_NO_IMM_CMPL). */
+    void *user_data;       /**< Passed to the callback. */
+    gsc_memory_type_t memory_type; /**< Where the buffer lives. */
+    union {
+        gsc_tag_recv_info_t *tag_info; /**< Filled when a receive completes at once. */
+    } recv_info;           /**< Receive information on immediate completion. */
+    gsc_condition_h condition; /**< When the operation starts (must be NULL in this version). */
+} gsc_request_param_t;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Endpoints                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+/** gsc_ep_params_t.field_mask: `address` is set (required). */
+#define GSC_EP_PARAM_FIELD_ADDRESS        (UINT64_C(1) << 0)
+/** gsc_ep_params_t.field_mask: `address_length` is set: the address is read within it
+ *  (otherwise its length is taken from its own header, as UCP does). */
+#define GSC_EP_PARAM_FIELD_ADDRESS_LENGTH (UINT64_C(1) << 1)
+
+/** Parameters of gsc_ep_create(). */
+typedef struct gsc_ep_params {
+    uint64_t field_mask;   /**< GSC_EP_PARAM_FIELD_* bits of the fields that are set. */
+    const void *address;   /**< A peer worker's address (from gsc_worker_get_address). */
+    size_t address_length; /**< Its length in bytes. */
+} gsc_ep_params_t;
+
+/** Create an endpoint to the worker whose address is `params->address`. */
+gsc_status_t gsc_ep_create(gsc_worker_h worker, const gsc_ep_params_t *params, gsc_ep_h *ep_p);
+
+/**
+ * Close an endpoint. Without GSC_EP_CLOSE_FLAG_FORCE the returned request completes once every
+ * send on the endpoint completed and the peer was told. The handle is invalid as soon as this
+ * returns, whatever the outcome (except an argument error, which changes nothing).
+ */
+gsc_status_ptr_t gsc_ep_close_nbx(gsc_ep_h ep, const gsc_request_param_t *param);
+
+/** Completes when every earlier operation on the endpoint was applied at the peer. */
+gsc_status_ptr_t gsc_ep_flush_nbx(gsc_ep_h ep, const gsc_request_param_t *param);
+
+/** Completes when every earlier operation on every endpoint of the worker was applied. */
+gsc_status_ptr_t gsc_worker_flush_nbx(gsc_worker_h worker, const gsc_request_param_t *param);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tagged messages                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+/**
+ * Send `count` bytes at `buffer` with `tag`. The buffer must stay valid and unmodified until the
+ * operation completes (at once when NULL is returned).
+ */
+gsc_status_ptr_t gsc_tag_send_nbx(gsc_ep_h ep, const void *buffer, size_t count, uint64_t tag,
+                                  const gsc_request_param_t *param);
+
+/**
+ * Receive into `buffer` (up to `count` bytes) the first message whose tag matches:
+ * (sender_tag & tag_mask) == (tag & tag_mask). A longer message completes the request with
+ * GSC_ERR_MESSAGE_TRUNCATED; nothing is written past `count` bytes.
+ */
+gsc_status_ptr_t gsc_tag_recv_nbx(gsc_worker_h worker, void *buffer, size_t count, uint64_t tag,
+                                  uint64_t tag_mask, const gsc_request_param_t *param);
+
+/**
+ * Is there an unexpected message matching (tag, tag_mask)? Progresses once first. Returns NULL
+ * if none (or on an argument error, which sets the last-error message), else a non-NULL handle
+ * and fills `info`. With `remove` non-zero the message is taken off the queue and must be
+ * received with gsc_tag_msg_recv_nbx(); with `remove` 0 the handle only says "found".
+ */
+gsc_tag_message_h gsc_tag_probe_nb(gsc_worker_h worker, uint64_t tag, uint64_t tag_mask,
+                                   int remove, gsc_tag_recv_info_t *info);
+
+/** Receive a message taken by gsc_tag_probe_nb(remove = 1) on the same worker. */
+gsc_status_ptr_t gsc_tag_msg_recv_nbx(gsc_worker_h worker, void *buffer, size_t count,
+                                      gsc_tag_message_h message,
+                                      const gsc_request_param_t *param);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Requests                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/** GSC_INPROGRESS while the request runs, then its final status. Does not progress. */
+gsc_status_t gsc_request_check_status(void *request);
+
+/** As gsc_request_check_status(), and fills `info` (may be NULL) once a receive completed. */
+gsc_status_t gsc_tag_recv_request_test(void *request, gsc_tag_recv_info_t *info);
+
+/**
+ * Progress the request's worker until the request completes and return its status (filling
+ * `info`, which may be NULL, for receives). Gives up after GSC_TIMEOUT with GSC_ERR_TIMED_OUT;
+ * the request then stays valid. Does not free the request.
+ */
+gsc_status_t gsc_request_wait(void *request, gsc_tag_recv_info_t *info);
+
+/**
+ * Cancel a receive that has not matched a message yet: it completes with GSC_ERR_CANCELED.
+ * Fails with GSC_ERR_BUSY once matched, GSC_ERR_UNSUPPORTED for other operations.
+ */
+gsc_status_t gsc_request_cancel(gsc_worker_h worker, void *request);
+
+/**
+ * Release a request handle. A request still in progress completes anyway (its callback still
+ * runs). The handle is invalid afterwards; releasing it again (or an invalid handle) is
+ * reported through gsc_last_error_message() and the log, and otherwise ignored.
+ */
+void gsc_request_free(void *request);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Remote memory access                                                                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/** Unpack a remote key packed by the peer `ep` leads to. `buffer` is a gsc_rkey_pack() buffer. */
+gsc_status_t gsc_ep_rkey_unpack(gsc_ep_h ep, const void *buffer, gsc_rkey_h *rkey_p);
+
+/** Release an unpacked remote key. */
+gsc_status_t gsc_rkey_destroy(gsc_rkey_h rkey);
+
+/**
+ * Write `count` bytes at `buffer` to `remote_addr` in the peer's region. The range must lie
+ * inside the region (GSC_ERR_OUT_OF_RANGE otherwise). Use a flush to know it was applied.
+ */
+gsc_status_ptr_t gsc_put_nbx(gsc_ep_h ep, const void *buffer, size_t count, uint64_t remote_addr,
+                             gsc_rkey_h rkey, const gsc_request_param_t *param);
+
+/** Read `count` bytes at `remote_addr` of the peer's region into `buffer`. */
+gsc_status_ptr_t gsc_get_nbx(gsc_ep_h ep, void *buffer, size_t count, uint64_t remote_addr,
+                             gsc_rkey_h rkey, const gsc_request_param_t *param);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* GSC_H */

@@ -1,0 +1,157 @@
+//! The header cannot drift from the Rust side: status values and layouts are checked here.
+
+use crate::error::{ALL_STATUSES, ERR_LAST};
+use std::collections::HashMap;
+
+const HEADER: &str = include_str!("../../include/gsc.h");
+
+/// `NAME = value` entries of the `gsc_status_t` enum in include/gsc.h.
+fn header_statuses() -> HashMap<String, i32> {
+    let start = HEADER.find("typedef enum {\n    GSC_OK").expect("gsc_status_t enum in gsc.h");
+    let end = start + HEADER[start..].find("} gsc_status_t;").expect("end of gsc_status_t");
+    let mut out = HashMap::new();
+    for line in HEADER[start..end].lines() {
+        let line = line.split("/*").next().unwrap().trim();
+        let Some((name, value)) = line.split_once('=') else { continue };
+        let value: i32 = value.trim().trim_end_matches(',').trim().parse().unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        assert!(out.insert(name.trim().to_string(), value).is_none(), "{name} twice in gsc.h");
+    }
+    out
+}
+
+#[test]
+fn header_status_values_equal_the_rust_codes() {
+    let mut header = header_statuses();
+    for s in ALL_STATUSES {
+        let v = header.remove(s.c_name()).unwrap_or_else(|| panic!("{} is missing from include/gsc.h", s.c_name()));
+        assert_eq!(v, s.code(), "{} is {v} in gsc.h but {} in src/error.rs", s.c_name(), s.code());
+    }
+    assert_eq!(header.remove("GSC_ERR_LAST"), Some(ERR_LAST), "GSC_ERR_LAST");
+    assert!(header.is_empty(), "statuses in gsc.h that src/error.rs does not have: {:?}", header.keys());
+}
+
+/// `#define NAME (UINT64_C(1) << n)` values of the header.
+fn header_bits() -> HashMap<String, u64> {
+    let mut out = HashMap::new();
+    for line in HEADER.lines() {
+        let Some(rest) = line.strip_prefix("#define ") else { continue };
+        let mut it = rest.split_whitespace();
+        let (Some(name), Some(_)) = (it.next(), it.next()) else { continue };
+        if let Some(n) = rest.split("<<").nth(1) {
+            if rest.contains("UINT64_C(1)") {
+                let n: u32 = n.trim().trim_end_matches(')').trim().parse().unwrap();
+                out.insert(name.to_string(), 1u64 << n);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn header_bits_equal_the_rust_constants() {
+    use super::params::*;
+    let bits = header_bits();
+    let expect = [
+        ("GSC_OP_ATTR_FIELD_CALLBACK", OP_ATTR_FIELD_CALLBACK),
+        ("GSC_OP_ATTR_FIELD_USER_DATA", OP_ATTR_FIELD_USER_DATA),
+        ("GSC_OP_ATTR_FIELD_FLAGS", OP_ATTR_FIELD_FLAGS),
+        ("GSC_OP_ATTR_FIELD_MEMORY_TYPE", OP_ATTR_FIELD_MEMORY_TYPE),
+        ("GSC_OP_ATTR_FIELD_RECV_INFO", OP_ATTR_FIELD_RECV_INFO),
+        ("GSC_OP_ATTR_FIELD_CONDITION", OP_ATTR_FIELD_CONDITION),
+        ("GSC_OP_ATTR_FLAG_NO_IMM_CMPL", OP_ATTR_FLAG_NO_IMM_CMPL),
+        ("GSC_EP_CLOSE_FLAG_FORCE", EP_CLOSE_FLAG_FORCE),
+        ("GSC_PARAM_FIELD_CONFIG", PARAM_FIELD_CONFIG),
+        ("GSC_EP_PARAM_FIELD_ADDRESS", EP_PARAM_FIELD_ADDRESS),
+        ("GSC_EP_PARAM_FIELD_ADDRESS_LENGTH", EP_PARAM_FIELD_ADDRESS_LENGTH),
+        ("GSC_MEM_MAP_PARAM_FIELD_ADDRESS", MEM_MAP_PARAM_FIELD_ADDRESS),
+        ("GSC_MEM_MAP_PARAM_FIELD_LENGTH", MEM_MAP_PARAM_FIELD_LENGTH),
+        ("GSC_MEM_MAP_PARAM_FIELD_FLAGS", MEM_MAP_PARAM_FIELD_FLAGS),
+        ("GSC_MEM_MAP_ALLOCATE", MEM_MAP_ALLOCATE),
+    ];
+    for (name, v) in expect {
+        assert_eq!(bits.get(name), Some(&v), "{name}");
+    }
+    assert_eq!(bits.len(), expect.len(), "a bit in gsc.h has no Rust constant: {bits:?}");
+    assert!(HEADER.contains("GSC_MEMORY_TYPE_HOST = 0") && MEMORY_TYPE_HOST == 0);
+    assert!(HEADER.contains("GSC_MEMORY_TYPE_CUDA = 1") && MEMORY_TYPE_CUDA == 1);
+}
+
+/// Compile a C program that prints the header's struct layouts and compare them with the
+/// `#[repr(C)]` mirrors. Skipped (with a note) where no C compiler is installed.
+#[test]
+fn header_struct_layouts_equal_the_rust_mirrors() {
+    use super::params::*;
+    use std::mem::{offset_of, size_of};
+    let dir = std::env::temp_dir().join(format!("gsc-capi-layout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("layout.c");
+    let exe = dir.join("layout");
+    let include = concat!(env!("CARGO_MANIFEST_DIR"), "/include");
+    std::fs::write(
+        &src,
+        r#"#include <stdio.h>
+#include <stddef.h>
+#include "gsc.h"
+#define S(t) printf(#t " %zu\n", sizeof(t))
+#define O(t, f) printf(#t "." #f " %zu\n", offsetof(t, f))
+int main(void) {
+    S(gsc_request_param_t); O(gsc_request_param_t, flags); O(gsc_request_param_t, cb);
+    O(gsc_request_param_t, user_data); O(gsc_request_param_t, memory_type);
+    O(gsc_request_param_t, recv_info); O(gsc_request_param_t, condition);
+    S(gsc_tag_recv_info_t); O(gsc_tag_recv_info_t, length);
+    S(gsc_params_t); O(gsc_params_t, config); O(gsc_params_t, config_count);
+    S(gsc_config_pair_t); O(gsc_config_pair_t, value);
+    S(gsc_worker_params_t);
+    S(gsc_ep_params_t); O(gsc_ep_params_t, address); O(gsc_ep_params_t, address_length);
+    S(gsc_mem_map_params_t); O(gsc_mem_map_params_t, address); O(gsc_mem_map_params_t, length);
+    O(gsc_mem_map_params_t, flags);
+    S(gsc_status_t); S(gsc_memory_type_t);
+    return 0;
+}
+"#,
+    )
+    .unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let built = std::process::Command::new(&cc).arg("-std=c99").arg("-I").arg(include).arg(&src).arg("-o").arg(&exe).status();
+    match built {
+        Ok(s) if s.success() => {}
+        Ok(s) => panic!("compiling the layout probe failed: {s}"),
+        Err(e) => {
+            eprintln!("note: no C compiler ({cc}: {e}); struct layouts not checked");
+            return;
+        }
+    }
+    let out = std::process::Command::new(&exe).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let c: HashMap<&str, usize> = text.lines().filter_map(|l| l.split_once(' ')).map(|(k, v)| (k, v.parse().unwrap())).collect();
+    let rust = [
+        ("gsc_request_param_t", size_of::<RequestParam>()),
+        ("gsc_request_param_t.flags", offset_of!(RequestParam, flags)),
+        ("gsc_request_param_t.cb", offset_of!(RequestParam, cb)),
+        ("gsc_request_param_t.user_data", offset_of!(RequestParam, user_data)),
+        ("gsc_request_param_t.memory_type", offset_of!(RequestParam, memory_type)),
+        ("gsc_request_param_t.recv_info", offset_of!(RequestParam, recv_info)),
+        ("gsc_request_param_t.condition", offset_of!(RequestParam, condition)),
+        ("gsc_tag_recv_info_t", size_of::<TagRecvInfo>()),
+        ("gsc_tag_recv_info_t.length", offset_of!(TagRecvInfo, length)),
+        ("gsc_params_t", size_of::<Params>()),
+        ("gsc_params_t.config", offset_of!(Params, config)),
+        ("gsc_params_t.config_count", offset_of!(Params, config_count)),
+        ("gsc_config_pair_t", size_of::<ConfigPair>()),
+        ("gsc_config_pair_t.value", offset_of!(ConfigPair, value)),
+        ("gsc_worker_params_t", size_of::<WorkerParams>()),
+        ("gsc_ep_params_t", size_of::<EpParams>()),
+        ("gsc_ep_params_t.address", offset_of!(EpParams, address)),
+        ("gsc_ep_params_t.address_length", offset_of!(EpParams, address_length)),
+        ("gsc_mem_map_params_t", size_of::<MemMapParams>()),
+        ("gsc_mem_map_params_t.address", offset_of!(MemMapParams, address)),
+        ("gsc_mem_map_params_t.length", offset_of!(MemMapParams, length)),
+        ("gsc_mem_map_params_t.flags", offset_of!(MemMapParams, flags)),
+        ("gsc_status_t", size_of::<i32>()),
+        ("gsc_memory_type_t", size_of::<u32>()),
+    ];
+    for (name, v) in rust {
+        assert_eq!(c.get(name), Some(&v), "{name}: C says {:?}, Rust says {v}", c.get(name));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

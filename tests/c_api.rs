@@ -1,0 +1,613 @@
+//! The C API from C: the header compiles as C99 and C++11, the ping-pong example runs as two
+//! processes, and a C test program checks the error paths (bad arguments and handles, stale and
+//! double-freed requests, bad configuration, truncation, conditions).
+//!
+//! The cdylib comes from the same `cargo test` run: the library target's crate types include
+//! `cdylib`, and cargo builds the library (all its crate types, into target/<profile>/) before
+//! the integration tests that depend on it. It is located from this test's own path
+//! (target/<profile>/deps/c_api-* -> target/<profile>/libgscomm.so).
+//!
+//! Needs a C and a C++ compiler (`cc`, `c++`, or `CC`/`CXX`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// target/<profile>, where cargo put libgscomm.so.
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf();
+    let lib = dir.join("libgscomm.so");
+    assert!(
+        lib.exists(),
+        "{} not found: the cdylib is built with the library target by `cargo test`; is `cdylib` still in Cargo.toml's crate-type?",
+        lib.display()
+    );
+    dir
+}
+
+/// A fresh scratch directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gsc-c-api-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn cc() -> String {
+    std::env::var("CC").unwrap_or_else(|_| "cc".to_string())
+}
+
+fn cxx() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".to_string())
+}
+
+/// Compile a C99 program against include/gsc.h and libgscomm.so, with every warning an error.
+fn build_c(src: &Path, exe: &Path) {
+    let lib = lib_dir();
+    let out = Command::new(cc())
+        .args(["-std=c99", "-Wall", "-Werror", "-pedantic", "-I"])
+        .arg(root().join("include"))
+        .arg(src)
+        .arg("-o")
+        .arg(exe)
+        .arg("-L")
+        .arg(&lib)
+        .arg("-lgscomm")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", cc()));
+    assert!(
+        out.status.success(),
+        "compiling {} failed:\n{}{}",
+        src.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Start `cmd` with captured output.
+fn spawn(cmd: &mut Command) -> std::process::Child {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn")
+}
+
+/// Wait for every child, killing all of them if any is still running after `TIMEOUT`.
+/// Returns (name, success, output) per child.
+fn wait_all(children: Vec<(&str, std::process::Child)>) -> Vec<(String, bool, String)> {
+    let start = Instant::now();
+    let mut children: Vec<(String, std::process::Child, Option<std::process::ExitStatus>)> =
+        children.into_iter().map(|(n, c)| (n.to_string(), c, None)).collect();
+    loop {
+        for (_, c, status) in children.iter_mut() {
+            if status.is_none() {
+                *status = c.try_wait().expect("try_wait");
+            }
+        }
+        if children.iter().all(|(_, _, s)| s.is_some()) {
+            break;
+        }
+        if start.elapsed() > TIMEOUT {
+            for (_, c, s) in children.iter_mut() {
+                if s.is_none() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+            }
+            let mut report = String::new();
+            for (name, c, s) in children {
+                let out = c.wait_with_output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)).unwrap_or_default();
+                report += &format!("--- {name} ({}):\n{out}\n", if s.is_some() { "finished" } else { "killed" });
+            }
+            panic!("timed out after {TIMEOUT:?}; processes killed\n{report}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    children
+        .into_iter()
+        .map(|(name, c, s)| {
+            let o = c.wait_with_output().expect("output");
+            let text = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+            (name, s.expect("finished").success(), text)
+        })
+        .collect()
+}
+
+#[test]
+fn header_compiles_as_cxx11() {
+    let out = Command::new(cxx())
+        .args(["-std=c++11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c++"])
+        .arg(root().join("include/gsc.h"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", cxx()));
+    assert!(out.status.success(), "gsc.h as C++11:\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn header_compiles_as_c99_alone() {
+    let dir = scratch("c99");
+    let src = dir.join("h.c");
+    // The header must be self-contained: nothing included before it.
+    std::fs::write(&src, "#include <gsc.h>\nint main(void) { return GSC_PTR_IS_ERR((void *)0) ? 1 : 0; }\n").unwrap();
+    build_c(&src, &dir.join("h"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pingpong_example_runs_as_two_processes() {
+    let dir = scratch("pingpong");
+    let exe = dir.join("pingpong");
+    build_c(&root().join("examples/c/01_tag_pingpong/pingpong.c"), &exe);
+    let addr = dir.join("address");
+    let r0 = spawn(Command::new(&exe).arg("0").arg(&addr));
+    let r1 = spawn(Command::new(&exe).arg("1").arg(&addr));
+    let results = wait_all(vec![("rank 0", r0), ("rank 1", r1)]);
+    for (name, ok, out) in &results {
+        assert!(*ok, "{name} failed:\n{out}");
+        assert!(out.contains("all checks passed"), "{name}:\n{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn error_paths_from_c() {
+    let dir = scratch("errors");
+    let src = dir.join("errors.c");
+    let exe = dir.join("errors");
+    std::fs::write(&src, ERRORS_C).unwrap();
+    build_c(&src, &exe);
+    let results = wait_all(vec![("errors", spawn(&mut Command::new(&exe)))]);
+    let (_, ok, out) = &results[0];
+    assert!(*ok, "C error-path tests failed:\n{out}");
+    assert!(out.contains("error paths: all checks passed"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The C side of `error_paths_from_c`.
+const ERRORS_C: &str = r#"
+#include <gsc.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static int failures = 0;
+
+#define EXPECT(_cond)                                                                         \
+    do {                                                                                      \
+        if (!(_cond)) {                                                                       \
+            fprintf(stderr, "FAILED line %d: %s (last error: %s)\n", __LINE__, #_cond,       \
+                    gsc_last_error_message());                                                \
+            failures++;                                                                       \
+        }                                                                                     \
+    } while (0)
+
+/* `got` is `want`, and the last-error message is non-empty and mentions `needle` ("": anything). */
+#define EXPECT_STATUS(_got, _want, _needle)                                                   \
+    do {                                                                                      \
+        gsc_status_t _g = (_got);                                                             \
+        const char *_m = gsc_last_error_message();                                            \
+        if (_g != (_want)) {                                                                  \
+            fprintf(stderr, "FAILED line %d: %s is %s, expected %s (last error: %s)\n",       \
+                    __LINE__, #_got, gsc_status_string(_g), gsc_status_string(_want), _m);    \
+            failures++;                                                                       \
+        } else if (_m == NULL || _m[0] == '\0' || strstr(_m, (_needle)) == NULL) {          \
+            fprintf(stderr, "FAILED line %d: %s: last error \"%s\" should mention \"%s\"\n",  \
+                    __LINE__, #_got, _m ? _m : "(null)", (_needle));                          \
+            failures++;                                                                       \
+        }                                                                                     \
+    } while (0)
+
+#define EXPECT_PTR_STATUS(_ptr, _want, _needle)                                               \
+    do {                                                                                      \
+        gsc_status_ptr_t _p = (_ptr);                                                         \
+        EXPECT(GSC_PTR_IS_ERR(_p));                                                           \
+        EXPECT_STATUS(GSC_PTR_STATUS(_p), _want, _needle);                                    \
+    } while (0)
+
+static gsc_worker_h wa, wb;
+
+/* Progress both workers until the request completes (or 20 s pass); returns its status. */
+static gsc_status_t wait2(gsc_status_ptr_t p, gsc_tag_recv_info_t *info)
+{
+    time_t start = time(NULL);
+    gsc_status_t st;
+    if (!GSC_PTR_IS_PTR(p)) {
+        return GSC_PTR_STATUS(p);
+    }
+    while ((st = gsc_tag_recv_request_test(p, info)) == GSC_INPROGRESS) {
+        gsc_worker_progress(wa);
+        gsc_worker_progress(wb);
+        if (time(NULL) - start > 20) {
+            return GSC_ERR_TIMED_OUT;
+        }
+    }
+    return st;
+}
+
+static gsc_status_t finish2(gsc_status_ptr_t p, gsc_tag_recv_info_t *info)
+{
+    gsc_status_t st = wait2(p, info);
+    if (GSC_PTR_IS_PTR(p)) {
+        gsc_request_free(p);
+    }
+    return st;
+}
+
+static int recv_calls = 0;
+static gsc_tag_recv_info_t recv_cb_info;
+
+static void on_recv(void *request, gsc_status_t status, const gsc_tag_recv_info_t *info,
+                    void *user_data)
+{
+    (void)request;
+    if (status == GSC_OK && user_data == (void *)&recv_calls) {
+        recv_calls++;
+        recv_cb_info = *info;
+    }
+}
+
+static void config_errors(void)
+{
+    gsc_context_h ctx = NULL;
+    gsc_params_t params;
+    gsc_config_pair_t pair;
+
+    EXPECT_STATUS(gsc_init(NULL, NULL), GSC_ERR_INVALID_PARAM, "context_p");
+
+    memset(&params, 0, sizeof(params));
+    params.field_mask = GSC_PARAM_FIELD_CONFIG;
+    params.config = &pair;
+    params.config_count = 1;
+
+    pair.name = "GSC_TIMEOUT";
+    pair.value = "banana";
+    EXPECT_STATUS(gsc_init(&params, &ctx), GSC_ERR_INVALID_CONFIG, "GSC_TIMEOUT");
+    EXPECT(ctx == NULL);
+
+    pair.name = "GSC_TIMEOUTT";
+    pair.value = "10s";
+    EXPECT_STATUS(gsc_init(&params, &ctx), GSC_ERR_INVALID_CONFIG, "GSC_TIMEOUTT");
+
+    /* A rule across knobs, broken by the override alone. */
+    pair.name = "rndv_thresh";
+    pair.value = "64";
+    EXPECT_STATUS(gsc_init(&params, &ctx), GSC_ERR_INVALID_CONFIG, "GSC_RNDV_THRESH");
+
+    pair.name = "GSC_TLS";
+    pair.value = NULL;
+    EXPECT_STATUS(gsc_init(&params, &ctx), GSC_ERR_INVALID_PARAM, "GSC_TLS");
+
+    params.field_mask = (uint64_t)1 << 40;
+    EXPECT_STATUS(gsc_init(&params, &ctx), GSC_ERR_INVALID_PARAM, "field_mask");
+    EXPECT(ctx == NULL);
+}
+
+static void handle_errors(gsc_context_h ctx)
+{
+    gsc_worker_h w = NULL;
+    gsc_ep_h ep = NULL;
+    gsc_ep_params_t ep_params;
+    int local = 0;
+    char buf[16];
+
+    EXPECT_STATUS(gsc_worker_create(NULL, NULL, &w), GSC_ERR_INVALID_HANDLE, "gsc_context_h is NULL");
+    EXPECT_STATUS(gsc_worker_create(ctx, NULL, NULL), GSC_ERR_INVALID_PARAM, "worker_p");
+    EXPECT_STATUS(gsc_worker_destroy((gsc_worker_h)ctx), GSC_ERR_INVALID_HANDLE, "gsc_context_h");
+    EXPECT_STATUS(gsc_worker_destroy((gsc_worker_h)(void *)&local), GSC_ERR_INVALID_HANDLE, "not a live");
+    EXPECT_STATUS(gsc_cleanup(NULL), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT(gsc_worker_progress(NULL) == 0);
+    EXPECT_STATUS(GSC_ERR_INVALID_HANDLE, GSC_ERR_INVALID_HANDLE, "gsc_worker_progress");
+    EXPECT_STATUS(gsc_ep_create(wa, NULL, &ep), GSC_ERR_INVALID_PARAM, "params");
+    memset(&ep_params, 0, sizeof(ep_params));
+    EXPECT_STATUS(gsc_ep_create(wa, &ep_params, &ep), GSC_ERR_INVALID_PARAM, "address");
+    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS | GSC_EP_PARAM_FIELD_ADDRESS_LENGTH;
+    ep_params.address = "definitely not an address";
+    ep_params.address_length = 20;
+    EXPECT_STATUS(gsc_ep_create(wa, &ep_params, &ep), GSC_ERR_INVALID_ADDRESS, "worker address");
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(NULL, buf, sizeof(buf), 1, NULL), GSC_ERR_INVALID_HANDLE, "gsc_ep_h");
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx((gsc_ep_h)wa, buf, sizeof(buf), 1, NULL), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT_PTR_STATUS(gsc_tag_recv_nbx(wa, NULL, 10, 1, 1, NULL), GSC_ERR_INVALID_PARAM, "NULL");
+    EXPECT_PTR_STATUS(gsc_ep_close_nbx(NULL, NULL), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT(gsc_tag_probe_nb(wa, 1, 1, 0, NULL) == NULL);
+    EXPECT_STATUS(GSC_ERR_INVALID_PARAM, GSC_ERR_INVALID_PARAM, "info is NULL");
+    EXPECT_STATUS(gsc_worker_get_address(wa, NULL, NULL), GSC_ERR_INVALID_PARAM, "address_p");
+    EXPECT_STATUS(gsc_worker_release_address(wa, buf), GSC_ERR_INVALID_HANDLE, "not handed out");
+    EXPECT_STATUS(gsc_rkey_buffer_release(NULL), GSC_ERR_INVALID_PARAM, "");
+
+    EXPECT(strstr(gsc_status_string(GSC_ERR_MESSAGE_TRUNCATED), "truncated") != NULL);
+    EXPECT(strcmp(gsc_status_string((gsc_status_t)-99), "unknown status") == 0);
+    EXPECT(strcmp(gsc_status_string(GSC_OK), "success") == 0);
+    EXPECT(!GSC_PTR_IS_PTR(NULL) && !GSC_PTR_IS_ERR(NULL) && GSC_PTR_STATUS(NULL) == GSC_OK);
+    EXPECT(GSC_PTR_IS_ERR((void *)(intptr_t)GSC_ERR_INTERNAL));
+    EXPECT(!GSC_PTR_IS_PTR((void *)(intptr_t)GSC_ERR_INTERNAL));
+}
+
+static void param_errors(gsc_ep_h ep)
+{
+    gsc_request_param_t p;
+    char buf[16] = "param";
+
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_CONDITION;
+    p.condition = (gsc_condition_h)(uintptr_t)0x1000;
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_UNSUPPORTED, "condition");
+    EXPECT_PTR_STATUS(gsc_tag_recv_nbx(wb, buf, sizeof(buf), 1, ~(uint64_t)0, &p), GSC_ERR_UNSUPPORTED, "condition");
+    EXPECT_PTR_STATUS(gsc_ep_flush_nbx(ep, &p), GSC_ERR_UNSUPPORTED, "condition");
+
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = (uint64_t)1 << 40;
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_INVALID_PARAM, "op_attr_mask");
+
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_FLAGS;
+    p.flags = GSC_EP_CLOSE_FLAG_FORCE;
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_INVALID_PARAM, "GSC_EP_CLOSE_FLAG_FORCE");
+
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.memory_type = GSC_MEMORY_TYPE_CUDA;
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_UNSUPPORTED, "cuda");
+    p.memory_type = (gsc_memory_type_t)7;
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_INVALID_PARAM, "memory_type");
+
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_CALLBACK;
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_INVALID_PARAM, "cb.send");
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_RECV_INFO;
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_INVALID_PARAM, "receives only");
+}
+
+/* A message of `size` bytes into a 512-byte receive: truncated, nothing written past 512. */
+static void truncation(gsc_ep_h ep, size_t size, int post_first)
+{
+    unsigned char *data = malloc(size), *buf = malloc(size);
+    gsc_tag_recv_info_t info;
+    gsc_status_ptr_t s, r = NULL;
+    size_t i;
+    int beyond = 0, inside = 0;
+    for (i = 0; i < size; i++) {
+        data[i] = (unsigned char)(i * 13 + 1);
+        buf[i] = 0xEE;
+    }
+    memset(&info, 0, sizeof(info));
+    if (post_first) {
+        r = gsc_tag_recv_nbx(wb, buf, 512, 42, ~(uint64_t)0, NULL);
+    }
+    s = gsc_tag_send_nbx(ep, data, size, 42, NULL);
+    EXPECT(!GSC_PTR_IS_ERR(s));
+    if (!post_first) {
+        int i2;
+        for (i2 = 0; i2 < 100; i2++) {
+            gsc_worker_progress(wb);
+        }
+        r = gsc_tag_recv_nbx(wb, buf, 512, 42, ~(uint64_t)0, NULL);
+    }
+    EXPECT(GSC_PTR_IS_PTR(r));
+    EXPECT_STATUS(finish2(r, &info), GSC_ERR_MESSAGE_TRUNCATED, "truncated");
+    EXPECT(info.length == size);
+    EXPECT(info.sender_tag == 42);
+    (void)finish2(s, NULL);
+    for (i = 0; i < 512; i++) {
+        inside += buf[i] != data[i];
+    }
+    for (i = 512; i < size; i++) {
+        beyond += buf[i] != 0xEE;
+    }
+    if (inside || beyond) {
+        fprintf(stderr, "FAILED: truncation of %lu bytes (posted %s): %d bytes wrong inside, %d written beyond 512\n",
+                (unsigned long)size, post_first ? "first" : "last", inside, beyond);
+        failures++;
+    }
+    free(data);
+    free(buf);
+}
+
+static void requests(gsc_ep_h ep)
+{
+    char buf[64], msg[] = "hello, callback";
+    gsc_status_ptr_t r;
+    gsc_request_param_t p;
+    gsc_tag_recv_info_t info;
+
+    /* A receive nobody sends to: cancel, then the handle goes stale. */
+    r = gsc_tag_recv_nbx(wb, buf, sizeof(buf), 99, ~(uint64_t)0, NULL);
+    EXPECT(GSC_PTR_IS_PTR(r));
+    EXPECT(gsc_request_check_status(r) == GSC_INPROGRESS);
+    EXPECT(gsc_request_cancel(wb, r) == GSC_OK);
+    EXPECT_STATUS(gsc_request_check_status(r), GSC_ERR_CANCELED, "canceled");
+    gsc_request_free(r);
+    EXPECT_STATUS(gsc_request_check_status(r), GSC_ERR_INVALID_HANDLE, "stale");
+    EXPECT_STATUS(gsc_request_wait(r, NULL), GSC_ERR_INVALID_HANDLE, "gsc_request_wait");
+    gsc_request_free(r); /* double free: reported, not fatal */
+    EXPECT_STATUS(GSC_ERR_INVALID_HANDLE, GSC_ERR_INVALID_HANDLE, "gsc_request_free");
+    EXPECT_STATUS(gsc_request_check_status((void *)(uintptr_t)0x12345), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_request_check_status((void *)(intptr_t)GSC_ERR_CANCELED), GSC_ERR_INVALID_HANDLE, "error status pointer");
+    EXPECT_STATUS(gsc_request_check_status(NULL), GSC_ERR_INVALID_HANDLE, "NULL");
+    gsc_request_free(NULL);
+    EXPECT_STATUS(GSC_ERR_INVALID_HANDLE, GSC_ERR_INVALID_HANDLE, "gsc_request_free");
+
+    /* A receive with a callback. */
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_CALLBACK | GSC_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv = on_recv;
+    p.user_data = &recv_calls;
+    r = gsc_tag_recv_nbx(wb, buf, sizeof(buf), 5, ~(uint64_t)0, &p);
+    EXPECT(GSC_PTR_IS_PTR(r));
+    EXPECT(finish2(gsc_tag_send_nbx(ep, msg, sizeof(msg), 5, NULL), NULL) == GSC_OK);
+    EXPECT(finish2(r, &info) == GSC_OK);
+    EXPECT(recv_calls == 1 && recv_cb_info.length == sizeof(msg) && recv_cb_info.sender_tag == 5);
+    EXPECT(strcmp(buf, msg) == 0);
+
+    /* Immediate completion fills recv_info. */
+    EXPECT(finish2(gsc_tag_send_nbx(ep, msg, 6, 0x77, NULL), NULL) == GSC_OK);
+    {
+        int i;
+        for (i = 0; i < 100; i++) {
+            gsc_worker_progress(wb);
+        }
+    }
+    memset(&p, 0, sizeof(p));
+    memset(&info, 0, sizeof(info));
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_RECV_INFO;
+    p.recv_info.tag_info = &info;
+    r = gsc_tag_recv_nbx(wb, buf, sizeof(buf), 0x70, 0xF0, &p);
+    EXPECT(r == NULL);
+    EXPECT(info.length == 6 && info.sender_tag == 0x77);
+
+    /* A message handle from another worker, or from a probe without remove, is refused. */
+    EXPECT(finish2(gsc_tag_send_nbx(ep, msg, 3, 0x88, NULL), NULL) == GSC_OK);
+    {
+        gsc_tag_message_h m = NULL;
+        int i;
+        for (i = 0; i < 1000 && m == NULL; i++) {
+            m = gsc_tag_probe_nb(wb, 0x88, ~(uint64_t)0, 0, &info);
+        }
+        EXPECT(m != NULL && info.length == 3);
+        EXPECT_PTR_STATUS(gsc_tag_msg_recv_nbx(wb, buf, sizeof(buf), m, NULL), GSC_ERR_INVALID_HANDLE, "without remove");
+        m = gsc_tag_probe_nb(wb, 0x88, ~(uint64_t)0, 1, &info);
+        EXPECT(m != NULL);
+        EXPECT_PTR_STATUS(gsc_tag_msg_recv_nbx(wa, buf, sizeof(buf), m, NULL), GSC_ERR_INVALID_HANDLE, "this worker");
+        EXPECT(finish2(gsc_tag_msg_recv_nbx(wb, buf, sizeof(buf), m, NULL), &info) == GSC_OK);
+        EXPECT(memcmp(buf, msg, 3) == 0);
+        EXPECT_PTR_STATUS(gsc_tag_msg_recv_nbx(wb, buf, sizeof(buf), m, NULL), GSC_ERR_INVALID_HANDLE, "already received");
+    }
+}
+
+static void memory(gsc_context_h ctx, gsc_ep_h ep)
+{
+    gsc_mem_map_params_t mp;
+    gsc_mem_h memh = NULL;
+    void *rkey_buf, *addr;
+    size_t rkey_size, len;
+    gsc_rkey_h rkey;
+    static char region[4096];
+    char src[64] = "written through put";
+    char garbage[64];
+
+    EXPECT_STATUS(gsc_mem_map(ctx, NULL, &memh), GSC_ERR_INVALID_PARAM, "params");
+    memset(&mp, 0, sizeof(mp));
+    mp.field_mask = GSC_MEM_MAP_PARAM_FIELD_ADDRESS;
+    mp.address = region;
+    EXPECT_STATUS(gsc_mem_map(ctx, &mp, &memh), GSC_ERR_INVALID_PARAM, "LENGTH");
+    mp.field_mask |= GSC_MEM_MAP_PARAM_FIELD_LENGTH | GSC_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.length = sizeof(region);
+    mp.flags = GSC_MEM_MAP_ALLOCATE;
+    EXPECT_STATUS(gsc_mem_map(ctx, &mp, &memh), GSC_ERR_INVALID_PARAM, "ALLOCATE");
+    mp.flags = 0;
+    EXPECT(gsc_mem_map(ctx, &mp, &memh) == GSC_OK);
+    EXPECT(gsc_mem_query(memh, &addr, &len) == GSC_OK && addr == (void *)region && len == sizeof(region));
+    EXPECT(gsc_rkey_pack(ctx, memh, &rkey_buf, &rkey_size) == GSC_OK);
+    EXPECT(gsc_ep_rkey_unpack(ep, rkey_buf, &rkey) == GSC_OK);
+    EXPECT(gsc_rkey_buffer_release(rkey_buf) == GSC_OK);
+    EXPECT_STATUS(gsc_rkey_buffer_release(rkey_buf), GSC_ERR_INVALID_HANDLE, "already released");
+    memset(garbage, 0x5A, sizeof(garbage));
+    EXPECT_STATUS(gsc_ep_rkey_unpack(ep, garbage, &rkey), GSC_ERR_INVALID_PARAM, "remote key");
+
+    EXPECT(finish2(gsc_put_nbx(ep, src, sizeof(src), (uint64_t)(uintptr_t)region + 100, rkey, NULL), NULL) == GSC_OK);
+    EXPECT(finish2(gsc_ep_flush_nbx(ep, NULL), NULL) == GSC_OK);
+    EXPECT(memcmp(region + 100, src, sizeof(src)) == 0);
+    EXPECT_PTR_STATUS(gsc_put_nbx(ep, src, sizeof(src), (uint64_t)(uintptr_t)region + sizeof(region) - 8, rkey, NULL),
+                      GSC_ERR_OUT_OF_RANGE, "outside");
+    EXPECT_PTR_STATUS(gsc_get_nbx(ep, src, sizeof(src), 0, (gsc_rkey_h)memh, NULL), GSC_ERR_INVALID_HANDLE, "gsc_mem_h");
+
+    EXPECT(gsc_rkey_destroy(rkey) == GSC_OK);
+    EXPECT_STATUS(gsc_rkey_destroy(rkey), GSC_ERR_INVALID_HANDLE, "gsc_rkey_h");
+    EXPECT(gsc_mem_unmap(ctx, memh) == GSC_OK);
+    EXPECT_STATUS(gsc_mem_unmap(ctx, memh), GSC_ERR_INVALID_HANDLE, "gsc_mem_h");
+    EXPECT_STATUS(gsc_mem_query(memh, &addr, &len), GSC_ERR_INVALID_HANDLE, "");
+}
+
+/* Destroying a worker with an open endpoint releases the endpoint; its handle goes stale. */
+static void lifetimes(gsc_context_h ctx)
+{
+    gsc_worker_h w3;
+    gsc_ep_h ep3;
+    gsc_ep_params_t ep_params;
+    void *addr;
+    size_t len;
+    EXPECT(gsc_worker_create(ctx, NULL, &w3) == GSC_OK);
+    EXPECT(gsc_worker_get_address(wb, &addr, &len) == GSC_OK);
+    memset(&ep_params, 0, sizeof(ep_params));
+    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS; /* length read from the address */
+    ep_params.address = addr;
+    EXPECT(gsc_ep_create(w3, &ep_params, &ep3) == GSC_OK);
+    EXPECT_STATUS(gsc_worker_release_address(w3, addr), GSC_ERR_INVALID_PARAM, "another worker");
+    EXPECT(gsc_worker_release_address(wb, addr) == GSC_OK);
+    EXPECT(gsc_worker_destroy(w3) == GSC_OK);
+    EXPECT_PTR_STATUS(gsc_ep_close_nbx(ep3, NULL), GSC_ERR_INVALID_HANDLE, "gsc_ep_h");
+    EXPECT_STATUS(gsc_worker_destroy(w3), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+}
+
+int main(void)
+{
+    gsc_context_h ctx;
+    gsc_params_t params;
+    gsc_config_pair_t pair;
+    gsc_ep_params_t ep_params;
+    gsc_ep_h ep;
+    void *addr;
+    size_t len;
+
+    EXPECT(gsc_last_error_message() != NULL && gsc_last_error_message()[0] == '\0');
+    config_errors();
+
+    pair.name = "GSC_TIMEOUT";
+    pair.value = "20s";
+    memset(&params, 0, sizeof(params));
+    params.field_mask = GSC_PARAM_FIELD_CONFIG;
+    params.config = &pair;
+    params.config_count = 1;
+    if (gsc_init(&params, &ctx) != GSC_OK || gsc_worker_create(ctx, NULL, &wa) != GSC_OK ||
+        gsc_worker_create(ctx, NULL, &wb) != GSC_OK || gsc_worker_get_address(wb, &addr, &len) != GSC_OK) {
+        fprintf(stderr, "setup failed: %s\n", gsc_last_error_message());
+        return 1;
+    }
+    memset(&ep_params, 0, sizeof(ep_params));
+    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS | GSC_EP_PARAM_FIELD_ADDRESS_LENGTH;
+    ep_params.address = addr;
+    ep_params.address_length = len;
+    if (gsc_ep_create(wa, &ep_params, &ep) != GSC_OK) {
+        fprintf(stderr, "endpoint: %s\n", gsc_last_error_message());
+        return 1;
+    }
+    EXPECT(gsc_worker_release_address(wb, addr) == GSC_OK);
+
+    handle_errors(ctx);
+    param_errors(ep);
+    truncation(ep, 1024, 1);
+    truncation(ep, 1024, 0);
+    truncation(ep, 64 * 1024, 1);
+    truncation(ep, 64 * 1024, 0);
+    requests(ep);
+    memory(ctx, ep);
+    lifetimes(ctx);
+
+    {
+        gsc_request_param_t p;
+        memset(&p, 0, sizeof(p));
+        p.op_attr_mask = GSC_OP_ATTR_FIELD_FLAGS;
+        p.flags = GSC_EP_CLOSE_FLAG_FORCE;
+        EXPECT(finish2(gsc_ep_close_nbx(ep, &p), NULL) == GSC_OK);
+        EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, "x", 1, 1, NULL), GSC_ERR_INVALID_HANDLE, "gsc_ep_h");
+    }
+    EXPECT(gsc_worker_destroy(wa) == GSC_OK);
+    /* Cleanup with a live worker releases it too. */
+    EXPECT(gsc_cleanup(ctx) == GSC_OK);
+    EXPECT_STATUS(gsc_worker_destroy(wb), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT_STATUS(gsc_cleanup(ctx), GSC_ERR_INVALID_HANDLE, "gsc_context_h");
+
+    if (failures) {
+        fprintf(stderr, "error paths: %d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("error paths: all checks passed\n");
+    return 0;
+}
+"#;
