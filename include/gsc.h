@@ -465,6 +465,76 @@ gsc_status_ptr_t gsc_put_nbx(gsc_ep_h ep, const void *buffer, size_t count, uint
 gsc_status_ptr_t gsc_get_nbx(gsc_ep_h ep, void *buffer, size_t count, uint64_t remote_addr,
                              gsc_rkey_h rkey, const gsc_request_param_t *param);
 
+/* ------------------------------------------------------------------------------------------ */
+/* Bootstrap: how the processes of a job find each other (out of band, over TCP)              */
+/* ------------------------------------------------------------------------------------------ */
+
+/** Size of a unique id in bytes. */
+#define GSC_UNIQUE_ID_BYTES 128
+/** Size of a unique id's string form, including the terminating NUL (hex digits). */
+#define GSC_UNIQUE_ID_STRING_LEN 257
+
+/**
+ * A job's unique id: where its rendezvous service runs and the job's secret (NCCL-style). Treat
+ * it like a password: whoever has it can join the job. Hand it to the other ranks as bytes
+ * (e.g. an MPI broadcast) or as a string (gsc_unique_id_to_string, e.g. GSC_UNIQUE_ID).
+ */
+typedef struct gsc_unique_id {
+    char internal[GSC_UNIQUE_ID_BYTES]; /**< Opaque. */
+} gsc_unique_id_t;
+
+/** A bootstrapped job as seen by one rank. */
+typedef struct gsc_bootstrap *gsc_bootstrap_h;
+
+/**
+ * Create a job id, starting its rendezvous service on a background thread of this process
+ * (which must stay alive until every rank has called gsc_bootstrap_init).
+ */
+gsc_status_t gsc_get_unique_id(gsc_unique_id_t *uid);
+
+/** Write the id as GSC_UNIQUE_ID_STRING_LEN - 1 hex digits and a NUL; `length` is the room at
+ *  `buffer` (at least GSC_UNIQUE_ID_STRING_LEN). */
+gsc_status_t gsc_unique_id_to_string(const gsc_unique_id_t *uid, char *buffer, size_t length);
+
+/** Parse the string form (surrounding whitespace ignored). */
+gsc_status_t gsc_unique_id_from_string(const char *string, gsc_unique_id_t *uid);
+
+/**
+ * Join the job `uid` names as `rank` of `nranks`; returns once every rank has joined. Every
+ * bootstrap operation is bounded by GSC_BOOTSTRAP_TIMEOUT (GSC_ERR_TIMED_OUT naming the rank
+ * waited on).
+ */
+gsc_status_t gsc_bootstrap_init(const gsc_unique_id_t *uid, int rank, int nranks,
+                                gsc_bootstrap_h *bootstrap_p);
+
+/**
+ * Join the job a launcher started this process in, without passing an id around: the rank and
+ * size come from GSC_RANK/GSC_NRANKS, mpirun (Open MPI, MPICH), srun or torchrun variables; the
+ * rendezvous from GSC_UNIQUE_ID, or GSC_BOOTSTRAP_ADDR (host:port where rank 0 serves) with
+ * GSC_BOOTSTRAP_SECRET.
+ */
+gsc_status_t gsc_bootstrap_init_from_env(gsc_bootstrap_h *bootstrap_p);
+
+/** This process's rank. */
+gsc_status_t gsc_bootstrap_rank(gsc_bootstrap_h bootstrap, int *rank_p);
+
+/** The number of ranks. */
+gsc_status_t gsc_bootstrap_nranks(gsc_bootstrap_h bootstrap, int *nranks_p);
+
+/**
+ * Every rank contributes `length` bytes (the same length on every rank); `output` receives
+ * nranks * length bytes, rank r's block at offset r * length. Collective: every rank calls the
+ * collectives in the same order.
+ */
+gsc_status_t gsc_bootstrap_allgather(gsc_bootstrap_h bootstrap, const void *input, size_t length,
+                                     void *output);
+
+/** Return once every rank has entered the barrier. Collective. */
+gsc_status_t gsc_bootstrap_barrier(gsc_bootstrap_h bootstrap);
+
+/** Leave the job and release the handle. */
+gsc_status_t gsc_bootstrap_destroy(gsc_bootstrap_h bootstrap);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,11 +1,12 @@
 //! The C API from C: the header compiles as C99 and C++11, the ping-pong example runs as two
-//! processes, and a C test program checks the error paths (bad arguments and handles, stale and
-//! double-freed requests, bad configuration, truncation, conditions).
+//! processes (bootstrapped launcher-style on a local port), and a C test program checks the
+//! error paths (bad arguments and handles, stale and double-freed requests, bad configuration,
+//! truncation, conditions) and a one-rank bootstrap.
 //!
 //! The cdylib comes from the same `cargo test` run: the library target's crate types include
-//! `cdylib`, and cargo builds the library (all its crate types, into target/<profile>/) before
-//! the integration tests that depend on it. It is located from this test's own path
-//! (target/<profile>/deps/c_api-* -> target/<profile>/libgscomm.so).
+//! `cdylib`, and cargo builds the library with all its crate types before the integration tests
+//! that depend on it, into target/<profile>/deps/ next to this test's executable (see
+//! `lib_dir`).
 //!
 //! Needs a C and a C++ compiler (`cc`, `c++`, or `CC`/`CXX`).
 
@@ -19,17 +20,21 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// target/<profile>, where cargo put libgscomm.so.
+/// The directory holding the libgscomm.so of this build. `cargo test` builds the library with
+/// all its crate types into target/<profile>/deps/ (this test's own directory) but copies it up
+/// to target/<profile>/ only for `cargo build`; prefer the copy next to this test, which is
+/// never stale, and fall back to target/<profile>/.
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf();
-    let lib = dir.join("libgscomm.so");
-    assert!(
-        lib.exists(),
-        "{} not found: the cdylib is built with the library target by `cargo test`; is `cdylib` still in Cargo.toml's crate-type?",
-        lib.display()
-    );
-    dir
+    let deps = exe.parent().expect("target/<profile>/deps").to_path_buf();
+    let candidates = [deps.clone(), deps.parent().expect("target/<profile>").to_path_buf()];
+    candidates.iter().find(|d| d.join("libgscomm.so").exists()).cloned().unwrap_or_else(|| {
+        panic!(
+            "libgscomm.so not found in {} or {}: `cargo test` builds it with the library target; is `cdylib` still in Cargo.toml's crate-type?",
+            candidates[0].display(),
+            candidates[1].display()
+        )
+    })
 }
 
 /// A fresh scratch directory for one test.
@@ -143,9 +148,20 @@ fn pingpong_example_runs_as_two_processes() {
     let dir = scratch("pingpong");
     let exe = dir.join("pingpong");
     build_c(&root().join("examples/c/01_tag_pingpong/pingpong.c"), &exe);
-    let addr = dir.join("address");
-    let r0 = spawn(Command::new(&exe).arg("0").arg(&addr));
-    let r1 = spawn(Command::new(&exe).arg("1").arg(&addr));
+    // Launcher-style bootstrap: rank 0 serves the rendezvous on a free local port.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let secret = format!("c-api-test-{}-{:?}", std::process::id(), Instant::now());
+    let rank = |r: &str| {
+        let mut c = Command::new(&exe);
+        c.env("GSC_RANK", r)
+            .env("GSC_NRANKS", "2")
+            .env("GSC_BOOTSTRAP_ADDR", format!("127.0.0.1:{port}"))
+            .env("GSC_BOOTSTRAP_SECRET", &secret)
+            .env("GSC_BOOTSTRAP_TIMEOUT", "30s");
+        spawn(&mut c)
+    };
+    let r0 = rank("0");
+    let r1 = rank("1");
     let results = wait_all(vec![("rank 0", r0), ("rank 1", r1)]);
     for (name, ok, out) in &results {
         assert!(*ok, "{name} failed:\n{out}");
@@ -524,6 +540,36 @@ static void memory(gsc_context_h ctx, gsc_ep_h ep)
     EXPECT_STATUS(gsc_mem_query(memh, &addr, &len), GSC_ERR_INVALID_HANDLE, "");
 }
 
+/* A one-rank job through the bootstrap API, and its argument errors. */
+static void bootstrap(void)
+{
+    gsc_unique_id_t uid, back;
+    char text[GSC_UNIQUE_ID_STRING_LEN];
+    gsc_bootstrap_h b;
+    int r = -1, n = -1;
+    uint32_t in = 0xC0FFEE, out[1] = {0};
+
+    EXPECT(gsc_get_unique_id(&uid) == GSC_OK);
+    EXPECT_STATUS(gsc_unique_id_to_string(&uid, text, 10), GSC_ERR_INVALID_PARAM, "GSC_UNIQUE_ID_STRING_LEN");
+    EXPECT(gsc_unique_id_to_string(&uid, text, sizeof(text)) == GSC_OK);
+    EXPECT(strlen(text) == GSC_UNIQUE_ID_STRING_LEN - 1);
+    EXPECT(gsc_unique_id_from_string(text, &back) == GSC_OK);
+    EXPECT(memcmp(&uid, &back, sizeof(uid)) == 0);
+    EXPECT_STATUS(gsc_unique_id_from_string("zz", &back), GSC_ERR_INVALID_PARAM, "unique id");
+    EXPECT_STATUS(gsc_bootstrap_init(&uid, 1, 1, &b), GSC_ERR_INVALID_PARAM, "rank");
+    EXPECT_STATUS(gsc_bootstrap_init(&uid, -1, 1, &b), GSC_ERR_INVALID_PARAM, "negative");
+    EXPECT_STATUS(gsc_bootstrap_init(NULL, 0, 1, &b), GSC_ERR_INVALID_PARAM, "NULL");
+    EXPECT(gsc_bootstrap_init(&uid, 0, 1, &b) == GSC_OK);
+    EXPECT(gsc_bootstrap_rank(b, &r) == GSC_OK && r == 0);
+    EXPECT(gsc_bootstrap_nranks(b, &n) == GSC_OK && n == 1);
+    EXPECT(gsc_bootstrap_allgather(b, &in, sizeof(in), out) == GSC_OK && out[0] == in);
+    EXPECT(gsc_bootstrap_barrier(b) == GSC_OK);
+    EXPECT_STATUS(gsc_bootstrap_rank(b, NULL), GSC_ERR_INVALID_PARAM, "rank_p");
+    EXPECT_STATUS(gsc_bootstrap_barrier((gsc_bootstrap_h)wa), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT(gsc_bootstrap_destroy(b) == GSC_OK);
+    EXPECT_STATUS(gsc_bootstrap_barrier(b), GSC_ERR_INVALID_HANDLE, "gsc_bootstrap_h");
+}
+
 /* Destroying a worker with an open endpoint releases the endpoint; its handle goes stale. */
 static void lifetimes(gsc_context_h ctx)
 {
@@ -588,6 +634,7 @@ int main(void)
     requests(ep);
     memory(ctx, ep);
     lifetimes(ctx);
+    bootstrap();
 
     {
         gsc_request_param_t p;

@@ -1,6 +1,6 @@
 //! Handles of the C API and the registry that validates them.
 //!
-//! A context, worker, endpoint, memory or rkey handle is a `Box<Handle<T>>` turned into a raw
+//! A context, worker, endpoint, memory, rkey or bootstrap handle is a `Box<Handle<T>>` turned into a raw
 //! pointer. Every live one is listed in a process-wide registry (address -> type tag, parent), and
 //! a handle is dereferenced only while the registry's lock is held *and* after it was found there
 //! with the right type tag; its magic word is then checked as well. Destroying removes the entry
@@ -18,6 +18,7 @@
 //! refers to.
 
 use super::panic::set_last_error;
+use crate::bootstrap::Bootstrap;
 use crate::core::{Context, Endpoint, MemHandle, Rkey, Worker};
 use crate::error::{Error, Result, Status};
 use std::collections::HashMap;
@@ -63,6 +64,10 @@ impl Kind for MemObj {
 impl Kind for Rkey {
     const MAGIC: u64 = u64::from_le_bytes(*b"gscRKY01");
     const NAME: &'static str = "gsc_rkey_h";
+}
+impl Kind for Arc<Bootstrap> {
+    const MAGIC: u64 = u64::from_le_bytes(*b"gscBOOT1");
+    const NAME: &'static str = "gsc_bootstrap_h";
 }
 
 #[derive(Copy, Clone)]
@@ -135,6 +140,7 @@ fn name_of(magic: u64) -> &'static str {
         m if m == <Arc<Endpoint>>::MAGIC => <Arc<Endpoint>>::NAME,
         m if m == MemObj::MAGIC => MemObj::NAME,
         m if m == Rkey::MAGIC => Rkey::NAME,
+        m if m == <Arc<Bootstrap>>::MAGIC => <Arc<Bootstrap>>::NAME,
         _ => "unknown handle",
     }
 }
@@ -204,6 +210,7 @@ fn release(addr: usize, magic: u64) {
             }
         }
         m if m == Rkey::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Rkey>) }),
+        m if m == <Arc<Bootstrap>>::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Arc<Bootstrap>>) }),
         _ => {
             // Unreachable: only `register` inserts, with one of the magics above. Leaking is
             // the only safe reaction to not knowing the type.
@@ -220,8 +227,10 @@ pub(crate) enum BufKind {
     Rkey,
 }
 
-fn buffers() -> &'static std::sync::Mutex<HashMap<usize, (BufKind, Box<[u8]>)>> {
-    static BUFFERS: OnceLock<std::sync::Mutex<HashMap<usize, (BufKind, Box<[u8]>)>>> = OnceLock::new();
+type Buffers = std::sync::Mutex<HashMap<usize, (BufKind, Box<[u8]>)>>;
+
+fn buffers() -> &'static Buffers {
+    static BUFFERS: OnceLock<Buffers> = OnceLock::new();
     BUFFERS.get_or_init(Default::default)
 }
 

@@ -73,6 +73,8 @@ fn header_bits_equal_the_rust_constants() {
     }
     assert_eq!(bits.len(), expect.len(), "a bit in gsc.h has no Rust constant: {bits:?}");
     assert!(HEADER.contains("GSC_MEMORY_TYPE_HOST = 0") && MEMORY_TYPE_HOST == 0);
+    assert!(HEADER.contains(&format!("#define GSC_UNIQUE_ID_BYTES {}\n", crate::bootstrap::UNIQUE_ID_BYTES)));
+    assert!(HEADER.contains(&format!("#define GSC_UNIQUE_ID_STRING_LEN {}\n", super::bootstrap::UNIQUE_ID_STRING_LEN)));
     assert!(HEADER.contains("GSC_MEMORY_TYPE_CUDA = 1") && MEMORY_TYPE_CUDA == 1);
 }
 
@@ -105,7 +107,7 @@ int main(void) {
     S(gsc_ep_params_t); O(gsc_ep_params_t, address); O(gsc_ep_params_t, address_length);
     S(gsc_mem_map_params_t); O(gsc_mem_map_params_t, address); O(gsc_mem_map_params_t, length);
     O(gsc_mem_map_params_t, flags);
-    S(gsc_status_t); S(gsc_memory_type_t);
+    S(gsc_status_t); S(gsc_memory_type_t); S(gsc_unique_id_t);
     return 0;
 }
 "#,
@@ -149,6 +151,7 @@ int main(void) {
         ("gsc_mem_map_params_t.flags", offset_of!(MemMapParams, flags)),
         ("gsc_status_t", size_of::<i32>()),
         ("gsc_memory_type_t", size_of::<u32>()),
+        ("gsc_unique_id_t", size_of::<super::bootstrap::CUniqueId>()),
     ];
     for (name, v) in rust {
         assert_eq!(c.get(name), Some(&v), "{name}: C says {:?}, Rust says {v}", c.get(name));

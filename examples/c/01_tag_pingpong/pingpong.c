@@ -1,16 +1,16 @@
 /*
  * Tagged ping-pong between two processes with the gscomm C API.
  *
- *   pingpong 0 /tmp/gsc-addr &   # rank 0: writes its worker address to the file
- *   pingpong 1 /tmp/gsc-addr     # rank 1: reads it, connects, sends its own address
+ *   GSC_NRANKS=2 GSC_BOOTSTRAP_ADDR=127.0.0.1:29500 GSC_BOOTSTRAP_SECRET=$SECRET \
+ *       sh -c 'GSC_RANK=0 ./pingpong & GSC_RANK=1 ./pingpong; wait'
  *
- * Rank 0 learns rank 1's address from the first message (probe + msg_recv), then the two
- * exchange messages of several sizes (eager and rendezvous) and check every byte; rank 1 writes
- * into and reads from a region of rank 0 through a remote key (put/get + flush). Both close
- * their endpoint and clean up. The exit status is 0 only if every check passed.
+ * The ranks find each other through the bootstrap (rank 0 serves the rendezvous at
+ * GSC_BOOTSTRAP_ADDR), exchange worker addresses with an allgather and connect. Rank 1 says
+ * hello, which rank 0 takes with probe + msg_recv; then they exchange messages of several sizes
+ * (eager and rendezvous) and check every byte, and rank 1 writes into and reads from a region of
+ * rank 0 through a remote key (put/get + flush). Both close their endpoint and clean up. The
+ * exit status is 0 only if every check passed.
  */
-#define _POSIX_C_SOURCE 200809L
-
 #include <gsc.h>
 
 #include <stdio.h>
@@ -18,7 +18,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { TAG_ADDR = 1, TAG_DATA = 2, TAG_RKEY = 3, TAG_DONE = 4 };
+enum { TAG_HELLO = 1, TAG_DATA = 2, TAG_RKEY = 3, TAG_DONE = 4 };
 
 #define TAG_MASK_ALL (~(uint64_t)0)
 #define REGION_SIZE ((size_t)64 * 1024)
@@ -83,14 +83,6 @@ static int check(const unsigned char *buf, size_t size, size_t seed, const char 
         }
     }
     return 1;
-}
-
-static void sleep_ms(long ms)
-{
-    struct timespec ts;
-    ts.tv_sec = ms / 1000;
-    ts.tv_nsec = (ms % 1000) * 1000000L;
-    nanosleep(&ts, NULL);
 }
 
 static gsc_status_t send_bytes(gsc_ep_h ep, const void *buf, size_t size, uint64_t tag)
@@ -265,43 +257,6 @@ static void rma_initiator(gsc_worker_h worker, gsc_ep_h ep)
     free(back);
 }
 
-static void write_address_file(const char *path, const void *addr, size_t len)
-{
-    char tmp[4096];
-    FILE *f;
-    if (strlen(path) + 5 > sizeof(tmp)) {
-        fprintf(stderr, "rank 0: path too long\n");
-        exit(1);
-    }
-    sprintf(tmp, "%s.tmp", path);
-    f = fopen(tmp, "wb");
-    if (f == NULL || fwrite(addr, 1, len, f) != len || fclose(f) != 0 || rename(tmp, path) != 0) {
-        perror("rank 0: writing the address file");
-        exit(1);
-    }
-}
-
-static void *read_address_file(const char *path, size_t *len)
-{
-    int waited;
-    for (waited = 0; waited < WAIT_SECONDS * 100; waited++) {
-        FILE *f = fopen(path, "rb");
-        if (f != NULL) {
-            unsigned char *buf = malloc(65536);
-            size_t n = buf != NULL ? fread(buf, 1, 65536, f) : 0;
-            fclose(f);
-            if (n > 0) {
-                *len = n;
-                return buf;
-            }
-            free(buf);
-        }
-        sleep_ms(10);
-    }
-    fprintf(stderr, "rank 1: no address in %s after %d s\n", path, WAIT_SECONDS);
-    exit(1);
-}
-
 static gsc_ep_h connect_to(gsc_worker_h worker, const void *addr, size_t len)
 {
     gsc_ep_params_t ep_params;
@@ -314,53 +269,89 @@ static gsc_ep_h connect_to(gsc_worker_h worker, const void *addr, size_t len)
     return ep;
 }
 
-/* Rank 0: take rank 1's address from its first message, using probe + msg_recv. */
-static gsc_ep_h accept_peer(gsc_worker_h worker)
+/* Exchange worker addresses through the bootstrap (allgather of fixed-size blocks: first the
+ * lengths, then the addresses padded to the longest) and connect to the other rank. */
+static gsc_ep_h connect_peer(gsc_bootstrap_h boot, gsc_worker_h worker)
 {
-    gsc_tag_recv_info_t info;
-    gsc_tag_message_h msg = NULL;
-    void *addr;
+    void *mine;
+    size_t len;
+    uint64_t my_len, lens[2], max;
+    unsigned char *block, *all;
     gsc_ep_h ep;
-    time_t start = time(NULL);
-    while ((msg = gsc_tag_probe_nb(worker, TAG_ADDR, TAG_MASK_ALL, 1, &info)) == NULL) {
-        if (time(NULL) - start > WAIT_SECONDS) {
-            fprintf(stderr, "rank 0: no message from rank 1 after %d s (%s)\n", WAIT_SECONDS,
-                    gsc_last_error_message());
-            exit(1);
-        }
-        gsc_worker_progress(worker);
-    }
-    addr = malloc(info.length);
-    if (addr == NULL) {
+    int peer = 1 - rank;
+
+    MUST(gsc_worker_get_address(worker, &mine, &len));
+    my_len = len;
+    MUST(gsc_bootstrap_allgather(boot, &my_len, sizeof(my_len), lens));
+    max = lens[0] > lens[1] ? lens[0] : lens[1];
+    block = calloc(1, (size_t)max);
+    all = malloc(2 * (size_t)max);
+    if (block == NULL || all == NULL) {
+        fprintf(stderr, "rank %d: out of memory\n", rank);
         exit(1);
     }
-    MUST(finish(gsc_tag_msg_recv_nbx(worker, addr, info.length, msg, NULL), NULL));
-    ep = connect_to(worker, addr, info.length);
-    free(addr);
+    memcpy(block, mine, len);
+    MUST(gsc_worker_release_address(worker, mine));
+    MUST(gsc_bootstrap_allgather(boot, block, (size_t)max, all));
+    ep = connect_to(worker, all + (size_t)peer * (size_t)max, (size_t)lens[peer]);
+    free(block);
+    free(all);
     return ep;
 }
 
-int main(int argc, char **argv)
+/* Rank 1 says hello; rank 0 finds the message with a probe and receives it by its handle. */
+static void hello(gsc_worker_h worker, gsc_ep_h ep)
+{
+    unsigned char msg[300];
+    if (rank == 1) {
+        fill(msg, sizeof(msg), 300);
+        MUST(send_bytes(ep, msg, sizeof(msg), TAG_HELLO));
+    } else {
+        gsc_tag_recv_info_t info;
+        gsc_tag_message_h handle;
+        time_t start = time(NULL);
+        while ((handle = gsc_tag_probe_nb(worker, TAG_HELLO, TAG_MASK_ALL, 1, &info)) == NULL) {
+            if (time(NULL) - start > WAIT_SECONDS) {
+                fprintf(stderr, "rank 0: no hello from rank 1 after %d s\n", WAIT_SECONDS);
+                exit(1);
+            }
+            gsc_worker_progress(worker);
+        }
+        if (info.length != sizeof(msg) || info.sender_tag != TAG_HELLO) {
+            fail("probed message has the wrong length or tag", GSC_ERR_INTERNAL);
+            return;
+        }
+        memset(msg, 0, sizeof(msg));
+        MUST(finish(gsc_tag_msg_recv_nbx(worker, msg, sizeof(msg), handle, NULL), NULL));
+        check(msg, sizeof(msg), 300, "probed hello message");
+    }
+}
+
+int main(void)
 {
     gsc_config_pair_t overrides[1];
     gsc_params_t params;
+    gsc_bootstrap_h boot;
     gsc_context_h context;
     gsc_worker_h worker;
     gsc_ep_h ep;
-    void *my_addr;
-    size_t my_len;
+    int nranks;
     unsigned major, minor, patch;
 
-    if (argc != 3 || (strcmp(argv[1], "0") != 0 && strcmp(argv[1], "1") != 0)) {
-        fprintf(stderr, "usage: %s <0|1> <address file>\n", argv[0]);
-        return 2;
-    }
-    rank = atoi(argv[1]);
     gsc_get_version(&major, &minor, &patch);
     if (major != GSC_VERSION_MAJOR || minor != GSC_VERSION_MINOR) {
-        fprintf(stderr, "rank %d: header %d.%d but library %u.%u\n", rank, GSC_VERSION_MAJOR,
-                GSC_VERSION_MINOR, major, minor);
+        fprintf(stderr, "header %d.%d but library %u.%u\n", GSC_VERSION_MAJOR, GSC_VERSION_MINOR,
+                major, minor);
         return 1;
+    }
+
+    /* Who we are, from the launcher's (or GSC_RANK/GSC_NRANKS) environment. */
+    MUST(gsc_bootstrap_init_from_env(&boot));
+    MUST(gsc_bootstrap_rank(boot, &rank));
+    MUST(gsc_bootstrap_nranks(boot, &nranks));
+    if (nranks != 2) {
+        fprintf(stderr, "rank %d: this example needs exactly 2 ranks, not %d\n", rank, nranks);
+        return 2;
     }
 
     /* Configuration: the GSC_* environment, with overrides on top. */
@@ -372,20 +363,9 @@ int main(int argc, char **argv)
     params.config_count = 1;
     MUST(gsc_init(&params, &context));
     MUST(gsc_worker_create(context, NULL, &worker));
-    MUST(gsc_worker_get_address(worker, &my_addr, &my_len));
 
-    if (rank == 0) {
-        write_address_file(argv[2], my_addr, my_len);
-        ep = accept_peer(worker);
-    } else {
-        size_t len;
-        void *peer = read_address_file(argv[2], &len);
-        ep = connect_to(worker, peer, len);
-        free(peer);
-        MUST(send_bytes(ep, my_addr, my_len, TAG_ADDR));
-    }
-    MUST(gsc_worker_release_address(worker, my_addr));
-
+    ep = connect_peer(boot, worker);
+    hello(worker, ep);
     pingpong(worker, ep);
     if (rank == 0) {
         rma_target(context, worker, ep);
@@ -393,6 +373,8 @@ int main(int argc, char **argv)
         rma_initiator(worker, ep);
     }
 
+    /* Both sides are done with each other before either closes. */
+    MUST(gsc_bootstrap_barrier(boot));
     {
         gsc_status_t st = finish(gsc_ep_close_nbx(ep, NULL), NULL);
         if (st != GSC_OK) {
@@ -401,6 +383,7 @@ int main(int argc, char **argv)
     }
     MUST(gsc_worker_destroy(worker));
     MUST(gsc_cleanup(context));
+    MUST(gsc_bootstrap_destroy(boot));
     if (failures == 0) {
         printf("rank %d: all checks passed\n", rank);
         return 0;
