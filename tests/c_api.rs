@@ -79,6 +79,10 @@ fn build_c(src: &Path, exe: &Path) {
 
 /// Start `cmd` with captured output.
 fn spawn(cmd: &mut Command) -> std::process::Child {
+    // cargo puts target/<profile> on LD_LIBRARY_PATH for tests, and LD_LIBRARY_PATH beats the
+    // rpath: a stale target/<profile>/libgscomm.so from an earlier `cargo build` would be loaded
+    // instead of the library this test linked against. Point the loader at that one only.
+    cmd.env("LD_LIBRARY_PATH", lib_dir());
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn")
 }
 
