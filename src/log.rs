@@ -84,9 +84,7 @@ pub(crate) fn expand_pattern(pattern: &str, host: &str, pid: u32) -> Result<Stri
             Some('p') => out.push_str(&pid.to_string()),
             Some('%') => out.push('%'),
             Some(other) => {
-                return Err(format!(
-                    "unknown \"%{other}\" in file name; use %h (host name), %p (process id) or %%"
-                ));
+                return Err(format!("unknown \"%{other}\" in file name; use %h (host name), %p (process id) or %%"));
             }
             None => return Err("file name ends with a lone %; write %% for a literal %".into()),
         }
@@ -111,19 +109,10 @@ pub fn hostname() -> Result<String> {
 /// The file `GSC_LOG_FILE=pattern` names in this process.
 pub fn log_file_path(pattern: &str) -> Result<PathBuf> {
     // Only ask for the host name when the pattern uses it.
-    let host = if pattern.contains("%h") {
-        hostname()?
-    } else {
-        String::new()
-    };
+    let host = if pattern.contains("%h") { hostname()? } else { String::new() };
     expand_pattern(pattern, &host, std::process::id())
         .map(PathBuf::from)
-        .map_err(|reason| {
-            Error::new(
-                Status::InvalidConfig,
-                format!("GSC_LOG_FILE={pattern:?}: {reason}"),
-            )
-        })
+        .map_err(|reason| Error::new(Status::InvalidConfig, format!("GSC_LOG_FILE={pattern:?}: {reason}")))
 }
 
 /// Open `path` for appending; `true` when this call created it (so a failed `init` can remove
@@ -132,11 +121,9 @@ fn open_append(path: &PathBuf) -> Result<(File, bool)> {
     let context = || format!("cannot open log file {}", path.display());
     match OpenOptions::new().append(true).create_new(true).open(path) {
         Ok(file) => Ok((file, true)),
-        Err(e) if e.kind() == ErrorKind::AlreadyExists => OpenOptions::new()
-            .append(true)
-            .open(path)
-            .map(|file| (file, false))
-            .map_err(|e| Error::io(&context(), e)),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+            OpenOptions::new().append(true).open(path).map(|file| (file, false)).map_err(|e| Error::io(&context(), e))
+        }
         Err(e) => Err(Error::io(&context(), e)),
     }
 }
@@ -157,19 +144,9 @@ impl FormatTime for Stamp {
 }
 
 /// The subscriber `init` installs, separate so tests can run it with `with_default`.
-fn subscriber(
-    config: &Config,
-    writer: BoxMakeWriter,
-    host: String,
-) -> impl tracing::Subscriber + Send + Sync {
-    let layer = tracing_subscriber::fmt::layer()
-        .with_writer(writer)
-        .with_ansi(false)
-        .with_target(true)
-        .with_timer(Stamp { host });
-    tracing_subscriber::registry()
-        .with(layer)
-        .with(filter(config))
+fn subscriber(config: &Config, writer: BoxMakeWriter, host: String) -> impl tracing::Subscriber + Send + Sync {
+    let layer = tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(false).with_target(true).with_timer(Stamp { host });
+    tracing_subscriber::registry().with(layer).with(filter(config))
 }
 
 fn make_writer(config: &Config) -> Result<(BoxMakeWriter, Option<(PathBuf, bool)>)> {
@@ -266,36 +243,16 @@ mod tests {
 
     #[test]
     fn pattern_expansion() {
-        assert_eq!(
-            expand_pattern("/tmp/gsc.%h.%p.log", "n01", 42).unwrap(),
-            "/tmp/gsc.n01.42.log"
-        );
-        assert_eq!(
-            expand_pattern("/tmp/100%%-%p", "n01", 7).unwrap(),
-            "/tmp/100%-7"
-        );
-        assert_eq!(
-            expand_pattern("/tmp/plain", "n01", 7).unwrap(),
-            "/tmp/plain"
-        );
-        assert!(
-            expand_pattern("/tmp/%d.log", "n01", 7)
-                .unwrap_err()
-                .contains("%d")
-        );
-        assert!(
-            expand_pattern("/tmp/x%", "n01", 7)
-                .unwrap_err()
-                .contains("lone %")
-        );
+        assert_eq!(expand_pattern("/tmp/gsc.%h.%p.log", "n01", 42).unwrap(), "/tmp/gsc.n01.42.log");
+        assert_eq!(expand_pattern("/tmp/100%%-%p", "n01", 7).unwrap(), "/tmp/100%-7");
+        assert_eq!(expand_pattern("/tmp/plain", "n01", 7).unwrap(), "/tmp/plain");
+        assert!(expand_pattern("/tmp/%d.log", "n01", 7).unwrap_err().contains("%d"));
+        assert!(expand_pattern("/tmp/x%", "n01", 7).unwrap_err().contains("lone %"));
 
         let host = hostname().unwrap();
         assert!(!host.is_empty());
         let path = log_file_path("/tmp/gsc-%h-%p.log").unwrap();
-        assert_eq!(
-            path,
-            PathBuf::from(format!("/tmp/gsc-{host}-{}.log", std::process::id()))
-        );
+        assert_eq!(path, PathBuf::from(format!("/tmp/gsc-{host}-{}.log", std::process::id())));
         let err = log_file_path("/tmp/%q").unwrap_err();
         assert_eq!(err.status(), Status::InvalidConfig);
         assert!(err.message().contains("GSC_LOG_FILE"), "{err:?}");
@@ -323,10 +280,7 @@ mod tests {
         assert!(text.starts_with("earlier line\n"), "{text}");
         assert!(text.contains("ring mapped"), "{text}");
         assert!(text.contains("gsc::shm"), "{text}");
-        assert!(
-            text.contains(&format!("testhost:{}", std::process::id())),
-            "{text}"
-        );
+        assert!(text.contains(&format!("testhost:{}", std::process::id())), "{text}");
         assert!(!text.contains("too verbose"), "{text}");
         assert!(!text.contains("other subsystem"), "{text}");
     }
@@ -343,9 +297,7 @@ mod tests {
         config.set("GSC_LOG_FILE", first.to_str().unwrap()).unwrap();
         let installed = init(&config).unwrap();
         assert_eq!(first.exists(), installed);
-        config
-            .set("GSC_LOG_FILE", second.to_str().unwrap())
-            .unwrap();
+        config.set("GSC_LOG_FILE", second.to_str().unwrap()).unwrap();
         assert!(!init(&config).unwrap());
         assert!(!second.exists());
         let _ = std::fs::remove_file(&first);
@@ -354,14 +306,9 @@ mod tests {
     #[test]
     fn init_reports_unopenable_file() {
         let mut config = Config::default();
-        config
-            .set("GSC_LOG_FILE", "/nonexistent-dir-gsc/x.log")
-            .unwrap();
+        config.set("GSC_LOG_FILE", "/nonexistent-dir-gsc/x.log").unwrap();
         let err = init(&config).unwrap_err();
         assert_eq!(err.status(), Status::IoError);
-        assert!(
-            err.message().contains("/nonexistent-dir-gsc/x.log"),
-            "{err:?}"
-        );
+        assert!(err.message().contains("/nonexistent-dir-gsc/x.log"), "{err:?}");
     }
 }

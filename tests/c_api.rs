@@ -110,7 +110,10 @@ fn wait_all(children: Vec<(&str, std::process::Child)>) -> Vec<(String, bool, St
             }
             let mut report = String::new();
             for (name, c, s) in children {
-                let out = c.wait_with_output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)).unwrap_or_default();
+                let out = c
+                    .wait_with_output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr))
+                    .unwrap_or_default();
                 report += &format!("--- {name} ({}):\n{out}\n", if s.is_some() { "finished" } else { "killed" });
             }
             panic!("timed out after {TIMEOUT:?}; processes killed\n{report}");

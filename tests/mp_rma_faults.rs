@@ -4,8 +4,8 @@ mod common;
 
 use common::*;
 use gscomm::{CloseMode, Context, MapRequest, RequestParams, Started, Status, Worker};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(30);
@@ -24,9 +24,7 @@ fn enc(p: &[Msg]) -> Vec<u8> {
 }
 
 fn dec(b: &[u8]) -> Vec<Msg> {
-    b.chunks_exact(24)
-        .map(|c| Msg { tag: bytes_u64(&c[..8]), size: bytes_u64(&c[8..16]) as usize, seed: bytes_u64(&c[16..24]) })
-        .collect()
+    b.chunks_exact(24).map(|c| Msg { tag: bytes_u64(&c[..8]), size: bytes_u64(&c[8..16]) as usize, seed: bytes_u64(&c[16..24]) }).collect()
 }
 
 fn codes(st: &[Status]) -> Vec<u8> {
@@ -111,10 +109,13 @@ fn roles(role: &str, chan: &dyn Chan, ctx: Context) {
                     }
                     "send" => {
                         let plan = dec(&v);
-                        let st: Vec<Status> = plan.iter().map(|m| match ep.tag_send(&pattern(m.seed, m.size), m.tag) {
-                            Ok(()) => Status::Ok,
-                            Err(e) => e.status(),
-                        }).collect();
+                        let st: Vec<Status> = plan
+                            .iter()
+                            .map(|m| match ep.tag_send(&pattern(m.seed, m.size), m.tag) {
+                                Ok(()) => Status::Ok,
+                                Err(e) => e.status(),
+                            })
+                            .collect();
                         chan.put("sent", &codes(&st));
                     }
                     "bye" => break,
@@ -430,7 +431,11 @@ fn stopped_peer_times_out_then_completes_shm() {
 #[test]
 fn blocking_send_timeout_releases_the_buffer_shm() {
     child_or(|| {
-        let s = Setup::new(Lane::Shm, "blocking_send_timeout_releases_the_buffer_shm", &[("GSC_TIMEOUT", "1s"), ("GSC_RNDV_SCHEME", "pipeline")]);
+        let s = Setup::new(
+            Lane::Shm,
+            "blocking_send_timeout_releases_the_buffer_shm",
+            &[("GSC_TIMEOUT", "1s"), ("GSC_RNDV_SCHEME", "pipeline")],
+        );
         let w = s.w();
         let (mut p, addr) = s.peer("peer", &[("GSC_TIMEOUT", "20s")]);
         p.get_progress("rkey", T, w);
@@ -467,7 +472,11 @@ fn close(lane: Lane, test: &'static str, extra: &[(&str, &str)]) {
     let ep = w.connect(&addr).unwrap();
     let plan = [Msg { tag: 1, size: 100, seed: 1 }, Msg { tag: 2, size: 5000, seed: 2 }, Msg { tag: 3, size: 1 << 20, seed: 3 }];
     let bufs: Vec<Vec<u8>> = plan.iter().map(|m| pattern(m.seed, m.size)).collect();
-    let sends: Vec<Started> = plan.iter().zip(&bufs).map(|(m, b)| unsafe { ep.tag_send_nbx(b.as_ptr(), m.size, m.tag, RequestParams::default()).unwrap() }).collect();
+    let sends: Vec<Started> = plan
+        .iter()
+        .zip(&bufs)
+        .map(|(m, b)| unsafe { ep.tag_send_nbx(b.as_ptr(), m.size, m.tag, RequestParams::default()).unwrap() })
+        .collect();
     let Started::Pending(rndv) = sends[2] else { panic!("rendezvous completed at once") };
     let Started::Pending(ch) = ep.close_nbx(CloseMode::Flush, RequestParams::default()).unwrap() else {
         panic!("flush close completed with a send pending")
@@ -550,11 +559,15 @@ fn flush_and_release(lane: Lane, test: &'static str, extra: &[(&str, &str)]) {
     w.flush().unwrap();
     let fired = Arc::new(AtomicUsize::new(0));
     let f = fired.clone();
-    let fl = w.flush_nbx(RequestParams { no_immediate_completion: true, ..RequestParams::with_callback(move |_, st, _| {
-        assert_eq!(st, Status::Ok);
-        f.fetch_add(1, Ordering::SeqCst);
-    }) })
-    .unwrap();
+    let fl = w
+        .flush_nbx(RequestParams {
+            no_immediate_completion: true,
+            ..RequestParams::with_callback(move |_, st, _| {
+                assert_eq!(st, Status::Ok);
+                f.fetch_add(1, Ordering::SeqCst);
+            })
+        })
+        .unwrap();
     let Started::Pending(fl) = fl else { panic!("no_immediate_completion gave no request") };
     assert_eq!(wait(w, Started::Pending(fl)), Status::Ok);
     assert_eq!(fired.load(Ordering::SeqCst), 1, "worker flush callback");
@@ -565,10 +578,16 @@ fn flush_and_release(lane: Lane, test: &'static str, extra: &[(&str, &str)]) {
     let mut rbuf = vec![0u8; 200_000];
     let c0 = counts.clone();
     let r = unsafe {
-        w.tag_recv_nbx(rbuf.as_mut_ptr(), rbuf.len(), 11, u64::MAX, RequestParams::with_callback(move |_, st, info| {
-            assert_eq!((st, info.length), (Status::Ok, 150_000));
-            c0[0].fetch_add(1, Ordering::SeqCst);
-        }))
+        w.tag_recv_nbx(
+            rbuf.as_mut_ptr(),
+            rbuf.len(),
+            11,
+            u64::MAX,
+            RequestParams::with_callback(move |_, st, info| {
+                assert_eq!((st, info.length), (Status::Ok, 150_000));
+                c0[0].fetch_add(1, Ordering::SeqCst);
+            }),
+        )
         .unwrap()
     };
     let Started::Pending(r) = r else { panic!() };
@@ -576,10 +595,15 @@ fn flush_and_release(lane: Lane, test: &'static str, extra: &[(&str, &str)]) {
     let sdata = pattern(12, 1 << 20);
     let c1 = counts.clone();
     let sh = unsafe {
-        ep.tag_send_nbx(sdata.as_ptr(), sdata.len(), 12, RequestParams::with_callback(move |_, st, _| {
-            assert_eq!(st, Status::Ok);
-            c1[1].fetch_add(1, Ordering::SeqCst);
-        }))
+        ep.tag_send_nbx(
+            sdata.as_ptr(),
+            sdata.len(),
+            12,
+            RequestParams::with_callback(move |_, st, _| {
+                assert_eq!(st, Status::Ok);
+                c1[1].fetch_add(1, Ordering::SeqCst);
+            }),
+        )
         .unwrap()
     };
     let Started::Pending(sh) = sh else { panic!() };

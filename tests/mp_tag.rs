@@ -29,9 +29,7 @@ fn encode_plan(p: &[Msg]) -> Vec<u8> {
 }
 
 fn decode_plan(b: &[u8]) -> Vec<Msg> {
-    b.chunks_exact(24)
-        .map(|c| Msg { tag: bytes_u64(&c[..8]), size: bytes_u64(&c[8..16]) as usize, seed: bytes_u64(&c[16..24]) })
-        .collect()
+    b.chunks_exact(24).map(|c| Msg { tag: bytes_u64(&c[..8]), size: bytes_u64(&c[8..16]) as usize, seed: bytes_u64(&c[16..24]) }).collect()
 }
 
 /// Post every send of a plan non-blocking, then wait for all; returns their statuses.
@@ -203,7 +201,11 @@ fn order_plan(sender: u64) -> Vec<Msg> {
     // eager-short (0, 100, 128), eager-copy (129, 5000), rendezvous (16384, 20000, 200000)
     let sizes = [0usize, 100, 5000, 20000, 200000, 128, 129, 16384];
     (0..PER_SENDER)
-        .map(|i| Msg { tag: sender << SENDER_SHIFT | (i % 3) << CLASS_SHIFT | i, size: sizes[(i as usize + sender as usize) % sizes.len()], seed: sender * 1000 + i })
+        .map(|i| Msg {
+            tag: sender << SENDER_SHIFT | (i % 3) << CLASS_SHIFT | i,
+            size: sizes[(i as usize + sender as usize) % sizes.len()],
+            seed: sender * 1000 + i,
+        })
         .collect()
 }
 
@@ -470,10 +472,16 @@ fn cancel(lane: Lane, test: &'static str) {
     let mut b1 = vec![0u8; 64];
     // SAFETY: b1 outlives the request (canceled and waited for below).
     let r1 = unsafe {
-        w.tag_recv_nbx(b1.as_mut_ptr(), 64, 5, u64::MAX, RequestParams::with_callback(move |_, st, _| {
-            assert_eq!(st, Status::Canceled);
-            f.fetch_add(1, Ordering::SeqCst);
-        }))
+        w.tag_recv_nbx(
+            b1.as_mut_ptr(),
+            64,
+            5,
+            u64::MAX,
+            RequestParams::with_callback(move |_, st, _| {
+                assert_eq!(st, Status::Canceled);
+                f.fetch_add(1, Ordering::SeqCst);
+            }),
+        )
         .unwrap()
     };
     let Started::Pending(r1) = r1 else { panic!("nothing was sent yet") };

@@ -1,5 +1,5 @@
 //! Two workers of one process exchange tagged messages over each lane.
-use gscomm::{Config, Context, Started, RequestParams};
+use gscomm::{Config, Context, RequestParams, Started};
 
 fn ctx(tls: &str) -> Context {
     let mut c = Config::default();

@@ -45,9 +45,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
             "--lanes" => vec!['l'],
             "--help" => vec!['h'],
             "--protocols" => vec!['p'],
-            s if s.len() > 1 && s.starts_with('-') && !s.starts_with("--") => {
-                s[1..].chars().collect()
-            }
+            s if s.len() > 1 && s.starts_with('-') && !s.starts_with("--") => s[1..].chars().collect(),
             _ => return Err(format!("unknown argument {arg:?}")),
         };
         for flag in flags {
@@ -73,22 +71,14 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
 fn shell_quote(value: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "_-.,:/%+@=".contains(c);
     // Empty (an unset optional knob) needs no quotes: `GSC_RANK=` is already valid shell.
-    if value.chars().all(plain) {
-        value.to_string()
-    } else {
-        format!("'{}'", value.replace('\'', r"'\''"))
-    }
+    if value.chars().all(plain) { value.to_string() } else { format!("'{}'", value.replace('\'', r"'\''")) }
 }
 
 fn print_config(out: &mut impl Write, load: &ConfigLoad) -> io::Result<()> {
     // `dump` is in table order, which the config tests check.
     for (knob, (name, value)) in Config::knobs().iter().zip(load.config.dump()) {
         writeln!(out, "# {}", knob.doc)?;
-        let default = if knob.default.is_empty() {
-            "unset"
-        } else {
-            knob.default
-        };
+        let default = if knob.default.is_empty() { "unset" } else { knob.default };
         writeln!(out, "# syntax: {}; default: {default}", knob.kind.syntax())?;
         writeln!(out, "{name}={}", shell_quote(&value))?;
         writeln!(out)?;
@@ -105,13 +95,7 @@ fn print_config(out: &mut impl Write, load: &ConfigLoad) -> io::Result<()> {
 fn print_status(out: &mut impl Write) -> io::Result<()> {
     writeln!(out, "# code  name                          meaning")?;
     for s in ALL_STATUSES {
-        writeln!(
-            out,
-            "{:>6}  {:<28}  {}",
-            s.code(),
-            s.c_name(),
-            s.description()
-        )?;
+        writeln!(out, "{:>6}  {:<28}  {}", s.code(), s.c_name(), s.description())?;
     }
     Ok(())
 }
@@ -120,11 +104,7 @@ fn print_lanes(out: &mut impl Write, config: &Config) -> io::Result<()> {
     let tls = config.get("GSC_TLS").unwrap_or_default();
     writeln!(out, "# lanes (GSC_TLS={tls})")?;
     for lane in LaneKind::ALL {
-        let state = if config.tls.contains(lane) {
-            "enabled"
-        } else {
-            "disabled"
-        };
+        let state = if config.tls.contains(lane) { "enabled" } else { "disabled" };
         writeln!(out, "{:<10} {state}", lane.name())?;
     }
     Ok(())

@@ -93,9 +93,7 @@ impl Bootstrap {
     /// operation.
     pub fn init(uid: &UniqueId, rank: u32, nranks: u32, timeout: Duration) -> Result<Bootstrap> {
         if nranks == 0 || rank >= nranks {
-            return Err(Error::invalid_param(format!(
-                "bootstrap init: rank {rank} is not below nranks {nranks}"
-            )));
+            return Err(Error::invalid_param(format!("bootstrap init: rank {rank} is not below nranks {nranks}")));
         }
         if timeout.is_zero() {
             return Err(Error::invalid_param("bootstrap init: timeout is zero"));
@@ -107,28 +105,17 @@ impl Bootstrap {
         // Connect to the root first: the local address of that connection is the interface that
         // reaches the root, and therefore the one the other ranks can most likely reach us on.
         let stream = wire::connect_until(root, deadline, true, &what)?;
-        wire::client_handshake(
-            &stream,
-            uid.secret(),
-            Role::Rank,
-            rank,
-            ROOT_TARGET,
-            deadline,
-            &what,
-        )?;
+        wire::client_handshake(&stream, uid.secret(), Role::Rank, rank, ROOT_TARGET, deadline, &what)?;
         let local_ip = stream.local_addr().map_err(|e| Error::io(&what, e))?.ip();
-        let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))
-            .map_err(|e| Error::io(&format!("{what}: listen on {local_ip}"), e))?;
+        let listener =
+            TcpListener::bind(SocketAddr::new(local_ip, 0)).map_err(|e| Error::io(&format!("{what}: listen on {local_ip}"), e))?;
         let listen = listener.local_addr().map_err(|e| Error::io(&what, e))?;
 
         let shared = Arc::new(Shared {
             rank,
             nranks,
             secret: *uid.secret(),
-            mail: Mutex::new(Mailbox {
-                queues: HashMap::new(),
-                peers: (0..nranks).map(|_| PeerIn::default()).collect(),
-            }),
+            mail: Mutex::new(Mailbox { queues: HashMap::new(), peers: (0..nranks).map(|_| PeerIn::default()).collect() }),
             arrived: Condvar::new(),
             stop: AtomicBool::new(false),
             incoming: Mutex::new(Vec::new()),
@@ -136,10 +123,7 @@ impl Bootstrap {
         // Listen before registering: once the root publishes the table, peers may connect.
         start_accept(listener, &shared)?;
         // From here on an early return must stop the accept thread we just started.
-        let mut guard = StopOnDrop {
-            shared: Arc::clone(&shared),
-            armed: true,
-        };
+        let mut guard = StopOnDrop { shared: Arc::clone(&shared), armed: true };
 
         let mut reg = Vec::with_capacity(8 + ADDR_BYTES);
         reg.extend_from_slice(&rank.to_le_bytes());
@@ -148,28 +132,24 @@ impl Bootstrap {
         wire::write_frame(&stream, ft::REGISTER, &[&reg], deadline, &what)?;
 
         let max_table = 4 + nranks as usize * ADDR_BYTES;
-        let (ty, p) =
-            wire::read_frame(&stream, max_table.max(1 << 16), deadline, &what).map_err(|e| {
-                if e.status() == Status::TimedOut {
-                    Error::new(
-                        Status::TimedOut,
-                        format!(
-                            "{what}: no address table within {timeout:?}; not every rank reached \
+        let (ty, p) = wire::read_frame(&stream, max_table.max(1 << 16), deadline, &what).map_err(|e| {
+            if e.status() == Status::TimedOut {
+                Error::new(
+                    Status::TimedOut,
+                    format!(
+                        "{what}: no address table within {timeout:?}; not every rank reached \
                              the root (a rank missing, or still starting?)"
-                        ),
-                    )
-                } else {
-                    e
-                }
-            })?;
+                    ),
+                )
+            } else {
+                e
+            }
+        })?;
         let peers = match ty {
             ft::TABLE => decode_table(&p, nranks, &what)?,
             ft::ERROR => return Err(wire::decode_error(&p, &format!("bootstrap root {root}"))),
             _ => {
-                return Err(Error::new(
-                    Status::Internal,
-                    format!("{what}: unexpected frame type {ty} from the root"),
-                ));
+                return Err(Error::new(Status::Internal, format!("{what}: unexpected frame type {ty} from the root")));
             }
         };
         guard.armed = false;
@@ -218,22 +198,13 @@ impl Bootstrap {
             let send_idx = (self.rank + n - step) % n;
             let recv_idx = (self.rank + 2 * n - step - 1) % n;
             let block = &out[send_idx as usize];
-            self.send_raw(
-                next,
-                SPACE_COLL,
-                seq,
-                &[&send_idx.to_le_bytes(), block],
-                deadline,
-                "allgather",
-            )?;
+            self.send_raw(next, SPACE_COLL, seq, &[&send_idx.to_le_bytes(), block], deadline, "allgather")?;
             let msg = self.recv_raw(prev, SPACE_COLL, seq, deadline, "allgather")?;
             let (idx, data) = split_u32(&msg, "allgather", prev)?;
             if idx != recv_idx {
                 return Err(Error::new(
                     Status::Internal,
-                    format!(
-                        "allgather: rank {prev} sent block {idx}, expected {recv_idx} (collective calls out of order?)"
-                    ),
+                    format!("allgather: rank {prev} sent block {idx}, expected {recv_idx} (collective calls out of order?)"),
                 ));
             }
             out[recv_idx as usize] = data.to_vec();
@@ -251,22 +222,13 @@ impl Bootstrap {
         while dist < n {
             let to = (self.rank + dist) % n;
             let from = (self.rank + n - dist) % n;
-            self.send_raw(
-                to,
-                SPACE_COLL,
-                seq,
-                &[&round.to_le_bytes()],
-                deadline,
-                "barrier",
-            )?;
+            self.send_raw(to, SPACE_COLL, seq, &[&round.to_le_bytes()], deadline, "barrier")?;
             let msg = self.recv_raw(from, SPACE_COLL, seq, deadline, "barrier")?;
             let (got, _) = split_u32(&msg, "barrier", from)?;
             if got != round {
                 return Err(Error::new(
                     Status::Internal,
-                    format!(
-                        "barrier: rank {from} is in round {got}, expected {round} (collective calls out of order?)"
-                    ),
+                    format!("barrier: rank {from} is in round {got}, expected {round} (collective calls out of order?)"),
                 ));
             }
             dist = dist.saturating_mul(2);
@@ -278,10 +240,7 @@ impl Bootstrap {
     /// `root`'s `data` on every rank (binomial tree). `data` is ignored on the other ranks.
     pub fn broadcast(&self, root: u32, data: &[u8]) -> Result<Vec<u8>> {
         if root >= self.nranks {
-            return Err(Error::invalid_param(format!(
-                "broadcast: root {root} is not below nranks {}",
-                self.nranks
-            )));
+            return Err(Error::invalid_param(format!("broadcast: root {root} is not below nranks {}", self.nranks)));
         }
         let n = self.nranks;
         let seq = self.next_seq();
@@ -333,10 +292,7 @@ impl Bootstrap {
 
     fn check_peer(&self, peer: u32, op: &str) -> Result<()> {
         if peer >= self.nranks {
-            return Err(Error::invalid_param(format!(
-                "{op}: peer {peer} is not below nranks {}",
-                self.nranks
-            )));
+            return Err(Error::invalid_param(format!("{op}: peer {peer} is not below nranks {}", self.nranks)));
         }
         Ok(())
     }
@@ -345,22 +301,11 @@ impl Bootstrap {
         self.coll_seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn send_raw(
-        &self,
-        peer: u32,
-        space: u8,
-        tag: u32,
-        parts: &[&[u8]],
-        deadline: Instant,
-        op: &str,
-    ) -> Result<()> {
+    fn send_raw(&self, peer: u32, space: u8, tag: u32, parts: &[&[u8]], deadline: Instant, op: &str) -> Result<()> {
         if peer == self.rank {
             let data = parts.concat();
             let mut mail = lock(&self.shared.mail);
-            mail.queues
-                .entry((peer, space, tag))
-                .or_default()
-                .push_back(data);
+            mail.queues.entry((peer, space, tag)).or_default().push_back(data);
             self.shared.arrived.notify_all();
             return Ok(());
         }
@@ -370,24 +315,12 @@ impl Bootstrap {
             let addr = self.peers[peer as usize];
             // No retry on refusal: the peer listened before the table existed, so a refusal means
             // it is gone.
-            let s =
-                wire::connect_until(addr, deadline, false, &what).map_err(|e| peer_err(e, peer))?;
-            wire::client_handshake(
-                &s,
-                &self.shared.secret,
-                Role::Peer,
-                self.rank,
-                peer,
-                deadline,
-                &what,
-            )?;
+            let s = wire::connect_until(addr, deadline, false, &what).map_err(|e| peer_err(e, peer))?;
+            wire::client_handshake(&s, &self.shared.secret, Role::Peer, self.rank, peer, deadline, &what)?;
             *slot = Some(s);
         }
         let Some(stream) = slot.as_ref() else {
-            return Err(Error::new(
-                Status::Internal,
-                format!("{what}: connection slot empty"),
-            ));
+            return Err(Error::new(Status::Internal, format!("{what}: connection slot empty")));
         };
         let mut hdr = [0u8; DATA_HDR];
         hdr[0] = space;
@@ -403,47 +336,25 @@ impl Bootstrap {
         Ok(())
     }
 
-    fn recv_raw(
-        &self,
-        peer: u32,
-        space: u8,
-        tag: u32,
-        deadline: Instant,
-        op: &str,
-    ) -> Result<Vec<u8>> {
+    fn recv_raw(&self, peer: u32, space: u8, tag: u32, deadline: Instant, op: &str) -> Result<Vec<u8>> {
         let mut mail = lock(&self.shared.mail);
         loop {
-            if let Some(msg) = mail
-                .queues
-                .get_mut(&(peer, space, tag))
-                .and_then(|q| q.pop_front())
-            {
+            if let Some(msg) = mail.queues.get_mut(&(peer, space, tag)).and_then(|q| q.pop_front()) {
                 return Ok(msg);
             }
             let st = &mail.peers[peer as usize];
             if st.open == 0 {
                 if let Some(e) = &st.closed {
-                    return Err(e.clone().context(format!(
-                        "bootstrap rank {}: {op} waiting for rank {peer}",
-                        self.rank
-                    )));
+                    return Err(e.clone().context(format!("bootstrap rank {}: {op} waiting for rank {peer}", self.rank)));
                 }
             }
             let Some(rem) = wire::remaining(deadline) else {
                 return Err(Error::new(
                     Status::TimedOut,
-                    format!(
-                        "bootstrap rank {}: {op} timed out after {:?} waiting for rank {peer}",
-                        self.rank, self.timeout
-                    ),
+                    format!("bootstrap rank {}: {op} timed out after {:?} waiting for rank {peer}", self.rank, self.timeout),
                 ));
             };
-            mail = self
-                .shared
-                .arrived
-                .wait_timeout(mail, rem)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            mail = self.shared.arrived.wait_timeout(mail, rem).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 }
@@ -481,71 +392,44 @@ impl Drop for StopOnDrop {
 /// A connection failure while talking to `peer` is that peer's failure: say which.
 fn peer_err(e: Error, peer: u32) -> Error {
     match e.status() {
-        Status::Unreachable => Error::new(
-            Status::PeerFailed,
-            format!("rank {peer} no longer accepts connections: {}", e.message()),
-        ),
+        Status::Unreachable => Error::new(Status::PeerFailed, format!("rank {peer} no longer accepts connections: {}", e.message())),
         _ => e,
     }
 }
 
 fn check_size(len: usize, op: &str) -> Result<()> {
     if len > MAX_MESSAGE_BYTES {
-        return Err(Error::invalid_param(format!(
-            "{op}: {len} bytes exceed the bootstrap message limit of {MAX_MESSAGE_BYTES}"
-        )));
+        return Err(Error::invalid_param(format!("{op}: {len} bytes exceed the bootstrap message limit of {MAX_MESSAGE_BYTES}")));
     }
     Ok(())
 }
 
 fn split_u32<'a>(msg: &'a [u8], op: &str, from: u32) -> Result<(u32, &'a [u8])> {
     if msg.len() < 4 {
-        return Err(Error::new(
-            Status::Internal,
-            format!("{op}: short message from rank {from} (collective calls out of order?)"),
-        ));
+        return Err(Error::new(Status::Internal, format!("{op}: short message from rank {from} (collective calls out of order?)")));
     }
-    Ok((
-        u32::from_le_bytes([msg[0], msg[1], msg[2], msg[3]]),
-        &msg[4..],
-    ))
+    Ok((u32::from_le_bytes([msg[0], msg[1], msg[2], msg[3]]), &msg[4..]))
 }
 
 fn decode_table(p: &[u8], nranks: u32, what: &str) -> Result<Vec<SocketAddr>> {
     if p.len() != 4 + nranks as usize * ADDR_BYTES {
-        return Err(Error::new(
-            Status::Internal,
-            format!("{what}: table of {} bytes for {nranks} ranks", p.len()),
-        ));
+        return Err(Error::new(Status::Internal, format!("{what}: table of {} bytes for {nranks} ranks", p.len())));
     }
     let n = u32::from_le_bytes([p[0], p[1], p[2], p[3]]);
     if n != nranks {
-        return Err(Error::new(
-            Status::Internal,
-            format!("{what}: table for {n} ranks, expected {nranks}"),
-        ));
+        return Err(Error::new(Status::Internal, format!("{what}: table for {n} ranks, expected {nranks}")));
     }
-    p[4..]
-        .chunks_exact(ADDR_BYTES)
-        .map(|c| wire::decode_addr(c).map_err(|e| e.context(what)))
-        .collect()
+    p[4..].chunks_exact(ADDR_BYTES).map(|c| wire::decode_addr(c).map_err(|e| e.context(what))).collect()
 }
 
 fn start_accept(listener: TcpListener, shared: &Arc<Shared>) -> Result<()> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("bootstrap: set_nonblocking on the rank listener", e))?;
+    listener.set_nonblocking(true).map_err(|e| Error::io("bootstrap: set_nonblocking on the rank listener", e))?;
     let shared = Arc::clone(shared);
     std::thread::Builder::new()
         .name(format!("gsc-boot-accept-{}", shared.rank))
         .spawn(move || accept_loop(listener, shared))
         .map(|_| ())
-        .map_err(|e| {
-            Error::new(
-                Status::NoResource,
-                format!("bootstrap: spawn accept thread: {e}"),
-            )
-        })
+        .map_err(|e| Error::new(Status::NoResource, format!("bootstrap: spawn accept thread: {e}")))
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
@@ -576,9 +460,8 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         }
         pending.fetch_add(1, Ordering::AcqRel);
         let (sh, pend) = (Arc::clone(&shared), Arc::clone(&pending));
-        let spawned = std::thread::Builder::new()
-            .name(format!("gsc-boot-recv-{}", shared.rank))
-            .spawn(move || serve_incoming(stream, sh, pend));
+        let spawned =
+            std::thread::Builder::new().name(format!("gsc-boot-recv-{}", shared.rank)).spawn(move || serve_incoming(stream, sh, pend));
         if let Err(e) = spawned {
             pending.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(target: "gsc::bootstrap", err = %e, "cannot spawn a receive thread");
@@ -589,10 +472,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 /// Authenticate an incoming connection, then move its frames into the mailbox until it closes.
 fn serve_incoming(stream: TcpStream, shared: Arc<Shared>, pending: Arc<AtomicUsize>) {
     let me = shared.rank;
-    let from = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_else(|_| "?".into());
+    let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     let what = format!("bootstrap rank {me}: incoming connection from {from}");
     let deadline = wire::deadline_after(PEER_HANDSHAKE_TIMEOUT);
     let hs = wire::server_handshake(&stream, &shared.secret, Role::Peer, me, deadline, &what);
@@ -619,38 +499,20 @@ fn serve_incoming(stream: TcpStream, shared: Arc<Shared>, pending: Arc<AtomicUsi
     lock(&shared.mail).peers[peer as usize].open += 1;
     let what = format!("bootstrap rank {me}: connection from rank {peer}");
     let end = loop {
-        match wire::read_frame_stoppable(
-            &stream,
-            DATA_HDR + MAX_MESSAGE_BYTES + 4,
-            &shared.stop,
-            ACCEPT_POLL,
-            &what,
-        ) {
+        match wire::read_frame_stoppable(&stream, DATA_HDR + MAX_MESSAGE_BYTES + 4, &shared.stop, ACCEPT_POLL, &what) {
             Ok((ft::DATA, mut p)) if p.len() >= DATA_HDR => {
                 let space = p[0];
                 let tag = u32::from_le_bytes([p[1], p[2], p[3], p[4]]);
                 p.drain(..DATA_HDR); // in place: no second allocation of a large payload
                 let mut mail = lock(&shared.mail);
-                mail.queues
-                    .entry((peer, space, tag))
-                    .or_default()
-                    .push_back(p);
+                mail.queues.entry((peer, space, tag)).or_default().push_back(p);
                 shared.arrived.notify_all();
             }
             Ok((ty, p)) => {
-                break Error::new(
-                    Status::IoError,
-                    format!(
-                        "{what}: protocol violation (frame type {ty}, {} bytes)",
-                        p.len()
-                    ),
-                );
+                break Error::new(Status::IoError, format!("{what}: protocol violation (frame type {ty}, {} bytes)", p.len()));
             }
             Err(e) if e.status() == Status::PeerFailed => {
-                break Error::new(
-                    Status::PeerFailed,
-                    format!("rank {peer} closed its bootstrap connection"),
-                );
+                break Error::new(Status::PeerFailed, format!("rank {peer} closed its bootstrap connection"));
             }
             Err(e) => break e,
         }

@@ -98,9 +98,11 @@ const LAUNCHERS: &[Vars] = &[
 fn parse_u32(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<u32>> {
     match lookup(name) {
         None => Ok(None),
-        Some(v) => v.trim().parse::<u32>().map(Some).map_err(|_| {
-            Error::invalid_param(format!("{name}={v:?} is not a non-negative 32-bit integer"))
-        }),
+        Some(v) => v
+            .trim()
+            .parse::<u32>()
+            .map(Some)
+            .map_err(|_| Error::invalid_param(format!("{name}={v:?} is not a non-negative 32-bit integer"))),
     }
 }
 
@@ -116,31 +118,19 @@ pub fn detect_with(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<Lau
             (false, None) => continue,
             (true, None) | (false, Some(_)) if v.lenient => continue,
             (true, None) => {
-                return Err(Error::invalid_param(format!(
-                    "{} is set but {} is not",
-                    v.rank,
-                    v.size.join(" / ")
-                )));
+                return Err(Error::invalid_param(format!("{} is set but {} is not", v.rank, v.size.join(" / "))));
             }
             (false, Some(s)) => {
-                return Err(Error::invalid_param(format!(
-                    "{s} is set but {} is not",
-                    v.rank
-                )));
+                return Err(Error::invalid_param(format!("{s} is set but {} is not", v.rank)));
             }
             (true, Some(size_name)) => {
                 let rank = parse_u32(lookup, v.rank)?.unwrap_or(0);
                 let size = parse_u32(lookup, size_name)?.unwrap_or(0);
                 if size == 0 {
-                    return Err(Error::invalid_param(format!(
-                        "{size_name}=0: a job has at least one rank"
-                    )));
+                    return Err(Error::invalid_param(format!("{size_name}=0: a job has at least one rank")));
                 }
                 if rank >= size {
-                    return Err(Error::invalid_param(format!(
-                        "{}={rank} is not below {size_name}={size}",
-                        v.rank
-                    )));
+                    return Err(Error::invalid_param(format!("{}={rank} is not below {size_name}={size}", v.rank)));
                 }
                 let local_rank = match v.local_rank {
                     Some(n) => parse_u32(lookup, n)?,
@@ -159,13 +149,7 @@ pub fn detect_with(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<Lau
                         )));
                     }
                 }
-                return Ok(Some(LaunchInfo {
-                    rank,
-                    size,
-                    local_rank,
-                    local_size,
-                    launcher: v.launcher,
-                }));
+                return Ok(Some(LaunchInfo { rank, size, local_rank, local_size, launcher: v.launcher }));
             }
         }
     }
@@ -198,12 +182,7 @@ pub struct BootstrapOptions {
 
 impl Default for BootstrapOptions {
     fn default() -> BootstrapOptions {
-        BootstrapOptions {
-            unique_id: None,
-            addr: None,
-            secret: None,
-            timeout: Duration::from_secs(60),
-        }
+        BootstrapOptions { unique_id: None, addr: None, secret: None, timeout: Duration::from_secs(60) }
     }
 }
 
@@ -233,9 +212,7 @@ impl BootstrapOptions {
         };
         if let Some(t) = non_empty("GSC_BOOTSTRAP_TIMEOUT") {
             o.timeout = parse_timeout(&t).ok_or_else(|| {
-                Error::invalid_param(format!(
-                    "GSC_BOOTSTRAP_TIMEOUT={t:?} is not a positive duration (e.g. 30, 2.5s, 500ms)"
-                ))
+                Error::invalid_param(format!("GSC_BOOTSTRAP_TIMEOUT={t:?} is not a positive duration (e.g. 30, 2.5s, 500ms)"))
             })?;
         }
         Ok(o)
@@ -284,14 +261,10 @@ fn job_identifier(lookup: &dyn Fn(&str) -> Option<String>) -> Option<(String, &'
 
 /// Resolve `host:port`, IPv4 first so every rank picks the same address from a mixed answer.
 fn resolve(addr: &str, origin: &str) -> Result<SocketAddr> {
-    let mut all: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .map_err(|e| Error::invalid_param(format!("{origin}={addr:?} does not resolve: {e}")))?
-        .collect();
+    let mut all: Vec<SocketAddr> =
+        addr.to_socket_addrs().map_err(|e| Error::invalid_param(format!("{origin}={addr:?} does not resolve: {e}")))?.collect();
     all.sort_by_key(|a| !a.is_ipv4());
-    all.into_iter()
-        .next()
-        .ok_or_else(|| Error::invalid_param(format!("{origin}={addr:?} resolves to no address")))
+    all.into_iter().next().ok_or_else(|| Error::invalid_param(format!("{origin}={addr:?} resolves to no address")))
 }
 
 impl Bootstrap {
@@ -311,11 +284,7 @@ impl Bootstrap {
     }
 
     /// [`from_launcher`](Bootstrap::from_launcher) reading the environment through `lookup`.
-    pub fn from_launcher_with(
-        opts: &BootstrapOptions,
-        info: &LaunchInfo,
-        lookup: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<Bootstrap> {
+    pub fn from_launcher_with(opts: &BootstrapOptions, info: &LaunchInfo, lookup: &dyn Fn(&str) -> Option<String>) -> Result<Bootstrap> {
         if let Some(s) = &opts.unique_id {
             let uid: UniqueId = s.parse().map_err(|e: Error| e.context("GSC_UNIQUE_ID"))?;
             return Bootstrap::init(&uid, info.rank, info.size, opts.timeout);
@@ -323,29 +292,18 @@ impl Bootstrap {
         let (addr_str, origin) = match (&opts.addr, info.launcher) {
             (Some(a), _) => (a.clone(), "GSC_BOOTSTRAP_ADDR"),
             (None, Launcher::Torchrun) => {
-                let host = lookup("MASTER_ADDR").ok_or_else(|| {
-                    Error::invalid_param(
-                        "torchrun job without GSC_UNIQUE_ID, GSC_BOOTSTRAP_ADDR or MASTER_ADDR",
-                    )
-                })?;
-                let port_s = lookup("MASTER_PORT").ok_or_else(|| {
-                    Error::invalid_param("MASTER_ADDR is set but MASTER_PORT is not")
-                })?;
-                let port: u16 = port_s.trim().parse().map_err(|_| {
-                    Error::invalid_param(format!("MASTER_PORT={port_s:?} is not a port number"))
-                })?;
-                let port = port.checked_add(1).ok_or_else(|| {
-                    Error::invalid_param(
-                        "MASTER_PORT=65535: no room for the bootstrap port MASTER_PORT+1",
-                    )
-                })?;
+                let host = lookup("MASTER_ADDR")
+                    .ok_or_else(|| Error::invalid_param("torchrun job without GSC_UNIQUE_ID, GSC_BOOTSTRAP_ADDR or MASTER_ADDR"))?;
+                let port_s = lookup("MASTER_PORT").ok_or_else(|| Error::invalid_param("MASTER_ADDR is set but MASTER_PORT is not"))?;
+                let port: u16 =
+                    port_s.trim().parse().map_err(|_| Error::invalid_param(format!("MASTER_PORT={port_s:?} is not a port number")))?;
+                let port = port
+                    .checked_add(1)
+                    .ok_or_else(|| Error::invalid_param("MASTER_PORT=65535: no room for the bootstrap port MASTER_PORT+1"))?;
                 let host = host.trim();
                 // Bracket bare IPv6 literals so "host:port" parses.
-                let joined = if host.contains(':') && !host.starts_with('[') {
-                    format!("[{host}]:{port}")
-                } else {
-                    format!("{host}:{port}")
-                };
+                let joined =
+                    if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
                 (joined, "MASTER_ADDR/MASTER_PORT")
             }
             (None, _) => {
@@ -373,10 +331,7 @@ impl Bootstrap {
             }
         };
         let uid = if info.rank == 0 {
-            let root = RootOptions {
-                timeout: opts.timeout,
-                ..RootOptions::default()
-            };
+            let root = RootOptions { timeout: opts.timeout, ..RootOptions::default() };
             UniqueId::create_at(addr, &secret, &root)?
         } else {
             UniqueId::with_root(addr, &secret)?

@@ -39,11 +39,7 @@ pub struct RootOptions {
 
 impl Default for RootOptions {
     fn default() -> RootOptions {
-        RootOptions {
-            timeout: Duration::from_secs(300),
-            handshake_timeout: Duration::from_secs(5),
-            max_frame: 1 << 20,
-        }
+        RootOptions { timeout: Duration::from_secs(300), handshake_timeout: Duration::from_secs(5), max_frame: 1 << 20 }
     }
 }
 
@@ -56,17 +52,9 @@ struct Registration {
 }
 
 /// Start the service on `listener` (already bound) in the background.
-pub(crate) fn spawn(
-    listener: TcpListener,
-    secret: [u8; SECRET_BYTES],
-    opts: RootOptions,
-) -> Result<()> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("bootstrap root: set_nonblocking on the listener", e))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| Error::io("bootstrap root: local_addr of the listener", e))?;
+pub(crate) fn spawn(listener: TcpListener, secret: [u8; SECRET_BYTES], opts: RootOptions) -> Result<()> {
+    listener.set_nonblocking(true).map_err(|e| Error::io("bootstrap root: set_nonblocking on the listener", e))?;
+    let addr = listener.local_addr().map_err(|e| Error::io("bootstrap root: local_addr of the listener", e))?;
     let deadline = wire::deadline_after(opts.timeout);
     let (tx, rx) = crossbeam_channel::unbounded::<Registration>();
     let stop = Arc::new(AtomicBool::new(false));
@@ -76,38 +64,22 @@ pub(crate) fn spawn(
     std::thread::Builder::new()
         .name("gsc-boot-root-accept".into())
         .spawn(move || accept_loop(listener, secret, opts_a, tx, stop_a))
-        .map_err(|e| {
-            Error::new(
-                Status::NoResource,
-                format!("bootstrap root: spawn thread: {e}"),
-            )
-        })?;
+        .map_err(|e| Error::new(Status::NoResource, format!("bootstrap root: spawn thread: {e}")))?;
 
     let stop_c = Arc::clone(&stop);
-    let spawned = std::thread::Builder::new()
-        .name("gsc-boot-root".into())
-        .spawn(move || {
-            coordinate(addr, &opts, deadline, rx);
-            // The accept thread sees this within ACCEPT_POLL and closes the listening socket.
-            stop_c.store(true, Ordering::Release);
-        });
+    let spawned = std::thread::Builder::new().name("gsc-boot-root".into()).spawn(move || {
+        coordinate(addr, &opts, deadline, rx);
+        // The accept thread sees this within ACCEPT_POLL and closes the listening socket.
+        stop_c.store(true, Ordering::Release);
+    });
     if let Err(e) = spawned {
         stop.store(true, Ordering::Release); // no coordinator: let the accept thread go too
-        return Err(Error::new(
-            Status::NoResource,
-            format!("bootstrap root: spawn thread: {e}"),
-        ));
+        return Err(Error::new(Status::NoResource, format!("bootstrap root: spawn thread: {e}")));
     }
     Ok(())
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    secret: [u8; SECRET_BYTES],
-    opts: RootOptions,
-    tx: Sender<Registration>,
-    stop: Arc<AtomicBool>,
-) {
+fn accept_loop(listener: TcpListener, secret: [u8; SECRET_BYTES], opts: RootOptions, tx: Sender<Registration>, stop: Arc<AtomicBool>) {
     let pending = Arc::new(AtomicUsize::new(0));
     // Runs until the coordinator raises `stop` (it always does, on success, failure or its
     // deadline). Exiting on our own would drop `tx` and look like a listener failure to it.
@@ -138,20 +110,17 @@ fn accept_loop(
         }
         pending.fetch_add(1, Ordering::AcqRel);
         let (tx, pending_t, opts_t) = (tx.clone(), Arc::clone(&pending), opts.clone());
-        let spawned = std::thread::Builder::new()
-            .name("gsc-boot-root-hs".into())
-            .stack_size(SMALL_STACK)
-            .spawn(move || {
-                match handshake(stream, &secret, &opts_t) {
-                    Ok(reg) => {
-                        // Send fails only if the coordinator is gone; the rank then sees EOF.
-                        let _ = tx.send(reg);
-                    }
-                    Err(e) => tracing::info!(target: "gsc::bootstrap", ?from, err = %e,
-                        "root: dropped a connection that did not complete the handshake"),
+        let spawned = std::thread::Builder::new().name("gsc-boot-root-hs".into()).stack_size(SMALL_STACK).spawn(move || {
+            match handshake(stream, &secret, &opts_t) {
+                Ok(reg) => {
+                    // Send fails only if the coordinator is gone; the rank then sees EOF.
+                    let _ = tx.send(reg);
                 }
-                pending_t.fetch_sub(1, Ordering::AcqRel);
-            });
+                Err(e) => tracing::info!(target: "gsc::bootstrap", ?from, err = %e,
+                        "root: dropped a connection that did not complete the handshake"),
+            }
+            pending_t.fetch_sub(1, Ordering::AcqRel);
+        });
         if let Err(e) = spawned {
             pending.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(target: "gsc::bootstrap", err = %e, "root: cannot spawn handshake thread");
@@ -160,37 +129,19 @@ fn accept_loop(
 }
 
 /// Authenticate one connection and read its registration, all within the handshake timeout.
-fn handshake(
-    stream: TcpStream,
-    secret: &[u8; SECRET_BYTES],
-    opts: &RootOptions,
-) -> Result<Registration> {
+fn handshake(stream: TcpStream, secret: &[u8; SECRET_BYTES], opts: &RootOptions) -> Result<Registration> {
     let deadline = wire::deadline_after(opts.handshake_timeout);
-    let from = stream
-        .peer_addr()
-        .map_err(|e| Error::io("bootstrap root: peer_addr of a new connection", e))?;
+    let from = stream.peer_addr().map_err(|e| Error::io("bootstrap root: peer_addr of a new connection", e))?;
     let what = format!("bootstrap root: connection from {from}");
     wire::server_handshake(&stream, secret, Role::Rank, ROOT_TARGET, deadline, &what)?;
     let (ty, p) = wire::read_frame(&stream, opts.max_frame, deadline, &what)?;
     if ty != ft::REGISTER || p.len() != 8 + ADDR_BYTES {
-        return Err(Error::new(
-            Status::Rejected,
-            format!(
-                "{what}: expected a registration, got frame type {ty} ({} bytes)",
-                p.len()
-            ),
-        ));
+        return Err(Error::new(Status::Rejected, format!("{what}: expected a registration, got frame type {ty} ({} bytes)", p.len())));
     }
     let rank = u32::from_le_bytes([p[0], p[1], p[2], p[3]]);
     let nranks = u32::from_le_bytes([p[4], p[5], p[6], p[7]]);
     let listen = wire::decode_addr(&p[8..]).map_err(|e| e.context(&what))?;
-    Ok(Registration {
-        rank,
-        nranks,
-        listen,
-        from,
-        stream,
-    })
+    Ok(Registration { rank, nranks, listen, from, stream })
 }
 
 /// Deadline for answering one rank: a rank that does not read must not hold up the others long.
@@ -199,34 +150,19 @@ fn answer_deadline(opts: &RootOptions) -> Instant {
 }
 
 fn send_error(reg: &Registration, err: &Error, opts: &RootOptions) {
-    let what = format!(
-        "bootstrap root: error answer to rank {} at {}",
-        reg.rank, reg.from
-    );
+    let what = format!("bootstrap root: error answer to rank {} at {}", reg.rank, reg.from);
     let payload = wire::encode_error(err);
-    if let Err(e) = wire::write_frame(
-        &reg.stream,
-        ft::ERROR,
-        &[&payload],
-        answer_deadline(opts),
-        &what,
-    ) {
+    if let Err(e) = wire::write_frame(&reg.stream, ft::ERROR, &[&payload], answer_deadline(opts), &what) {
         tracing::debug!(target: "gsc::bootstrap", err = %e, "root: could not deliver the error");
     }
 }
 
 fn validate(regs: &BTreeMap<u32, Registration>, new: &Registration) -> Result<()> {
     if new.nranks == 0 {
-        return Err(Error::invalid_param(format!(
-            "rank {} announced nranks=0",
-            new.rank
-        )));
+        return Err(Error::invalid_param(format!("rank {} announced nranks=0", new.rank)));
     }
     if new.rank >= new.nranks {
-        return Err(Error::invalid_param(format!(
-            "rank {} announced nranks={}: rank out of range",
-            new.rank, new.nranks
-        )));
+        return Err(Error::invalid_param(format!("rank {} announced nranks={}: rank out of range", new.rank, new.nranks)));
     }
     if let Some(first) = regs.values().next() {
         if first.nranks != new.nranks {
@@ -237,10 +173,7 @@ fn validate(regs: &BTreeMap<u32, Registration>, new: &Registration) -> Result<()
         }
     }
     if let Some(prev) = regs.get(&new.rank) {
-        return Err(Error::invalid_param(format!(
-            "rank {} registered twice (from {} and from {})",
-            new.rank, prev.from, new.from
-        )));
+        return Err(Error::invalid_param(format!("rank {} registered twice (from {} and from {})", new.rank, prev.from, new.from)));
     }
     Ok(())
 }
@@ -255,12 +188,7 @@ fn missing_ranks(regs: &BTreeMap<u32, Registration>, nranks: u32) -> String {
     s.join(", ")
 }
 
-fn coordinate(
-    addr: SocketAddr,
-    opts: &RootOptions,
-    deadline: Instant,
-    rx: crossbeam_channel::Receiver<Registration>,
-) {
+fn coordinate(addr: SocketAddr, opts: &RootOptions, deadline: Instant, rx: crossbeam_channel::Receiver<Registration>) {
     let mut regs: BTreeMap<u32, Registration> = BTreeMap::new();
     // After a validation failure we keep answering latecomers with the same error until the
     // deadline, so every rank of the job learns why instead of timing out.
@@ -317,10 +245,7 @@ fn coordinate(
                 return;
             }
             Err(RecvTimeoutError::Disconnected) => {
-                let err = Error::new(
-                    Status::IoError,
-                    format!("root {addr}: the listening socket failed; rendezvous aborted"),
-                );
+                let err = Error::new(Status::IoError, format!("root {addr}: the listening socket failed; rendezvous aborted"));
                 for r in regs.values() {
                     send_error(r, &err, opts);
                 }
@@ -338,13 +263,7 @@ fn send_table(regs: &BTreeMap<u32, Registration>, nranks: u32, opts: &RootOption
     }
     for r in regs.values() {
         let what = format!("bootstrap root: table to rank {} at {}", r.rank, r.from);
-        if let Err(e) = wire::write_frame(
-            &r.stream,
-            ft::TABLE,
-            &[&table],
-            answer_deadline(opts),
-            &what,
-        ) {
+        if let Err(e) = wire::write_frame(&r.stream, ft::TABLE, &[&table], answer_deadline(opts), &what) {
             // That rank will fail on its own (its read fails or times out); the others go on.
             tracing::warn!(target: "gsc::bootstrap", err = %e, "root: could not send the table");
         }

@@ -41,10 +41,7 @@ fn run_ranks<T: Send + 'static>(
             std::thread::spawn(move || body(Bootstrap::init(&uid, rank, nranks, timeout)?))
         })
         .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
-        .collect()
+    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
 }
 
 fn job(uid: &UniqueId, n: u32) -> Vec<(UniqueId, u32, u32)> {
@@ -58,9 +55,7 @@ fn contribution(rank: u32) -> Vec<u8> {
         3 => 3 << 20,
         r => (r as usize) * 37 + 5,
     };
-    (0..len)
-        .map(|i| (i as u32).wrapping_mul(31).wrapping_add(rank) as u8)
-        .collect()
+    (0..len).map(|i| (i as u32).wrapping_mul(31).wrapping_add(rank) as u8).collect()
 }
 
 fn exercise(b: Bootstrap) -> Result<()> {
@@ -98,10 +93,7 @@ fn collectives_and_p2p_on_1_to_8_ranks() {
         for n in [1u32, 2, 3, 4, 5, 8] {
             let uid = UniqueId::create(Some(LO)).unwrap();
             let t0 = Instant::now();
-            for (r, res) in run_ranks(job(&uid, n), Duration::from_secs(10), exercise)
-                .into_iter()
-                .enumerate()
-            {
+            for (r, res) in run_ranks(job(&uid, n), Duration::from_secs(10), exercise).into_iter().enumerate() {
                 res.unwrap_or_else(|e| panic!("{n} ranks: rank {r}: {e}"));
             }
             eprintln!("{n} ranks: {:?}", t0.elapsed());
@@ -115,9 +107,7 @@ fn default_bind_address_is_reachable() {
         // No bind address: the first non-loopback IPv4 of the host, else loopback.
         let uid = UniqueId::create(None).unwrap();
         assert!(!uid.root_addr().ip().is_unspecified());
-        for res in run_ranks(job(&uid, 3), Duration::from_secs(5), |b| {
-            b.allgather(&[b.rank() as u8])
-        }) {
+        for res in run_ranks(job(&uid, 3), Duration::from_secs(5), |b| b.allgather(&[b.rank() as u8])) {
             assert_eq!(res.unwrap(), vec![vec![0], vec![1], vec![2]]);
         }
     });
@@ -148,9 +138,7 @@ fn shared_between_threads() {
             }
             // Then collectives from another thread, in sequence.
             let b2 = Arc::clone(&b);
-            std::thread::spawn(move || b2.barrier())
-                .join()
-                .expect("thread panicked")?;
+            std::thread::spawn(move || b2.barrier()).join().expect("thread panicked")?;
             // Sending to oneself is allowed and does not touch the network.
             b.send(b.rank(), 1, b"me")?;
             assert_eq!(b.recv(b.rank(), 1)?, b"me");
@@ -172,15 +160,9 @@ fn argument_errors_are_named() {
         let e = Bootstrap::init(&uid, 0, 1, Duration::ZERO).unwrap_err();
         assert_eq!(e.status(), Status::InvalidParam);
         let b = Bootstrap::init(&uid, 0, 1, Duration::from_secs(2)).unwrap();
-        assert_eq!(
-            b.send(1, 0, b"x").unwrap_err().status(),
-            Status::InvalidParam
-        );
+        assert_eq!(b.send(1, 0, b"x").unwrap_err().status(), Status::InvalidParam);
         assert_eq!(b.recv(5, 0).unwrap_err().status(), Status::InvalidParam);
-        assert_eq!(
-            b.broadcast(1, b"x").unwrap_err().status(),
-            Status::InvalidParam
-        );
+        assert_eq!(b.broadcast(1, b"x").unwrap_err().status(), Status::InvalidParam);
         assert_eq!(b.allgather(b"solo").unwrap(), vec![b"solo".to_vec()]);
         b.barrier().unwrap();
         // "No practical limit" must not overflow deadline arithmetic.
@@ -202,21 +184,10 @@ fn wrong_secret_is_rejected_and_does_not_stall_the_job() {
             let all = b.allgather(&[b.rank() as u8])?;
             if b.rank() != 1 {
                 // Rank-to-rank connections authenticate too: a wrong secret is refused.
-                let peer = b
-                    .peer_addr(1)
-                    .ok_or_else(|| Error::from(Status::Internal))?;
+                let peer = b.peer_addr(1).ok_or_else(|| Error::from(Status::Internal))?;
                 let s = TcpStream::connect(peer).map_err(|e| Error::io("connect", e))?;
                 let deadline = Instant::now() + Duration::from_secs(2);
-                let e = wire::client_handshake(
-                    &s,
-                    &[0x55; 32],
-                    Role::Peer,
-                    b.rank(),
-                    1,
-                    deadline,
-                    "imposter",
-                )
-                .unwrap_err();
+                let e = wire::client_handshake(&s, &[0x55; 32], Role::Peer, b.rank(), 1, deadline, "imposter").unwrap_err();
                 assert_eq!(e.status(), Status::Rejected, "{e}");
             }
             b.barrier()?;
@@ -248,18 +219,12 @@ fn garbage_and_silent_connections_do_not_stall_the_root() {
         let mut huge = TcpStream::connect(root).unwrap();
         huge.write_all(&[0xff; 5]).unwrap();
         let t0 = Instant::now();
-        for res in run_ranks(job(&uid, 4), Duration::from_secs(5), |b| {
-            b.allgather(&[b.rank() as u8])
-        }) {
+        for res in run_ranks(job(&uid, 4), Duration::from_secs(5), |b| b.allgather(&[b.rank() as u8])) {
             assert_eq!(res.unwrap().len(), 4);
         }
         // The default handshake timeout is 5 s: finishing well before it shows nobody waited on
         // the silent connection.
-        assert!(
-            t0.elapsed() < Duration::from_secs(3),
-            "took {:?}",
-            t0.elapsed()
-        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "took {:?}", t0.elapsed());
         // Garbage is dropped at once (EOF or reset, not a timeout).
         for s in [&mut garbage, &mut huge] {
             s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -273,15 +238,10 @@ fn garbage_and_silent_connections_do_not_stall_the_root() {
         drop(silent);
 
         // A silent client is cut off after the handshake timeout.
-        let opts = RootOptions {
-            handshake_timeout: Duration::from_millis(300),
-            ..RootOptions::default()
-        };
+        let opts = RootOptions { handshake_timeout: Duration::from_millis(300), ..RootOptions::default() };
         let uid = UniqueId::create_with(Some(LO), &opts).unwrap();
         let mut silent = TcpStream::connect(uid.root_addr()).unwrap();
-        silent
-            .set_read_timeout(Some(Duration::from_secs(3)))
-            .unwrap();
+        silent.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
         let t0 = Instant::now();
         let mut buf = [0u8; 8];
         match silent.read(&mut buf) {
@@ -289,11 +249,7 @@ fn garbage_and_silent_connections_do_not_stall_the_root() {
             Ok(n) => panic!("root sent {n} bytes to a client that never said hello"),
             Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(2),
-            "silent client kept {:?}",
-            t0.elapsed()
-        );
+        assert!(t0.elapsed() < Duration::from_secs(2), "silent client kept {:?}", t0.elapsed());
         // And that root still serves the job afterwards.
         for res in run_ranks(job(&uid, 2), Duration::from_secs(5), |b| b.barrier()) {
             res.unwrap();
@@ -306,26 +262,14 @@ fn nranks_mismatch_reaches_every_rank() {
     within(Duration::from_secs(10), || {
         let uid = UniqueId::create(Some(LO)).unwrap();
         // Ranks 0-2 say 4, rank 3 says 5: neither job can complete, whatever the arrival order.
-        let members = vec![
-            (uid.clone(), 0, 4),
-            (uid.clone(), 1, 4),
-            (uid.clone(), 2, 4),
-            (uid.clone(), 3, 5),
-        ];
+        let members = vec![(uid.clone(), 0, 4), (uid.clone(), 1, 4), (uid.clone(), 2, 4), (uid.clone(), 3, 5)];
         let t0 = Instant::now();
-        for (i, res) in run_ranks(members, Duration::from_secs(5), |_| Ok(()))
-            .into_iter()
-            .enumerate()
-        {
+        for (i, res) in run_ranks(members, Duration::from_secs(5), |_| Ok(())).into_iter().enumerate() {
             let e = res.unwrap_err();
             assert_eq!(e.status(), Status::InvalidParam, "member {i}: {e}");
             assert!(e.message().contains("announced nranks="), "member {i}: {e}");
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(3),
-            "took {:?}",
-            t0.elapsed()
-        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "took {:?}", t0.elapsed());
 
         // A rank claimed twice is named too.
         let uid = UniqueId::create(Some(LO)).unwrap();
@@ -350,16 +294,10 @@ fn missing_rank_times_out_everyone_within_the_timeout() {
             assert_eq!(e.status(), Status::TimedOut, "{e}");
         }
         let elapsed = t0.elapsed();
-        assert!(
-            elapsed >= timeout && elapsed < timeout + Duration::from_secs(1),
-            "{elapsed:?}"
-        );
+        assert!(elapsed >= timeout && elapsed < timeout + Duration::from_secs(1), "{elapsed:?}");
 
         // The root's own timeout names the missing ranks.
-        let opts = RootOptions {
-            timeout: Duration::from_millis(300),
-            ..RootOptions::default()
-        };
+        let opts = RootOptions { timeout: Duration::from_millis(300), ..RootOptions::default() };
         let uid = UniqueId::create_with(Some(LO), &opts).unwrap();
         let e = Bootstrap::init(&uid, 0, 3, Duration::from_secs(3)).unwrap_err();
         assert_eq!(e.status(), Status::TimedOut, "{e}");
@@ -378,10 +316,7 @@ fn operation_timeouts_and_peer_failure_name_the_rank() {
             let t0 = Instant::now();
             let e = b.recv(other, 5).unwrap_err();
             assert_eq!(e.status(), Status::TimedOut, "{e}");
-            assert!(
-                e.message().contains(&format!("waiting for rank {other}")),
-                "{e}"
-            );
+            assert!(e.message().contains(&format!("waiting for rank {other}")), "{e}");
             assert!(t0.elapsed() < timeout + Duration::from_millis(300));
             if b.rank() == 1 {
                 b.send(0, 1, b"last words")?;
@@ -414,30 +349,14 @@ fn unique_id_round_trips_and_rejects_corruption() {
     let s = uid.to_string();
     assert_eq!(s.len(), 2 * UNIQUE_ID_BYTES);
     assert_eq!(s.parse::<UniqueId>().unwrap(), uid);
-    assert_eq!(
-        format!("  {}\n", s.to_uppercase())
-            .parse::<UniqueId>()
-            .unwrap(),
-        uid
-    );
+    assert_eq!(format!("  {}\n", s.to_uppercase()).parse::<UniqueId>().unwrap(), uid);
     let v6 = UniqueId::with_root("[fd00::1]:1234".parse().unwrap(), b"x").unwrap();
     assert_eq!(UniqueId::from_bytes(&v6.to_bytes()).unwrap(), v6);
     // The secret is derived, deterministic and never printed by Debug.
-    assert_eq!(
-        UniqueId::with_root(uid.root_addr(), b"s3cret").unwrap(),
-        uid
-    );
-    assert_ne!(
-        UniqueId::with_root(uid.root_addr(), b"s3cres").unwrap(),
-        uid
-    );
+    assert_eq!(UniqueId::with_root(uid.root_addr(), b"s3cret").unwrap(), uid);
+    assert_ne!(UniqueId::with_root(uid.root_addr(), b"s3cres").unwrap(), uid);
     assert!(format!("{uid:?}").contains("redacted"));
-    assert_eq!(
-        UniqueId::with_root(uid.root_addr(), b"")
-            .unwrap_err()
-            .status(),
-        Status::InvalidParam
-    );
+    assert_eq!(UniqueId::with_root(uid.root_addr(), b"").unwrap_err().status(), Status::InvalidParam);
 
     // Any single corrupted byte is caught.
     for i in 0..UNIQUE_ID_BYTES {
@@ -450,28 +369,13 @@ fn unique_id_round_trips_and_rejects_corruption() {
     assert!(e.message().contains("100 bytes"), "{e}");
     let mut b = bytes;
     b[0] = b'X';
-    assert!(
-        UniqueId::from_bytes(&b)
-            .unwrap_err()
-            .message()
-            .contains("magic")
-    );
+    assert!(UniqueId::from_bytes(&b).unwrap_err().message().contains("magic"));
     let mut b = bytes;
     b[4] = 9;
-    assert!(
-        UniqueId::from_bytes(&b)
-            .unwrap_err()
-            .message()
-            .contains("version 9")
-    );
+    assert!(UniqueId::from_bytes(&b).unwrap_err().message().contains("version 9"));
     let mut b = bytes;
     b[40] ^= 0x80;
-    assert!(
-        UniqueId::from_bytes(&b)
-            .unwrap_err()
-            .message()
-            .contains("checksum")
-    );
+    assert!(UniqueId::from_bytes(&b).unwrap_err().message().contains("checksum"));
 
     let e = s[..200].parse::<UniqueId>().unwrap_err();
     assert!(e.message().contains("200 characters"), "{e}");
@@ -483,10 +387,7 @@ fn unique_id_round_trips_and_rejects_corruption() {
 }
 
 fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
-    let m: HashMap<String, String> = pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     move |k: &str| m.get(k).cloned()
 }
 
@@ -496,13 +397,7 @@ fn detect_in(pairs: &[(&str, &str)]) -> Result<Option<LaunchInfo>> {
 
 #[test]
 fn launcher_detection() {
-    let info = |rank, size, lr, ls, launcher| LaunchInfo {
-        rank,
-        size,
-        local_rank: lr,
-        local_size: ls,
-        launcher,
-    };
+    let info = |rank, size, lr, ls, launcher| LaunchInfo { rank, size, local_rank: lr, local_size: ls, launcher };
     assert_eq!(detect_in(&[]).unwrap(), None);
     assert_eq!(
         detect_in(&[
@@ -515,73 +410,36 @@ fn launcher_detection() {
         Some(info(3, 8, Some(1), Some(2), Launcher::OpenMpi))
     );
     assert_eq!(
-        detect_in(&[
-            ("PMI_RANK", "2"),
-            ("PMI_SIZE", "4"),
-            ("MPI_LOCALRANKID", "0")
-        ])
-        .unwrap(),
+        detect_in(&[("PMI_RANK", "2"), ("PMI_SIZE", "4"), ("MPI_LOCALRANKID", "0")]).unwrap(),
         Some(info(2, 4, Some(0), None, Launcher::Mpich))
     );
     assert_eq!(
-        detect_in(&[
-            ("SLURM_PROCID", "5"),
-            ("SLURM_NTASKS", "6"),
-            ("SLURM_LOCALID", "1")
-        ])
-        .unwrap(),
+        detect_in(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "6"), ("SLURM_LOCALID", "1")]).unwrap(),
         Some(info(5, 6, Some(1), None, Launcher::Slurm))
     );
+    assert_eq!(detect_in(&[("SLURM_PROCID", "1"), ("SLURM_NPROCS", "2")]).unwrap(), Some(info(1, 2, None, None, Launcher::Slurm)));
     assert_eq!(
-        detect_in(&[("SLURM_PROCID", "1"), ("SLURM_NPROCS", "2")]).unwrap(),
-        Some(info(1, 2, None, None, Launcher::Slurm))
-    );
-    assert_eq!(
-        detect_in(&[
-            ("RANK", "1"),
-            ("WORLD_SIZE", "4"),
-            ("LOCAL_RANK", "1"),
-            ("LOCAL_WORLD_SIZE", "2")
-        ])
-        .unwrap(),
+        detect_in(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")]).unwrap(),
         Some(info(1, 4, Some(1), Some(2), Launcher::Torchrun))
     );
-    assert_eq!(
-        detect_in(&[("GSC_RANK", "0"), ("GSC_NRANKS", "1")]).unwrap(),
-        Some(info(0, 1, None, None, Launcher::Gscomm))
-    );
+    assert_eq!(detect_in(&[("GSC_RANK", "0"), ("GSC_NRANKS", "1")]).unwrap(), Some(info(0, 1, None, None, Launcher::Gscomm)));
     // Precedence: GSC_* over everything, MPI over Slurm, torchrun workers over the srun agent.
     assert_eq!(
-        detect_in(&[
-            ("GSC_RANK", "1"),
-            ("GSC_NRANKS", "2"),
-            ("OMPI_COMM_WORLD_RANK", "0"),
-            ("OMPI_COMM_WORLD_SIZE", "4")
-        ])
-        .unwrap()
-        .map(|i| (i.launcher, i.rank, i.size)),
+        detect_in(&[("GSC_RANK", "1"), ("GSC_NRANKS", "2"), ("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "4")])
+            .unwrap()
+            .map(|i| (i.launcher, i.rank, i.size)),
         Some((Launcher::Gscomm, 1, 2))
     );
     assert_eq!(
-        detect_in(&[
-            ("OMPI_COMM_WORLD_RANK", "2"),
-            ("OMPI_COMM_WORLD_SIZE", "4"),
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "1")
-        ])
-        .unwrap()
-        .map(|i| i.launcher),
+        detect_in(&[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "4"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")])
+            .unwrap()
+            .map(|i| i.launcher),
         Some(Launcher::OpenMpi)
     );
     assert_eq!(
-        detect_in(&[
-            ("RANK", "3"),
-            ("WORLD_SIZE", "4"),
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "1")
-        ])
-        .unwrap()
-        .map(|i| (i.launcher, i.rank)),
+        detect_in(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")])
+            .unwrap()
+            .map(|i| (i.launcher, i.rank)),
         Some((Launcher::Torchrun, 3))
     );
     // A lone generic RANK is someone else's variable, not a launcher.
@@ -589,43 +447,21 @@ fn launcher_detection() {
 
     // Malformed values name the variable.
     let err = |pairs: &[(&str, &str)]| detect_in(pairs).unwrap_err();
-    let e = err(&[
-        ("OMPI_COMM_WORLD_RANK", "x1"),
-        ("OMPI_COMM_WORLD_SIZE", "4"),
-    ]);
+    let e = err(&[("OMPI_COMM_WORLD_RANK", "x1"), ("OMPI_COMM_WORLD_SIZE", "4")]);
     assert_eq!(e.status(), Status::InvalidParam);
     assert!(e.message().contains("OMPI_COMM_WORLD_RANK=\"x1\""), "{e}");
     let e = err(&[("GSC_RANK", "4"), ("GSC_NRANKS", "4")]);
-    assert!(
-        e.message().contains("GSC_RANK=4 is not below GSC_NRANKS=4"),
-        "{e}"
-    );
+    assert!(e.message().contains("GSC_RANK=4 is not below GSC_NRANKS=4"), "{e}");
     let e = err(&[("GSC_RANK", "0")]);
-    assert!(
-        e.message()
-            .contains("GSC_RANK is set but GSC_NRANKS is not"),
-        "{e}"
-    );
+    assert!(e.message().contains("GSC_RANK is set but GSC_NRANKS is not"), "{e}");
     let e = err(&[("PMI_SIZE", "2")]);
-    assert!(
-        e.message().contains("PMI_SIZE is set but PMI_RANK is not"),
-        "{e}"
-    );
+    assert!(e.message().contains("PMI_SIZE is set but PMI_RANK is not"), "{e}");
     let e = err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "0")]);
     assert!(e.message().contains("SLURM_NTASKS=0"), "{e}");
     let e = err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "-1")]);
     assert!(e.message().contains("LOCAL_RANK=\"-1\""), "{e}");
-    let e = err(&[
-        ("PMI_RANK", "0"),
-        ("PMI_SIZE", "2"),
-        ("MPI_LOCALRANKID", "2"),
-        ("MPI_LOCALNRANKS", "2"),
-    ]);
-    assert!(
-        e.message()
-            .contains("MPI_LOCALRANKID=2 is not below MPI_LOCALNRANKS=2"),
-        "{e}"
-    );
+    let e = err(&[("PMI_RANK", "0"), ("PMI_SIZE", "2"), ("MPI_LOCALRANKID", "2"), ("MPI_LOCALNRANKS", "2")]);
+    assert!(e.message().contains("MPI_LOCALRANKID=2 is not below MPI_LOCALNRANKS=2"), "{e}");
     let e = err(&[("SLURM_PROCID", "99999999999"), ("SLURM_NTASKS", "2")]);
     assert!(e.message().contains("SLURM_PROCID"), "{e}");
 }
@@ -649,18 +485,13 @@ fn options_from_environment() {
         assert_eq!(o.timeout, Duration::from_millis(want));
     }
     for bad in ["0", "-1", "soon", "1e99", "NaN"] {
-        let e =
-            BootstrapOptions::from_env_with(&env(&[("GSC_BOOTSTRAP_TIMEOUT", bad)])).unwrap_err();
+        let e = BootstrapOptions::from_env_with(&env(&[("GSC_BOOTSTRAP_TIMEOUT", bad)])).unwrap_err();
         assert!(e.message().contains("GSC_BOOTSTRAP_TIMEOUT"), "{bad}: {e}");
     }
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind((LO, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind((LO, 0)).unwrap().local_addr().unwrap().port()
 }
 
 fn launch_job(
@@ -679,28 +510,16 @@ fn launch_job(
                 if rank == 0 {
                     std::thread::sleep(Duration::from_millis(150));
                 }
-                let mut m: HashMap<String, String> = vars
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect();
+                let mut m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
                 m.extend(extra.into_iter().map(|(k, v)| (k.to_string(), v)));
                 let lookup = move |k: &str| m.get(k).cloned();
-                let info = LaunchInfo {
-                    rank,
-                    size: n,
-                    local_rank: None,
-                    local_size: None,
-                    launcher,
-                };
+                let info = LaunchInfo { rank, size: n, local_rank: None, local_size: None, launcher };
                 let b = Bootstrap::from_launcher_with(&opts, &info, &lookup)?;
                 b.allgather(&[rank as u8])
             })
         })
         .collect();
-    let mut res: Vec<_> = handles
-        .into_iter()
-        .map(|h| h.join().expect("rank panicked"))
-        .collect();
+    let mut res: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank panicked")).collect();
     res.reverse();
     res
 }
@@ -721,60 +540,34 @@ fn from_launcher_modes() {
         }
         // torchrun: MASTER_ADDR / MASTER_PORT+1, secret derived from the run id.
         let port = free_port();
-        let opts = BootstrapOptions {
-            timeout: Duration::from_secs(5),
-            ..BootstrapOptions::default()
-        };
+        let opts = BootstrapOptions { timeout: Duration::from_secs(5), ..BootstrapOptions::default() };
         let extra = vec![("MASTER_PORT", (port - 1).to_string())];
-        let vars = &[
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("TORCHELASTIC_RUN_ID", "run-42"),
-        ];
+        let vars = &[("MASTER_ADDR", "127.0.0.1"), ("TORCHELASTIC_RUN_ID", "run-42")];
         for r in launch_job(3, Launcher::Torchrun, opts, vars, extra) {
             assert_eq!(r.unwrap(), want);
         }
         // A unique id passed as a string.
         let uid = UniqueId::create(Some(LO)).unwrap();
-        let opts = BootstrapOptions {
-            unique_id: Some(uid.to_string()),
-            timeout: Duration::from_secs(5),
-            ..BootstrapOptions::default()
-        };
+        let opts = BootstrapOptions { unique_id: Some(uid.to_string()), timeout: Duration::from_secs(5), ..BootstrapOptions::default() };
         for r in launch_job(3, Launcher::Slurm, opts, &[], vec![]) {
             assert_eq!(r.unwrap(), want);
         }
 
         // No secret anywhere: a clear error, before any socket is opened.
-        let info = LaunchInfo {
-            rank: 1,
-            size: 2,
-            local_rank: None,
-            local_size: None,
-            launcher: Launcher::Slurm,
-        };
-        let opts = BootstrapOptions {
-            addr: Some("127.0.0.1:1".into()),
-            ..BootstrapOptions::default()
-        };
+        let info = LaunchInfo { rank: 1, size: 2, local_rank: None, local_size: None, launcher: Launcher::Slurm };
+        let opts = BootstrapOptions { addr: Some("127.0.0.1:1".into()), ..BootstrapOptions::default() };
         let e = Bootstrap::from_launcher_with(&opts, &info, &env(&[])).unwrap_err();
         assert_eq!(e.status(), Status::InvalidParam);
         assert!(e.message().contains("GSC_BOOTSTRAP_SECRET"), "{e}");
         // No address either.
-        let e = Bootstrap::from_launcher_with(&BootstrapOptions::default(), &info, &env(&[]))
-            .unwrap_err();
+        let e = Bootstrap::from_launcher_with(&BootstrapOptions::default(), &info, &env(&[])).unwrap_err();
         assert!(e.message().contains("GSC_BOOTSTRAP_ADDR"), "{e}");
         // A corrupt unique id string names the variable.
-        let opts = BootstrapOptions {
-            unique_id: Some("abc".into()),
-            ..BootstrapOptions::default()
-        };
+        let opts = BootstrapOptions { unique_id: Some("abc".into()), ..BootstrapOptions::default() };
         let e = Bootstrap::from_launcher_with(&opts, &info, &env(&[])).unwrap_err();
         assert!(e.message().starts_with("GSC_UNIQUE_ID"), "{e}");
         // torchrun with a malformed MASTER_PORT.
-        let info = LaunchInfo {
-            launcher: Launcher::Torchrun,
-            ..info
-        };
+        let info = LaunchInfo { launcher: Launcher::Torchrun, ..info };
         let e = Bootstrap::from_launcher_with(
             &BootstrapOptions::default(),
             &info,
@@ -792,13 +585,11 @@ fn root_refuses_wrong_role_and_misaddressed_clients() {
         let deadline = Instant::now() + Duration::from_secs(3);
         // Right secret, but claiming to be a peer connection: refused by name.
         let s = TcpStream::connect(uid.root_addr()).unwrap();
-        let e = wire::client_handshake(&s, uid.secret(), Role::Peer, 0, ROOT_TARGET, deadline, "t")
-            .unwrap_err();
+        let e = wire::client_handshake(&s, uid.secret(), Role::Peer, 0, ROOT_TARGET, deadline, "t").unwrap_err();
         assert_eq!(e.status(), Status::Rejected);
         assert!(e.message().contains("role"), "{e}");
         let s = TcpStream::connect(uid.root_addr()).unwrap();
-        let e =
-            wire::client_handshake(&s, uid.secret(), Role::Rank, 0, 3, deadline, "t").unwrap_err();
+        let e = wire::client_handshake(&s, uid.secret(), Role::Rank, 0, 3, deadline, "t").unwrap_err();
         assert!(e.message().contains("stale address"), "{e}");
         // The service is unaffected.
         for r in run_ranks(job(&uid, 2), Duration::from_secs(5), |b| b.barrier()) {

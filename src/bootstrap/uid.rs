@@ -73,18 +73,12 @@ impl UniqueId {
     /// The id of a root service started elsewhere with [`create_at`](UniqueId::create_at).
     /// Starts nothing.
     pub fn with_root(addr: SocketAddr, secret: &[u8]) -> Result<UniqueId> {
-        Ok(UniqueId {
-            root: addr,
-            secret: derive_secret(secret)?,
-        })
+        Ok(UniqueId { root: addr, secret: derive_secret(secret)? })
     }
 
     fn start(addr: SocketAddr, secret: [u8; SECRET_BYTES], opts: &RootOptions) -> Result<UniqueId> {
-        let listener = TcpListener::bind(addr)
-            .map_err(|e| Error::io(&format!("bootstrap root: cannot listen on {addr}"), e))?;
-        let root = listener
-            .local_addr()
-            .map_err(|e| Error::io("bootstrap root: local_addr of the listener", e))?;
+        let listener = TcpListener::bind(addr).map_err(|e| Error::io(&format!("bootstrap root: cannot listen on {addr}"), e))?;
+        let root = listener.local_addr().map_err(|e| Error::io("bootstrap root: local_addr of the listener", e))?;
         root::spawn(listener, secret, opts.clone())?;
         tracing::debug!(target: "gsc::bootstrap", %root, "root rendezvous service started");
         Ok(UniqueId { root, secret })
@@ -117,36 +111,25 @@ impl UniqueId {
     pub fn from_bytes(b: &[u8]) -> Result<UniqueId> {
         let bad = |what: String| Error::invalid_param(format!("unique id: {what}"));
         if b.len() != UNIQUE_ID_BYTES {
-            return Err(bad(format!(
-                "{} bytes, expected {UNIQUE_ID_BYTES}",
-                b.len()
-            )));
+            return Err(bad(format!("{} bytes, expected {UNIQUE_ID_BYTES}", b.len())));
         }
         if b[0..4] != UID_MAGIC {
             return Err(bad("bad magic (not a gscomm unique id)".into()));
         }
         let version = u16::from_le_bytes([b[4], b[5]]);
         if version != UID_VERSION {
-            return Err(bad(format!(
-                "layout version {version}, this library reads {UID_VERSION}"
-            )));
+            return Err(bad(format!("layout version {version}, this library reads {UID_VERSION}")));
         }
         let check = Sha256::digest(&b[..CHECK_OFF]);
         if b[CHECK_OFF..] != check[..4] {
-            return Err(bad(
-                "checksum mismatch (corrupted or truncated in transit)".into()
-            ));
+            return Err(bad("checksum mismatch (corrupted or truncated in transit)".into()));
         }
-        let reserved_zero = b[6..8]
-            .iter()
-            .chain(&b[ADDR_OFF + ADDR_BYTES..SECRET_OFF])
-            .chain(&b[SECRET_OFF + SECRET_BYTES..CHECK_OFF])
-            .all(|&x| x == 0);
+        let reserved_zero =
+            b[6..8].iter().chain(&b[ADDR_OFF + ADDR_BYTES..SECRET_OFF]).chain(&b[SECRET_OFF + SECRET_BYTES..CHECK_OFF]).all(|&x| x == 0);
         if !reserved_zero {
             return Err(bad("reserved bytes are not zero".into()));
         }
-        let root = wire::decode_addr(&b[ADDR_OFF..ADDR_OFF + ADDR_BYTES])
-            .map_err(|e| bad(format!("root address: {}", e.message())))?;
+        let root = wire::decode_addr(&b[ADDR_OFF..ADDR_OFF + ADDR_BYTES]).map_err(|e| bad(format!("root address: {}", e.message())))?;
         if root.port() == 0 || root.ip().is_unspecified() {
             return Err(bad(format!("root address {root} cannot be connected to")));
         }
@@ -171,9 +154,7 @@ fn derive_secret(secret: &[u8]) -> Result<[u8; SECRET_BYTES]> {
 /// First up, non-loopback IPv4 address of the host, else 127.0.0.1. Other hosts must be able to
 /// reach the root, so a loopback address is only the last resort (single-node jobs).
 fn default_bind_ip() -> IpAddr {
-    first_non_loopback_ipv4()
-        .map(IpAddr::V4)
-        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+    first_non_loopback_ipv4().map(IpAddr::V4).unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
 fn first_non_loopback_ipv4() -> Option<Ipv4Addr> {
@@ -191,10 +172,7 @@ fn first_non_loopback_ipv4() -> Option<Ipv4Addr> {
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
         let flags = ifa.ifa_flags;
-        if ifa.ifa_addr.is_null()
-            || flags & libc::IFF_UP as libc::c_uint == 0
-            || flags & libc::IFF_LOOPBACK as libc::c_uint != 0
-        {
+        if ifa.ifa_addr.is_null() || flags & libc::IFF_UP as libc::c_uint == 0 || flags & libc::IFF_LOOPBACK as libc::c_uint != 0 {
             continue;
         }
         // SAFETY: ifa_addr is non-null and points to a sockaddr of the family it names.
@@ -216,10 +194,7 @@ fn first_non_loopback_ipv4() -> Option<Ipv4Addr> {
 
 impl fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UniqueId")
-            .field("root", &self.root)
-            .field("secret", &"<redacted>")
-            .finish()
+        f.debug_struct("UniqueId").field("root", &self.root).field("secret", &"<redacted>").finish()
     }
 }
 
@@ -262,12 +237,6 @@ fn hex_val(c: u8, pos: usize) -> Result<u8> {
         b'0'..=b'9' => Ok(c - b'0'),
         b'a'..=b'f' => Ok(c - b'a' + 10),
         b'A'..=b'F' => Ok(c - b'A' + 10),
-        _ => Err(Error::new(
-            Status::InvalidParam,
-            format!(
-                "unique id string: character {pos} ({:?}) is not a hex digit",
-                c as char
-            ),
-        )),
+        _ => Err(Error::new(Status::InvalidParam, format!("unique id string: character {pos} ({:?}) is not a hex digit", c as char))),
     }
 }

@@ -65,34 +65,25 @@ pub(crate) struct Hello {
 /// `Instant + Duration` would panic on overflow.
 pub(crate) fn deadline_after(d: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(d)
-        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
-        .unwrap_or(now)
+    now.checked_add(d).or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400))).unwrap_or(now)
 }
 
 /// Time left until `deadline`, or `None` once it has passed.
 pub(crate) fn remaining(deadline: Instant) -> Option<Duration> {
     let now = Instant::now();
-    if now >= deadline {
-        None
-    } else {
-        Some(deadline - now)
-    }
+    if now >= deadline { None } else { Some(deadline - now) }
 }
 
 pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut b = [0u8; N];
-    getrandom::getrandom(&mut b)
-        .map_err(|e| Error::new(Status::Internal, format!("getrandom failed: {e}")))?;
+    getrandom::getrandom(&mut b).map_err(|e| Error::new(Status::Internal, format!("getrandom failed: {e}")))?;
     Ok(b)
 }
 
 /// Map a socket error to a status: a vanished peer is the peer's failure, not ours.
 pub(crate) fn io_error(what: &str, e: io::Error) -> Error {
     let status = match e.kind() {
-        io::ErrorKind::ConnectionReset
-        | io::ErrorKind::BrokenPipe
-        | io::ErrorKind::ConnectionAborted => Status::ConnectionReset,
+        io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted => Status::ConnectionReset,
         io::ErrorKind::ConnectionRefused => Status::Unreachable,
         io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Status::TimedOut,
         _ => Status::IoError,
@@ -111,33 +102,17 @@ fn sock_timeout(d: Duration) -> Duration {
 
 /// Fill `buf` from `stream`, giving up at `deadline`. Each `read` is bounded by the time left, so
 /// a peer that drips one byte per second still cannot hold us past the deadline.
-pub(crate) fn read_exact_until(
-    stream: &TcpStream,
-    buf: &mut [u8],
-    deadline: Instant,
-    what: &str,
-) -> Result<()> {
+pub(crate) fn read_exact_until(stream: &TcpStream, buf: &mut [u8], deadline: Instant, what: &str) -> Result<()> {
     let mut off = 0;
     while off < buf.len() {
         let rem = remaining(deadline).ok_or_else(|| timed_out(what))?;
-        stream
-            .set_read_timeout(Some(sock_timeout(rem)))
-            .map_err(|e| io_error(what, e))?;
+        stream.set_read_timeout(Some(sock_timeout(rem))).map_err(|e| io_error(what, e))?;
         match (&*stream).read(&mut buf[off..]) {
             Ok(0) => {
-                return Err(Error::new(
-                    Status::PeerFailed,
-                    format!("{what}: connection closed"),
-                ));
+                return Err(Error::new(Status::PeerFailed, format!("{what}: connection closed")));
             }
             Ok(n) => off += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted
-                        | io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                ) => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
             Err(e) => return Err(io_error(what, e)),
         }
     }
@@ -146,39 +121,19 @@ pub(crate) fn read_exact_until(
 
 /// Like [`read_exact_until`] but with no deadline: waits until data arrives, the peer goes away or
 /// `stop` is raised (checked every `poll` interval). Used by the long-lived receive threads.
-pub(crate) fn read_exact_stoppable(
-    stream: &TcpStream,
-    buf: &mut [u8],
-    stop: &AtomicBool,
-    poll: Duration,
-    what: &str,
-) -> Result<()> {
-    stream
-        .set_read_timeout(Some(sock_timeout(poll)))
-        .map_err(|e| io_error(what, e))?;
+pub(crate) fn read_exact_stoppable(stream: &TcpStream, buf: &mut [u8], stop: &AtomicBool, poll: Duration, what: &str) -> Result<()> {
+    stream.set_read_timeout(Some(sock_timeout(poll))).map_err(|e| io_error(what, e))?;
     let mut off = 0;
     while off < buf.len() {
         if stop.load(Ordering::Acquire) {
-            return Err(Error::new(
-                Status::Canceled,
-                format!("{what}: bootstrap shut down"),
-            ));
+            return Err(Error::new(Status::Canceled, format!("{what}: bootstrap shut down")));
         }
         match (&*stream).read(&mut buf[off..]) {
             Ok(0) => {
-                return Err(Error::new(
-                    Status::PeerFailed,
-                    format!("{what}: connection closed"),
-                ));
+                return Err(Error::new(Status::PeerFailed, format!("{what}: connection closed")));
             }
             Ok(n) => off += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted
-                        | io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                ) => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
             Err(e) => return Err(io_error(what, e)),
         }
     }
@@ -194,40 +149,20 @@ fn send_nosignal(stream: &TcpStream, buf: &[u8]) -> io::Result<usize> {
     let flags = 0;
     // SAFETY: the pointer and length come from a live slice; the fd is owned by `stream`.
     let rc = unsafe { libc::send(stream.as_raw_fd(), buf.as_ptr().cast(), buf.len(), flags) };
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc as usize)
-    }
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc as usize) }
 }
 
-pub(crate) fn write_all_until(
-    stream: &TcpStream,
-    buf: &[u8],
-    deadline: Instant,
-    what: &str,
-) -> Result<()> {
+pub(crate) fn write_all_until(stream: &TcpStream, buf: &[u8], deadline: Instant, what: &str) -> Result<()> {
     let mut off = 0;
     while off < buf.len() {
         let rem = remaining(deadline).ok_or_else(|| timed_out(what))?;
-        stream
-            .set_write_timeout(Some(sock_timeout(rem)))
-            .map_err(|e| io_error(what, e))?;
+        stream.set_write_timeout(Some(sock_timeout(rem))).map_err(|e| io_error(what, e))?;
         match send_nosignal(stream, &buf[off..]) {
             Ok(0) => {
-                return Err(Error::new(
-                    Status::ConnectionReset,
-                    format!("{what}: wrote 0 bytes"),
-                ));
+                return Err(Error::new(Status::ConnectionReset, format!("{what}: wrote 0 bytes")));
             }
             Ok(n) => off += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted
-                        | io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                ) => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
             Err(e) => return Err(io_error(what, e)),
         }
     }
@@ -236,19 +171,9 @@ pub(crate) fn write_all_until(
 
 /// Write one frame whose payload is the concatenation of `parts`, in a single buffer so the
 /// header and payload leave in one segment (we also set TCP_NODELAY).
-pub(crate) fn write_frame(
-    stream: &TcpStream,
-    ty: u8,
-    parts: &[&[u8]],
-    deadline: Instant,
-    what: &str,
-) -> Result<()> {
+pub(crate) fn write_frame(stream: &TcpStream, ty: u8, parts: &[&[u8]], deadline: Instant, what: &str) -> Result<()> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
-    let len32 = u32::try_from(len).map_err(|_| {
-        Error::invalid_param(format!(
-            "{what}: message of {len} bytes is too large for a frame"
-        ))
-    })?;
+    let len32 = u32::try_from(len).map_err(|_| Error::invalid_param(format!("{what}: message of {len} bytes is too large for a frame")))?;
     let mut buf = Vec::with_capacity(5 + len);
     buf.extend_from_slice(&len32.to_le_bytes());
     buf.push(ty);
@@ -260,20 +185,12 @@ pub(crate) fn write_frame(
 
 fn check_len(len: usize, max: usize, what: &str) -> Result<()> {
     if len > max {
-        return Err(Error::new(
-            Status::Rejected,
-            format!("{what}: frame of {len} bytes exceeds the limit of {max} bytes"),
-        ));
+        return Err(Error::new(Status::Rejected, format!("{what}: frame of {len} bytes exceeds the limit of {max} bytes")));
     }
     Ok(())
 }
 
-pub(crate) fn read_frame(
-    stream: &TcpStream,
-    max: usize,
-    deadline: Instant,
-    what: &str,
-) -> Result<(u8, Vec<u8>)> {
+pub(crate) fn read_frame(stream: &TcpStream, max: usize, deadline: Instant, what: &str) -> Result<(u8, Vec<u8>)> {
     let mut hdr = [0u8; 5];
     read_exact_until(stream, &mut hdr, deadline, what)?;
     let len = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]) as usize;
@@ -283,13 +200,7 @@ pub(crate) fn read_frame(
     Ok((hdr[4], payload))
 }
 
-pub(crate) fn read_frame_stoppable(
-    stream: &TcpStream,
-    max: usize,
-    stop: &AtomicBool,
-    poll: Duration,
-    what: &str,
-) -> Result<(u8, Vec<u8>)> {
+pub(crate) fn read_frame_stoppable(stream: &TcpStream, max: usize, stop: &AtomicBool, poll: Duration, what: &str) -> Result<(u8, Vec<u8>)> {
     let mut hdr = [0u8; 5];
     read_exact_stoppable(stream, &mut hdr, stop, poll, what)?;
     let len = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]) as usize;
@@ -301,11 +212,7 @@ pub(crate) fn read_frame_stoppable(
 
 /// Wait until `fd` is readable (for a listener: a connection is pending) or `timeout` passes.
 pub(crate) fn wait_readable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<bool> {
-    let mut pfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
+    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
     // SAFETY: one valid pollfd for the duration of the call.
     let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
@@ -330,14 +237,7 @@ pub(crate) fn accept_nonblocking(listener: &TcpListener) -> io::Result<Option<Tc
             s.set_nodelay(true)?;
             Ok(Some(s))
         }
-        Err(e)
-            if matches!(
-                e.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-            ) =>
-        {
-            Ok(None)
-        }
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(None),
         // The connection died before we took it (ECONNABORTED): not the listener's failure.
         Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => Ok(None),
         Err(e) => Err(e),
@@ -346,12 +246,7 @@ pub(crate) fn accept_nonblocking(listener: &TcpListener) -> io::Result<Option<Tc
 
 /// Connect to `addr` before `deadline`. With `retry_refused` a refused connection is retried with
 /// backoff, because the root service may legitimately start after the ranks (launcher mode).
-pub(crate) fn connect_until(
-    addr: SocketAddr,
-    deadline: Instant,
-    retry_refused: bool,
-    what: &str,
-) -> Result<TcpStream> {
+pub(crate) fn connect_until(addr: SocketAddr, deadline: Instant, retry_refused: bool, what: &str) -> Result<TcpStream> {
     let mut backoff = Duration::from_millis(5);
     loop {
         let rem = remaining(deadline).ok_or_else(|| timed_out(what))?;
@@ -364,25 +259,17 @@ pub(crate) fn connect_until(
                 if retry_refused
                     && matches!(
                         e.kind(),
-                        io::ErrorKind::ConnectionRefused
-                            | io::ErrorKind::ConnectionReset
-                            | io::ErrorKind::Interrupted
+                        io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset | io::ErrorKind::Interrupted
                     ) =>
             {
                 let Some(rem) = remaining(deadline) else {
-                    return Err(Error::new(
-                        Status::TimedOut,
-                        format!("{what}: timed out; last connect error: {e}"),
-                    ));
+                    return Err(Error::new(Status::TimedOut, format!("{what}: timed out; last connect error: {e}")));
                 };
                 std::thread::sleep(backoff.min(rem));
                 backoff = (backoff * 2).min(Duration::from_millis(200));
             }
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                return Err(Error::new(
-                    Status::TimedOut,
-                    format!("{what}: connect timed out"),
-                ));
+                return Err(Error::new(Status::TimedOut, format!("{what}: connect timed out")));
             }
             Err(e) => return Err(io_error(what, e)),
         }
@@ -416,30 +303,16 @@ pub(crate) fn encode_addr(addr: &SocketAddr, out: &mut Vec<u8>) {
 
 pub(crate) fn decode_addr(b: &[u8]) -> Result<SocketAddr> {
     if b.len() < ADDR_BYTES {
-        return Err(Error::new(
-            Status::InvalidAddress,
-            "truncated socket address",
-        ));
+        return Err(Error::new(Status::InvalidAddress, "truncated socket address"));
     }
     let port = u16::from_le_bytes([b[1], b[2]]);
     let mut ip = [0u8; 16];
     ip.copy_from_slice(&b[3..19]);
     let scope = u32::from_le_bytes([b[19], b[20], b[21], b[22]]);
     match b[0] {
-        4 => Ok(SocketAddr::new(
-            IpAddr::V4(Ipv4Addr::new(ip[0], ip[1], ip[2], ip[3])),
-            port,
-        )),
-        6 => Ok(SocketAddr::V6(SocketAddrV6::new(
-            Ipv6Addr::from(ip),
-            port,
-            0,
-            scope,
-        ))),
-        f => Err(Error::new(
-            Status::InvalidAddress,
-            format!("unknown address family tag {f}"),
-        )),
+        4 => Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::new(ip[0], ip[1], ip[2], ip[3])), port)),
+        6 => Ok(SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(ip), port, 0, scope))),
+        f => Err(Error::new(Status::InvalidAddress, format!("unknown address family tag {f}"))),
     }
 }
 
@@ -458,15 +331,7 @@ pub(crate) fn decode_addr(b: &[u8]) -> Result<SocketAddr> {
 
 const HELLO_BYTES: usize = 4 + 2 + 1 + 4 + 4 + NONCE_BYTES;
 
-fn proof(
-    secret: &[u8; SECRET_BYTES],
-    label: &[u8],
-    role: u8,
-    rank: u32,
-    target: u32,
-    cnonce: &[u8],
-    snonce: &[u8],
-) -> HmacSha256 {
+fn proof(secret: &[u8; SECRET_BYTES], label: &[u8], role: u8, rank: u32, target: u32, cnonce: &[u8], snonce: &[u8]) -> HmacSha256 {
     // new_from_slice accepts any key length for HMAC; the Err arm is unreachable but must not panic.
     let mut mac = match HmacSha256::new_from_slice(secret) {
         Ok(m) => m,
@@ -521,37 +386,22 @@ pub(crate) fn client_handshake(
         _ => {
             return Err(Error::new(
                 Status::Rejected,
-                format!(
-                    "{what}: expected a challenge, got frame type {ty} ({} bytes)",
-                    snonce.len()
-                ),
+                format!("{what}: expected a challenge, got frame type {ty} ({} bytes)", snonce.len()),
             ));
         }
     }
-    let resp = proof(
-        secret, b"client", role as u8, rank, target, &cnonce, &snonce,
-    )
-    .finalize();
+    let resp = proof(secret, b"client", role as u8, rank, target, &cnonce, &snonce).finalize();
     write_frame(stream, ft::RESPONSE, &[&resp.into_bytes()], deadline, what)?;
 
     let (ty, payload) = read_frame(stream, HANDSHAKE_FRAME_MAX, deadline, what)?;
     match ty {
         ft::ACCEPT => {
-            let mac = proof(
-                secret, b"server", role as u8, rank, target, &cnonce, &snonce,
-            );
-            mac.verify_slice(&payload).map_err(|_| {
-                Error::new(
-                    Status::Rejected,
-                    format!("{what}: the other side failed to prove knowledge of the secret"),
-                )
-            })
+            let mac = proof(secret, b"server", role as u8, rank, target, &cnonce, &snonce);
+            mac.verify_slice(&payload)
+                .map_err(|_| Error::new(Status::Rejected, format!("{what}: the other side failed to prove knowledge of the secret")))
         }
         ft::REJECT => Err(reject_error(what, &payload)),
-        _ => Err(Error::new(
-            Status::Rejected,
-            format!("{what}: expected accept or reject, got frame type {ty}"),
-        )),
+        _ => Err(Error::new(Status::Rejected, format!("{what}: expected accept or reject, got frame type {ty}"))),
     }
 }
 
@@ -569,18 +419,12 @@ pub(crate) fn server_handshake(
     if ty != ft::HELLO || h.len() != HELLO_BYTES {
         return Err(Error::new(
             Status::Rejected,
-            format!(
-                "{what}: not a gscomm bootstrap client (first frame type {ty}, {} bytes)",
-                h.len()
-            ),
+            format!("{what}: not a gscomm bootstrap client (first frame type {ty}, {} bytes)", h.len()),
         ));
     }
     let u32_at = |o: usize| u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
     if u32_at(0) != PROTO_MAGIC {
-        return Err(Error::new(
-            Status::Rejected,
-            format!("{what}: bad protocol magic"),
-        ));
+        return Err(Error::new(Status::Rejected, format!("{what}: bad protocol magic")));
     }
     let version = u16::from_le_bytes([h[4], h[5]]);
     let role = h[6];
@@ -593,35 +437,22 @@ pub(crate) fn server_handshake(
         Error::new(Status::Rejected, format!("{what}: {reason}"))
     };
     if version != PROTO_VERSION {
-        return Err(refuse(format!(
-            "bootstrap protocol version {version} is not the supported version {PROTO_VERSION}"
-        )));
+        return Err(refuse(format!("bootstrap protocol version {version} is not the supported version {PROTO_VERSION}")));
     }
     if role != expect_role as u8 {
-        return Err(refuse(format!(
-            "unexpected role {role} (expected {})",
-            expect_role as u8
-        )));
+        return Err(refuse(format!("unexpected role {role} (expected {})", expect_role as u8)));
     }
     if claimed_target != target {
-        return Err(refuse(format!(
-            "client addressed {claimed_target} but this endpoint is {target} (stale address?)"
-        )));
+        return Err(refuse(format!("client addressed {claimed_target} but this endpoint is {target} (stale address?)")));
     }
     let snonce: [u8; NONCE_BYTES] = random_bytes()?;
     write_frame(stream, ft::CHALLENGE, &[&snonce], deadline, what)?;
     let (ty, resp) = read_frame(stream, HANDSHAKE_FRAME_MAX, deadline, what)?;
     if ty != ft::RESPONSE || resp.len() != MAC_BYTES {
-        return Err(Error::new(
-            Status::Rejected,
-            format!("{what}: malformed response frame"),
-        ));
+        return Err(Error::new(Status::Rejected, format!("{what}: malformed response frame")));
     }
     // verify_slice compares in constant time.
-    if proof(secret, b"client", role, rank, target, cnonce, &snonce)
-        .verify_slice(&resp)
-        .is_err()
-    {
+    if proof(secret, b"client", role, rank, target, cnonce, &snonce).verify_slice(&resp).is_err() {
         return Err(refuse(format!("authentication failed for rank {rank}")));
     }
     let mine = proof(secret, b"server", role, rank, target, cnonce, &snonce).finalize();
@@ -645,10 +476,7 @@ pub(crate) fn decode_error(b: &[u8], what: &str) -> Error {
     let msg = String::from_utf8_lossy(&b[4..]);
     match Status::from_code(code) {
         Some(s) if s.is_error() => Error::new(s, format!("{what}: {msg}")),
-        _ => Error::new(
-            Status::Internal,
-            format!("{what}: error frame with unknown status {code}: {msg}"),
-        ),
+        _ => Error::new(Status::Internal, format!("{what}: error frame with unknown status {code}: {msg}")),
     }
 }
 
@@ -668,22 +496,14 @@ mod tests {
         let mut v = Vec::new();
         encode_addr(&"1.2.3.4:5".parse().unwrap(), &mut v);
         v[0] = 9;
-        assert_eq!(
-            decode_addr(&v).unwrap_err().status(),
-            Status::InvalidAddress
-        );
-        assert_eq!(
-            decode_addr(&v[..5]).unwrap_err().status(),
-            Status::InvalidAddress
-        );
+        assert_eq!(decode_addr(&v).unwrap_err().status(), Status::InvalidAddress);
+        assert_eq!(decode_addr(&v[..5]).unwrap_err().status(), Status::InvalidAddress);
     }
 
     #[test]
     fn proofs_bind_every_field() {
         let s = [7u8; SECRET_BYTES];
-        let base = proof(&s, b"client", 1, 2, 3, &[1; 32], &[2; 32])
-            .finalize()
-            .into_bytes();
+        let base = proof(&s, b"client", 1, 2, 3, &[1; 32], &[2; 32]).finalize().into_bytes();
         let variants = [
             proof(&[8u8; SECRET_BYTES], b"client", 1, 2, 3, &[1; 32], &[2; 32]),
             proof(&s, b"server", 1, 2, 3, &[1; 32], &[2; 32]),

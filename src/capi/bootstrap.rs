@@ -76,7 +76,9 @@ pub unsafe extern "C" fn gsc_unique_id_to_string(uid: *const CUniqueId, buffer: 
             return Err(Error::invalid_param("buffer is NULL"));
         }
         if length < UNIQUE_ID_STRING_LEN {
-            return Err(Error::invalid_param(format!("buffer of {length} bytes; the string needs {UNIQUE_ID_STRING_LEN} (GSC_UNIQUE_ID_STRING_LEN)")));
+            return Err(Error::invalid_param(format!(
+                "buffer of {length} bytes; the string needs {UNIQUE_ID_STRING_LEN} (GSC_UNIQUE_ID_STRING_LEN)"
+            )));
         }
         let text = id.to_string();
         debug_assert_eq!(text.len() + 1, UNIQUE_ID_STRING_LEN);
@@ -192,7 +194,12 @@ pub unsafe extern "C" fn gsc_bootstrap_nranks(bootstrap: *mut CBootstrap, nranks
 /// `input` is readable for `length` bytes and `output` writable for `nranks * length` bytes
 /// (either may be NULL when `length` is 0).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gsc_bootstrap_allgather(bootstrap: *mut CBootstrap, input: *const c_void, length: usize, output: *mut c_void) -> i32 {
+pub unsafe extern "C" fn gsc_bootstrap_allgather(
+    bootstrap: *mut CBootstrap,
+    input: *const c_void,
+    length: usize,
+    output: *mut c_void,
+) -> i32 {
     ffi_guard("gsc_bootstrap_allgather", || {
         let b: Arc<Bootstrap> = handles::get(bootstrap as *const c_void)?;
         if length > 0 && (input.is_null() || output.is_null()) {
@@ -209,7 +216,10 @@ pub unsafe extern "C" fn gsc_bootstrap_allgather(bootstrap: *mut CBootstrap, inp
         };
         let all = b.allgather(mine)?;
         if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| v.len() != length) {
-            return Err(Error::invalid_param(format!("rank {r} contributed {} bytes, this rank {length}: every rank must pass the same length", v.len())));
+            return Err(Error::invalid_param(format!(
+                "rank {r} contributed {} bytes, this rank {length}: every rank must pass the same length",
+                v.len()
+            )));
         }
         if total > 0 {
             // SAFETY: `output` is writable for nranks * length = `total` bytes (caller's

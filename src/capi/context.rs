@@ -60,7 +60,12 @@ unsafe fn load_config(params: *const Params) -> Result<ConfigLoad> {
                     Some(k) => k,
                     // `get` on an unknown name builds the usual "unknown variable; did you mean"
                     // error, with the InvalidConfig status.
-                    None => return Err(Config::default().get(&name).err().unwrap_or_else(|| Error::new(Status::InvalidConfig, format!("unknown configuration variable {name:?}")))),
+                    None => {
+                        return Err(Config::default()
+                            .get(&name)
+                            .err()
+                            .unwrap_or_else(|| Error::new(Status::InvalidConfig, format!("unknown configuration variable {name:?}"))));
+                    }
                 };
                 if value.is_null() {
                     return Err(Error::invalid_param(format!("params->config[{i}].value ({}) is NULL", knob.name)));

@@ -125,10 +125,7 @@ fn check<T: Kind>(reg: &HashMap<usize, Entry>, ptr: *const c_void) -> Result<()>
     }
     match reg.get(&(ptr as usize)) {
         Some(e) if e.magic == T::MAGIC => Ok(()),
-        Some(e) => Err(Error::new(
-            Status::InvalidHandle,
-            format!("{ptr:p} is a {}, not a {}", name_of(e.magic), T::NAME),
-        )),
+        Some(e) => Err(Error::new(Status::InvalidHandle, format!("{ptr:p} is a {}, not a {}", name_of(e.magic), T::NAME))),
         None => Err(Error::new(Status::InvalidHandle, format!("{ptr:p} is not a live {} (destroyed, or never created)", T::NAME))),
     }
 }
@@ -223,7 +220,9 @@ fn release(addr: usize, magic: u64) {
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub(crate) enum BufKind {
     /// A worker address, with the worker handle it came from.
-    Address { worker: usize },
+    Address {
+        worker: usize,
+    },
     Rkey,
 }
 

@@ -43,7 +43,8 @@ pub unsafe extern "C" fn gsc_get_version(major_p: *mut c_uint, minor_p: *mut c_u
             (patch_p, env!("CARGO_PKG_VERSION_PATCH")),
         ];
         for (p, text) in parts {
-            let v: c_uint = text.parse().map_err(|_| crate::Error::new(Status::Internal, format!("version part {text:?} is not a number")))?;
+            let v: c_uint =
+                text.parse().map_err(|_| crate::Error::new(Status::Internal, format!("version part {text:?} is not a number")))?;
             if !p.is_null() {
                 // SAFETY: non-NULL, and the caller passes a writable unsigned.
                 unsafe { p.write(v) };

@@ -22,7 +22,13 @@ pub struct CRkey {
 /// `buffer` is readable for `count` bytes and unmodified until the operation completes; `param`
 /// is NULL or a readable `gsc_request_param_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gsc_tag_send_nbx(ep: *mut CEp, buffer: *const c_void, count: usize, tag: u64, param: *const RequestParam) -> *mut c_void {
+pub unsafe extern "C" fn gsc_tag_send_nbx(
+    ep: *mut CEp,
+    buffer: *const c_void,
+    count: usize,
+    tag: u64,
+    param: *const RequestParam,
+) -> *mut c_void {
     ffi_guard("gsc_tag_send_nbx", || {
         let e: Arc<Endpoint> = handles::get(ep as *const c_void)?;
         // SAFETY: forwarded caller contract.
@@ -67,7 +73,13 @@ const MSG_ID_MASK: u64 = (1 << MSG_ID_BITS) - 1;
 /// # Safety
 /// `info` is NULL or writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn gsc_tag_probe_nb(worker: *mut CWorker, tag: u64, tag_mask: u64, remove: c_int, info: *mut TagRecvInfo) -> *mut TagMessage {
+pub unsafe extern "C" fn gsc_tag_probe_nb(
+    worker: *mut CWorker,
+    tag: u64,
+    tag_mask: u64,
+    remove: c_int,
+    info: *mut TagRecvInfo,
+) -> *mut TagMessage {
     ffi_guard("gsc_tag_probe_nb", || {
         let w: Worker = handles::get(worker as *const c_void)?;
         if info.is_null() {

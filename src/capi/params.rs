@@ -32,8 +32,7 @@ pub(crate) const MEM_MAP_ALLOCATE: u64 = 1 << 0;
 /// `gsc_send_nbx_callback_t`
 pub(crate) type SendCallback = unsafe extern "C" fn(request: *mut c_void, status: i32, user_data: *mut c_void);
 /// `gsc_tag_recv_nbx_callback_t`
-pub(crate) type RecvCallback =
-    unsafe extern "C" fn(request: *mut c_void, status: i32, info: *const TagRecvInfo, user_data: *mut c_void);
+pub(crate) type RecvCallback = unsafe extern "C" fn(request: *mut c_void, status: i32, info: *const TagRecvInfo, user_data: *mut c_void);
 
 /// `gsc_tag_recv_info_t`
 #[repr(C)]
@@ -233,13 +232,15 @@ pub(crate) unsafe fn convert(param: *const RequestParam, kind: OpKind) -> Result
             OpKind::Send | OpKind::Close => {
                 // SAFETY: both union members are nullable function pointers of the same size;
                 // for this operation the caller sets `send`.
-                let f = unsafe { p.cb.send }.ok_or_else(|| Error::invalid_param("GSC_OP_ATTR_FIELD_CALLBACK is set but cb.send is NULL"))?;
+                let f =
+                    unsafe { p.cb.send }.ok_or_else(|| Error::invalid_param("GSC_OP_ATTR_FIELD_CALLBACK is set but cb.send is NULL"))?;
                 let cb = CSend { f, user_data };
                 out.params.callback = Some(Box::new(move |h, status, _info| cb.call(h, status)));
             }
             OpKind::Recv => {
                 // SAFETY: as above, with `recv` the member set for receives.
-                let f = unsafe { p.cb.recv }.ok_or_else(|| Error::invalid_param("GSC_OP_ATTR_FIELD_CALLBACK is set but cb.recv is NULL"))?;
+                let f =
+                    unsafe { p.cb.recv }.ok_or_else(|| Error::invalid_param("GSC_OP_ATTR_FIELD_CALLBACK is set but cb.recv is NULL"))?;
                 let cb = CRecv { f, user_data };
                 out.params.callback = Some(Box::new(move |h, status, info| cb.call(h, status, info)));
             }

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::parse::{
-    self, DURATION_INF_EXPECTED, check_host_port, format_duration, format_selection, format_size,
-    parse_duration, parse_selection, parse_tristate, parse_usize,
+    self, DURATION_INF_EXPECTED, check_host_port, format_duration, format_selection, format_size, parse_duration, parse_selection,
+    parse_tristate, parse_usize,
 };
 use super::{Config, LogLevel, RndvScheme, Subsys, Tristate};
 use crate::transport::LaneKind;
@@ -34,11 +34,7 @@ pub struct Knob {
 
 impl std::fmt::Debug for Knob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Knob")
-            .field("name", &self.name)
-            .field("default", &self.default)
-            .field("kind", &self.kind)
-            .finish_non_exhaustive()
+        f.debug_struct("Knob").field("name", &self.name).field("default", &self.default).field("kind", &self.kind).finish_non_exhaustive()
     }
 }
 
@@ -74,28 +70,15 @@ impl KnobKind {
     pub fn syntax(self) -> String {
         match self {
             KnobKind::LogLevel => join_names(LogLevel::ALL, LogLevel::name, "|"),
-            KnobKind::Subsystems => format!(
-                "all, a list of {} or ^list to exclude",
-                join_names(Subsys::ALL, Subsys::name, ",")
-            ),
-            KnobKind::LogFile => {
-                "file name (%h: host name, %p: process id, %%: %); empty: stderr".to_string()
-            }
-            KnobKind::Lanes => format!(
-                "all, a list of {} or ^list to exclude",
-                join_names(LaneKind::ALL, LaneKind::name, ",")
-            ),
+            KnobKind::Subsystems => format!("all, a list of {} or ^list to exclude", join_names(Subsys::ALL, Subsys::name, ",")),
+            KnobKind::LogFile => "file name (%h: host name, %p: process id, %%: %); empty: stderr".to_string(),
+            KnobKind::Lanes => format!("all, a list of {} or ^list to exclude", join_names(LaneKind::ALL, LaneKind::name, ",")),
             KnobKind::Size => "bytes, or with a unit K, M, G (1K = 1024) such as 64K".to_string(),
             KnobKind::RndvScheme => join_names(RndvScheme::ALL, RndvScheme::name, "|"),
             KnobKind::Path => "absolute directory".to_string(),
             KnobKind::Tristate => "auto|on|off (also yes/no, y/n, true/false, 1/0)".to_string(),
-            KnobKind::Duration => {
-                "duration such as 10s, 100ms, 250us, 2m; bare number: seconds".to_string()
-            }
-            KnobKind::DurationOrInf => {
-                "duration such as 10s, 100ms, 250us, 2m; bare number: seconds; inf: no bound"
-                    .to_string()
-            }
+            KnobKind::Duration => "duration such as 10s, 100ms, 250us, 2m; bare number: seconds".to_string(),
+            KnobKind::DurationOrInf => "duration such as 10s, 100ms, 250us, 2m; bare number: seconds; inf: no bound".to_string(),
             KnobKind::HostPort => "host:port; empty: unset".to_string(),
             KnobKind::Text | KnobKind::Secret => "text; empty: unset".to_string(),
             KnobKind::Count => "non-negative integer; empty: unset".to_string(),
@@ -104,11 +87,7 @@ impl KnobKind {
 }
 
 fn join_names<T: Copy>(items: &[T], name_of: fn(T) -> &'static str, sep: &str) -> String {
-    items
-        .iter()
-        .map(|&t| name_of(t))
-        .collect::<Vec<_>>()
-        .join(sep)
+    items.iter().map(|&t| name_of(t)).collect::<Vec<_>>().join(sep)
 }
 
 /// Empty means unset for optional text knobs: `GSC_X=` is how a shell clears an inherited value.
@@ -139,10 +118,7 @@ fn optional_count(value: &str) -> Result<Option<u32>, String> {
     if !value.bytes().all(|b| b.is_ascii_digit()) {
         return Err("expected a non-negative integer such as 0 or 16".to_string());
     }
-    value
-        .parse()
-        .map(Some)
-        .map_err(|_| "expected an integer of at most 4294967295".to_string())
+    value.parse().map(Some).map_err(|_| "expected an integer of at most 4294967295".to_string())
 }
 
 fn show_count(value: Option<u32>) -> String {
@@ -282,10 +258,7 @@ pub(super) static KNOBS: &[Knob] = &[
             let size = parse_usize(v)?;
             // Ring indices wrap with a mask, which needs a power of two.
             if !size.is_power_of_two() || size < SHM_RING_MIN {
-                return Err(format!(
-                    "must be a power of two of at least {}, such as 1M or 4M",
-                    format_size(SHM_RING_MIN as u64)
-                ));
+                return Err(format!("must be a power of two of at least {}, such as 1M or 4M", format_size(SHM_RING_MIN as u64)));
             }
             c.shm_ring_size = size;
             Ok(())
@@ -329,21 +302,14 @@ pub(super) static KNOBS: &[Knob] = &[
             c.timeout = if v.eq_ignore_ascii_case("inf") || v.eq_ignore_ascii_case("infinity") {
                 None
             } else {
-                Some(positive_duration(v).map_err(|reason| {
-                    if reason == parse::DURATION_EXPECTED {
-                        DURATION_INF_EXPECTED.to_string()
-                    } else {
-                        reason
-                    }
-                })?)
+                Some(
+                    positive_duration(v)
+                        .map_err(|reason| if reason == parse::DURATION_EXPECTED { DURATION_INF_EXPECTED.to_string() } else { reason })?,
+                )
             };
             Ok(())
         },
-        show: |c| {
-            c.timeout
-                .map(format_duration)
-                .unwrap_or_else(|| "inf".to_string())
-        },
+        show: |c| c.timeout.map(format_duration).unwrap_or_else(|| "inf".to_string()),
     },
     Knob {
         name: "GSC_PEER_CHECK_INTERVAL",
@@ -400,14 +366,7 @@ pub(super) static KNOBS: &[Knob] = &[
             c.bootstrap_secret = (!v.is_empty()).then(|| v.to_string());
             Ok(())
         },
-        show: |c| {
-            if c.bootstrap_secret.is_some() {
-                SECRET_SET
-            } else {
-                SECRET_UNSET
-            }
-            .to_string()
-        },
+        show: |c| if c.bootstrap_secret.is_some() { SECRET_SET } else { SECRET_UNSET }.to_string(),
     },
     Knob {
         name: "GSC_UNIQUE_ID",

@@ -44,13 +44,7 @@ pub enum LogLevel {
 }
 
 impl LogLevel {
-    pub const ALL: &'static [LogLevel] = &[
-        LogLevel::Error,
-        LogLevel::Warn,
-        LogLevel::Info,
-        LogLevel::Debug,
-        LogLevel::Trace,
-    ];
+    pub const ALL: &'static [LogLevel] = &[LogLevel::Error, LogLevel::Warn, LogLevel::Info, LogLevel::Debug, LogLevel::Trace];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -89,16 +83,8 @@ pub enum Subsys {
 }
 
 impl Subsys {
-    pub const ALL: &'static [Subsys] = &[
-        Subsys::Core,
-        Subsys::Proto,
-        Subsys::Shm,
-        Subsys::Loopback,
-        Subsys::Bootstrap,
-        Subsys::Config,
-        Subsys::Capi,
-        Subsys::Bench,
-    ];
+    pub const ALL: &'static [Subsys] =
+        &[Subsys::Core, Subsys::Proto, Subsys::Shm, Subsys::Loopback, Subsys::Bootstrap, Subsys::Config, Subsys::Capi, Subsys::Bench];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -141,8 +127,7 @@ pub enum RndvScheme {
 }
 
 impl RndvScheme {
-    pub const ALL: &'static [RndvScheme] =
-        &[RndvScheme::Auto, RndvScheme::Get, RndvScheme::Pipeline];
+    pub const ALL: &'static [RndvScheme] = &[RndvScheme::Auto, RndvScheme::Get, RndvScheme::Pipeline];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -342,9 +327,7 @@ impl Config {
             Some(prefix) if prefix.eq_ignore_ascii_case("GSC_") => &name[4..],
             _ => name,
         };
-        KNOBS
-            .iter()
-            .find(|k| k.name[4..].eq_ignore_ascii_case(bare))
+        KNOBS.iter().find(|k| k.name[4..].eq_ignore_ascii_case(bare))
     }
 
     /// Read the process environment, log unknown `GSC_*` variables (see
@@ -366,10 +349,7 @@ impl Config {
             match value.into_string() {
                 Ok(value) => pairs.push((name, value)),
                 Err(_) => {
-                    return Err(Error::new(
-                        Status::InvalidConfig,
-                        format!("{name}: value is not valid UTF-8"),
-                    ));
+                    return Err(Error::new(Status::InvalidConfig, format!("{name}: value is not valid UTF-8")));
                 }
             }
         }
@@ -454,8 +434,7 @@ impl Config {
         let mut scratch = self.clone();
         for knob in KNOBS.iter().filter(|k| k.kind != KnobKind::Secret) {
             let text = (knob.show)(self);
-            (knob.parse)(&mut scratch, &text)
-                .map_err(|reason| value_error(knob, &text, &reason))?;
+            (knob.parse)(&mut scratch, &text).map_err(|reason| value_error(knob, &text, &reason))?;
         }
         let fail = |message: String| Err(Error::new(Status::InvalidConfig, message));
         let size = |v: usize| parse::format_size(v as u64);
@@ -477,9 +456,7 @@ impl Config {
         }
         if let (Some(rank), Some(nranks)) = (self.rank, self.nranks) {
             if rank >= nranks {
-                return fail(format!(
-                    "GSC_RANK={rank} must be less than GSC_NRANKS={nranks}"
-                ));
+                return fail(format!("GSC_RANK={rank} must be less than GSC_NRANKS={nranks}"));
             }
         }
         Ok(())

@@ -8,8 +8,7 @@ use std::time::Duration;
 
 pub(crate) const SIZE_EXPECTED: &str = "expected a size such as 8192, 64K or 4M";
 pub(crate) const DURATION_EXPECTED: &str = "expected a duration such as 10s, 100ms, 250us or 2m";
-pub(crate) const DURATION_INF_EXPECTED: &str =
-    "expected a duration such as 10s, 100ms, 250us or 2m, or inf";
+pub(crate) const DURATION_INF_EXPECTED: &str = "expected a duration such as 10s, 100ms, 250us or 2m, or inf";
 pub(crate) const TRISTATE_EXPECTED: &str = "expected auto, on/yes/y/true/1 or off/no/n/false/0";
 
 /// Parse a byte count: decimal digits and an optional binary unit (K, M, G, T; 1K = 1024), the
@@ -17,9 +16,7 @@ pub(crate) const TRISTATE_EXPECTED: &str = "expected auto, on/yes/y/true/1 or of
 /// every size knob bounds a buffer that is really allocated.
 pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
-    let digits_end = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
+    let digits_end = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (digits, unit) = text.split_at(digits_end);
     if digits.is_empty() {
         return Err(SIZE_EXPECTED.to_string());
@@ -32,12 +29,8 @@ pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
         "t" | "tb" | "tib" => 40,
         _ => return Err(SIZE_EXPECTED.to_string()),
     };
-    let number: u64 = digits
-        .parse()
-        .map_err(|_| format!("{SIZE_EXPECTED} (value too large)"))?;
-    number
-        .checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{SIZE_EXPECTED} (value too large)"))
+    let number: u64 = digits.parse().map_err(|_| format!("{SIZE_EXPECTED} (value too large)"))?;
+    number.checked_mul(1u64 << shift).ok_or_else(|| format!("{SIZE_EXPECTED} (value too large)"))
 }
 
 /// Parse a size that must also fit the address space of this process.
@@ -64,9 +57,7 @@ pub(crate) fn format_size(v: u64) -> String {
 /// that allow it, so that knobs which need a finite bound reject it with the right message.
 pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let number_end = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
+    let number_end = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
     let (number, unit) = text.split_at(number_end);
     let unit_ns: u128 = match unit.trim_start().to_ascii_lowercase().as_str() {
         "ns" => 1,
@@ -83,23 +74,14 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     };
     // "." alone, "1.2.3" or more than 18 fraction digits (beyond any unit's resolution and a
     // risk of overflowing the scale below) are not durations.
-    if (int_part.is_empty() && frac_part.is_empty())
-        || frac_part.contains('.')
-        || frac_part.len() > 18
-    {
+    if (int_part.is_empty() && frac_part.is_empty()) || frac_part.contains('.') || frac_part.len() > 18 {
         return Err(DURATION_EXPECTED.to_string());
     }
     let too_large = || format!("{DURATION_EXPECTED} (value too large)");
-    let int: u128 = if int_part.is_empty() {
-        0
-    } else {
-        int_part.parse().map_err(|_| too_large())?
-    };
+    let int: u128 = if int_part.is_empty() { 0 } else { int_part.parse().map_err(|_| too_large())? };
     let mut nanos = int.checked_mul(unit_ns).ok_or_else(too_large)?;
     if !frac_part.is_empty() {
-        let frac: u128 = frac_part
-            .parse()
-            .map_err(|_| DURATION_EXPECTED.to_string())?;
+        let frac: u128 = frac_part.parse().map_err(|_| DURATION_EXPECTED.to_string())?;
         // frac < 10^18 and unit_ns <= 3.6e12, so the product fits in u128 easily; the sum
         // may not, when the integer part was already huge.
         let frac_ns = frac * unit_ns / 10u128.pow(frac_part.len() as u32);
@@ -143,12 +125,7 @@ pub(crate) fn parse_selection<T: Copy + PartialEq>(
     what: &str,
 ) -> Result<Vec<T>, String> {
     let text = text.trim();
-    let known = || {
-        all.iter()
-            .map(|&t| name_of(t))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let known = || all.iter().map(|&t| name_of(t)).collect::<Vec<_>>().join(", ");
     if text.eq_ignore_ascii_case("all") {
         return Ok(all.to_vec());
     }
@@ -166,25 +143,14 @@ pub(crate) fn parse_selection<T: Copy + PartialEq>(
                 known()
             ));
         }
-        match all
-            .iter()
-            .copied()
-            .find(|&t| name_of(t).eq_ignore_ascii_case(item))
-        {
+        match all.iter().copied().find(|&t| name_of(t).eq_ignore_ascii_case(item)) {
             Some(t) => named.push(t),
             None => {
-                return Err(format!(
-                    "unknown {what} \"{item}\" (known {what}s: {})",
-                    known()
-                ));
+                return Err(format!("unknown {what} \"{item}\" (known {what}s: {})", known()));
             }
         }
     }
-    let selected: Vec<T> = all
-        .iter()
-        .copied()
-        .filter(|t| named.contains(t) != exclude)
-        .collect();
+    let selected: Vec<T> = all.iter().copied().filter(|t| named.contains(t) != exclude).collect();
     if selected.is_empty() {
         return Err(format!("selects no {what}s"));
     }
@@ -192,19 +158,11 @@ pub(crate) fn parse_selection<T: Copy + PartialEq>(
 }
 
 /// The canonical text of a selection: `all` when everything is selected, else the names.
-pub(crate) fn format_selection<T: Copy + PartialEq>(
-    selected: &[T],
-    all: &[T],
-    name_of: fn(T) -> &'static str,
-) -> String {
+pub(crate) fn format_selection<T: Copy + PartialEq>(selected: &[T], all: &[T], name_of: fn(T) -> &'static str) -> String {
     if all.iter().all(|t| selected.contains(t)) {
         return "all".to_string();
     }
-    selected
-        .iter()
-        .map(|&t| name_of(t))
-        .collect::<Vec<_>>()
-        .join(",")
+    selected.iter().map(|&t| name_of(t)).collect::<Vec<_>>().join(",")
 }
 
 /// Check `host:port` (IPv6 hosts in brackets: `[::1]:5000`). The port must be non-zero because
@@ -215,9 +173,7 @@ pub(crate) fn check_host_port(text: &str) -> Result<(), String> {
         return Err(EXPECTED.to_string());
     };
     let host_ok = match host.strip_prefix('[') {
-        Some(inner) => inner
-            .strip_suffix(']')
-            .is_some_and(|h| !h.is_empty() && h.contains(':')),
+        Some(inner) => inner.strip_suffix(']').is_some_and(|h| !h.is_empty() && h.contains(':')),
         None => !host.is_empty() && !host.contains(':') && !host.contains(char::is_whitespace),
     };
     if !host_ok {
@@ -251,20 +207,12 @@ pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
 pub(crate) fn suggest(name: &str, candidates: &[&'static str]) -> Option<&'static str> {
     let strip = |s: &str| -> String {
         let upper = s.to_ascii_uppercase();
-        upper
-            .strip_prefix("GSC_")
-            .map(str::to_string)
-            .unwrap_or(upper)
+        upper.strip_prefix("GSC_").map(str::to_string).unwrap_or(upper)
     };
     let wanted = strip(name);
     if wanted.is_empty() {
         return None;
     }
     let limit = (wanted.len() / 3).clamp(1, 3);
-    candidates
-        .iter()
-        .map(|&c| (edit_distance(&wanted, &strip(c)), c))
-        .filter(|&(d, _)| d <= limit)
-        .min_by_key(|&(d, _)| d)
-        .map(|(_, c)| c)
+    candidates.iter().map(|&c| (edit_distance(&wanted, &strip(c)), c)).filter(|&(d, _)| d <= limit).min_by_key(|&(d, _)| d).map(|(_, c)| c)
 }

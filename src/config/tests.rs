@@ -1,9 +1,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::parse::{
-    edit_distance, format_duration, format_size, parse_duration, parse_size, suggest,
-};
+use super::parse::{edit_distance, format_duration, format_size, parse_duration, parse_size, suggest};
 use super::*;
 
 fn load(pairs: &[(&str, &str)]) -> Result<ConfigLoad> {
@@ -11,9 +9,7 @@ fn load(pairs: &[(&str, &str)]) -> Result<ConfigLoad> {
 }
 
 fn with(pairs: &[(&str, &str)]) -> Config {
-    load(pairs)
-        .unwrap_or_else(|e| panic!("{pairs:?}: {e:?}"))
-        .config
+    load(pairs).unwrap_or_else(|e| panic!("{pairs:?}: {e:?}")).config
 }
 
 /// Assert that `name=value` is refused with InvalidConfig and a message naming the variable,
@@ -31,23 +27,13 @@ fn rejects(name: &str, value: &str, expected: &str) {
 fn every_default_parses_to_the_default_config() {
     let mut config = Config::default();
     for knob in Config::knobs() {
-        config
-            .set(knob.name, knob.default)
-            .unwrap_or_else(|e| panic!("{}: {e:?}", knob.name));
+        config.set(knob.name, knob.default).unwrap_or_else(|e| panic!("{}: {e:?}", knob.name));
         if knob.kind != KnobKind::Secret {
-            assert_eq!(
-                config.get(knob.name).unwrap(),
-                knob.default,
-                "{} round trip",
-                knob.name
-            );
+            assert_eq!(config.get(knob.name).unwrap(), knob.default, "{} round trip", knob.name);
         }
     }
     assert_eq!(config, Config::default());
-    let pairs: Vec<(&str, &str)> = Config::knobs()
-        .iter()
-        .map(|k| (k.name, k.default))
-        .collect();
+    let pairs: Vec<(&str, &str)> = Config::knobs().iter().map(|k| (k.name, k.default)).collect();
     assert_eq!(with(&pairs), Config::default());
     assert_eq!(with(&[]), Config::default());
     Config::default().validate().unwrap();
@@ -58,18 +44,10 @@ fn table_is_well_formed() {
     let knobs = Config::knobs();
     for (i, k) in knobs.iter().enumerate() {
         assert!(k.name.starts_with("GSC_"), "{}", k.name);
-        assert!(
-            k.name
-                .bytes()
-                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
-        );
+        assert!(k.name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'));
         assert!(!k.doc.is_empty() && !k.doc.contains('\n'), "{}", k.name);
         assert!(!k.kind.syntax().is_empty());
-        assert!(
-            knobs[..i].iter().all(|o| o.name != k.name),
-            "duplicate {}",
-            k.name
-        );
+        assert!(knobs[..i].iter().all(|o| o.name != k.name), "duplicate {}", k.name);
     }
     let dump = Config::default().dump();
     let names: Vec<_> = dump.iter().map(|(n, _)| *n).collect();
@@ -94,18 +72,7 @@ fn sizes() {
     ] {
         assert_eq!(parse_size(text), Ok(v), "{text}");
     }
-    for bad in [
-        "",
-        "inf",
-        "12Q",
-        "K",
-        "-1",
-        "1.5K",
-        "64 KiBs",
-        "0x10",
-        "99999999999999999999",
-        "16777216T",
-    ] {
+    for bad in ["", "inf", "12Q", "K", "-1", "1.5K", "64 KiBs", "0x10", "99999999999999999999", "16777216T"] {
         assert!(parse_size(bad).is_err(), "{bad:?} accepted");
     }
     assert_eq!(format_size(16 << 10), "16K");
@@ -114,22 +81,12 @@ fn sizes() {
     assert_eq!(format_size(0), "0");
 
     assert_eq!(with(&[("GSC_EAGER_SHORT_MAX", "1K")]).eager_short_max, 1024);
-    assert_eq!(
-        with(&[("GSC_RNDV_FRAG_SIZE", "1m")]).rndv_frag_size,
-        1 << 20
-    );
-    rejects(
-        "GSC_RNDV_THRESH",
-        "12Q",
-        "expected a size such as 8192, 64K or 4M",
-    );
+    assert_eq!(with(&[("GSC_RNDV_FRAG_SIZE", "1m")]).rndv_frag_size, 1 << 20);
+    rejects("GSC_RNDV_THRESH", "12Q", "expected a size such as 8192, 64K or 4M");
     rejects("GSC_EAGER_SHORT_MAX", "inf", "expected a size");
     rejects("GSC_RNDV_FRAG_SIZE", "0", "greater than zero");
     let err = load(&[("GSC_RNDV_THRESH", "12Q")]).unwrap_err();
-    assert_eq!(
-        err.message(),
-        "GSC_RNDV_THRESH=\"12Q\": expected a size such as 8192, 64K or 4M"
-    );
+    assert_eq!(err.message(), "GSC_RNDV_THRESH=\"12Q\": expected a size such as 8192, 64K or 4M");
 }
 
 #[test]
@@ -172,20 +129,10 @@ fn durations() {
     assert_eq!(c.get("GSC_TIMEOUT").unwrap(), "inf");
     assert_eq!(c.peer_check_interval, Duration::from_micros(250));
     assert_eq!(with(&[("GSC_TIMEOUT", "INF")]).timeout, None);
-    assert_eq!(
-        with(&[("GSC_TIMEOUT", "2m")]).timeout,
-        Some(Duration::from_secs(120))
-    );
-    assert_eq!(
-        with(&[("GSC_CONNECT_TIMEOUT", "3")]).connect_timeout,
-        Duration::from_secs(3)
-    );
+    assert_eq!(with(&[("GSC_TIMEOUT", "2m")]).timeout, Some(Duration::from_secs(120)));
+    assert_eq!(with(&[("GSC_CONNECT_TIMEOUT", "3")]).connect_timeout, Duration::from_secs(3));
     // inf only where the field is optional.
-    rejects(
-        "GSC_CONNECT_TIMEOUT",
-        "inf",
-        "expected a duration such as 10s",
-    );
+    rejects("GSC_CONNECT_TIMEOUT", "inf", "expected a duration such as 10s");
     rejects("GSC_BOOTSTRAP_TIMEOUT", "soon", "expected a duration");
     rejects("GSC_TIMEOUT", "10 parsecs", "or inf");
     rejects("GSC_TIMEOUT", "0", "greater than zero");
@@ -194,32 +141,12 @@ fn durations() {
 
 #[test]
 fn enums_and_tristates() {
-    assert_eq!(
-        with(&[("GSC_LOG_LEVEL", "DEBUG")]).log_level,
-        LogLevel::Debug
-    );
-    assert_eq!(
-        with(&[("GSC_LOG_LEVEL", "warning")]).log_level,
-        LogLevel::Warn
-    );
-    assert_eq!(
-        with(&[("GSC_RNDV_SCHEME", "Pipeline")]).rndv_scheme,
-        RndvScheme::Pipeline
-    );
-    assert_eq!(
-        with(&[("GSC_RNDV_SCHEME", "get")]).rndv_scheme,
-        RndvScheme::Get
-    );
-    rejects(
-        "GSC_LOG_LEVEL",
-        "loud",
-        "expected one of error, warn, info, debug, trace",
-    );
-    rejects(
-        "GSC_RNDV_SCHEME",
-        "put",
-        "expected one of auto, get, pipeline",
-    );
+    assert_eq!(with(&[("GSC_LOG_LEVEL", "DEBUG")]).log_level, LogLevel::Debug);
+    assert_eq!(with(&[("GSC_LOG_LEVEL", "warning")]).log_level, LogLevel::Warn);
+    assert_eq!(with(&[("GSC_RNDV_SCHEME", "Pipeline")]).rndv_scheme, RndvScheme::Pipeline);
+    assert_eq!(with(&[("GSC_RNDV_SCHEME", "get")]).rndv_scheme, RndvScheme::Get);
+    rejects("GSC_LOG_LEVEL", "loud", "expected one of error, warn, info, debug, trace");
+    rejects("GSC_RNDV_SCHEME", "put", "expected one of auto, get, pipeline");
 
     for (text, t) in [
         ("auto", Tristate::Auto),
@@ -236,11 +163,7 @@ fn enums_and_tristates() {
     ] {
         assert_eq!(with(&[("GSC_CMA", text)]).cma, t, "{text}");
     }
-    rejects(
-        "GSC_CMA",
-        "maybe",
-        "expected auto, on/yes/y/true/1 or off/no/n/false/0",
-    );
+    rejects("GSC_CMA", "maybe", "expected auto, on/yes/y/true/1 or off/no/n/false/0");
     assert_eq!(with(&[("GSC_CMA", "yes")]).get("GSC_CMA").unwrap(), "on");
 }
 
@@ -249,18 +172,12 @@ fn lane_selection() {
     assert_eq!(with(&[("GSC_TLS", "all")]).tls, LaneKind::ALL.to_vec());
     assert_eq!(with(&[("GSC_TLS", "shm")]).tls, vec![LaneKind::Shm]);
     // Stored in LaneKind::ALL order, duplicates dropped, case ignored.
-    assert_eq!(
-        with(&[("GSC_TLS", "SHM, loopback,shm")]).tls,
-        vec![LaneKind::Loopback, LaneKind::Shm]
-    );
+    assert_eq!(with(&[("GSC_TLS", "SHM, loopback,shm")]).tls, vec![LaneKind::Loopback, LaneKind::Shm]);
     let c = with(&[("GSC_TLS", "^shm")]);
     assert_eq!(c.tls, vec![LaneKind::Loopback]);
     assert_eq!(c.get("GSC_TLS").unwrap(), "loopback");
     assert_eq!(with(&[("GSC_TLS", "^loopback")]).tls, vec![LaneKind::Shm]);
-    assert_eq!(
-        with(&[("GSC_TLS", "loopback,shm")]).get("GSC_TLS").unwrap(),
-        "all"
-    );
+    assert_eq!(with(&[("GSC_TLS", "loopback,shm")]).get("GSC_TLS").unwrap(), "all");
 
     rejects("GSC_TLS", "shm,ib", "unknown lane \"ib\"");
     rejects("GSC_TLS", "^ib", "unknown lane \"ib\"");
@@ -271,22 +188,12 @@ fn lane_selection() {
 
 #[test]
 fn subsystem_selection() {
-    assert_eq!(
-        with(&[("GSC_LOG_SUBSYS", "all")]).log_subsys,
-        Subsys::ALL.to_vec()
-    );
-    assert_eq!(
-        with(&[("GSC_LOG_SUBSYS", "bootstrap,shm")]).log_subsys,
-        vec![Subsys::Shm, Subsys::Bootstrap]
-    );
+    assert_eq!(with(&[("GSC_LOG_SUBSYS", "all")]).log_subsys, Subsys::ALL.to_vec());
+    assert_eq!(with(&[("GSC_LOG_SUBSYS", "bootstrap,shm")]).log_subsys, vec![Subsys::Shm, Subsys::Bootstrap]);
     let c = with(&[("GSC_LOG_SUBSYS", "^bench,capi")]);
     assert_eq!(c.log_subsys.len(), Subsys::ALL.len() - 2);
     assert!(!c.log_subsys.contains(&Subsys::Bench) && !c.log_subsys.contains(&Subsys::Capi));
-    rejects(
-        "GSC_LOG_SUBSYS",
-        "shm,nvlink",
-        "unknown subsystem \"nvlink\"",
-    );
+    rejects("GSC_LOG_SUBSYS", "shm,nvlink", "unknown subsystem \"nvlink\"");
 }
 
 #[test]
@@ -308,23 +215,9 @@ fn text_knobs() {
     assert_eq!((c.rank, c.nranks), (Some(3), Some(4)));
 
     for addr in ["10.0.0.1:1", "[::1]:65535", "[fe80::1%eth0]:5000"] {
-        assert_eq!(
-            with(&[("GSC_BOOTSTRAP_ADDR", addr)])
-                .bootstrap_addr
-                .as_deref(),
-            Some(addr)
-        );
+        assert_eq!(with(&[("GSC_BOOTSTRAP_ADDR", addr)]).bootstrap_addr.as_deref(), Some(addr));
     }
-    for bad in [
-        "node01",
-        "node01:",
-        ":5000",
-        "node01:0",
-        "node01:65536",
-        "::1:5000",
-        "[]:5",
-        "a b:5",
-    ] {
+    for bad in ["node01", "node01:", ":5000", "node01:0", "node01:65536", "::1:5000", "[]:5", "a b:5"] {
         rejects("GSC_BOOTSTRAP_ADDR", bad, "expected host:port");
     }
     // Empty means unset: how a shell clears an inherited variable.
@@ -343,10 +236,7 @@ fn text_knobs() {
 fn secret_is_never_shown() {
     let c = with(&[("GSC_BOOTSTRAP_SECRET", "hunter2")]);
     assert_eq!(c.get("GSC_BOOTSTRAP_SECRET").unwrap(), "<set>");
-    assert_eq!(
-        Config::default().get("GSC_BOOTSTRAP_SECRET").unwrap(),
-        "<unset>"
-    );
+    assert_eq!(Config::default().get("GSC_BOOTSTRAP_SECRET").unwrap(), "<unset>");
     let dump = format!("{:?} {:?}", c.dump(), c);
     assert!(!dump.contains("hunter2"), "{dump}");
     assert!(dump.contains("<set>"), "{dump}");
@@ -363,10 +253,7 @@ fn secret_is_never_shown() {
 fn cross_field_rules() {
     let err = load(&[("GSC_EAGER_SHORT_MAX", "16K")]).unwrap_err();
     assert_eq!(err.status(), Status::InvalidConfig);
-    assert_eq!(
-        err.message(),
-        "GSC_RNDV_THRESH=16K must be greater than GSC_EAGER_SHORT_MAX=16K"
-    );
+    assert_eq!(err.message(), "GSC_RNDV_THRESH=16K must be greater than GSC_EAGER_SHORT_MAX=16K");
     // Checked after all values are read, so the order of the pairs does not matter.
     let c = with(&[("GSC_EAGER_SHORT_MAX", "64K"), ("GSC_RNDV_THRESH", "128K")]);
     assert_eq!((c.eager_short_max, c.rndv_thresh), (64 << 10, 128 << 10));
@@ -395,46 +282,19 @@ fn validate_catches_direct_field_changes() {
     let mut c = Config::default();
     c.tls.clear();
     assert!(c.validate().unwrap_err().message().contains("GSC_TLS"));
-    let c = Config {
-        shm_ring_size: 100_000,
-        ..Config::default()
-    };
-    assert!(
-        c.validate()
-            .unwrap_err()
-            .message()
-            .contains("GSC_SHM_RING_SIZE")
-    );
-    let c = Config {
-        connect_timeout: Duration::ZERO,
-        ..Config::default()
-    };
-    assert!(
-        c.validate()
-            .unwrap_err()
-            .message()
-            .contains("GSC_CONNECT_TIMEOUT")
-    );
-    let c = Config {
-        rndv_thresh: 1,
-        ..Config::default()
-    };
-    assert!(
-        c.validate()
-            .unwrap_err()
-            .message()
-            .contains("GSC_EAGER_SHORT_MAX")
-    );
+    let c = Config { shm_ring_size: 100_000, ..Config::default() };
+    assert!(c.validate().unwrap_err().message().contains("GSC_SHM_RING_SIZE"));
+    let c = Config { connect_timeout: Duration::ZERO, ..Config::default() };
+    assert!(c.validate().unwrap_err().message().contains("GSC_CONNECT_TIMEOUT"));
+    let c = Config { rndv_thresh: 1, ..Config::default() };
+    assert!(c.validate().unwrap_err().message().contains("GSC_EAGER_SHORT_MAX"));
 }
 
 #[test]
 fn all_bad_values_are_reported_together() {
     let err = load(&[("GSC_TLS", "ib"), ("GSC_CMA", "perhaps")]).unwrap_err();
     let msg = err.message();
-    assert!(
-        msg.contains("GSC_TLS=\"ib\"") && msg.contains("GSC_CMA=\"perhaps\""),
-        "{msg}"
-    );
+    assert!(msg.contains("GSC_TLS=\"ib\"") && msg.contains("GSC_CMA=\"perhaps\""), "{msg}");
 }
 
 #[test]
@@ -480,19 +340,13 @@ fn unknown_variables_are_logged_under_config_target() {
     }
     let capture = Capture::default();
     let sink = capture.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || sink.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
+    let subscriber =
+        tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).with_max_level(tracing::Level::WARN).finish();
     let load = load(&[("GSC_RNDV_THRES", "8K")]).unwrap();
     tracing::subscriber::with_default(subscriber, || load.warn_unknown());
     let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
     assert!(text.contains("gsc::config"), "{text}");
-    assert!(
-        text.contains("GSC_RNDV_THRES; did you mean GSC_RNDV_THRESH?"),
-        "{text}"
-    );
+    assert!(text.contains("GSC_RNDV_THRES; did you mean GSC_RNDV_THRESH?"), "{text}");
 }
 
 #[test]
@@ -524,10 +378,7 @@ fn set_and_get() {
     }
     let err = c.get("GSC_RNDV_THRES").unwrap_err();
     assert_eq!(err.status(), Status::InvalidConfig);
-    assert!(
-        err.message().contains("did you mean GSC_RNDV_THRESH?"),
-        "{err:?}"
-    );
+    assert!(err.message().contains("did you mean GSC_RNDV_THRESH?"), "{err:?}");
 }
 
 #[test]
@@ -536,10 +387,7 @@ fn set_on_error_changes_nothing() {
     let before = c.clone();
     // Bad syntax.
     let err = c.set("GSC_RNDV_THRESH", "12Q").unwrap_err();
-    assert_eq!(
-        err.message(),
-        "GSC_RNDV_THRESH=\"12Q\": expected a size such as 8192, 64K or 4M"
-    );
+    assert_eq!(err.message(), "GSC_RNDV_THRESH=\"12Q\": expected a size such as 8192, 64K or 4M");
     assert_eq!(c, before);
     // Good syntax, but breaks a cross-knob rule.
     let err = c.set("GSC_EAGER_SHORT_MAX", "32K").unwrap_err();

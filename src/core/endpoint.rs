@@ -1,8 +1,8 @@
 //! Endpoints: a connection from a worker to one peer worker, and the operations on it.
 
-use super::memory::{check_range, rkey_unpack, Rkey};
+use super::memory::{Rkey, check_range, rkey_unpack};
 use super::request::{ReqKind, RequestParams, Started};
-use super::worker::{check_buffer, check_memtype, Completion, OnTimeout, State, Worker};
+use super::worker::{Completion, OnTimeout, State, Worker, check_buffer, check_memtype};
 use crate::error::{Error, Result, Status};
 use crate::protocols::{Action, ConnId, MemType, RecvInfo, UserBuf};
 use crate::transport::LaneKind;

@@ -14,4 +14,4 @@ pub use context::Context;
 pub use endpoint::{CloseMode, Endpoint};
 pub use memory::{MapRequest, MemHandle, Rkey};
 pub use request::{Callback, RequestParams, Started};
-pub use worker::{worker_of_request, Completion, Worker, WorkerStats};
+pub use worker::{Completion, Worker, WorkerStats, worker_of_request};

@@ -40,7 +40,9 @@ pub(crate) enum ReqKind {
     Get,
     Flush,
     /// Part of a worker flush: completes `parent` when the last part is done.
-    FlushPart { parent: u64 },
+    FlushPart {
+        parent: u64,
+    },
     Close,
 }
 

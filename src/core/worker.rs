@@ -12,8 +12,11 @@ use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
 use crate::condition;
 use crate::error::{Error, Result, Status};
-use crate::protocols::{wire, Action, Actions, ConnId, Engine, FrameOutcome, LaneProps, MemType, OutFrame, Payload, ProbeInfo, ProtoConfig, RecvInfo, ReqId, UserBuf};
-use crate::transport::{loopback, shm, LaneKind, Link, Listener, ProcessIdentity};
+use crate::protocols::{
+    Action, Actions, ConnId, Engine, FrameOutcome, LaneProps, MemType, OutFrame, Payload, ProbeInfo, ProtoConfig, RecvInfo, ReqId, UserBuf,
+    wire,
+};
+use crate::transport::{LaneKind, Link, Listener, ProcessIdentity, loopback, shm};
 use slab::Slab;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -143,11 +146,7 @@ impl Worker {
             lanes: listeners.iter().map(|l| (l.lane(), l.address_blob())).collect(),
         }
         .pack();
-        let proto = ProtoConfig {
-            eager_short_max: cfg.eager_short_max,
-            rndv_thresh: cfg.rndv_thresh,
-            rndv_scheme: cfg.rndv_scheme,
-        };
+        let proto = ProtoConfig { eager_short_max: cfg.eager_short_max, rndv_thresh: cfg.rndv_thresh, rndv_scheme: cfg.rndv_scheme };
         let state = State {
             engine: Engine::new(proto),
             requests: Slab::new(),
@@ -331,7 +330,10 @@ impl Worker {
             let conn = st.slot(handle).and_then(|s| s.conn).or_else(|| st.engine.tag.conn_of(handle));
             let mut out = Actions::new();
             if let Some(conn) = conn {
-                let e = Error::new(Status::TimedOut, "a blocking operation timed out (GSC_TIMEOUT); the endpoint was closed so no buffer stays in use");
+                let e = Error::new(
+                    Status::TimedOut,
+                    "a blocking operation timed out (GSC_TIMEOUT); the endpoint was closed so no buffer stays in use",
+                );
                 st.fail_conn(conn, e, &mut out);
             }
             st.execute(&self.inner.context, out);

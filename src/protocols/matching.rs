@@ -70,14 +70,10 @@ impl<R: Copy + PartialEq> PostedQueue<R> {
         };
         // Only wildcards older than the exact candidate can win, so stop the scan there.
         let limit = exact_seq.unwrap_or(u64::MAX);
-        let wild_seq = self
-            .wild
-            .range(..limit)
-            .map(|(s, _)| *s)
-            .find(|s| {
-                let (tag, mask, _) = self.entries[s];
-                tag_matches(msg_tag, tag, mask)
-            });
+        let wild_seq = self.wild.range(..limit).map(|(s, _)| *s).find(|s| {
+            let (tag, mask, _) = self.entries[s];
+            tag_matches(msg_tag, tag, mask)
+        });
         let seq = wild_seq.or(exact_seq)?;
         if wild_seq.is_some() {
             self.wild.remove(&seq);

@@ -47,7 +47,8 @@ impl Engine {
 
     /// Dispatch one received frame by kind.
     pub fn on_frame(&mut self, out: &mut Actions, conn: ConnId, frame: &[u8], regions: &dyn RegionLookup) -> Result<FrameOutcome> {
-        let (header, payload) = Header::decode(frame).map_err(|e| Error::new(Status::ConnectionReset, format!("malformed frame from peer: {e}")))?;
+        let (header, payload) =
+            Header::decode(frame).map_err(|e| Error::new(Status::ConnectionReset, format!("malformed frame from peer: {e}")))?;
         match header {
             Header::Put { .. } | Header::GetReq { .. } | Header::GetData { .. } | Header::FlushReq { .. } | Header::FlushAck { .. } => {
                 let max_frame = self.links.get(&conn).map(|p| p.max_frame).unwrap_or(4096);
@@ -81,7 +82,9 @@ pub fn selection_table(cfg: &crate::Config) -> String {
     let mut lanes = Vec::new();
     for lane in &cfg.tls {
         match lane {
-            LaneKind::Loopback => lanes.push(LaneProps { lane: *lane, max_frame: crate::transport::loopback::MAX_FRAME, remote_memory: true }),
+            LaneKind::Loopback => {
+                lanes.push(LaneProps { lane: *lane, max_frame: crate::transport::loopback::MAX_FRAME, remote_memory: true })
+            }
             LaneKind::Shm => {
                 if cfg.cma != Tristate::Off {
                     lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: true });

@@ -37,10 +37,7 @@ pub struct RmaEngine {
 }
 
 fn send(out: &mut Actions, conn: ConnId, header: Header, payload: Payload, on_sent: Option<ReqId>) {
-    out.push(Action::Transmit {
-        conn,
-        frame: OutFrameEq(OutFrame { header: header.encode(), payload, on_sent, copy_if_queued: false }),
-    });
+    out.push(Action::Transmit { conn, frame: OutFrameEq(OutFrame { header: header.encode(), payload, on_sent, copy_if_queued: false }) });
 }
 
 impl RmaEngine {
@@ -94,7 +91,15 @@ impl RmaEngine {
     }
 
     /// Handle an RMA frame. Errors mean a protocol violation by the peer.
-    pub fn on_frame(&mut self, out: &mut Actions, conn: ConnId, header: Header, payload: &[u8], max_frame: usize, regions: &dyn RegionLookup) -> Result<()> {
+    pub fn on_frame(
+        &mut self,
+        out: &mut Actions,
+        conn: ConnId,
+        header: Header,
+        payload: &[u8],
+        max_frame: usize,
+        regions: &dyn RegionLookup,
+    ) -> Result<()> {
         match header {
             Header::Put { region, addr } => match regions.resolve(region, addr, payload.len()) {
                 Ok(dst) => out.push(Action::CopyFromFrame { dst, src_offset: 0, len: payload.len() }),

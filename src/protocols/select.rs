@@ -125,11 +125,7 @@ pub fn select(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps, size: usize) ->
             }
         }
     }
-    Err(Error::unsupported(format!(
-        "no protocol sends {size} bytes of {} memory over the {} lane",
-        mem.name(),
-        lane.lane.name()
-    )))
+    Err(Error::unsupported(format!("no protocol sends {size} bytes of {} memory over the {} lane", mem.name(), lane.lane.name())))
 }
 
 /// The selection table as text, one block per (lane, memory type), for `gsc-info -p`.

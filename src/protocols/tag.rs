@@ -38,7 +38,10 @@ pub struct RecvInfo {
 pub enum Payload {
     None,
     /// Bytes of a user buffer, read when the frame is written into the link.
-    User { addr: usize, len: usize },
+    User {
+        addr: usize,
+        len: usize,
+    },
     Owned(Vec<u8>),
 }
 
@@ -69,14 +72,34 @@ pub struct OutFrame {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum Action {
-    Transmit { conn: ConnId, frame: OutFrameEq },
+    Transmit {
+        conn: ConnId,
+        frame: OutFrameEq,
+    },
     /// Copy `len` bytes from the payload of the frame being handled, at `src_offset`, to `dst`.
-    CopyFromFrame { dst: usize, src_offset: usize, len: usize },
+    CopyFromFrame {
+        dst: usize,
+        src_offset: usize,
+        len: usize,
+    },
     /// Copy bytes the engine buffered (an unexpected message) to `dst`.
-    CopyOwned { dst: usize, data: Vec<u8> },
+    CopyOwned {
+        dst: usize,
+        data: Vec<u8>,
+    },
     /// Read `len` bytes of the peer's memory at `remote` into `dst`, then call `remote_read_done`.
-    ReadRemote { conn: ConnId, dst: usize, remote: u64, len: usize, req: ReqId },
-    Complete { req: ReqId, status: Status, info: RecvInfo },
+    ReadRemote {
+        conn: ConnId,
+        dst: usize,
+        remote: u64,
+        len: usize,
+        req: ReqId,
+    },
+    Complete {
+        req: ReqId,
+        status: Status,
+        info: RecvInfo,
+    },
 }
 
 /// `OutFrame` compared by content, so tests can assert on actions.
@@ -105,13 +128,31 @@ enum SendState {
 
 #[derive(Debug)]
 enum RecvState {
-    Posted { buf: UserBuf },
+    Posted {
+        buf: UserBuf,
+    },
     /// Matched an eager message that is still arriving in fragments.
-    Eager { conn: ConnId, buf: UserBuf, info: RecvInfo, received: usize },
+    Eager {
+        conn: ConnId,
+        buf: UserBuf,
+        info: RecvInfo,
+        received: usize,
+    },
     /// Matched an RTS; reading the sender's buffer.
-    Reading { conn: ConnId, buf: UserBuf, info: RecvInfo, sreq: ReqId },
+    Reading {
+        conn: ConnId,
+        buf: UserBuf,
+        info: RecvInfo,
+        sreq: ReqId,
+    },
     /// Matched an RTS; the sender is pushing `want` bytes.
-    Pushed { conn: ConnId, buf: UserBuf, info: RecvInfo, want: usize, received: usize },
+    Pushed {
+        conn: ConnId,
+        buf: UserBuf,
+        info: RecvInfo,
+        want: usize,
+        received: usize,
+    },
 }
 
 /// An unexpected (or probed, not yet received) message.
@@ -127,8 +168,15 @@ struct Unexpected {
 #[derive(Debug)]
 enum UnexpectedBody {
     /// Eager data received so far (`data.len()` of `total`), still keyed by `msg_id` if partial.
-    Eager { data: Vec<u8>, msg_id: Option<u64> },
-    Rts { sreq: ReqId, remote_addr: u64, remote_memory: bool },
+    Eager {
+        data: Vec<u8>,
+        msg_id: Option<u64>,
+    },
+    Rts {
+        sreq: ReqId,
+        remote_addr: u64,
+        remote_memory: bool,
+    },
 }
 
 /// Where the next fragments of a multi-fragment eager message go.
@@ -236,7 +284,8 @@ impl TagEngine {
         match proto {
             ProtoId::EagerShort => {
                 let header = Header::EagerOnly { tag }.encode();
-                let frame = OutFrame { header, payload: Payload::User { addr: buf.addr, len: buf.len }, on_sent: Some(req), copy_if_queued: true };
+                let frame =
+                    OutFrame { header, payload: Payload::User { addr: buf.addr, len: buf.len }, on_sent: Some(req), copy_if_queued: true };
                 out.push(Action::Transmit { conn, frame: OutFrameEq(frame) });
                 self.sends.insert(req, SendState::Frames { conn });
             }
@@ -320,9 +369,7 @@ impl TagEngine {
                 Ok(())
             }
             Some(_) => Err(Error::new(Status::Busy, "the receive already matched a message; it can no longer be canceled")),
-            None if self.sends.contains_key(&req) => {
-                Err(Error::new(Status::Busy, "a send that has started cannot be canceled"))
-            }
+            None if self.sends.contains_key(&req) => Err(Error::new(Status::Busy, "a send that has started cannot be canceled")),
             None => Err(Error::new(Status::InvalidHandle, "request is not in progress")),
         }
     }
@@ -353,10 +400,12 @@ impl TagEngine {
     /// Handle one received frame. Errors mean the peer violated the protocol; the worker should
     /// treat the link as failed.
     pub fn on_frame(&mut self, out: &mut Actions, conn: ConnId, frame: &[u8]) -> Result<()> {
-        let (header, payload) = Header::decode(frame).map_err(|e| Error::new(Status::ConnectionReset, format!("malformed frame from peer: {e}")))?;
+        let (header, payload) =
+            Header::decode(frame).map_err(|e| Error::new(Status::ConnectionReset, format!("malformed frame from peer: {e}")))?;
         match header {
             Header::EagerOnly { tag } => {
-                let u = Unexpected { conn, total: payload.len(), body: UnexpectedBody::Eager { data: Vec::new(), msg_id: None }, failed: None };
+                let u =
+                    Unexpected { conn, total: payload.len(), body: UnexpectedBody::Eager { data: Vec::new(), msg_id: None }, failed: None };
                 self.arrive(out, conn, tag, u, payload, None);
             }
             Header::EagerFirst { tag, msg_id, total } => {
@@ -426,9 +475,7 @@ impl TagEngine {
     /// A message envelope arrived: match it or queue it as unexpected.
     fn arrive(&mut self, out: &mut Actions, conn: ConnId, tag: u64, mut u: Unexpected, first: &[u8], msg_id: Option<u64>) {
         if let Some(req) = self.posted.take_match(tag) {
-            let Some(RecvState::Posted { buf }) = self.recvs.remove(&req) else {
-                unreachable!("a posted request is in Posted state")
-            };
+            let Some(RecvState::Posted { buf }) = self.recvs.remove(&req) else { unreachable!("a posted request is in Posted state") };
             let info = RecvInfo { tag, length: u.total };
             match u.body {
                 UnexpectedBody::Eager { .. } => {
@@ -455,7 +502,16 @@ impl TagEngine {
 
     /// Eager data of a matched receive: complete it or remember where the rest goes.
     #[allow(clippy::too_many_arguments)]
-    fn eager_progress(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, buf: UserBuf, info: RecvInfo, received: usize, msg_id: Option<u64>) {
+    fn eager_progress(
+        &mut self,
+        out: &mut Actions,
+        conn: ConnId,
+        req: ReqId,
+        buf: UserBuf,
+        info: RecvInfo,
+        received: usize,
+        msg_id: Option<u64>,
+    ) {
         if received >= info.length {
             out.push(Action::Complete { req, status: status_of(info.length, buf), info });
             if let (Some(id), Some(cs)) = (msg_id, self.conns.get_mut(&conn)) {
@@ -470,7 +526,17 @@ impl TagEngine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn match_rts(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, buf: UserBuf, info: RecvInfo, sreq: ReqId, remote_addr: u64, remote_memory: bool) {
+    fn match_rts(
+        &mut self,
+        out: &mut Actions,
+        conn: ConnId,
+        req: ReqId,
+        buf: UserBuf,
+        info: RecvInfo,
+        sreq: ReqId,
+        remote_addr: u64,
+        remote_memory: bool,
+    ) {
         let want = info.length.min(buf.len);
         let local_remote_memory = self.conns.get(&conn).is_some_and(|c| c.props.remote_memory);
         if want == 0 {
@@ -585,7 +651,13 @@ impl TagEngine {
             .recvs
             .iter()
             .filter_map(|(r, s)| match s {
-                RecvState::Eager { conn: c, info, .. } | RecvState::Reading { conn: c, info, .. } | RecvState::Pushed { conn: c, info, .. } if *c == conn => Some((*r, *info)),
+                RecvState::Eager { conn: c, info, .. }
+                | RecvState::Reading { conn: c, info, .. }
+                | RecvState::Pushed { conn: c, info, .. }
+                    if *c == conn =>
+                {
+                    Some((*r, *info))
+                }
                 _ => None,
             })
             .collect();
@@ -643,7 +715,15 @@ fn copy_clipped(out: &mut Actions, buf: UserBuf, offset: usize, data: &[u8], src
 }
 
 /// Frames for `buf[start..]`, each as large as the frame allows; the last reports `req` sent.
-fn push_fragments(out: &mut Actions, conn: ConnId, buf: UserBuf, start: usize, max_frame: usize, req: ReqId, header_at: impl Fn(u64) -> Header) {
+fn push_fragments(
+    out: &mut Actions,
+    conn: ConnId,
+    buf: UserBuf,
+    start: usize,
+    max_frame: usize,
+    req: ReqId,
+    header_at: impl Fn(u64) -> Header,
+) {
     let mut offset = start;
     if offset >= buf.len {
         // Nothing left to push: completion rides on an empty last frame only if none was sent.

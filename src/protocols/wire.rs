@@ -13,30 +13,72 @@ pub const MAX_HEADER: usize = 48;
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Header {
     /// A whole tagged message in one frame; the payload is the data.
-    EagerOnly { tag: u64 },
+    EagerOnly {
+        tag: u64,
+    },
     /// First fragment of a multi-fragment eager message; later ones are `EagerNext`.
-    EagerFirst { tag: u64, msg_id: u64, total: u64 },
+    EagerFirst {
+        tag: u64,
+        msg_id: u64,
+        total: u64,
+    },
     /// A later eager fragment, at `offset` in the message.
-    EagerNext { msg_id: u64, offset: u64 },
+    EagerNext {
+        msg_id: u64,
+        offset: u64,
+    },
     /// Rendezvous request to send: the receiver matches it, then fetches the data itself
     /// (`remote_addr` is the sender's buffer, valid when `flags & RTS_REMOTE_MEMORY`) or asks for
     /// it to be pushed (`Rtr`).
-    Rts { tag: u64, sreq: u64, total: u64, remote_addr: u64, flags: u32 },
+    Rts {
+        tag: u64,
+        sreq: u64,
+        total: u64,
+        remote_addr: u64,
+        flags: u32,
+    },
     /// Ready to receive: push `len` bytes of `sreq` as `RndvData` frames addressed to `rreq`.
-    Rtr { sreq: u64, rreq: u64, len: u64 },
+    Rtr {
+        sreq: u64,
+        rreq: u64,
+        len: u64,
+    },
     /// Pushed rendezvous data for `rreq`, at `offset`.
-    RndvData { rreq: u64, offset: u64 },
+    RndvData {
+        rreq: u64,
+        offset: u64,
+    },
     /// Rendezvous done at the receiver (data fetched or refused): the sender may complete.
-    Ats { sreq: u64, status: i32 },
+    Ats {
+        sreq: u64,
+        status: i32,
+    },
     /// Emulated put (target writes the payload at `addr`, inside memory region `region`).
-    Put { region: u64, addr: u64 },
+    Put {
+        region: u64,
+        addr: u64,
+    },
     /// Emulated get: target answers with `GetData` frames for `req`.
-    GetReq { req: u64, region: u64, addr: u64, len: u64 },
-    GetData { req: u64, offset: u64, status: i32 },
+    GetReq {
+        req: u64,
+        region: u64,
+        addr: u64,
+        len: u64,
+    },
+    GetData {
+        req: u64,
+        offset: u64,
+        status: i32,
+    },
     /// Flush: the target answers once every earlier frame on this link has been applied, with
     /// the first error any emulated remote access since the previous flush met.
-    FlushReq { id: u64 },
-    FlushAck { id: u64, status: i32 },
+    FlushReq {
+        id: u64,
+    },
+    FlushAck {
+        id: u64,
+        status: i32,
+    },
     /// The sending side closed its endpoint; no more frames follow.
     Close,
 }
@@ -188,9 +230,7 @@ impl Header {
             Header::EagerOnly { tag } => w.u64(tag),
             Header::EagerFirst { tag, msg_id, total } => w.u64(tag).u64(msg_id).u64(total),
             Header::EagerNext { msg_id, offset } => w.u64(msg_id).u64(offset),
-            Header::Rts { tag, sreq, total, remote_addr, flags } => {
-                w.u64(tag).u64(sreq).u64(total).u64(remote_addr).u64(flags as u64)
-            }
+            Header::Rts { tag, sreq, total, remote_addr, flags } => w.u64(tag).u64(sreq).u64(total).u64(remote_addr).u64(flags as u64),
             Header::Rtr { sreq, rreq, len } => w.u64(sreq).u64(rreq).u64(len),
             Header::RndvData { rreq, offset } => w.u64(rreq).u64(offset),
             Header::Ats { sreq, status } => w.u64(sreq).i32(status),
@@ -219,13 +259,7 @@ impl Header {
             kind::EAGER_ONLY => Header::EagerOnly { tag: r.u64() },
             kind::EAGER_FIRST => Header::EagerFirst { tag: r.u64(), msg_id: r.u64(), total: r.u64() },
             kind::EAGER_NEXT => Header::EagerNext { msg_id: r.u64(), offset: r.u64() },
-            kind::RTS => Header::Rts {
-                tag: r.u64(),
-                sreq: r.u64(),
-                total: r.u64(),
-                remote_addr: r.u64(),
-                flags: r.u64() as u32,
-            },
+            kind::RTS => Header::Rts { tag: r.u64(), sreq: r.u64(), total: r.u64(), remote_addr: r.u64(), flags: r.u64() as u32 },
             kind::RTR => Header::Rtr { sreq: r.u64(), rreq: r.u64(), len: r.u64() },
             kind::RNDV_DATA => Header::RndvData { rreq: r.u64(), offset: r.u64() },
             kind::ATS => Header::Ats { sreq: r.u64(), status: r.i32() },

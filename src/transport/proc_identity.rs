@@ -34,13 +34,9 @@ fn parse_stat(text: &str) -> Option<Stat> {
 fn read_stat(pid: u32) -> Result<Option<Stat>> {
     let path = format!("/proc/{pid}/stat");
     match std::fs::read_to_string(&path) {
-        Ok(text) => parse_stat(&text)
-            .map(Some)
-            .ok_or_else(|| Error::new(Status::IoError, format!("{path}: unexpected format"))),
+        Ok(text) => parse_stat(&text).map(Some).ok_or_else(|| Error::new(Status::IoError, format!("{path}: unexpected format"))),
         // ESRCH shows up when the process exits between open and read.
-        Err(e) if e.kind() == ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) => {
-            Ok(None)
-        }
+        Err(e) if e.kind() == ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) => Ok(None),
         Err(e) => Err(Error::io(&path, e)),
     }
 }
@@ -58,10 +54,7 @@ fn is_exited_state(state: u8) -> bool {
 pub fn current() -> ProcessIdentity {
     let pid = std::process::id();
     match read_stat(pid) {
-        Ok(Some(stat)) => ProcessIdentity {
-            pid,
-            start_time: stat.start_time,
-        },
+        Ok(Some(stat)) => ProcessIdentity { pid, start_time: stat.start_time },
         Ok(None) => {
             tracing::warn!(target: "gsc::shm", pid, "/proc/self/stat missing; start time unknown");
             ProcessIdentity { pid, start_time: 0 }
@@ -79,12 +72,7 @@ pub fn read(pid: u32) -> Result<Option<ProcessIdentity>> {
     if pid == 0 {
         return Ok(None);
     }
-    Ok(read_stat(pid)?
-        .filter(|s| !is_exited_state(s.state))
-        .map(|s| ProcessIdentity {
-            pid,
-            start_time: s.start_time,
-        }))
+    Ok(read_stat(pid)?.filter(|s| !is_exited_state(s.state)).map(|s| ProcessIdentity { pid, start_time: s.start_time }))
 }
 
 /// Is the process named by `id` still running? False when the pid is gone, is a zombie, or now
@@ -126,9 +114,7 @@ pub fn pid_namespace() -> u64 {
 /// FNV-1a: a hash whose value is fixed by its definition, so every build of every worker on a host
 /// computes the same identifier (std's `DefaultHasher` makes no such promise across releases).
 fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(seed, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    bytes.iter().fold(seed, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// A stable identifier of this host and boot: a hash of the kernel boot id and the host name.
@@ -173,10 +159,7 @@ mod tests {
         let stat = parse_stat(&text).expect("parses");
         assert_eq!(stat.state, b'S');
         assert_eq!(stat.start_time, 987_654_321);
-        assert!(
-            parse_stat("1234 (x) S 1 2").is_none(),
-            "too few fields must not parse"
-        );
+        assert!(parse_stat("1234 (x) S 1 2").is_none(), "too few fields must not parse");
         assert!(parse_stat("garbage").is_none());
     }
 
@@ -189,14 +172,8 @@ mod tests {
         assert!(is_alive(&me));
         assert_eq!(current(), me);
         // A different start time with the same pid is a different process (pid reuse).
-        assert!(!is_alive(&ProcessIdentity {
-            pid: me.pid,
-            start_time: me.start_time + 1
-        }));
-        assert!(!is_alive(&ProcessIdentity {
-            pid: me.pid,
-            start_time: me.start_time - 1
-        }));
+        assert!(!is_alive(&ProcessIdentity { pid: me.pid, start_time: me.start_time + 1 }));
+        assert!(!is_alive(&ProcessIdentity { pid: me.pid, start_time: me.start_time - 1 }));
         assert_eq!(read(0).unwrap(), None);
     }
 
@@ -225,10 +202,7 @@ mod tests {
         // Not reaped yet: the child becomes a zombie, which must already count as dead.
         let deadline = Instant::now() + testutil::TIME_LIMIT;
         while is_alive(&id) {
-            assert!(
-                Instant::now() < deadline,
-                "child still alive after stdin closed"
-            );
+            assert!(Instant::now() < deadline, "child still alive after stdin closed");
             std::thread::sleep(Duration::from_millis(2));
         }
         assert_eq!(read(id.pid).unwrap(), None);

@@ -413,11 +413,7 @@ impl Chan for ThreadChan {
 /// The test side's handle on a peer.
 pub enum Peer {
     Proc(ChildProc),
-    Thread {
-        handle: Option<std::thread::JoinHandle<()>>,
-        tx: std::sync::mpsc::Sender<(String, Vec<u8>)>,
-        rx: Receiver<(String, Vec<u8>)>,
-    },
+    Thread { handle: Option<std::thread::JoinHandle<()>>, tx: std::sync::mpsc::Sender<(String, Vec<u8>)>, rx: Receiver<(String, Vec<u8>)> },
 }
 
 /// The lane a scenario runs on.

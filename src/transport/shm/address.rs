@@ -49,10 +49,7 @@ impl ShmAddress {
     pub fn encode(&self) -> Result<Vec<u8>> {
         let path = self.segment.as_os_str().as_bytes();
         if path.len() > PATH_MAX || path.is_empty() {
-            return Err(Error::new(
-                Status::InvalidConfig,
-                format!("segment path of {} bytes is empty or too long", path.len()),
-            ));
+            return Err(Error::new(Status::InvalidConfig, format!("segment path of {} bytes is empty or too long", path.len())));
         }
         let mut b = Vec::with_capacity(HEADER_LEN + path.len());
         b.extend_from_slice(&MAGIC);
@@ -74,10 +71,7 @@ impl ShmAddress {
     /// Parse and check a blob; every defect is `InvalidAddress` with a message naming it.
     pub fn decode(b: &[u8]) -> Result<ShmAddress> {
         if b.len() < HEADER_LEN {
-            return Err(invalid(format!(
-                "blob of {} bytes is shorter than the {HEADER_LEN}-byte header",
-                b.len()
-            )));
+            return Err(invalid(format!("blob of {} bytes is shorter than the {HEADER_LEN}-byte header", b.len())));
         }
         let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
         let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
@@ -87,24 +81,15 @@ impl ShmAddress {
             u64::from_le_bytes(w)
         };
         if b[..4] != MAGIC {
-            return Err(invalid(format!(
-                "bad magic {:02x?} (not a shm address)",
-                &b[..4]
-            )));
+            return Err(invalid(format!("bad magic {:02x?} (not a shm address)", &b[..4])));
         }
         let version = u16_at(4);
         if version != VERSION {
-            return Err(invalid(format!(
-                "version {version}, this build speaks {VERSION}"
-            )));
+            return Err(invalid(format!("version {version}, this build speaks {VERSION}")));
         }
         let path_len = usize::from(u16_at(6));
         if b.len() != HEADER_LEN + path_len {
-            return Err(invalid(format!(
-                "blob is {} bytes, header says {}",
-                b.len(),
-                HEADER_LEN + path_len
-            )));
+            return Err(invalid(format!("blob is {} bytes, header says {}", b.len(), HEADER_LEN + path_len)));
         }
         let path = &b[HEADER_LEN..];
         if path.first() != Some(&b'/') || path.contains(&0) {
@@ -112,19 +97,14 @@ impl ShmAddress {
         }
         let pid = u32_at(24);
         if pid == 0 || u32_at(28) != 0 {
-            return Err(invalid(format!(
-                "listener pid {pid} or reserved field invalid"
-            )));
+            return Err(invalid(format!("listener pid {pid} or reserved field invalid")));
         }
         let mut uuid = [0u8; 16];
         uuid.copy_from_slice(&b[40..56]);
         Ok(ShmAddress {
             host_id: u64_at(8),
             pid_ns: u64_at(16),
-            listener: ProcessIdentity {
-                pid,
-                start_time: u64_at(32),
-            },
+            listener: ProcessIdentity { pid, start_time: u64_at(32) },
             listener_uuid: u128::from_le_bytes(uuid),
             cookie_addr: u64_at(56),
             cookie_value: u64_at(64),
@@ -141,10 +121,7 @@ mod tests {
         ShmAddress {
             host_id: 0x1122_3344_5566_7788,
             pid_ns: 4_026_531_836,
-            listener: ProcessIdentity {
-                pid: 4242,
-                start_time: 987_654,
-            },
+            listener: ProcessIdentity { pid: 4242, start_time: 987_654 },
             listener_uuid: 0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10,
             cookie_addr: 0x7fff_0000_1000,
             cookie_value: 0xdead_beef_cafe_f00d,
@@ -166,10 +143,7 @@ mod tests {
         let check = |b: &[u8], needle: &str| {
             let e = ShmAddress::decode(b).unwrap_err();
             assert_eq!(e.status(), Status::InvalidAddress, "{e:?}");
-            assert!(
-                e.message().contains(needle),
-                "{e:?} should mention {needle:?}"
-            );
+            assert!(e.message().contains(needle), "{e:?} should mention {needle:?}");
         };
         check(&[], "shorter");
         check(&good[..HEADER_LEN - 1], "shorter");

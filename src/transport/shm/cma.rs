@@ -43,9 +43,7 @@ pub fn probe(pid: u32, addr: u64, expect: u64) -> std::result::Result<(), String
     let r = unsafe { transfer(pid, (&raw mut got).cast(), addr, 8, Dir::Read) };
     match r {
         Ok(()) if got == expect => Ok(()),
-        Ok(()) => Err(format!(
-            "pid {pid} has a different cookie at {addr:#x} (not the same process)"
-        )),
+        Ok(()) => Err(format!("pid {pid} has a different cookie at {addr:#x} (not the same process)")),
         Err(e) => Err(e.message().to_string()),
     }
 }
@@ -63,12 +61,7 @@ pub fn decide(mode: CmaMode, pid: u32, addr: u64, value: u64) -> Result<bool> {
             }
         },
         CmaMode::On => probe(pid, addr, value).map(|()| true).map_err(|why| {
-            Error::new(
-                Status::Unsupported,
-                format!(
-                    "cross-memory attach required (cma=on) but unavailable to pid {pid}: {why}"
-                ),
-            )
+            Error::new(Status::Unsupported, format!("cross-memory attach required (cma=on) but unavailable to pid {pid}: {why}"))
         }),
     }
 }
@@ -81,24 +74,16 @@ pub enum Dir {
 
 fn os_error(pid: u32, remote: u64, len: usize, err: std::io::Error) -> Error {
     match err.raw_os_error() {
-        Some(libc::EFAULT) => Error::new(
-            Status::OutOfRange,
-            format!("remote address range not accessible: [{remote:#x}, +{len}) in pid {pid}"),
-        ),
+        Some(libc::EFAULT) => {
+            Error::new(Status::OutOfRange, format!("remote address range not accessible: [{remote:#x}, +{len}) in pid {pid}"))
+        }
         Some(libc::ESRCH) => Error::new(Status::PeerFailed, format!("peer process {pid} is gone")),
-        Some(libc::EPERM) => Error::new(
-            Status::Unsupported,
-            format!("cross-memory attach to pid {pid} not permitted (ptrace policy): {err}"),
-        ),
-        Some(libc::ENOSYS) => Error::new(
-            Status::Unsupported,
-            "process_vm_readv/writev not available in this kernel",
-        ),
+        Some(libc::EPERM) => {
+            Error::new(Status::Unsupported, format!("cross-memory attach to pid {pid} not permitted (ptrace policy): {err}"))
+        }
+        Some(libc::ENOSYS) => Error::new(Status::Unsupported, "process_vm_readv/writev not available in this kernel"),
         Some(libc::ENOMEM) => Error::new(Status::NoMemory, format!("cross-memory attach: {err}")),
-        _ => Error::new(
-            Status::IoError,
-            format!("cross-memory attach to pid {pid}: {err}"),
-        ),
+        _ => Error::new(Status::IoError, format!("cross-memory attach to pid {pid}: {err}")),
     }
 }
 
@@ -112,10 +97,7 @@ pub unsafe fn transfer(pid: u32, local: *mut u8, remote: u64, len: usize, dir: D
         return Err(Error::invalid_param(format!("pid {pid} out of range")));
     };
     if remote.checked_add(len as u64).is_none() {
-        return Err(Error::new(
-            Status::OutOfRange,
-            format!("remote range [{remote:#x}, +{len}) wraps the address space"),
-        ));
+        return Err(Error::new(Status::OutOfRange, format!("remote range [{remote:#x}, +{len}) wraps the address space")));
     }
     let mut done = 0usize;
     while done < len {
@@ -125,10 +107,7 @@ pub unsafe fn transfer(pid: u32, local: *mut u8, remote: u64, len: usize, dir: D
             iov_base: unsafe { local.add(done) }.cast(),
             iov_len: n,
         };
-        let riov = libc::iovec {
-            iov_base: (remote + done as u64) as *mut libc::c_void,
-            iov_len: n,
-        };
+        let riov = libc::iovec { iov_base: (remote + done as u64) as *mut libc::c_void, iov_len: n };
         // SAFETY: one local iovec inside the caller's valid buffer (contract); the remote iovec
         // is checked by the kernel against the target's address space, never dereferenced here.
         let rc = unsafe {
@@ -146,12 +125,7 @@ pub unsafe fn transfer(pid: u32, local: *mut u8, remote: u64, len: usize, dir: D
         }
         if rc == 0 {
             // No progress without an error: treat the rest as inaccessible rather than spin.
-            return Err(os_error(
-                pid,
-                remote + done as u64,
-                len - done,
-                std::io::Error::from_raw_os_error(libc::EFAULT),
-            ));
+            return Err(os_error(pid, remote + done as u64, len - done, std::io::Error::from_raw_os_error(libc::EFAULT)));
         }
         done += rc as usize;
     }
@@ -169,38 +143,16 @@ mod tests {
         assert_eq!(cookie(), (addr, value), "stable");
         let me = std::process::id();
         probe(me, addr, value).expect("CMA to self works on this host");
-        assert!(
-            probe(me, addr, value ^ 1)
-                .unwrap_err()
-                .contains("different cookie")
-        );
+        assert!(probe(me, addr, value ^ 1).unwrap_err().contains("different cookie"));
 
         let src: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
         let mut dst = vec![0u8; src.len()];
         // SAFETY: dst is valid for its length; src is a live buffer in this process.
-        unsafe {
-            transfer(
-                me,
-                dst.as_mut_ptr(),
-                src.as_ptr() as u64,
-                src.len(),
-                Dir::Read,
-            )
-            .unwrap()
-        };
+        unsafe { transfer(me, dst.as_mut_ptr(), src.as_ptr() as u64, src.len(), Dir::Read).unwrap() };
         assert_eq!(dst, src);
         let mut back = vec![0u8; 1000];
         // SAFETY: src readable for 1000 bytes; back is a live 1000-byte buffer.
-        unsafe {
-            transfer(
-                me,
-                src.as_ptr().cast_mut(),
-                back.as_mut_ptr() as u64,
-                1000,
-                Dir::Write,
-            )
-            .unwrap()
-        };
+        unsafe { transfer(me, src.as_ptr().cast_mut(), back.as_mut_ptr() as u64, 1000, Dir::Write).unwrap() };
         assert_eq!(back[..], src[..1000]);
 
         // Address 8 is never mapped.
@@ -230,14 +182,7 @@ mod tests {
         let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap();
         // SAFETY: a fresh anonymous mapping of two pages.
         let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                2 * page,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
         };
         assert_ne!(p, libc::MAP_FAILED);
         // SAFETY: the second page belongs to the mapping just made; nothing refers to it.
@@ -245,16 +190,7 @@ mod tests {
         assert_eq!(rc, 0);
         let mut dst = vec![0u8; 2 * page];
         // SAFETY: dst is valid for 2 pages; the remote range is checked by the kernel.
-        let e = unsafe {
-            transfer(
-                std::process::id(),
-                dst.as_mut_ptr(),
-                p as u64,
-                2 * page,
-                Dir::Read,
-            )
-        }
-        .unwrap_err();
+        let e = unsafe { transfer(std::process::id(), dst.as_mut_ptr(), p as u64, 2 * page, Dir::Read) }.unwrap_err();
         assert_eq!(e.status(), Status::OutOfRange, "{e:?}");
         // SAFETY: unmapping the first page we still own.
         unsafe { libc::munmap(p, page) };
@@ -262,11 +198,8 @@ mod tests {
 
     #[test]
     fn dead_pid_is_peer_failed() {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .arg("--list")
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut child =
+            std::process::Command::new(std::env::current_exe().unwrap()).arg("--list").stdout(std::process::Stdio::null()).spawn().unwrap();
         let pid = child.id();
         child.wait().unwrap();
         let mut v = 0u64;

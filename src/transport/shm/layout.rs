@@ -81,17 +81,13 @@ impl AcceptSlot {
         for (d, &s) in self.path.iter().zip(path) {
             d.store(s, Ordering::Relaxed);
         }
-        self.path_len
-            .store(path.len().min(SLOT_PATH_MAX) as u32, Ordering::Relaxed);
+        self.path_len.store(path.len().min(SLOT_PATH_MAX) as u32, Ordering::Relaxed);
     }
 
     /// Copy out a slot observed READY (with Acquire).
     pub fn read(&self) -> (u128, Vec<u8>) {
         let len = (self.path_len.load(Ordering::Relaxed) as usize).min(SLOT_PATH_MAX);
-        let path = self.path[..len]
-            .iter()
-            .map(|b| b.load(Ordering::Relaxed))
-            .collect();
+        let path = self.path[..len].iter().map(|b| b.load(Ordering::Relaxed)).collect();
         (load_u128(&self.uuid), path)
     }
 }
@@ -122,10 +118,7 @@ impl SideInfo {
     }
 
     pub fn identity(&self) -> ProcessIdentity {
-        ProcessIdentity {
-            pid: self.pid.load(Ordering::Relaxed),
-            start_time: self.start_time.load(Ordering::Relaxed),
-        }
+        ProcessIdentity { pid: self.pid.load(Ordering::Relaxed), start_time: self.start_time.load(Ordering::Relaxed) }
     }
 }
 
@@ -157,15 +150,9 @@ pub fn ring_offset(capacity: usize, i: usize) -> usize {
 
 /// Read and check the geometry of a connection segment whose payload is `payload_len` bytes.
 pub fn geometry(ctrl: &ConnCtrl, payload_len: usize) -> Result<(usize, usize)> {
-    let cap =
-        usize::try_from(ctrl.geometry.ring_capacity.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
+    let cap = usize::try_from(ctrl.geometry.ring_capacity.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
     let max = usize::try_from(ctrl.geometry.max_frame.load(Ordering::Relaxed)).unwrap_or(0);
-    ring::validate(cap, max).map_err(|e| {
-        Error::new(
-            Status::InvalidAddress,
-            format!("connection segment: {}", e.message()),
-        )
-    })?;
+    ring::validate(cap, max).map_err(|e| Error::new(Status::InvalidAddress, format!("connection segment: {}", e.message())))?;
     if connection_size(cap) != payload_len {
         return Err(Error::new(
             Status::InvalidAddress,

@@ -37,10 +37,7 @@ impl ShmLink {
     /// segment (written by the connector) so both sides agree on it.
     pub fn new(seg: Segment, side: Side, peer: ProcessIdentity, cma: bool) -> Result<ShmLink> {
         if seg.payload_len() < layout::CTRL_SIZE {
-            return Err(Error::new(
-                Status::InvalidAddress,
-                "connection segment too small",
-            ));
+            return Err(Error::new(Status::InvalidAddress, "connection segment too small"));
         }
         // SAFETY: the payload holds a ConnCtrl (checked just above), 64-byte aligned; its fields
         // are all atomics; the reference does not outlive this function, while `seg` is alive.
@@ -57,29 +54,11 @@ impl ShmLink {
         // mapping alive.
         let (tx, rx) = unsafe {
             (
-                RingProducer::attach(
-                    seg.payload().add(layout::ring_offset(cap, tx_ring)),
-                    cap,
-                    max_frame,
-                )?,
-                RingConsumer::attach(
-                    seg.payload().add(layout::ring_offset(cap, rx_ring)),
-                    cap,
-                    max_frame,
-                )?,
+                RingProducer::attach(seg.payload().add(layout::ring_offset(cap, tx_ring)), cap, max_frame)?,
+                RingConsumer::attach(seg.payload().add(layout::ring_offset(cap, rx_ring)), cap, max_frame)?,
             )
         };
-        Ok(ShmLink {
-            tx,
-            rx,
-            side,
-            peer,
-            max_frame,
-            cma,
-            closed: false,
-            failure: None,
-            seg,
-        })
+        Ok(ShmLink { tx, rx, side, peer, max_frame, cma, closed: false, failure: None, seg })
     }
 
     fn ctrl(&self) -> &ConnCtrl {
@@ -93,33 +72,22 @@ impl ShmLink {
     }
 
     fn peer_state(&self) -> u32 {
-        self.ctrl().sides[1 - self.side as usize]
-            .state
-            .load(Ordering::Acquire)
+        self.ctrl().sides[1 - self.side as usize].state.load(Ordering::Acquire)
     }
 
     fn peer_state_error(&self, state: u32) -> Option<Error> {
         match state {
             SIDE_OPEN => None,
-            SIDE_REJECTED => Some(Error::new(
-                Status::Rejected,
-                format!(
-                    "peer pid {} rejected the shm connection (see its log)",
-                    self.peer.pid
-                ),
-            )),
-            _ => Some(Error::new(
-                Status::ConnectionReset,
-                format!("peer pid {} closed the shm link", self.peer.pid),
-            )),
+            SIDE_REJECTED => {
+                Some(Error::new(Status::Rejected, format!("peer pid {} rejected the shm connection (see its log)", self.peer.pid)))
+            }
+            _ => Some(Error::new(Status::ConnectionReset, format!("peer pid {} closed the shm link", self.peer.pid))),
         }
     }
 
     /// Why the link is dead, if it is.
     fn dead_reason(&self) -> Option<Error> {
-        self.failure
-            .clone()
-            .or_else(|| self.peer_state_error(self.peer_state()))
+        self.failure.clone().or_else(|| self.peer_state_error(self.peer_state()))
     }
 
     fn drain(&mut self, max: usize, deliver: &mut dyn FnMut(&[u8])) -> Result<usize> {
@@ -144,10 +112,7 @@ impl ShmLink {
             return Err(e.clone());
         }
         if !self.cma {
-            return Err(Error::unsupported(format!(
-                "no cross-memory attach to peer pid {} on this shm link",
-                self.peer.pid
-            )));
+            return Err(Error::unsupported(format!("no cross-memory attach to peer pid {} on this shm link", self.peer.pid)));
         }
         // SAFETY: forwarded from read_remote/write_remote's contract on `local`.
         unsafe { cma::transfer(self.peer.pid, local, remote, len, dir) }
@@ -164,24 +129,16 @@ impl Link for ShmLink {
     }
 
     fn caps(&self) -> LinkCaps {
-        LinkCaps {
-            remote_memory: self.cma,
-        }
+        LinkCaps { remote_memory: self.cma }
     }
 
     fn try_send(&mut self, parts: &[&[u8]]) -> Result<bool> {
         if self.closed {
-            return Err(Error::new(
-                Status::NotConnected,
-                "shm link was closed by this side",
-            ));
+            return Err(Error::new(Status::NotConnected, "shm link was closed by this side"));
         }
         let len = parts.iter().fold(0usize, |a, p| a.saturating_add(p.len()));
         if len > self.max_frame {
-            return Err(Error::invalid_param(format!(
-                "frame of {len} bytes exceeds the shm link's max_frame {}",
-                self.max_frame
-            )));
+            return Err(Error::invalid_param(format!("frame of {len} bytes exceeds the shm link's max_frame {}", self.max_frame)));
         }
         if let Some(e) = self.dead_reason() {
             return Err(e);
@@ -217,13 +174,8 @@ impl Link for ShmLink {
             return Err(e);
         }
         if !proc_identity::is_alive(&self.peer) {
-            let e = Error::new(
-                Status::PeerFailed,
-                format!(
-                    "peer process pid {} (start time {}) is gone",
-                    self.peer.pid, self.peer.start_time
-                ),
-            );
+            let e =
+                Error::new(Status::PeerFailed, format!("peer process pid {} (start time {}) is gone", self.peer.pid, self.peer.start_time));
             tracing::warn!(target: "gsc::shm", peer = self.peer.pid, "shm peer died");
             self.failure = Some(e.clone());
             return Err(e);
@@ -244,12 +196,7 @@ impl Link for ShmLink {
 impl Drop for ShmLink {
     fn drop(&mut self) {
         // A link dropped without close() is gone all the same; say so. Keep a REJECTED mark.
-        let _ = self.my_state().compare_exchange(
-            SIDE_OPEN,
-            SIDE_CLOSED,
-            Ordering::Release,
-            Ordering::Relaxed,
-        );
+        let _ = self.my_state().compare_exchange(SIDE_OPEN, SIDE_CLOSED, Ordering::Release, Ordering::Relaxed);
         // The segment's own drop unlinks the file if we created it and the peer has not yet.
     }
 }

@@ -7,9 +7,7 @@ use std::sync::atomic::Ordering;
 
 use crate::error::{Error, Result, Status};
 use crate::transport::shm::address::ShmAddress;
-use crate::transport::shm::layout::{
-    self, ACCEPT_SLOTS, ConnCtrl, SIDE_CLOSED, SIDE_REJECTED, SLOT_FREE, SLOT_READY, WorkerArea,
-};
+use crate::transport::shm::layout::{self, ACCEPT_SLOTS, ConnCtrl, SIDE_CLOSED, SIDE_REJECTED, SLOT_FREE, SLOT_READY, WorkerArea};
 use crate::transport::shm::link::{ShmLink, Side};
 use crate::transport::shm::segment::{self, Segment, SegmentKind};
 use crate::transport::shm::{ShmConfig, cma};
@@ -18,10 +16,7 @@ use crate::transport::{LaneKind, Link, Listener, proc_identity};
 /// The worker area of a worker segment, if the segment is large enough to hold one.
 pub(crate) fn worker_area(seg: &Segment) -> Result<&WorkerArea> {
     if seg.payload_len() < layout::WORKER_AREA_SIZE {
-        return Err(Error::new(
-            Status::InvalidAddress,
-            format!("{} is too small for a worker segment", seg.path().display()),
-        ));
+        return Err(Error::new(Status::InvalidAddress, format!("{} is too small for a worker segment", seg.path().display())));
     }
     // SAFETY: size checked above; the payload is 64-byte aligned; every field is atomic, so a
     // shared reference is sound while other processes write it; it borrows `seg`, which keeps the
@@ -32,13 +27,7 @@ pub(crate) fn worker_area(seg: &Segment) -> Result<&WorkerArea> {
 /// The control block of a connection segment, if the segment is large enough to hold one.
 pub(crate) fn conn_ctrl(seg: &Segment) -> Result<&ConnCtrl> {
     if seg.payload_len() < layout::CTRL_SIZE {
-        return Err(Error::new(
-            Status::InvalidAddress,
-            format!(
-                "{} is too small for a connection segment",
-                seg.path().display()
-            ),
-        ));
+        return Err(Error::new(Status::InvalidAddress, format!("{} is too small for a connection segment", seg.path().display())));
     }
     // SAFETY: as in `worker_area`.
     Ok(unsafe { &*seg.payload().cast::<ConnCtrl>() })
@@ -48,9 +37,7 @@ pub(crate) fn conn_ctrl(seg: &Segment) -> Result<&ConnCtrl> {
 pub(crate) fn absolute_dir(dir: &Path) -> Result<PathBuf> {
     // InvalidConfig must name the variable to fix (the config module's rule for every knob);
     // the directory comes from GSC_SHM_DIR.
-    std::fs::canonicalize(dir).map_err(|e| {
-        Error::new(Status::InvalidConfig, format!("GSC_SHM_DIR: shm directory {}: {e}", dir.display()))
-    })
+    std::fs::canonicalize(dir).map_err(|e| Error::new(Status::InvalidConfig, format!("GSC_SHM_DIR: shm directory {}: {e}", dir.display())))
 }
 
 /// A worker's shared-memory listener: peers on this host post connection requests into its
@@ -79,9 +66,7 @@ impl ShmListener {
         let area = worker_area(&seg)?;
         layout::store_u128(&area.head.uuid, my_worker_uuid);
         // Release: a connector that reads `nslots` (Acquire) also sees the uuid.
-        area.head
-            .nslots
-            .store(ACCEPT_SLOTS as u32, Ordering::Release);
+        area.head.nslots.store(ACCEPT_SLOTS as u32, Ordering::Release);
         let (cookie_addr, cookie_value) = cma::cookie();
         let blob = ShmAddress {
             host_id: proc_identity::host_id(),
@@ -94,13 +79,7 @@ impl ShmListener {
         }
         .encode()?;
         tracing::debug!(target: "gsc::shm", path = %seg.path().display(), "shm listener ready");
-        Ok(ShmListener {
-            seg,
-            cfg,
-            uuid: my_worker_uuid,
-            last_posted: 0,
-            blob,
-        })
+        Ok(ShmListener { seg, cfg, uuid: my_worker_uuid, last_posted: 0, blob })
     }
 
     /// Path of the worker segment.
@@ -112,10 +91,7 @@ impl ShmListener {
     fn accept_one(&self, uuid: u128, path: &[u8]) -> Result<ShmLink> {
         let path = Path::new(OsStr::from_bytes(path));
         if !path.is_absolute() {
-            return Err(Error::new(
-                Status::InvalidAddress,
-                format!("connection path {} is not absolute", path.display()),
-            ));
+            return Err(Error::new(Status::InvalidAddress, format!("connection path {} is not absolute", path.display())));
         }
         let seg = Segment::open(path, SegmentKind::Connection)?;
         // Both sides have it mapped now; the name is no longer needed.
@@ -129,10 +105,7 @@ impl ShmListener {
         if peer != seg.creator() || layout::load_u128(&conn.uuid) != uuid {
             return Err(Error::new(
                 Status::InvalidAddress,
-                format!(
-                    "{}: connector identity {peer:?} / uuid does not match the request",
-                    path.display()
-                ),
+                format!("{}: connector identity {peer:?} / uuid does not match the request", path.display()),
             ));
         }
         let mine = &ctrl.sides[Side::Acceptor as usize];
@@ -158,9 +131,7 @@ impl ShmListener {
         match Segment::open(path, SegmentKind::Connection) {
             Ok(seg) => {
                 if let Ok(ctrl) = conn_ctrl(&seg) {
-                    ctrl.sides[Side::Acceptor as usize]
-                        .state
-                        .store(SIDE_CLOSED, Ordering::Release);
+                    ctrl.sides[Side::Acceptor as usize].state.store(SIDE_CLOSED, Ordering::Release);
                 }
                 let _ = seg.unlink();
             }
@@ -218,11 +189,7 @@ impl Drop for ShmListener {
         for slot in &area.slots {
             if slot.state.load(Ordering::SeqCst) == SLOT_READY {
                 let (_, path) = slot.read();
-                if slot
-                    .state
-                    .compare_exchange(SLOT_READY, SLOT_FREE, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                {
+                if slot.state.compare_exchange(SLOT_READY, SLOT_FREE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                     ShmListener::refuse_pending(&path);
                 }
             }

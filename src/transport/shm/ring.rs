@@ -61,9 +61,7 @@ pub fn validate(capacity: usize, max_frame: usize) -> Result<()> {
     if !capacity.is_power_of_two() || !(MIN_CAPACITY..=MAX_CAPACITY).contains(&capacity) {
         return Err(Error::new(
             Status::InvalidConfig,
-            format!(
-                "ring size {capacity} must be a power of two from {MIN_CAPACITY} to {MAX_CAPACITY} bytes"
-            ),
+            format!("ring size {capacity} must be a power of two from {MIN_CAPACITY} to {MAX_CAPACITY} bytes"),
         ));
     }
     if max_frame == 0 || max_frame > u32::MAX as usize || frame_size(max_frame) > capacity / 2 {
@@ -94,19 +92,11 @@ impl Shared {
     unsafe fn new(region: *mut u8, capacity: usize, max_frame: usize) -> Result<Shared> {
         validate(capacity, max_frame)?;
         if region as usize % 64 != 0 {
-            return Err(Error::new(
-                Status::Internal,
-                "ring region is not 64-byte aligned",
-            ));
+            return Err(Error::new(Status::Internal, "ring region is not 64-byte aligned"));
         }
         // SAFETY: CTL_SIZE bytes are inside the region, per the contract.
         let data = unsafe { region.add(CTL_SIZE) };
-        Ok(Shared {
-            ctl: region.cast::<RingCtl>(),
-            data,
-            capacity,
-            max_frame,
-        })
+        Ok(Shared { ctl: region.cast::<RingCtl>(), data, capacity, max_frame })
     }
 
     fn ctl(&self) -> &RingCtl {
@@ -146,11 +136,7 @@ impl RingProducer {
         let sh = unsafe { Shared::new(region, capacity, max_frame)? };
         let head = sh.ctl().head.0.load(Ordering::Relaxed);
         let tail_cache = sh.ctl().tail.0.load(Ordering::Acquire);
-        Ok(RingProducer {
-            sh,
-            head,
-            tail_cache,
-        })
+        Ok(RingProducer { sh, head, tail_cache })
     }
 
     pub fn max_frame(&self) -> usize {
@@ -161,9 +147,7 @@ impl RingProducer {
     /// now. A frame larger than `max_frame` never fits and is refused (false) without effect;
     /// callers check the size first to tell the two apart.
     pub fn try_push(&mut self, parts: &[&[u8]]) -> bool {
-        let len = parts
-            .iter()
-            .fold(0usize, |acc, p| acc.saturating_add(p.len()));
+        let len = parts.iter().fold(0usize, |acc, p| acc.saturating_add(p.len()));
         if len > self.sh.max_frame {
             return false;
         }
@@ -171,15 +155,10 @@ impl RingProducer {
         let cap = self.sh.capacity;
         let idx = self.sh.index(self.head);
         let contiguous = cap - idx;
-        let total = if need > contiguous {
-            contiguous + need
-        } else {
-            need
-        };
+        let total = if need > contiguous { contiguous + need } else { need };
         // Wrapping arithmetic: `tail` comes from the other process, and a corrupt value (beyond
         // `head`) must read as "no room", never as an overflow.
-        let fits =
-            |tail: u64| self.head.wrapping_sub(tail).saturating_add(total as u64) <= cap as u64;
+        let fits = |tail: u64| self.head.wrapping_sub(tail).saturating_add(total as u64) <= cap as u64;
         if !fits(self.tail_cache) {
             self.tail_cache = self.sh.ctl().tail.0.load(Ordering::Acquire);
             if !fits(self.tail_cache) {
@@ -241,20 +220,13 @@ impl RingConsumer {
         let sh = unsafe { Shared::new(region, capacity, max_frame)? };
         let tail = sh.ctl().tail.0.load(Ordering::Relaxed);
         let head_cache = sh.ctl().head.0.load(Ordering::Acquire);
-        let c = RingConsumer {
-            sh,
-            tail,
-            head_cache,
-        };
+        let c = RingConsumer { sh, tail, head_cache };
         c.check_head()?;
         Ok(c)
     }
 
     fn corrupt(&self, what: String) -> Error {
-        Error::new(
-            Status::PeerFailed,
-            format!("shared ring corrupt at position {}: {what}", self.tail),
-        )
+        Error::new(Status::PeerFailed, format!("shared ring corrupt at position {}: {what}", self.tail))
     }
 
     fn check_head(&self) -> Result<()> {
@@ -292,26 +264,21 @@ impl RingConsumer {
             let (len, flags) = ((word & 0xffff_ffff) as usize, (word >> 32) as u32);
             if flags & FLAG_SKIP != 0 {
                 if contiguous > avail {
-                    return Err(
-                        self.corrupt(format!("skip of {contiguous} beyond {avail} published"))
-                    );
+                    return Err(self.corrupt(format!("skip of {contiguous} beyond {avail} published")));
                 }
                 self.tail += contiguous as u64;
                 continue;
             }
             let need = frame_size(len);
             if len > self.sh.max_frame || need > contiguous || need > avail {
-                return Err(self.corrupt(format!(
-                    "frame of {len} bytes (max {}, {contiguous} before wrap, {avail} published)",
-                    self.sh.max_frame
-                )));
+                return Err(
+                    self.corrupt(format!("frame of {len} bytes (max {}, {contiguous} before wrap, {avail} published)", self.sh.max_frame))
+                );
             }
             // SAFETY: `[idx + 8, idx + 8 + len)` is inside the data (need <= contiguous) and
             // published; the producer does not touch it until we advance `tail` below, so the
             // slice is immutable for the duration of `f`.
-            let frame = unsafe {
-                std::slice::from_raw_parts(self.sh.data.add(idx + FRAME_HEADER).cast_const(), len)
-            };
+            let frame = unsafe { std::slice::from_raw_parts(self.sh.data.add(idx + FRAME_HEADER).cast_const(), len) };
             f(frame);
             self.tail += need as u64;
             self.sh.ctl().tail.0.store(self.tail, Ordering::Release);
@@ -357,29 +324,19 @@ mod tests {
 
     fn pair(r: &Region, capacity: usize, max_frame: usize) -> (RingProducer, RingConsumer) {
         // SAFETY: `r` outlives the ends in every test; one producer and one consumer.
-        unsafe {
-            (
-                RingProducer::attach(r.ptr, capacity, max_frame).unwrap(),
-                RingConsumer::attach(r.ptr, capacity, max_frame).unwrap(),
-            )
-        }
+        unsafe { (RingProducer::attach(r.ptr, capacity, max_frame).unwrap(), RingConsumer::attach(r.ptr, capacity, max_frame).unwrap()) }
     }
 
     /// Deterministic frame content for frame number `i`.
     fn frame(i: u64, max: usize) -> Vec<u8> {
         let len = ((i.wrapping_mul(2_654_435_761)) % (max as u64 + 1)) as usize;
-        (0..len)
-            .map(|k| (i as usize).wrapping_add(k * 7) as u8)
-            .collect()
+        (0..len).map(|k| (i as usize).wrapping_add(k * 7) as u8).collect()
     }
 
     #[test]
     fn geometry_is_validated() {
         assert!(validate(4096, 2040).is_ok());
-        assert!(
-            validate(4096, 2041).is_err(),
-            "frame must fit half the ring"
-        );
+        assert!(validate(4096, 2041).is_err(), "frame must fit half the ring");
         assert!(validate(3000, 8).is_err(), "not a power of two");
         assert!(validate(128, 8).is_err(), "too small");
         assert!(validate(1 << 31, 8).is_err(), "too large");
@@ -411,10 +368,7 @@ mod tests {
             let mut n = 0;
             while n < 3 {
                 let want = frame(recvd, max);
-                if !c
-                    .pop(|got| assert_eq!(got, &want[..], "frame {recvd}"))
-                    .unwrap()
-                {
+                if !c.pop(|got| assert_eq!(got, &want[..], "frame {recvd}")).unwrap() {
                     break;
                 }
                 recvd += 1;
@@ -462,12 +416,7 @@ mod tests {
         // A head beyond the capacity is rejected too.
         let r2 = Region::new(cap);
         // SAFETY: the region is 64-aligned; we store a bogus head before attaching.
-        unsafe {
-            (*r2.ptr.cast::<RingCtl>())
-                .head
-                .0
-                .store(4096, Ordering::Relaxed)
-        };
+        unsafe { (*r2.ptr.cast::<RingCtl>()).head.0.store(4096, Ordering::Relaxed) };
         // SAFETY: r2 outlives the attempt.
         assert!(unsafe { RingConsumer::attach(r2.ptr, cap, max) }.is_err());
         // A consumer tail beyond the producer's head reads as "no room", not as an overflow.
@@ -475,12 +424,7 @@ mod tests {
         // SAFETY: r3 outlives the producer; single thread.
         let mut p3 = unsafe { RingProducer::attach(r3.ptr, cap, max) }.unwrap();
         // SAFETY: as above; a bogus tail written the way a broken peer would.
-        unsafe {
-            (*r3.ptr.cast::<RingCtl>())
-                .tail
-                .0
-                .store(1 << 40, Ordering::Relaxed)
-        };
+        unsafe { (*r3.ptr.cast::<RingCtl>()).tail.0.store(1 << 40, Ordering::Relaxed) };
         p3.tail_cache = 1 << 40;
         assert!(!p3.try_push(&[b"x"]));
     }
@@ -524,10 +468,7 @@ mod tests {
             } else {
                 idle += 1;
                 if idle % 128 == 0 {
-                    assert!(
-                        std::time::Instant::now() < deadline,
-                        "stalled at frame {next}"
-                    );
+                    assert!(std::time::Instant::now() < deadline, "stalled at frame {next}");
                     std::thread::yield_now();
                 }
             }
@@ -543,8 +484,7 @@ mod tests {
         const N: u64 = 100_000;
         let (cap, max) = (1 << 14, 256);
         if testutil::role().is_some() {
-            let seg =
-                Segment::open(&PathBuf::from(testutil::env("RING_SEG")), SegmentKind::Raw).unwrap();
+            let seg = Segment::open(&PathBuf::from(testutil::env("RING_SEG")), SegmentKind::Raw).unwrap();
             // SAFETY: the segment holds region_size(cap) bytes and outlives the producer; the
             // parent only consumes.
             let mut p = unsafe { RingProducer::attach(seg.payload(), cap, max).unwrap() };
@@ -560,17 +500,10 @@ mod tests {
         let seg = Segment::create(dir.path(), SegmentKind::Raw, region_size(cap)).unwrap();
         // SAFETY: as in the child, with roles swapped.
         let mut c = unsafe { RingConsumer::attach(seg.payload(), cap, max).unwrap() };
-        let mut child = ChildProc::spawn(
-            NAME,
-            "producer",
-            &[("RING_SEG", seg.path().to_string_lossy().into_owned())],
-        );
+        let mut child = ChildProc::spawn(NAME, "producer", &[("RING_SEG", seg.path().to_string_lossy().into_owned())]);
         for i in 0..N {
             let want = frame(i, max);
-            testutil::spin_until("next frame", || {
-                c.pop(|got| assert_eq!(got, &want[..], "frame {i}"))
-                    .unwrap()
-            });
+            testutil::spin_until("next frame", || c.pop(|got| assert_eq!(got, &want[..], "frame {i}")).unwrap());
         }
         child.wait_success();
         assert!(c.is_empty());

@@ -72,8 +72,7 @@ struct HeaderInfo {
 fn decode_header(b: &[u8; HEADER_SIZE]) -> Option<HeaderInfo> {
     let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
     let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or_default());
-    if u64_at(offset_of!(Header, magic)) != MAGIC || u32_at(offset_of!(Header, version)) != VERSION
-    {
+    if u64_at(offset_of!(Header, magic)) != MAGIC || u32_at(offset_of!(Header, version)) != VERSION {
         return None;
     }
     Some(HeaderInfo {
@@ -116,42 +115,24 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
 
 fn random_name() -> Result<String> {
     let mut r = [0u8; NAME_HEX_LEN / 2];
-    getrandom::getrandom(&mut r).map_err(|e| {
-        Error::new(
-            Status::Internal,
-            format!("no randomness for segment name: {e}"),
-        )
-    })?;
+    getrandom::getrandom(&mut r).map_err(|e| Error::new(Status::Internal, format!("no randomness for segment name: {e}")))?;
     let hex: String = r.iter().map(|b| format!("{b:02x}")).collect();
     Ok(format!("{NAME_PREFIX}{hex}"))
 }
 
 fn is_segment_name(name: &str) -> bool {
-    name.strip_prefix(NAME_PREFIX).is_some_and(|h| {
-        h.len() == NAME_HEX_LEN
-            && h.bytes()
-                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
-    })
+    name.strip_prefix(NAME_PREFIX)
+        .is_some_and(|h| h.len() == NAME_HEX_LEN && h.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)))
 }
 
 fn map(file: &File, len: usize, path: &Path) -> Result<NonNull<u8>> {
     // SAFETY: a fresh shared mapping of `len` bytes of an open file; the kernel picks the address,
     // so no existing memory is affected. The fd may be closed afterwards; the mapping persists.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0) };
     if p == libc::MAP_FAILED {
         return Err(io_err("mmap", path, std::io::Error::last_os_error()));
     }
-    NonNull::new(p.cast::<u8>())
-        .ok_or_else(|| Error::new(Status::Internal, "mmap returned a null mapping"))
+    NonNull::new(p.cast::<u8>()).ok_or_else(|| Error::new(Status::Internal, "mmap returned a null mapping"))
 }
 
 impl Segment {
@@ -161,9 +142,7 @@ impl Segment {
     /// (posix_fallocate), so a full /dev/shm is reported here as `NoResource` rather than as a
     /// SIGBUS on first touch of a page.
     pub fn create(dir: &Path, kind: SegmentKind, payload_len: usize) -> Result<Segment> {
-        let len = HEADER_SIZE
-            .checked_add(payload_len)
-            .ok_or_else(|| Error::invalid_param("segment size overflows"))?;
+        let len = HEADER_SIZE.checked_add(payload_len).ok_or_else(|| Error::invalid_param("segment size overflows"))?;
         let path = dir.join(random_name()?);
         let file = OpenOptions::new()
             .read(true)
@@ -178,10 +157,8 @@ impl Segment {
             let _ = std::fs::remove_file(&path);
             e
         };
-        file.set_len(len as u64)
-            .map_err(|e| unlink_on_err(io_err("ftruncate", &path, e)))?;
-        let len_off = libc::off_t::try_from(len)
-            .map_err(|_| unlink_on_err(Error::invalid_param("segment too large")))?;
+        file.set_len(len as u64).map_err(|e| unlink_on_err(io_err("ftruncate", &path, e)))?;
+        let len_off = libc::off_t::try_from(len).map_err(|_| unlink_on_err(Error::invalid_param("segment too large")))?;
         // SAFETY: plain syscall on an fd we own.
         let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len_off) };
         if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
@@ -190,13 +167,7 @@ impl Segment {
         }
         let base = map(&file, len, &path).map_err(unlink_on_err)?;
         let creator = proc_identity::current();
-        let seg = Segment {
-            base,
-            len,
-            path,
-            creator,
-            owner: true,
-        };
+        let seg = Segment { base, len, path, creator, owner: true };
         // SAFETY: the mapping is `len >= HEADER_SIZE` bytes, page aligned, and nobody else can
         // have it mapped yet validly (the magic is still 0), so writing the header is race-free.
         unsafe {
@@ -225,38 +196,15 @@ impl Segment {
         // SAFETY: geteuid cannot fail.
         let euid = unsafe { libc::geteuid() };
         if meta.uid() != euid {
-            return Err(Error::new(
-                Status::Rejected,
-                format!(
-                    "{} belongs to uid {}, not to us (uid {euid})",
-                    path.display(),
-                    meta.uid()
-                ),
-            ));
+            return Err(Error::new(Status::Rejected, format!("{} belongs to uid {}, not to us (uid {euid})", path.display(), meta.uid())));
         }
         let len = usize::try_from(meta.len()).unwrap_or(usize::MAX);
         if len < HEADER_SIZE || len == usize::MAX {
-            return Err(Error::new(
-                Status::InvalidAddress,
-                format!(
-                    "{} is {} bytes, too small for a segment",
-                    path.display(),
-                    meta.len()
-                ),
-            ));
+            return Err(Error::new(Status::InvalidAddress, format!("{} is {} bytes, too small for a segment", path.display(), meta.len())));
         }
         let base = map(&file, len, path)?;
         // Build the handle first so an error below unmaps on drop (owner = false: not ours).
-        let mut seg = Segment {
-            base,
-            len,
-            path: path.to_path_buf(),
-            creator: ProcessIdentity {
-                pid: 0,
-                start_time: 0,
-            },
-            owner: false,
-        };
+        let mut seg = Segment { base, len, path: path.to_path_buf(), creator: ProcessIdentity { pid: 0, start_time: 0 }, owner: false };
         let mut raw = [0u8; HEADER_SIZE];
         // SAFETY: the mapping is at least HEADER_SIZE bytes. The magic is read with Acquire first
         // so the rest of the header, written before the creator's Release store, is visible.
@@ -267,32 +215,18 @@ impl Segment {
             raw[..8].copy_from_slice(&magic.to_le_bytes());
         }
         let info = decode_header(&raw).ok_or_else(|| {
-            Error::new(
-                Status::InvalidAddress,
-                format!(
-                    "{} is not a gscomm segment of version {VERSION}",
-                    path.display()
-                ),
-            )
+            Error::new(Status::InvalidAddress, format!("{} is not a gscomm segment of version {VERSION}", path.display()))
         })?;
         if info.kind != kind as u32 {
             return Err(Error::new(
                 Status::InvalidAddress,
-                format!(
-                    "{} holds segment kind {}, expected {kind:?}",
-                    path.display(),
-                    info.kind
-                ),
+                format!("{} holds segment kind {}, expected {kind:?}", path.display(), info.kind),
             ));
         }
         if info.total_len != len as u64 {
             return Err(Error::new(
                 Status::InvalidAddress,
-                format!(
-                    "{}: header says {} bytes, file has {len}",
-                    path.display(),
-                    info.total_len
-                ),
+                format!("{}: header says {} bytes, file has {len}", path.display(), info.total_len),
             ));
         }
         seg.creator = info.creator;
@@ -379,11 +313,7 @@ pub fn cleanup_stale(dir: &Path) -> usize {
         }
         let stale = match read_header(&path) {
             Some(info) => info.creator_pid_ns == my_ns && !proc_identity::is_alive(&info.creator),
-            None => meta
-                .modified()
-                .ok()
-                .and_then(|m| SystemTime::now().duration_since(m).ok())
-                .is_some_and(|age| age > HEADERLESS_GRACE),
+            None => meta.modified().ok().and_then(|m| SystemTime::now().duration_since(m).ok()).is_some_and(|age| age > HEADERLESS_GRACE),
         };
         if stale {
             match std::fs::remove_file(&path) {
@@ -402,11 +332,7 @@ pub fn cleanup_stale(dir: &Path) -> usize {
 }
 
 fn read_header(path: &Path) -> Option<HeaderInfo> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .ok()?;
+    let file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path).ok()?;
     let mut raw = [0u8; HEADER_SIZE];
     file.read_exact_at(&mut raw, 0).ok()?;
     decode_header(&raw)
@@ -464,8 +390,7 @@ mod tests {
     /// while leaving the live process's segment alone.
     #[test]
     fn cleanup_removes_segments_of_dead_creators() {
-        const NAME: &str =
-            "transport::shm::segment::tests::cleanup_removes_segments_of_dead_creators";
+        const NAME: &str = "transport::shm::segment::tests::cleanup_removes_segments_of_dead_creators";
         if role().is_some() {
             let dir = PathBuf::from(crate::transport::shm::testutil::env("SEG_DIR"));
             let seg = Segment::create(&dir, SegmentKind::Raw, 64).unwrap();
@@ -474,25 +399,12 @@ mod tests {
         }
         let dir = TestDir::new("segclean");
         let mine = Segment::create(dir.path(), SegmentKind::Raw, 64).unwrap();
-        let mut child = ChildProc::spawn(
-            NAME,
-            "leak",
-            &[("SEG_DIR", dir.path().to_string_lossy().into_owned())],
-        );
+        let mut child = ChildProc::spawn(NAME, "leak", &[("SEG_DIR", dir.path().to_string_lossy().into_owned())]);
         child.wait_success();
         assert_eq!(dir.entries().len(), 2);
         assert_eq!(cleanup_stale(dir.path()), 1);
         let left = dir.entries();
-        assert_eq!(
-            left,
-            vec![
-                mine.path()
-                    .file_name()
-                    .unwrap()
-                    .to_string_lossy()
-                    .into_owned()
-            ]
-        );
+        assert_eq!(left, vec![mine.path().file_name().unwrap().to_string_lossy().into_owned()]);
         assert_eq!(cleanup_stale(dir.path()), 0);
     }
 }

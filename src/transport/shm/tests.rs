@@ -36,19 +36,13 @@ fn accept_one(l: &mut ShmListener) -> (u128, Box<dyn Link>) {
 /// Receive one frame, spinning up to the test time limit; a link error fails the test.
 fn recv_one(link: &mut dyn Link) -> Vec<u8> {
     let mut got = None;
-    testutil::spin_until("a frame", || {
-        link.poll_recv(1, &mut |f| got = Some(f.to_vec())).unwrap() == 1
-    });
+    testutil::spin_until("a frame", || link.poll_recv(1, &mut |f| got = Some(f.to_vec())).unwrap() == 1);
     got.unwrap()
 }
 
 fn recv_all(link: &mut dyn Link) -> Vec<Vec<u8>> {
     let mut v = Vec::new();
-    while link
-        .poll_recv(usize::MAX, &mut |f| v.push(f.to_vec()))
-        .unwrap()
-        > 0
-    {}
+    while link.poll_recv(usize::MAX, &mut |f| v.push(f.to_vec())).unwrap() > 0 {}
     v
 }
 
@@ -129,32 +123,16 @@ fn links_in_one_process_move_frames_both_ways() {
     // Close: frames already sent are still delivered, then the peer sees the reset.
     assert!(a.try_send(&[b"last"]).unwrap());
     a.close();
-    assert_eq!(
-        a.try_send(&[b"more"]).unwrap_err().status(),
-        Status::NotConnected
-    );
-    assert_eq!(
-        b.check_peer().unwrap_err().status(),
-        Status::ConnectionReset
-    );
+    assert_eq!(a.try_send(&[b"more"]).unwrap_err().status(), Status::NotConnected);
+    assert_eq!(b.check_peer().unwrap_err().status(), Status::ConnectionReset);
     assert_eq!(recv_one(b.as_mut()), b"last");
     let e = b.poll_recv(8, &mut |_| panic!("nothing left")).unwrap_err();
     assert_eq!(e.status(), Status::ConnectionReset, "{e:?}");
-    assert!(
-        e.message().contains(&std::process::id().to_string()),
-        "{e:?}"
-    );
-    assert_eq!(
-        b.try_send(&[b"x"]).unwrap_err().status(),
-        Status::ConnectionReset
-    );
+    assert!(e.message().contains(&std::process::id().to_string()), "{e:?}");
+    assert_eq!(b.try_send(&[b"x"]).unwrap_err().status(), Status::ConnectionReset);
     a.check_peer().unwrap(); // b has not closed
     drop(b);
-    assert_eq!(
-        a.check_peer().unwrap_err().status(),
-        Status::ConnectionReset,
-        "drop closes"
-    );
+    assert_eq!(a.check_peer().unwrap_err().status(), Status::ConnectionReset, "drop closes");
 
     drop(a);
     drop(l);
@@ -170,14 +148,8 @@ fn malformed_and_foreign_addresses_are_rejected() {
     let status = |b: &[u8]| connect(b, CONNECTOR_UUID, &cfg).err().map(|e| e.status());
 
     assert_eq!(status(&[]), Some(Status::InvalidAddress));
-    assert_eq!(
-        status(&blob[..blob.len() - 1]),
-        Some(Status::InvalidAddress)
-    );
-    assert_eq!(
-        status(b"this is not an address at all, but long enough to have a header.........."),
-        Some(Status::InvalidAddress)
-    );
+    assert_eq!(status(&blob[..blob.len() - 1]), Some(Status::InvalidAddress));
+    assert_eq!(status(b"this is not an address at all, but long enough to have a header.........."), Some(Status::InvalidAddress));
     let mut other_host = blob.clone();
     other_host[8] ^= 1;
     assert_eq!(status(&other_host), Some(Status::Unreachable));
@@ -198,37 +170,13 @@ fn malformed_and_foreign_addresses_are_rejected() {
     let e = unsafe { link.read_remote(&mut x, &raw const x as u64, 1) }.unwrap_err();
     assert_eq!(e.status(), Status::Unsupported);
     drop(link);
-    let on = ShmConfig {
-        cma: CmaMode::On,
-        ..cfg.clone()
-    };
-    assert_eq!(
-        connect(&bad_cookie, CONNECTOR_UUID, &on)
-            .err()
-            .map(|e| e.status()),
-        Some(Status::Unsupported)
-    );
-    let off = ShmConfig {
-        cma: CmaMode::Off,
-        ..cfg.clone()
-    };
-    assert!(
-        !connect(&blob, CONNECTOR_UUID, &off)
-            .unwrap()
-            .caps()
-            .remote_memory
-    );
+    let on = ShmConfig { cma: CmaMode::On, ..cfg.clone() };
+    assert_eq!(connect(&bad_cookie, CONNECTOR_UUID, &on).err().map(|e| e.status()), Some(Status::Unsupported));
+    let off = ShmConfig { cma: CmaMode::Off, ..cfg.clone() };
+    assert!(!connect(&blob, CONNECTOR_UUID, &off).unwrap().caps().remote_memory);
 
-    let bad_geometry = ShmConfig {
-        ring_size: 3000,
-        ..cfg.clone()
-    };
-    assert_eq!(
-        connect(&blob, CONNECTOR_UUID, &bad_geometry)
-            .err()
-            .map(|e| e.status()),
-        Some(Status::InvalidConfig)
-    );
+    let bad_geometry = ShmConfig { ring_size: 3000, ..cfg.clone() };
+    assert_eq!(connect(&blob, CONNECTOR_UUID, &bad_geometry).err().map(|e| e.status()), Some(Status::InvalidConfig));
 
     // The listener is gone but this process (its pid) lives: the segment is unreachable.
     drop(l);
@@ -291,20 +239,11 @@ fn child_connect(ring_size: usize) -> Box<dyn Link> {
 }
 
 fn spawn_child(test: &str, l: &ShmListener, dir: &TestDir) -> ChildProc {
-    ChildProc::spawn(
-        test,
-        "connector",
-        &[
-            ("SHM_BLOB", hex(&l.address_blob())),
-            ("SHM_DIR", dir.path().to_string_lossy().into_owned()),
-        ],
-    )
+    ChildProc::spawn(test, "connector", &[("SHM_BLOB", hex(&l.address_blob())), ("SHM_DIR", dir.path().to_string_lossy().into_owned())])
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
 /// The parent reads and writes a buffer of the child through the link's CMA.
@@ -317,25 +256,17 @@ fn cma_between_processes() {
         assert!(link.caps().remote_memory);
         let buf = pattern(1, LEN);
         let addr = buf.as_ptr() as u64;
-        assert!(
-            link.try_send(&[&addr.to_le_bytes(), &(LEN as u64).to_le_bytes()])
-                .unwrap()
-        );
+        assert!(link.try_send(&[&addr.to_le_bytes(), &(LEN as u64).to_le_bytes()]).unwrap());
         assert_eq!(recv_one(link.as_mut()), b"written");
         // SAFETY: the parent wrote `buf` through process_vm_writev while we waited; read it
         // through a volatile copy so the compiler does not assume its old contents.
-        let now: Vec<u8> = (0..LEN)
-            .map(|i| unsafe { buf.as_ptr().add(i).read_volatile() })
-            .collect();
+        let now: Vec<u8> = (0..LEN).map(|i| unsafe { buf.as_ptr().add(i).read_volatile() }).collect();
         assert!(now == pattern(2, LEN), "parent's write arrived");
         assert!(link.try_send(&[b"ok"]).unwrap());
         return;
     }
     let dir = TestDir::new("cma");
-    let cfg = ShmConfig {
-        cma: CmaMode::On,
-        ..small_cfg(&dir)
-    };
+    let cfg = ShmConfig { cma: CmaMode::On, ..small_cfg(&dir) };
     let mut l = ShmListener::new(&cfg, LISTENER_UUID).unwrap();
     let mut child = spawn_child(NAME, &l, &dir);
     let (uuid, mut link) = accept_one(&mut l);
@@ -343,10 +274,7 @@ fn cma_between_processes() {
     assert!(link.caps().remote_memory);
     let msg = recv_one(link.as_mut());
     let addr = u64::from_le_bytes(msg[..8].try_into().unwrap());
-    assert_eq!(
-        u64::from_le_bytes(msg[8..16].try_into().unwrap()),
-        LEN as u64
-    );
+    assert_eq!(u64::from_le_bytes(msg[8..16].try_into().unwrap()), LEN as u64);
 
     let mut local = vec![0u8; LEN];
     // SAFETY: `local` is valid for LEN bytes.
@@ -358,18 +286,13 @@ fn cma_between_processes() {
     // SAFETY: `local` is valid for 8 bytes; the remote address is checked by the kernel.
     let e = unsafe { link.read_remote(local.as_mut_ptr(), 8, 8) }.unwrap_err();
     assert_eq!(e.status(), Status::OutOfRange, "{e:?}");
-    assert!(
-        e.message().contains("remote address range not accessible"),
-        "{e:?}"
-    );
+    assert!(e.message().contains("remote address range not accessible"), "{e:?}");
 
     assert!(link.try_send(&[b"written"]).unwrap());
     assert_eq!(recv_one(link.as_mut()), b"ok");
     child.wait_success();
     // The child's link was dropped at exit: closed, after its last frame.
-    let e = link
-        .poll_recv(4, &mut |_| panic!("no frames left"))
-        .unwrap_err();
+    let e = link.poll_recv(4, &mut |_| panic!("no frames left")).unwrap_err();
     assert_eq!(e.status(), Status::ConnectionReset, "{e:?}");
     drop(link);
     drop(l);
@@ -401,32 +324,16 @@ fn killed_peer_is_peer_failed() {
     let (_, mut link) = accept_one(&mut l);
     let e = link.check_peer().unwrap_err();
     assert_eq!(e.status(), Status::PeerFailed, "{e:?}");
-    assert!(
-        e.message().contains(&pid.to_string()),
-        "{e:?} names pid {pid}"
-    );
+    assert!(e.message().contains(&pid.to_string()), "{e:?} names pid {pid}");
     let mut got = Vec::new();
-    assert_eq!(
-        link.poll_recv(16, &mut |f| got.push(f.to_vec())).unwrap(),
-        3
-    );
+    assert_eq!(link.poll_recv(16, &mut |f| got.push(f.to_vec())).unwrap(), 3);
     assert_eq!(got, vec![b"a".to_vec(), b"bb".to_vec(), b"ccc".to_vec()]);
-    assert_eq!(
-        link.poll_recv(16, &mut |_| {}).unwrap_err().status(),
-        Status::PeerFailed
-    );
-    assert_eq!(
-        link.try_send(&[b"x"]).unwrap_err().status(),
-        Status::PeerFailed
-    );
+    assert_eq!(link.poll_recv(16, &mut |_| {}).unwrap_err().status(), Status::PeerFailed);
+    assert_eq!(link.try_send(&[b"x"]).unwrap_err().status(), Status::PeerFailed);
     let mut x = 0u8;
     // SAFETY: `x` is valid for 1 byte; the call must refuse before touching anything.
     let e = unsafe { link.read_remote(&mut x, 4096, 1) }.unwrap_err();
-    assert_eq!(
-        e.status(),
-        Status::PeerFailed,
-        "no CMA by pid after the peer died"
-    );
+    assert_eq!(e.status(), Status::PeerFailed, "no CMA by pid after the peer died");
     drop(link);
     drop(l);
     assert!(dir.entries().is_empty(), "left behind: {:?}", dir.entries());

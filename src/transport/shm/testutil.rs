@@ -40,10 +40,7 @@ pub fn hex(bytes: &[u8]) -> String {
 }
 
 pub fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
 }
 
 /// A child test process; killed and reaped on drop so a failing parent never leaves it behind.
@@ -58,17 +55,11 @@ impl ChildProc {
     pub fn spawn(test_name: &str, role: &str, envs: &[(&str, String)]) -> ChildProc {
         let exe = std::env::current_exe().unwrap();
         let mut cmd = Command::new(exe);
-        cmd.args([
-            "--exact",
-            test_name,
-            "--nocapture",
-            "--include-ignored",
-            "--test-threads=1",
-        ])
-        .env(ROLE_VAR, role)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        cmd.args(["--exact", test_name, "--nocapture", "--include-ignored", "--test-threads=1"])
+            .env(ROLE_VAR, role)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         for (k, v) in envs {
             cmd.env(k, v);
         }
@@ -79,10 +70,7 @@ impl ChildProc {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                match line
-                    .find(MSG_PREFIX)
-                    .map(|at| &line[at + MSG_PREFIX.len()..])
-                {
+                match line.find(MSG_PREFIX).map(|at| &line[at + MSG_PREFIX.len()..]) {
                     Some(msg) => {
                         if tx.send(msg.to_string()).is_err() {
                             break;
@@ -92,11 +80,7 @@ impl ChildProc {
                 }
             }
         });
-        ChildProc {
-            child,
-            stdin,
-            lines,
-        }
+        ChildProc { child, stdin, lines }
     }
 
     pub fn pid(&self) -> u32 {
@@ -159,11 +143,7 @@ impl TestDir {
     pub fn new(tag: &str) -> TestDir {
         let mut r = [0u8; 8];
         getrandom::getrandom(&mut r).unwrap();
-        let dir = PathBuf::from(format!(
-            "/dev/shm/gsctest-{tag}-{}-{}",
-            std::process::id(),
-            hex(&r)
-        ));
+        let dir = PathBuf::from(format!("/dev/shm/gsctest-{tag}-{}-{}", std::process::id(), hex(&r)));
         std::fs::create_dir(&dir).unwrap();
         TestDir(dir)
     }
@@ -174,10 +154,8 @@ impl TestDir {
 
     /// Names of the entries left in the directory.
     pub fn entries(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
+        let mut v: Vec<String> =
+            std::fs::read_dir(&self.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         v.sort();
         v
     }
