@@ -113,8 +113,12 @@ fn pin_to(cpu: usize) {
     }
 }
 
+/// Online CPUs of the machine. Not `available_parallelism`: that follows the affinity mask, and
+/// the peer process inherits the mask of a client that already pinned itself.
 fn ncpus() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if n > 0 { n as usize } else { 1 }
 }
 
 fn hex(b: &[u8]) -> String {

@@ -76,6 +76,9 @@ pub(crate) struct State {
     ready: Vec<(u64, Callback, Status, RecvInfo)>,
     polls: u64,
     conn_keys: Vec<ConnId>,
+    /// Emptied action lists kept for reuse, so the per-message path does not allocate.
+    spare_actions: Vec<Actions>,
+    frame_scratch: Actions,
     last_peer_check: Instant,
     peer_check_interval: Duration,
 }
@@ -157,6 +160,8 @@ impl Worker {
             ready: Vec::new(),
             polls: 0,
             conn_keys: Vec::new(),
+            spare_actions: Vec::new(),
+            frame_scratch: Actions::new(),
             last_peer_check: Instant::now(),
             peer_check_interval: cfg.peer_check_interval,
         };
@@ -238,12 +243,13 @@ impl Worker {
         let (started, ready) = {
             let mut st = self.lock();
             let req = st.alloc_request(self.inner.id, kind, conn, callback);
-            let mut actions = Actions::new();
+            let mut actions = st.take_actions();
             if let Err(e) = start(&mut st, req, &mut actions) {
                 // Nothing was emitted on error paths (the engine checks before it acts), so the
                 // request simply disappears: the call changed nothing.
                 debug_assert!(actions.is_empty());
                 st.free_slot(req);
+                st.give_actions(actions);
                 return Err(e);
             }
             st.execute(&self.inner.context, actions);
@@ -596,22 +602,37 @@ impl State {
         let mut keys = std::mem::take(&mut self.conn_keys);
         keys.clear();
         keys.extend(self.conns.iter().filter(|(_, c)| c.failed.is_none()).map(|(k, _)| k));
-        let mut actions = Actions::new();
+        let mut actions = self.take_actions();
         for &conn in &keys {
             events += self.flush_outq(conn, &mut actions);
             events += self.poll_conn(ctx, conn, &mut actions);
-            self.maybe_finish_close(conn, &mut actions);
+            if self.conns.get(conn).is_some_and(|c| c.closing.is_some()) {
+                self.maybe_finish_close(conn, &mut actions);
+            }
         }
         self.conn_keys = keys;
         if self.polls % 64 == 0 && self.last_peer_check.elapsed() >= self.peer_check_interval {
             self.last_peer_check = Instant::now();
             self.check_peers(&mut actions);
         }
-        if !actions.is_empty() {
+        if actions.is_empty() {
+            self.give_actions(actions);
+        } else {
             events += actions.len();
             self.execute(ctx, actions);
         }
         events
+    }
+
+    fn take_actions(&mut self) -> Actions {
+        self.spare_actions.pop().unwrap_or_default()
+    }
+
+    fn give_actions(&mut self, mut actions: Actions) {
+        actions.clear();
+        if self.spare_actions.len() < 8 {
+            self.spare_actions.push(actions);
+        }
     }
 
     fn accept_all(&mut self) -> usize {
@@ -637,11 +658,12 @@ impl State {
     }
 
     fn poll_conn(&mut self, ctx: &Context, conn: ConnId, deferred: &mut Actions) -> usize {
+        // A field, not the spare pool: this runs on every pass for every link, busy or not.
+        let mut scratch = std::mem::take(&mut self.frame_scratch);
         let State { engine, conns, .. } = self;
         let Some(c) = conns.get_mut(conn) else { return 0 };
         let mut violation: Option<Error> = None;
         let mut peer_closed = false;
-        let mut scratch = Actions::new();
         let regions = &ctx.inner.regions;
         let result = c.link.poll_recv(64, &mut |frame| {
             if violation.is_some() || peer_closed {
@@ -661,17 +683,14 @@ impl State {
                 }
             }
         });
+        scratch.clear();
+        self.frame_scratch = scratch;
         let failure = match (result, violation) {
-            (Err(e), _) | (Ok(_), Some(e)) => Some(e),
-            (Ok(n), None) if peer_closed => {
-                let _ = n;
-                Some(Error::new(Status::ConnectionReset, "the peer closed its endpoint"))
-            }
+            (Err(e), _) | (Ok(_), Some(e)) => e,
+            (Ok(_), None) if peer_closed => Error::new(Status::ConnectionReset, "the peer closed its endpoint"),
             (Ok(n), None) => return n,
         };
-        if let Some(e) = failure {
-            self.fail_conn(conn, e, deferred);
-        }
+        self.fail_conn(conn, failure, deferred);
         1
     }
 
@@ -691,9 +710,7 @@ impl State {
                     let f = c.outq.pop_front().expect("front exists");
                     sent += 1;
                     if let Some(req) = f.on_sent {
-                        if !f.copy_if_queued {
-                            self.frame_sent(req, out);
-                        }
+                        self.frame_sent(req, out);
                     }
                 }
                 Ok(false) => return sent,
@@ -737,12 +754,10 @@ impl State {
             }
         }
         if frame.copy_if_queued {
-            // Eager-short: copy now so the user's buffer is free when the call returns.
+            // Eager-short: the request completes when the call returns, so the queued frame must
+            // not refer to the user's buffer.
             if let Payload::User { addr, len } = frame.payload {
                 frame.payload = Payload::Owned(user_slice(addr, len).to_vec());
-            }
-            if let Some(req) = frame.on_sent {
-                self.frame_sent(req, out);
             }
         }
         self.conns[conn].outq.push_back(frame);
@@ -818,7 +833,7 @@ impl State {
     /// Execute actions until none are left (executing one can emit more).
     pub(crate) fn execute(&mut self, ctx: &Context, mut work: Actions) {
         while !work.is_empty() {
-            let mut next = Actions::new();
+            let mut next = self.take_actions();
             for a in work.drain(..) {
                 match a {
                     Action::Transmit { conn, frame } => self.queue_frame(conn, frame.0, &mut next),
@@ -841,13 +856,16 @@ impl State {
                 }
             }
             // Completing a send may let a pending close go out.
-            let closing: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.closing.is_some()).map(|(k, _)| k).collect();
-            for conn in closing {
-                self.maybe_finish_close(conn, &mut next);
+            if self.conns.iter().any(|(_, c)| c.closing.is_some()) {
+                let closing: Vec<ConnId> = self.conns.iter().filter(|(_, c)| c.closing.is_some()).map(|(k, _)| k).collect();
+                for conn in closing {
+                    self.maybe_finish_close(conn, &mut next);
+                }
             }
             let _ = ctx;
-            work = next;
+            self.give_actions(std::mem::replace(&mut work, next));
         }
+        self.give_actions(work);
     }
 
     fn complete(&mut self, req: ReqId, status: Status, info: RecvInfo, out: &mut Actions) {

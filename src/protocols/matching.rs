@@ -10,9 +10,13 @@
 //! the oldest candidate across the two structures wins. Removal is lazy in the buckets: the ordered
 //! map is the source of truth and stale sequence numbers are skipped when met.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use super::idmap::IdMap;
+use std::collections::{BTreeMap, VecDeque};
 
 pub const FULL_MASK: u64 = u64::MAX;
+
+/// Exact-tag buckets kept allocated while empty, before empties are swept.
+const MAX_IDLE_BUCKETS: usize = 256;
 
 #[inline]
 pub fn tag_matches(msg_tag: u64, recv_tag: u64, mask: u64) -> bool {
@@ -22,14 +26,14 @@ pub fn tag_matches(msg_tag: u64, recv_tag: u64, mask: u64) -> bool {
 /// Receives waiting for a message, in post order.
 pub struct PostedQueue<R> {
     entries: BTreeMap<u64, (u64, u64, R)>,
-    exact: HashMap<u64, VecDeque<u64>>,
+    exact: IdMap<u64, VecDeque<u64>>,
     wild: BTreeMap<u64, ()>,
     next_seq: u64,
 }
 
 impl<R: Copy + PartialEq> Default for PostedQueue<R> {
     fn default() -> Self {
-        PostedQueue { entries: BTreeMap::new(), exact: HashMap::new(), wild: BTreeMap::new(), next_seq: 0 }
+        PostedQueue { entries: BTreeMap::new(), exact: IdMap::default(), wild: BTreeMap::new(), next_seq: 0 }
     }
 }
 
@@ -60,11 +64,7 @@ impl<R: Copy + PartialEq> PostedQueue<R> {
                 while bucket.front().is_some_and(|s| !self.entries.contains_key(s)) {
                     bucket.pop_front();
                 }
-                let front = bucket.front().copied();
-                if bucket.is_empty() {
-                    self.exact.remove(&msg_tag);
-                }
-                front
+                bucket.front().copied()
             }
             None => None,
         };
@@ -79,8 +79,10 @@ impl<R: Copy + PartialEq> PostedQueue<R> {
             self.wild.remove(&seq);
         } else if let Some(bucket) = self.exact.get_mut(&msg_tag) {
             bucket.pop_front();
-            if bucket.is_empty() {
-                self.exact.remove(&msg_tag);
+            // An empty bucket is kept for the next receive with this tag (the common case is a
+            // few tags used over and over); only when many tags were seen are empties dropped.
+            if bucket.is_empty() && self.exact.len() > MAX_IDLE_BUCKETS {
+                self.exact.retain(|_, b| !b.is_empty());
             }
         }
         self.entries.remove(&seq).map(|(_, _, r)| r)
@@ -101,13 +103,13 @@ impl<R: Copy + PartialEq> PostedQueue<R> {
 /// Messages that arrived before a matching receive, in arrival order.
 pub struct UnexpectedQueue<M> {
     entries: BTreeMap<u64, (u64, M)>,
-    by_tag: HashMap<u64, VecDeque<u64>>,
+    by_tag: IdMap<u64, VecDeque<u64>>,
     next_seq: u64,
 }
 
 impl<M> Default for UnexpectedQueue<M> {
     fn default() -> Self {
-        UnexpectedQueue { entries: BTreeMap::new(), by_tag: HashMap::new(), next_seq: 0 }
+        UnexpectedQueue { entries: BTreeMap::new(), by_tag: IdMap::default(), next_seq: 0 }
     }
 }
 

@@ -6,6 +6,7 @@
 //! worker (src/core/worker.rs) executes against links and user memory. That is what lets the unit
 //! tests at the bottom of this file run whole conversations between two engines with no processes.
 
+pub mod idmap;
 pub mod matching;
 pub mod rma;
 pub mod select;
@@ -17,19 +18,19 @@ pub use select::{LaneProps, MemType, ProtoConfig, ProtoId, RndvScheme};
 pub use tag::{Action, Actions, ConnId, OutFrame, Payload, ProbeInfo, RecvInfo, ReqId, UserBuf};
 
 use crate::error::{Error, Result, Status};
-use std::collections::HashMap;
+use idmap::IdMap;
 use wire::Header;
 
 /// The tag and RMA state machines behind one front door, with the per-link facts they share.
 pub struct Engine {
     pub tag: tag::TagEngine,
     pub rma: rma::RmaEngine,
-    links: HashMap<ConnId, LaneProps>,
+    links: IdMap<ConnId, LaneProps>,
 }
 
 impl Engine {
     pub fn new(cfg: ProtoConfig) -> Engine {
-        Engine { tag: tag::TagEngine::new(cfg), rma: rma::RmaEngine::default(), links: HashMap::new() }
+        Engine { tag: tag::TagEngine::new(cfg), rma: rma::RmaEngine::default(), links: IdMap::default() }
     }
 
     pub fn add_conn(&mut self, conn: ConnId, props: LaneProps) {

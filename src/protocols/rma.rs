@@ -9,10 +9,10 @@
 //! every earlier frame on that link has been applied. The answer carries the first error any
 //! emulated access met since the previous flush, so a bad put is reported, not lost.
 
+use super::idmap::IdMap;
 use super::tag::{Action, Actions, ConnId, OutFrame, OutFrameEq, Payload, RecvInfo, ReqId, UserBuf};
 use super::wire::Header;
 use crate::error::{Error, Result, Status};
-use std::collections::HashMap;
 
 /// The target side's view of its registered memory.
 pub trait RegionLookup {
@@ -28,12 +28,12 @@ struct GetState {
 
 #[derive(Default)]
 pub struct RmaEngine {
-    gets: HashMap<ReqId, GetState>,
-    puts: HashMap<ReqId, ConnId>,
-    flushes: HashMap<u64, (ConnId, ReqId)>,
+    gets: IdMap<ReqId, GetState>,
+    puts: IdMap<ReqId, ConnId>,
+    flushes: IdMap<u64, (ConnId, ReqId)>,
     next_flush: u64,
     /// Target side: first error an emulated access from each link met since its last flush.
-    errors: HashMap<ConnId, Status>,
+    errors: IdMap<ConnId, Status>,
 }
 
 fn send(out: &mut Actions, conn: ConnId, header: Header, payload: Payload, on_sent: Option<ReqId>) {

@@ -9,11 +9,11 @@
 //! Request ids (`ReqId`) are chosen by the worker and echoed on the wire (RTS/RTR/ATS carry them),
 //! so they include a generation: a frame naming a request that is gone is ignored, not misrouted.
 
+use super::idmap::IdMap;
 use super::matching::{PostedQueue, UnexpectedQueue};
 use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
 use super::wire::{Encoded, Header, RTS_REMOTE_MEMORY};
 use crate::error::{Error, Result, Status};
-use std::collections::HashMap;
 
 pub type ConnId = usize;
 pub type ReqId = u64;
@@ -189,7 +189,7 @@ enum Assembly {
 
 struct ConnState {
     props: LaneProps,
-    assembling: HashMap<u64, Assembly>,
+    assembling: IdMap<u64, Assembly>,
     next_msg_id: u64,
 }
 
@@ -204,13 +204,13 @@ pub struct ProbeInfo {
 
 pub struct TagEngine {
     cfg: ProtoConfig,
-    conns: HashMap<ConnId, ConnState>,
+    conns: IdMap<ConnId, ConnState>,
     posted: PostedQueue<ReqId>,
-    recvs: HashMap<ReqId, RecvState>,
+    recvs: IdMap<ReqId, RecvState>,
     unexpected: UnexpectedQueue<Unexpected>,
-    probed: HashMap<u64, (u64, Unexpected)>,
+    probed: IdMap<u64, (u64, Unexpected)>,
     next_probe_id: u64,
-    sends: HashMap<ReqId, SendState>,
+    sends: IdMap<ReqId, SendState>,
 }
 
 fn header_room(frame: usize, h: &Header) -> usize {
@@ -230,13 +230,13 @@ impl TagEngine {
     pub fn new(cfg: ProtoConfig) -> TagEngine {
         TagEngine {
             cfg,
-            conns: HashMap::new(),
+            conns: IdMap::default(),
             posted: PostedQueue::default(),
-            recvs: HashMap::new(),
+            recvs: IdMap::default(),
             unexpected: UnexpectedQueue::default(),
-            probed: HashMap::new(),
+            probed: IdMap::default(),
             next_probe_id: 1,
-            sends: HashMap::new(),
+            sends: IdMap::default(),
         }
     }
 
@@ -245,7 +245,7 @@ impl TagEngine {
     }
 
     pub fn add_conn(&mut self, conn: ConnId, props: LaneProps) {
-        self.conns.insert(conn, ConnState { props, assembling: HashMap::new(), next_msg_id: 0 });
+        self.conns.insert(conn, ConnState { props, assembling: IdMap::default(), next_msg_id: 0 });
     }
 
     /// Requests the engine still tracks (sends awaiting completion, matched or posted receives).
@@ -284,10 +284,13 @@ impl TagEngine {
         match proto {
             ProtoId::EagerShort => {
                 let header = Header::EagerOnly { tag }.encode();
+                // The frame either goes into the link now or is copied into the queue by the
+                // worker (`copy_if_queued`), so the send is complete as soon as it is handed over:
+                // no send state, no sent notification.
                 let frame =
-                    OutFrame { header, payload: Payload::User { addr: buf.addr, len: buf.len }, on_sent: Some(req), copy_if_queued: true };
+                    OutFrame { header, payload: Payload::User { addr: buf.addr, len: buf.len }, on_sent: None, copy_if_queued: true };
                 out.push(Action::Transmit { conn, frame: OutFrameEq(frame) });
-                self.sends.insert(req, SendState::Frames { conn });
+                out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
             }
             ProtoId::EagerCopy => {
                 let only = Header::EagerOnly { tag };
