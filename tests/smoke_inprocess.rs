@@ -16,13 +16,26 @@ fn exchange(tls: &str) {
     for size in [0usize, 1, 128, 129, 16383, 16384, 16385, 1 << 20, 64 << 20] {
         let data: Vec<u8> = (0..size).map(|i| (i * 7 + size) as u8).collect();
         let mut buf = vec![0u8; size];
+        // One thread drives both workers: with the pipelined rendezvous the sender must answer
+        // the receiver's RTR, so progressing only the receiver would never finish.
         let s = unsafe { ep.tag_send_nbx(data.as_ptr(), size, 5, RequestParams::default()).unwrap() };
-        let c = b.tag_recv(&mut buf, 5, u64::MAX).unwrap();
-        assert_eq!(c.status, gscomm::Status::Ok, "{tls} size {size}");
-        assert_eq!(c.info.length, size);
-        if let Started::Pending(h) = s {
-            a.request_wait(h).unwrap();
-            a.request_release(h).unwrap();
+        let r = unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), size, 5, u64::MAX, RequestParams::default()).unwrap() };
+        let pending = |w: &gscomm::Worker, s: &Started| match s {
+            Started::Done(_) => false,
+            Started::Pending(h) => w.request_test(*h).unwrap().is_none(),
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while pending(&a, &s) || pending(&b, &r) {
+            assert!(std::time::Instant::now() < deadline, "{tls} size {size}: no completion in 20 s");
+            a.progress();
+            b.progress();
+        }
+        for (w, st) in [(&a, s), (&b, r)] {
+            if let Started::Pending(h) = st {
+                let c = w.request_test(h).unwrap().unwrap();
+                assert_eq!(c.status, gscomm::Status::Ok, "{tls} size {size}");
+                w.request_release(h).unwrap();
+            }
         }
         assert!(buf == data, "{tls} size {size} data mismatch");
     }

@@ -196,7 +196,7 @@ pub(super) static KNOBS: &[Knob] = &[
     },
     Knob {
         name: "GSC_RNDV_THRESH",
-        default: "16K",
+        default: "64K",
         doc: "Messages of this size and larger use the rendezvous protocol (> GSC_EAGER_SHORT_MAX)",
         kind: KnobKind::Size,
         parse: |c, v| {

@@ -118,7 +118,10 @@ impl Subsys {
 /// How rendezvous moves the payload (`GSC_RNDV_SCHEME`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum RndvScheme {
-    /// `Get` where the lane can access remote memory, else `Pipeline`.
+    /// The faster scheme per lane, as measured (docs/PERF.md): `Get` on loopback (one copy in
+    /// one address space), `Pipeline` on shm (frame copies through the rings beat
+    /// cross-memory attach at every size on our machines), `Pipeline` where remote memory is
+    /// not accessible.
     Auto,
     /// The receiver reads the sender's buffer directly (zero copy).
     Get,
@@ -232,7 +235,7 @@ impl Default for Config {
             log_file: None,
             tls: LaneKind::ALL.to_vec(),
             eager_short_max: 128,
-            rndv_thresh: 16 << 10,
+            rndv_thresh: 64 << 10,
             rndv_scheme: RndvScheme::Auto,
             rndv_frag_size: 512 << 10,
             shm_dir: PathBuf::from("/dev/shm"),

@@ -251,9 +251,9 @@ fn secret_is_never_shown() {
 
 #[test]
 fn cross_field_rules() {
-    let err = load(&[("GSC_EAGER_SHORT_MAX", "16K")]).unwrap_err();
+    let err = load(&[("GSC_EAGER_SHORT_MAX", "64K")]).unwrap_err();
     assert_eq!(err.status(), Status::InvalidConfig);
-    assert_eq!(err.message(), "GSC_RNDV_THRESH=16K must be greater than GSC_EAGER_SHORT_MAX=16K");
+    assert_eq!(err.message(), "GSC_RNDV_THRESH=64K must be greater than GSC_EAGER_SHORT_MAX=64K");
     // Checked after all values are read, so the order of the pairs does not matter.
     let c = with(&[("GSC_EAGER_SHORT_MAX", "64K"), ("GSC_RNDV_THRESH", "128K")]);
     assert_eq!((c.eager_short_max, c.rndv_thresh), (64 << 10, 128 << 10));

@@ -41,7 +41,7 @@ pub struct ProtoConfig {
 
 impl Default for ProtoConfig {
     fn default() -> Self {
-        ProtoConfig { eager_short_max: 128, rndv_thresh: 16 * 1024, rndv_scheme: RndvScheme::Auto }
+        ProtoConfig { eager_short_max: 128, rndv_thresh: 64 * 1024, rndv_scheme: RndvScheme::Auto }
     }
 }
 
@@ -92,8 +92,15 @@ fn eager_copy(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usiz
 }
 
 fn rndv_get(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usize, usize)> {
-    let usable = mem == MemType::Host && lane.remote_memory && cfg.rndv_scheme != RndvScheme::Pipeline;
-    usable.then_some((cfg.rndv_thresh, usize::MAX))
+    let wanted = match cfg.rndv_scheme {
+        RndvScheme::Get => true,
+        RndvScheme::Pipeline => false,
+        // Measured (docs/PERF.md, 2026-11-21): on shm, process_vm_readv moved 4 MiB in 449 us
+        // where the ring pipeline took 167 us, and it lost at every size from 256 KiB to 16 MiB.
+        // On loopback a get is a single memcpy in one address space.
+        RndvScheme::Auto => lane.lane == LaneKind::Loopback,
+    };
+    (mem == MemType::Host && lane.remote_memory && wanted).then_some((cfg.rndv_thresh, usize::MAX))
 }
 
 fn rndv_pipeline(cfg: &ProtoConfig, mem: MemType, _lane: &LaneProps) -> Option<(usize, usize)> {
@@ -181,13 +188,18 @@ mod tests {
     fn boundaries_follow_the_thresholds() {
         let cfg = ProtoConfig { eager_short_max: 128, rndv_thresh: 16384, rndv_scheme: RndvScheme::Auto };
         let l = shm(true);
+        let lb = LaneProps { lane: LaneKind::Loopback, max_frame: 65536, remote_memory: true };
         assert_eq!(select(&cfg, MemType::Host, &l, 0).unwrap(), ProtoId::EagerShort);
         assert_eq!(select(&cfg, MemType::Host, &l, 128).unwrap(), ProtoId::EagerShort);
         assert_eq!(select(&cfg, MemType::Host, &l, 129).unwrap(), ProtoId::EagerCopy);
         assert_eq!(select(&cfg, MemType::Host, &l, 16383).unwrap(), ProtoId::EagerCopy);
-        assert_eq!(select(&cfg, MemType::Host, &l, 16384).unwrap(), ProtoId::RndvGet);
-        assert_eq!(select(&cfg, MemType::Host, &l, 64 << 20).unwrap(), ProtoId::RndvGet);
-        assert_eq!(select(&cfg, MemType::Host, &shm(false), 16384).unwrap(), ProtoId::RndvPipeline);
+        // Auto: pipeline on shm (measured faster), get on loopback.
+        assert_eq!(select(&cfg, MemType::Host, &l, 16384).unwrap(), ProtoId::RndvPipeline);
+        assert_eq!(select(&cfg, MemType::Host, &lb, 16384).unwrap(), ProtoId::RndvGet);
+        assert_eq!(select(&cfg, MemType::Host, &lb, 64 << 20).unwrap(), ProtoId::RndvGet);
+        let get = ProtoConfig { rndv_scheme: RndvScheme::Get, ..cfg };
+        assert_eq!(select(&get, MemType::Host, &l, 16384).unwrap(), ProtoId::RndvGet);
+        assert_eq!(select(&get, MemType::Host, &shm(false), 16384).unwrap(), ProtoId::RndvPipeline, "get needs remote memory");
     }
 
     #[test]
@@ -209,7 +221,8 @@ mod tests {
 
     #[test]
     fn table_shows_each_reachable_range_once() {
-        let t = describe(&ProtoConfig::default(), &[shm(true)]);
+        let lb = LaneProps { lane: LaneKind::Loopback, max_frame: 65536, remote_memory: true };
+        let t = describe(&ProtoConfig::default(), &[lb]);
         assert!(t.contains("eager_short"));
         assert!(t.contains("rndv_get"));
         assert!(!t.contains("rndv_pipeline"), "pipeline is unreachable when get covers the range:\n{t}");

@@ -71,7 +71,10 @@ struct Pair {
 
 impl Pair {
     fn new(cfg: ProtoConfig, remote_memory: bool, max_frame: usize) -> Pair {
-        let props = LaneProps { lane: LaneKind::Shm, max_frame, remote_memory };
+        // Under the Auto scheme `rndv_get` is chosen on loopback and `rndv_pipeline` on shm, so the
+        // lane follows `remote_memory` to keep both rendezvous paths covered.
+        let lane = if remote_memory { LaneKind::Loopback } else { LaneKind::Shm };
+        let props = LaneProps { lane, max_frame, remote_memory };
         let mk = || {
             let mut engine = Engine::new(cfg);
             engine.add_conn(0, props);
