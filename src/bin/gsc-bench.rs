@@ -138,17 +138,15 @@ fn die(what: &str, e: impl std::fmt::Display) -> ! {
 fn wait(w: &Worker, s: Started) {
     if let Started::Pending(h) = s {
         loop {
-            match w.request_test(h) {
-                Ok(Some(c)) => {
+            match w.progress_and_test(h) {
+                Ok((_, Some(c))) => {
                     if c.status != gscomm::Status::Ok {
                         die("request failed", c.status);
                     }
                     break;
                 }
-                Ok(None) => {
-                    w.progress();
-                }
-                Err(e) => die("request_test", e),
+                Ok((_, None)) => {}
+                Err(e) => die("progress_and_test", e),
             }
         }
         let _ = w.request_release(h);

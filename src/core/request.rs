@@ -9,8 +9,9 @@ use crate::condition::Condition;
 use crate::error::Status;
 use crate::protocols::{MemType, RecvInfo};
 
-/// Called once when a request completes during progress (not when the operation completed at
-/// once and no request was returned). Arguments: the request handle, status, receive info.
+/// Called once when a request completes (never when the operation succeeded at once and no
+/// request was returned). It runs without the worker's lock held, so it may call back into the
+/// library. Arguments: the request handle, status, receive info.
 pub type Callback = Box<dyn FnOnce(u64, Status, RecvInfo) + Send>;
 
 /// Options of a non-blocking operation: UCP's `ucp_request_param_t`.
@@ -22,7 +23,9 @@ pub struct RequestParams {
     /// When the operation starts and what waits for it. `None`: now, on the host.
     pub condition: Option<Condition>,
     /// Always return a request, even if the operation completed at once (UCP's
-    /// `UCP_OP_ATTR_FLAG_NO_IMM_CMPL`); the callback then fires during the next progress.
+    /// `UCP_OP_ATTR_FLAG_NO_IMM_CMPL`). A request that completes inside the starting call (with
+    /// this flag, or because it failed at once, e.g. truncation) fires its callback before that
+    /// call returns, after the worker's lock is released.
     pub no_immediate_completion: bool,
 }
 

@@ -607,27 +607,17 @@ impl TagEngine {
                     self.eager_progress(out, conn, req, buf, info, received, Some(msg_id));
                 }
             }
-            Assembly::Unexpected(seq) => {
-                let (_, u) = self.unexpected.get_mut(seq).ok_or_else(|| protocol_error("fragment for a vanished message"))?;
-                append_fragment(u, offset, payload)?;
-                if let UnexpectedBody::Eager { data, msg_id: id } = &mut u.body {
-                    if data.len() >= u.total {
-                        *id = None;
-                        if let Some(cs) = self.conns.get_mut(&conn) {
-                            cs.assembling.remove(&msg_id);
-                        }
-                    }
-                }
-            }
-            Assembly::Probed(pid) => {
-                let (_, u) = self.probed.get_mut(&pid).ok_or_else(|| protocol_error("fragment for a vanished message"))?;
-                append_fragment(u, offset, payload)?;
-                if let UnexpectedBody::Eager { data, msg_id: id } = &mut u.body {
-                    if data.len() >= u.total {
-                        *id = None;
-                        if let Some(cs) = self.conns.get_mut(&conn) {
-                            cs.assembling.remove(&msg_id);
-                        }
+            Assembly::Unexpected(_) | Assembly::Probed(_) => {
+                let held = match target {
+                    Assembly::Unexpected(seq) => self.unexpected.get_mut(seq).map(|(_, u)| u),
+                    Assembly::Probed(id) => self.probed.get_mut(&id).map(|(_, u)| u),
+                    Assembly::Recv(_) => unreachable!("handled above"),
+                };
+                let u = held.ok_or_else(|| protocol_error("fragment for a vanished message"))?;
+                if append_fragment(u, offset, payload)? {
+                    // Complete: no more fragments will name this message id.
+                    if let Some(cs) = self.conns.get_mut(&conn) {
+                        cs.assembling.remove(&msg_id);
                     }
                 }
             }
@@ -687,8 +677,10 @@ fn is_complete(u: &Unexpected) -> bool {
     }
 }
 
-fn append_fragment(u: &mut Unexpected, offset: usize, payload: &[u8]) -> Result<()> {
-    let UnexpectedBody::Eager { data, .. } = &mut u.body else {
+/// Append an in-order fragment to a held message; returns whether the message is now complete
+/// (and then forgets its message id).
+fn append_fragment(u: &mut Unexpected, offset: usize, payload: &[u8]) -> Result<bool> {
+    let UnexpectedBody::Eager { data, msg_id } = &mut u.body else {
         return Err(protocol_error("eager fragment for a rendezvous message"));
     };
     // Fragments of one message arrive in order on one link; anything else is a broken peer.
@@ -696,7 +688,11 @@ fn append_fragment(u: &mut Unexpected, offset: usize, payload: &[u8]) -> Result<
         return Err(protocol_error("eager fragment out of order or past the end of its message"));
     }
     data.extend_from_slice(payload);
-    Ok(())
+    let complete = data.len() >= u.total;
+    if complete {
+        *msg_id = None;
+    }
+    Ok(complete)
 }
 
 enum CopySrc {
