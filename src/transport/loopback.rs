@@ -9,7 +9,7 @@ use super::{LaneKind, Link, LinkCaps, Listener};
 use crate::error::{Error, Result, Status};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// Per-direction queue budget, in bytes of payload.
 const QUEUE_BUDGET: usize = 8 << 20;
@@ -26,6 +26,25 @@ struct Channel {
     /// Index 0: connector → acceptor, 1: acceptor → connector.
     queues: [Mutex<Queue>; 2],
     closed: [AtomicBool; 2],
+    /// Held shared by `read_remote`/`write_remote` and exclusively while a side closes: once
+    /// `close` returns, no access to the closing side's memory is in progress or can start (its
+    /// user may complete the rendezvous send naming that memory and free the buffer).
+    mem: RwLock<()>,
+}
+
+impl Channel {
+    fn set_closed(&self, side: usize) {
+        let _g = self.mem.write().unwrap_or_else(|e| e.into_inner());
+        self.closed[side].store(true, Ordering::Release);
+    }
+
+    fn peer_memory(&self) -> Result<std::sync::RwLockReadGuard<'_, ()>> {
+        let g = self.mem.read().unwrap_or_else(|e| e.into_inner());
+        if self.closed[0].load(Ordering::Acquire) || self.closed[1].load(Ordering::Acquire) {
+            return Err(Error::new(Status::ConnectionReset, "loopback link closed; the peer's memory is no longer exposed"));
+        }
+        Ok(g)
+    }
 }
 
 type Pending = Vec<(u128, Box<dyn Link>)>;
@@ -86,6 +105,7 @@ pub fn connect(target_uuid: u128, my_uuid: u128) -> Result<Box<dyn Link>> {
     let ch = Arc::new(Channel {
         queues: [Mutex::new(Queue::default()), Mutex::new(Queue::default())],
         closed: [AtomicBool::new(false), AtomicBool::new(false)],
+        mem: RwLock::new(()),
     });
     let theirs: Box<dyn Link> = Box::new(LoopbackLink { ch: ch.clone(), side: 1 });
     pending.lock().unwrap_or_else(|e| e.into_inner()).push((my_uuid, theirs));
@@ -100,7 +120,7 @@ pub struct LoopbackLink {
 
 impl Drop for LoopbackLink {
     fn drop(&mut self) {
-        self.ch.closed[self.side].store(true, Ordering::Release);
+        self.ch.set_closed(self.side);
     }
 }
 
@@ -158,6 +178,7 @@ impl Link for LoopbackLink {
 
     unsafe fn read_remote(&self, local: *mut u8, remote: u64, len: usize) -> Result<()> {
         if len > 0 {
+            let _g = self.ch.peer_memory()?;
             // SAFETY: same address space; the caller guarantees `local` is writable for `len` and
             // validated `remote..remote+len` against a buffer the peer exposed (an RTS buffer or
             // a registered region); `copy` tolerates overlap.
@@ -168,6 +189,7 @@ impl Link for LoopbackLink {
 
     unsafe fn write_remote(&self, local: *const u8, remote: u64, len: usize) -> Result<()> {
         if len > 0 {
+            let _g = self.ch.peer_memory()?;
             // SAFETY: as in `read_remote`, with the roles of the buffers swapped.
             unsafe { std::ptr::copy(local, remote as usize as *mut u8, len) };
         }
@@ -183,7 +205,7 @@ impl Link for LoopbackLink {
     }
 
     fn close(&mut self) {
-        self.ch.closed[self.side].store(true, Ordering::Release);
+        self.ch.set_closed(self.side);
     }
 }
 
