@@ -33,9 +33,6 @@ fn loopback_rndv_get_does_not_read_a_canceled_senders_buffer() {
         Started::Done(_) => Status::Ok,
         Started::Pending(h) => b.request_test(h).unwrap().map(|c| c.status).unwrap_or(Status::InProgress),
     };
-    assert!(
-        !(status == Status::Ok && buf[0] == 0x55),
-        "receive read the sender's buffer after the send had completed (status {status:?})"
-    );
+    assert!(!(status == Status::Ok && buf[0] == 0x55), "receive read the sender's buffer after the send had completed (status {status:?})");
     drop(data);
 }

@@ -240,6 +240,9 @@ impl Worker {
     ) -> Result<Started> {
         condition::ensure_supported(&params.condition)?;
         let RequestParams { callback, no_immediate_completion, .. } = params;
+        // Callbacks that will not run are dropped only after the lock is released: a user
+        // closure may own objects (an Endpoint) whose Drop takes this worker's lock.
+        let mut unused: Vec<Callback> = Vec::new();
         let (started, ready) = {
             let mut st = self.lock();
             let req = st.alloc_request(self.inner.id, kind, conn, callback);
@@ -248,8 +251,11 @@ impl Worker {
                 // Nothing was emitted on error paths (the engine checks before it acts), so the
                 // request simply disappears: the call changed nothing.
                 debug_assert!(actions.is_empty());
+                unused.extend(st.slot_mut(req).and_then(|s| s.callback.take()));
                 st.free_slot(req);
                 st.give_actions(actions);
+                drop(st);
+                drop(unused);
                 return Err(e);
             }
             st.execute(&self.inner.context, actions);
@@ -258,7 +264,9 @@ impl Worker {
                 // A failure inside the call (e.g. truncation) stays a request, so the caller gets
                 // its status *and* its receive info the usual way.
                 Some((Status::Ok, info)) if !no_immediate_completion => {
-                    st.ready.retain(|(h, ..)| *h != req);
+                    if let Some(i) = st.ready.iter().position(|(h, ..)| *h == req) {
+                        unused.push(st.ready.remove(i).1);
+                    }
                     st.free_slot(req);
                     Started::Done(info)
                 }
@@ -266,6 +274,7 @@ impl Worker {
             };
             (started, std::mem::take(&mut st.ready))
         };
+        drop(unused);
         fire(ready);
         Ok(started)
     }
@@ -333,6 +342,11 @@ impl Worker {
     fn break_link_of(&self, handle: u64) {
         let ready = {
             let mut st = self.lock();
+            // Another thread's progress may have completed the request since the wait gave up:
+            // then nothing refers to the buffer any more and the link must stay up.
+            if st.slot(handle).is_none_or(|s| s.result.is_some()) {
+                return;
+            }
             let conn = st.slot(handle).and_then(|s| s.conn).or_else(|| st.engine.tag.conn_of(handle));
             let mut out = Actions::new();
             if let Some(conn) = conn {

@@ -449,8 +449,10 @@ impl TagEngine {
                     return Err(protocol_error("rendezvous data for an unknown receive"));
                 };
                 let offset = offset as usize;
-                if *c != conn || offset.checked_add(payload.len()).is_none_or(|end| end > *want) {
-                    return Err(protocol_error("rendezvous data outside the receive window"));
+                // Frames of one link arrive in order, so data must continue exactly where the
+                // last frame ended: a duplicate or a gap would complete the receive early.
+                if *c != conn || offset != *received || offset.checked_add(payload.len()).is_none_or(|end| end > *want) {
+                    return Err(protocol_error("rendezvous data out of order or outside the receive window"));
                 }
                 out.push(Action::CopyFromFrame { dst: buf.addr + offset, src_offset: 0, len: payload.len() });
                 *received += payload.len();
@@ -595,8 +597,8 @@ impl TagEngine {
                 let Some(RecvState::Eager { buf, info, received, .. }) = self.recvs.get_mut(&req) else {
                     return Err(protocol_error("eager fragment for a receive in the wrong state"));
                 };
-                if offset.checked_add(payload.len()).is_none_or(|end| end > info.length) {
-                    return Err(protocol_error("eager fragment past the end of its message"));
+                if offset != *received || offset.checked_add(payload.len()).is_none_or(|end| end > info.length) {
+                    return Err(protocol_error("eager fragment out of order or past the end of its message"));
                 }
                 let (buf, info) = (*buf, *info);
                 copy_clipped(out, buf, offset, payload, CopySrc::Frame);

@@ -425,3 +425,36 @@ fn ten_thousand_requests_in_flight() {
     }
     assert!(sends.iter().all(|s| p.sides[0].done[s].0 == Status::Ok));
 }
+
+#[test]
+fn a_duplicated_fragment_is_a_protocol_error_not_an_early_completion() {
+    for size in [3000usize, 100_000] {
+        // 3000 B: eager-copy fragments; 100 KB over the pipeline: rendezvous data frames.
+        let mut p = Pair::new(ProtoConfig { rndv_thresh: 4096, ..cfg() }, false, 1024);
+        let (r, _) = p.recv(size, 1, u64::MAX);
+        p.send(&pattern(size, 1), 1);
+        // Deliver until the receive is being fed data frames, then replay one of them.
+        let mut replayed = false;
+        while let Some(f) = p.wire[0].pop_front() {
+            let (h, _) = wire::Header::decode(&f).unwrap();
+            let is_data = matches!(h, wire::Header::EagerNext { .. } | wire::Header::RndvData { .. });
+            let mut out = Actions::new();
+            p.sides[1].engine.on_frame(&mut out, 0, &f, &Regions::default()).unwrap();
+            let payload = wire::payload_of(&f).to_vec();
+            p.run(1, out, Some(&payload));
+            if is_data && !replayed {
+                let mut out = Actions::new();
+                let err = p.sides[1].engine.on_frame(&mut out, 0, &f, &Regions::default()).unwrap_err();
+                assert_eq!(err.status(), Status::ConnectionReset, "size {size}: {err}");
+                replayed = true;
+            }
+            while let Some(back) = p.wire[1].pop_front() {
+                let mut out = Actions::new();
+                p.sides[0].engine.on_frame(&mut out, 0, &back, &Regions::default()).unwrap();
+                p.run(0, out, None);
+            }
+        }
+        assert!(replayed, "size {size}: no data frame seen");
+        assert!(p.sides[1].done.get(&r).is_none_or(|d| d.0 == Status::Ok), "size {size}");
+    }
+}
