@@ -114,8 +114,26 @@ impl ShmLink {
         if !self.cma {
             return Err(Error::unsupported(format!("no cross-memory attach to peer pid {} on this shm link", self.peer.pid)));
         }
+        if let Some(e) = self.peer_state_error(self.peer_state()) {
+            return Err(e);
+        }
         // SAFETY: forwarded from read_remote/write_remote's contract on `local`.
-        unsafe { cma::transfer(self.peer.pid, local, remote, len, dir) }
+        unsafe { cma::transfer(self.peer.pid, local, remote, len, dir)? };
+        if matches!(dir, Dir::Read) {
+            // A rendezvous read names a buffer the peer lends us until it completes its send. A
+            // peer that gives up on the send (force close, timeout, exit) marks its side closed
+            // *before* completing it and reusing the buffer; so if its side is still open after
+            // the read, the buffer was valid for the whole read. The fence orders our load after
+            // the copy. Liveness guards against the pid being reused by another process mid-read.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if let Some(e) = self.peer_state_error(self.peer_state()) {
+                return Err(e.context("the peer closed its side during a remote read; the data may be stale"));
+            }
+            if !proc_identity::is_alive(&self.peer) {
+                return Err(Error::new(Status::PeerFailed, format!("peer pid {} died during a remote read", self.peer.pid)));
+            }
+        }
+        Ok(())
     }
 }
 
