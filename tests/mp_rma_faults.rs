@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use gscomm::{CloseMode, Context, MapRequest, RequestParams, Started, Status, Worker};
+use gscomm::{CloseMode, Context, Endpoint, MapRequest, RequestParams, Rkey, Started, Status, Worker};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -186,6 +186,17 @@ impl Setup {
         (p, addr)
     }
 
+    /// Start the standard peer and connect to it; returns the peer, the endpoint, and the base
+    /// address and remote key of the region the peer exposes.
+    fn peer_with_region(&self) -> (Peer, Endpoint, u64, Rkey) {
+        let (mut p, addr) = self.peer("peer", &[]);
+        let packed = p.get_progress("rkey", T, self.w());
+        let base = bytes_u64(&p.get_progress("base", T, self.w()));
+        let ep = self.w().connect(&addr).unwrap();
+        let rkey = ep.rkey_unpack(&packed).unwrap();
+        (p, ep, base, rkey)
+    }
+
     fn bye(&self, mut p: Peer) {
         p.put("bye", &[]);
         let deadline = Instant::now() + T;
@@ -228,11 +239,7 @@ fn range(off: u64, len: u64) -> Vec<u8> {
 fn rma(lane: Lane, test: &'static str, extra: &[(&str, &str)], emulated: bool) {
     let s = Setup::new(lane, test, extra);
     let w = s.w();
-    let (mut p, addr) = s.peer("peer", &[]);
-    let packed = p.get_progress("rkey", T, w);
-    let base = bytes_u64(&p.get_progress("base", T, w));
-    let ep = w.connect(&addr).unwrap();
-    let rkey = ep.rkey_unpack(&packed).unwrap();
+    let (mut p, ep, base, rkey) = s.peer_with_region();
     if lane == Lane::Shm {
         assert_eq!(ep.lane().unwrap(), gscomm::transport::LaneKind::Shm);
     }
@@ -547,11 +554,7 @@ fn endpoint_close_loopback() {
 fn flush_and_release(lane: Lane, test: &'static str, extra: &[(&str, &str)]) {
     let s = Setup::new(lane, test, extra);
     let w = s.w();
-    let (mut p, addr) = s.peer("peer", &[]);
-    let packed = p.get_progress("rkey", T, w);
-    let base = bytes_u64(&p.get_progress("base", T, w));
-    let ep = w.connect(&addr).unwrap();
-    let rkey = ep.rkey_unpack(&packed).unwrap();
+    let (mut p, ep, base, rkey) = s.peer_with_region();
     let data = pattern(3, 4096);
     let st = unsafe { ep.put_nbx(data.as_ptr(), data.len(), base, &rkey, RequestParams::default()).unwrap() };
     assert_eq!(wait(w, st), Status::Ok);

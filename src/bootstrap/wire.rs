@@ -103,35 +103,32 @@ fn sock_timeout(d: Duration) -> Duration {
 /// Fill `buf` from `stream`, giving up at `deadline`. Each `read` is bounded by the time left, so
 /// a peer that drips one byte per second still cannot hold us past the deadline.
 pub(crate) fn read_exact_until(stream: &TcpStream, buf: &mut [u8], deadline: Instant, what: &str) -> Result<()> {
-    let mut off = 0;
-    while off < buf.len() {
+    read_exact_with(stream, buf, what, || {
         let rem = remaining(deadline).ok_or_else(|| timed_out(what))?;
-        stream.set_read_timeout(Some(sock_timeout(rem))).map_err(|e| io_error(what, e))?;
-        match (&*stream).read(&mut buf[off..]) {
-            Ok(0) => {
-                return Err(Error::new(Status::PeerFailed, format!("{what}: connection closed")));
-            }
-            Ok(n) => off += n,
-            Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
-            Err(e) => return Err(io_error(what, e)),
-        }
-    }
-    Ok(())
+        stream.set_read_timeout(Some(sock_timeout(rem))).map_err(|e| io_error(what, e))
+    })
 }
 
 /// Like [`read_exact_until`] but with no deadline: waits until data arrives, the peer goes away or
 /// `stop` is raised (checked every `poll` interval). Used by the long-lived receive threads.
 pub(crate) fn read_exact_stoppable(stream: &TcpStream, buf: &mut [u8], stop: &AtomicBool, poll: Duration, what: &str) -> Result<()> {
     stream.set_read_timeout(Some(sock_timeout(poll))).map_err(|e| io_error(what, e))?;
-    let mut off = 0;
-    while off < buf.len() {
+    read_exact_with(stream, buf, what, || {
         if stop.load(Ordering::Acquire) {
             return Err(Error::new(Status::Canceled, format!("{what}: bootstrap shut down")));
         }
+        Ok(())
+    })
+}
+
+/// Fill `buf` from `stream`; `before_read` runs before every read and decides whether to go on
+/// (a deadline, a stop flag). A socket read timeout only returns control to `before_read`.
+fn read_exact_with(stream: &TcpStream, buf: &mut [u8], what: &str, mut before_read: impl FnMut() -> Result<()>) -> Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        before_read()?;
         match (&*stream).read(&mut buf[off..]) {
-            Ok(0) => {
-                return Err(Error::new(Status::PeerFailed, format!("{what}: connection closed")));
-            }
+            Ok(0) => return Err(Error::new(Status::PeerFailed, format!("{what}: connection closed"))),
             Ok(n) => off += n,
             Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
             Err(e) => return Err(io_error(what, e)),
