@@ -157,10 +157,11 @@ typedef struct gsc_rkey *gsc_rkey_h;
 typedef struct gsc_tag_message *gsc_tag_message_h;
 /**
  * A condition: when an operation starts and what waits for it (a CUDA stream position, a graph
- * node, a kernel trigger, a host stream). No condition can be created in this version: any
- * non-NULL condition makes an operation fail with GSC_ERR_UNSUPPORTED.
+ * node, a kernel trigger, a host stream). See gsc_condition_create().
  */
 typedef struct gsc_condition *gsc_condition_h;
+/** An ordered CPU work queue with CUDA-stream semantics (see gsc_host_stream_create()). */
+typedef struct gsc_host_stream *gsc_host_stream_h;
 
 /* ------------------------------------------------------------------------------------------ */
 /* Context                                                                                     */
@@ -317,6 +318,9 @@ typedef void (*gsc_tag_recv_nbx_callback_t)(void *request, gsc_status_t status,
 #define GSC_OP_ATTR_FIELD_RECV_INFO   (UINT64_C(1) << 4)
 /** gsc_request_param_t.op_attr_mask: `condition` is set. */
 #define GSC_OP_ATTR_FIELD_CONDITION   (UINT64_C(1) << 5)
+/** gsc_request_param_t.op_attr_mask: `condition_out` is set (required with a GRAPH or
+ *  KERNEL_TRIGGERED condition). */
+#define GSC_OP_ATTR_FIELD_CONDITION_OUT (UINT64_C(1) << 6)
 
 /** gsc_request_param_t.flags: always return a request, even when the operation completed at
  *  once; its callback then runs as for any request (possibly before the call returns). */
@@ -324,6 +328,21 @@ typedef void (*gsc_tag_recv_nbx_callback_t)(void *request, gsc_status_t status,
 /** gsc_request_param_t.flags, gsc_ep_close_nbx() only: close at once without waiting for
  *  sends in flight (they complete with GSC_ERR_CANCELED). */
 #define GSC_EP_CLOSE_FLAG_FORCE      (UINT64_C(1) << 1)
+/** gsc_request_param_t.flags, with a STREAM or HOST_STREAM condition: the stream does not wait
+ *  for this operation to complete (like MPIX_Isend_enqueue); gsc_condition_wait() later makes it
+ *  wait for everything issued on the condition so far. Lets a send and a receive on one stream
+ *  be in flight together, as a halo exchange needs. */
+#define GSC_OP_ATTR_FLAG_NO_STREAM_WAIT (UINT64_C(1) << 2)
+
+/** What arming an operation on a GRAPH or KERNEL_TRIGGERED condition gives back. */
+typedef struct gsc_condition_out {
+    void *start_node;    /**< GRAPH: the CUgraphNode that triggers the operation; add the nodes
+                              it must follow as its dependencies. */
+    void *done_node;     /**< GRAPH: the CUgraphNode that completes after the operation did;
+                              make later nodes depend on it. */
+    void *device_handle; /**< KERNEL_TRIGGERED: device address of the gsc_device_handle_t a
+                              kernel passes to gsc_trigger()/gsc_wait() (gsc_device.cuh). */
+} gsc_condition_out_t;
 
 /**
  * Options of a non-blocking operation (cf. ucp_request_param_t). Fields are read only when
@@ -345,7 +364,9 @@ typedef struct gsc_request_param {
     union {
         gsc_tag_recv_info_t *tag_info; /**< Filled when a receive completes at once. */
     } recv_info;           /**< Receive information on immediate completion. */
-    gsc_condition_h condition; /**< When the operation starts (must be NULL in this version). */
+    gsc_condition_h condition; /**< When the operation starts (NULL: now). */
+    gsc_condition_out_t *condition_out; /**< Filled when the call arms a GRAPH or
+                                             KERNEL_TRIGGERED operation. */
 } gsc_request_param_t;
 
 /* ------------------------------------------------------------------------------------------ */
@@ -534,6 +555,62 @@ gsc_status_t gsc_bootstrap_barrier(gsc_bootstrap_h bootstrap);
 
 /** Leave the job and release the handle. */
 gsc_status_t gsc_bootstrap_destroy(gsc_bootstrap_h bootstrap);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Conditions                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+/** The kind of a condition (cf. the seed's ucp_condition_category_t). */
+typedef enum gsc_condition_category {
+    /** context: a CUstream / cudaStream_t. Each operation starts when the stream reaches it;
+     *  later work on the stream waits until it completed (send: the buffer may be reused;
+     *  receive: the data is visible), unless GSC_OP_ATTR_FLAG_NO_STREAM_WAIT is given. On a
+     *  stream being captured, the operation becomes replay-safe graph nodes. */
+    GSC_CONDITION_CATEGORY_STREAM = 0,
+    /** context: a CUgraph. Each operation adds a start node and a done node to the graph
+     *  (returned in gsc_condition_out_t) and runs every time an instance of the graph does. */
+    GSC_CONDITION_CATEGORY_GRAPH = 1,
+    /** No context. Each operation returns a device handle; it runs every time a kernel calls
+     *  gsc_trigger() on it. */
+    GSC_CONDITION_CATEGORY_KERNEL_TRIGGERED = 2,
+    /** context: a gsc_host_stream_h. STREAM semantics on a CPU queue (no GPU needed). */
+    GSC_CONDITION_CATEGORY_HOST_STREAM = 3
+} gsc_condition_category_t;
+
+/** gsc_condition_param_t.field_mask: `category` is set (required). */
+#define GSC_CONDITION_PARAM_FIELD_CATEGORY (UINT64_C(1) << 0)
+/** gsc_condition_param_t.field_mask: `context` is set. */
+#define GSC_CONDITION_PARAM_FIELD_CONTEXT  (UINT64_C(1) << 1)
+
+/** Parameters of gsc_condition_create() (cf. ucp_condition_param_t). */
+typedef struct gsc_condition_param {
+    uint64_t field_mask;                /**< GSC_CONDITION_PARAM_FIELD_* bits. */
+    gsc_condition_category_t category;  /**< The kind of condition. */
+    void *context;                      /**< The stream, graph or host stream it refers to. */
+} gsc_condition_param_t;
+
+/** Create a condition; pass it in gsc_request_param_t.condition (GSC_OP_ATTR_FIELD_CONDITION).
+ *  One condition can carry any number of operations, on any worker. */
+gsc_status_t gsc_condition_create(const gsc_condition_param_t *param, gsc_condition_h *condition_p);
+/** Destroy the handle. Operations already issued on it still run. */
+gsc_status_t gsc_condition_destroy(gsc_condition_h condition);
+/** STREAM / HOST_STREAM: make the stream wait, at its current position, for every operation
+ *  issued on the condition so far. */
+gsc_status_t gsc_condition_wait(gsc_condition_h condition);
+/** GSC_OK, or the first failure of any operation issued on the condition (sticky). A failed
+ *  operation releases every stream wait on the condition, so no GPU work hangs behind it. */
+gsc_status_t gsc_condition_query(gsc_condition_h condition);
+
+/** Create a host stream: work queued on it runs in order on its own thread. */
+gsc_status_t gsc_host_stream_create(gsc_host_stream_h *stream_p);
+/** Release the handle; queued work still runs (like cudaStreamDestroy). */
+gsc_status_t gsc_host_stream_destroy(gsc_host_stream_h stream);
+/** Queue fn(arg); it runs on the stream's thread after everything queued before it. */
+gsc_status_t gsc_host_stream_launch(gsc_host_stream_h stream, void (*fn)(void *arg), void *arg);
+/** Wait until everything queued so far ran; timeout_ms < 0 waits without bound. Returns the
+ *  first failure since the last synchronize (a wait released by a failed operation), or
+ *  GSC_ERR_TIMED_OUT. */
+gsc_status_t gsc_host_stream_synchronize(gsc_host_stream_h stream, int64_t timeout_ms);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -38,6 +38,8 @@ pub const BOOTSTRAP: &str = "gsc::bootstrap";
 pub const CONFIG: &str = "gsc::config";
 pub const CAPI: &str = "gsc::capi";
 pub const BENCH: &str = "gsc::bench";
+pub const PROXY: &str = "gsc::proxy";
+pub const CUDA: &str = "gsc::cuda";
 
 /// Events logged under the crate's module paths, i.e. without an explicit `target:`. They
 /// belong to no subsystem, so they are shown only when every subsystem is selected rather than
@@ -204,7 +206,7 @@ mod tests {
 
     #[test]
     fn constants_match_subsystems() {
-        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH];
+        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH, PROXY, CUDA];
         assert_eq!(consts.len(), Subsys::ALL.len());
         for (c, s) in consts.iter().zip(Subsys::ALL) {
             assert_eq!(*c, s.target());

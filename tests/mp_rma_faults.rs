@@ -221,6 +221,7 @@ impl Setup {
 fn wait(w: &Worker, s: Started) -> Status {
     match s {
         Started::Done(_) => Status::Ok,
+        Started::Armed(_) => panic!("no condition was given"),
         Started::Pending(h) => {
             let c = w.request_wait(h).unwrap();
             w.request_release(h).unwrap();

@@ -121,7 +121,7 @@ impl Setup {
             let deadline = Instant::now() + T;
             match &mut p {
                 Peer::Proc(_) | Peer::Thread { .. } => {
-                    while !peer_done(&mut p) {
+                    while !p.is_finished() {
                         assert!(Instant::now() < deadline, "peer did not finish");
                         self.w().progress();
                     }
@@ -131,13 +131,6 @@ impl Setup {
         }
         self.w.take();
         assert_eq!(self.dir.segments(), Vec::<String>::new(), "{}: shm segments left behind", self.test);
-    }
-}
-
-fn peer_done(p: &mut Peer) -> bool {
-    match p {
-        Peer::Proc(c) => c.exited(),
-        Peer::Thread { handle, .. } => handle.as_ref().is_none_or(|h| h.is_finished()),
     }
 }
 
@@ -172,6 +165,7 @@ fn post(w: &Worker, len: usize, tag: u64, mask: u64) -> Rx {
 fn wait_rx(w: &Worker, rx: &Rx) -> gscomm::Completion {
     match rx.h {
         Started::Done(info) => gscomm::Completion { status: Status::Ok, info },
+        Started::Armed(_) => panic!("no condition was given"),
         Started::Pending(h) => {
             let deadline = Instant::now() + T;
             loop {

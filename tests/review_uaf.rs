@@ -47,6 +47,7 @@ fn canceled_sender(knobs: &[(&str, &str)]) {
     let r = unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), size, 9, u64::MAX, RequestParams::default()).unwrap() };
     let status = match r {
         Started::Done(_) => Status::Ok,
+        Started::Armed(_) => panic!("no condition was given"),
         Started::Pending(h) => {
             for _ in 0..64 {
                 b.progress();

@@ -22,6 +22,7 @@ fn exchange(tls: &str) {
         let r = unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), size, 5, u64::MAX, RequestParams::default()).unwrap() };
         let pending = |w: &gscomm::Worker, s: &Started| match s {
             Started::Done(_) => false,
+            Started::Armed(_) => panic!("no condition was given"),
             Started::Pending(h) => w.request_test(*h).unwrap().is_none(),
         };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);

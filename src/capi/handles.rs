@@ -19,6 +19,7 @@
 
 use super::panic::set_last_error;
 use crate::bootstrap::Bootstrap;
+use crate::condition::{Condition, HostStream};
 use crate::core::{Context, Endpoint, MemHandle, Rkey, Worker};
 use crate::error::{Error, Result, Status};
 use std::collections::HashMap;
@@ -68,6 +69,15 @@ impl Kind for Rkey {
 impl Kind for Arc<Bootstrap> {
     const MAGIC: u64 = u64::from_le_bytes(*b"gscBOOT1");
     const NAME: &'static str = "gsc_bootstrap_h";
+}
+
+impl Kind for Condition {
+    const MAGIC: u64 = u64::from_le_bytes(*b"gscCOND1");
+    const NAME: &'static str = "gsc_condition_h";
+}
+impl Kind for HostStream {
+    const MAGIC: u64 = u64::from_le_bytes(*b"gscHSTR1");
+    const NAME: &'static str = "gsc_host_stream_h";
 }
 
 #[derive(Copy, Clone)]
@@ -138,6 +148,8 @@ fn name_of(magic: u64) -> &'static str {
         m if m == MemObj::MAGIC => MemObj::NAME,
         m if m == Rkey::MAGIC => Rkey::NAME,
         m if m == <Arc<Bootstrap>>::MAGIC => <Arc<Bootstrap>>::NAME,
+        m if m == Condition::MAGIC => Condition::NAME,
+        m if m == HostStream::MAGIC => HostStream::NAME,
         _ => "unknown handle",
     }
 }

@@ -6,7 +6,8 @@
 //! - `handles`: the registry that validates context/worker/endpoint/memory/rkey handles, and the
 //!   library-owned buffers (addresses, packed rkeys);
 //! - `params`: the `#[repr(C)]` mirrors of the parameter structs and their conversion;
-//! - `context`, `worker`, `ops`, `bootstrap`: the exported functions, grouped like the header.
+//! - `context`, `worker`, `ops`, `condition`, `bootstrap`: the exported functions, grouped like
+//!   the header.
 //!
 //! Request handles are the Rust API's `u64` handles passed as pointer-sized integers (never 0,
 //! never in the error range), looked up through `worker_of_request`: a stale or freed request is
@@ -16,6 +17,7 @@
 compile_error!("the gscomm C API passes 64-bit request handles as pointers and needs a 64-bit target");
 
 mod bootstrap;
+mod condition;
 mod context;
 mod handles;
 mod ops;

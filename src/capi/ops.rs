@@ -35,7 +35,7 @@ pub unsafe extern "C" fn gsc_tag_send_nbx(
         let conv = unsafe { params::convert(param, OpKind::Send) }?;
         // SAFETY: forwarded caller contract on `buffer` (the Rust API checks NULL and wrapping).
         let started = unsafe { e.tag_send_nbx(buffer as *const u8, count, tag, conv.params) }?;
-        Ok(params::status_ptr(started, conv.tag_info))
+        Ok(params::status_ptr(started, conv.out))
     })
 }
 
@@ -59,7 +59,7 @@ pub unsafe extern "C" fn gsc_tag_recv_nbx(
         let conv = unsafe { params::convert(param, OpKind::Recv) }?;
         // SAFETY: forwarded caller contract on `buffer`.
         let started = unsafe { w.tag_recv_nbx(buffer as *mut u8, count, tag, tag_mask, conv.params) }?;
-        Ok(params::status_ptr(started, conv.tag_info))
+        Ok(params::status_ptr(started, conv.out))
     })
 }
 
@@ -127,7 +127,7 @@ pub unsafe extern "C" fn gsc_tag_msg_recv_nbx(
         let conv = unsafe { params::convert(param, OpKind::Recv) }?;
         // SAFETY: forwarded caller contract on `buffer`.
         let started = unsafe { w.tag_msg_recv_nbx(buffer as *mut u8, count, m & MSG_ID_MASK, conv.params) }?;
-        Ok(params::status_ptr(started, conv.tag_info))
+        Ok(params::status_ptr(started, conv.out))
     })
 }
 
@@ -272,7 +272,7 @@ pub unsafe extern "C" fn gsc_put_nbx(
         let conv = unsafe { params::convert(param, OpKind::Send) }?;
         // SAFETY: forwarded caller contract on `buffer`.
         let started = unsafe { e.put_nbx(buffer as *const u8, count, remote_addr, &key, conv.params) }?;
-        Ok(params::status_ptr(started, conv.tag_info))
+        Ok(params::status_ptr(started, conv.out))
     })
 }
 
@@ -297,6 +297,6 @@ pub unsafe extern "C" fn gsc_get_nbx(
         let conv = unsafe { params::convert(param, OpKind::Send) }?;
         // SAFETY: forwarded caller contract on `buffer`.
         let started = unsafe { e.get_nbx(buffer as *mut u8, count, remote_addr, &key, conv.params) }?;
-        Ok(params::status_ptr(started, conv.tag_info))
+        Ok(params::status_ptr(started, conv.out))
     })
 }

@@ -1,7 +1,9 @@
 //! `gsc_request_param_t` and the other C parameter structs, their conversion into the Rust
 //! `RequestParams`, and the status-pointer convention of the `*_nbx` functions.
 
+use super::handles;
 use super::panic::encode_status;
+use crate::condition::{Category, Condition};
 use crate::core::{RequestParams, Started};
 use crate::error::{Error, Result, Status};
 use crate::protocols::{MemType, RecvInfo};
@@ -13,10 +15,12 @@ pub(crate) const OP_ATTR_FIELD_FLAGS: u64 = 1 << 2;
 pub(crate) const OP_ATTR_FIELD_MEMORY_TYPE: u64 = 1 << 3;
 pub(crate) const OP_ATTR_FIELD_RECV_INFO: u64 = 1 << 4;
 pub(crate) const OP_ATTR_FIELD_CONDITION: u64 = 1 << 5;
-const OP_ATTR_ALL: u64 = (1 << 6) - 1;
+pub(crate) const OP_ATTR_FIELD_CONDITION_OUT: u64 = 1 << 6;
+const OP_ATTR_ALL: u64 = (1 << 7) - 1;
 
 pub(crate) const OP_ATTR_FLAG_NO_IMM_CMPL: u64 = 1 << 0;
 pub(crate) const EP_CLOSE_FLAG_FORCE: u64 = 1 << 1;
+pub(crate) const OP_ATTR_FLAG_NO_STREAM_WAIT: u64 = 1 << 2;
 
 pub(crate) const MEMORY_TYPE_HOST: u32 = 0;
 pub(crate) const MEMORY_TYPE_CUDA: u32 = 1;
@@ -75,6 +79,16 @@ pub struct RequestParam {
     pub memory_type: u32,
     pub recv_info: RecvInfoUnion,
     pub condition: *mut c_void,
+    pub condition_out: *mut ConditionOut,
+}
+
+/// `gsc_condition_out_t`: what arming a graph or kernel-triggered operation gives back.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct ConditionOut {
+    pub start_node: *mut c_void,
+    pub done_node: *mut c_void,
+    pub device_handle: *mut c_void,
 }
 
 /// `gsc_config_pair_t`
@@ -164,10 +178,18 @@ impl CRecv {
 /// The converted parameters of one operation.
 pub(crate) struct Converted {
     pub(crate) params: RequestParams,
-    /// Where to write the receive info on immediate completion (null: nowhere).
-    pub(crate) tag_info: *mut TagRecvInfo,
+    pub(crate) out: Outputs,
     /// `GSC_EP_CLOSE_FLAG_FORCE` was given.
     pub(crate) force: bool,
+}
+
+/// Where the caller wants results written when the call itself produces them.
+#[derive(Copy, Clone)]
+pub(crate) struct Outputs {
+    /// The receive info on immediate completion (null: nowhere).
+    tag_info: *mut TagRecvInfo,
+    /// Graph nodes / device handle of an armed persistent operation (null: nowhere).
+    condition_out: *mut ConditionOut,
 }
 
 /// Check and convert a `gsc_request_param_t` (NULL: defaults).
@@ -175,7 +197,8 @@ pub(crate) struct Converted {
 /// # Safety
 /// `param` is NULL or points to a readable `gsc_request_param_t`.
 pub(crate) unsafe fn convert(param: *const RequestParam, kind: OpKind) -> Result<Converted> {
-    let mut out = Converted { params: RequestParams::default(), tag_info: std::ptr::null_mut(), force: false };
+    let outputs = Outputs { tag_info: std::ptr::null_mut(), condition_out: std::ptr::null_mut() };
+    let mut out = Converted { params: RequestParams::default(), out: outputs, force: false };
     if param.is_null() {
         return Ok(out);
     }
@@ -188,7 +211,7 @@ pub(crate) unsafe fn convert(param: *const RequestParam, kind: OpKind) -> Result
     if mask & OP_ATTR_FIELD_FLAGS != 0 {
         let allowed = match kind {
             OpKind::Close => OP_ATTR_FLAG_NO_IMM_CMPL | EP_CLOSE_FLAG_FORCE,
-            _ => OP_ATTR_FLAG_NO_IMM_CMPL,
+            _ => OP_ATTR_FLAG_NO_IMM_CMPL | OP_ATTR_FLAG_NO_STREAM_WAIT,
         };
         if p.flags & !allowed != 0 {
             return Err(Error::invalid_param(format!(
@@ -198,6 +221,7 @@ pub(crate) unsafe fn convert(param: *const RequestParam, kind: OpKind) -> Result
             )));
         }
         out.params.no_immediate_completion = p.flags & OP_ATTR_FLAG_NO_IMM_CMPL != 0;
+        out.params.no_stream_wait = p.flags & OP_ATTR_FLAG_NO_STREAM_WAIT != 0;
         out.force = p.flags & EP_CLOSE_FLAG_FORCE != 0;
     }
     if mask & OP_ATTR_FIELD_MEMORY_TYPE != 0 {
@@ -208,21 +232,29 @@ pub(crate) unsafe fn convert(param: *const RequestParam, kind: OpKind) -> Result
         });
     }
     if mask & OP_ATTR_FIELD_CONDITION != 0 && !p.condition.is_null() {
-        // No gsc_condition_h can be created yet (the conditions work adds the constructors and
-        // maps each handle to its `Condition`, whose category `condition::ensure_supported`
-        // then accepts or refuses). Until then any non-NULL value is refused here, with the same
-        // status, since its category cannot be known.
-        return Err(Error::unsupported(
-            "conditions are not implemented in this build (operations start immediately on the host only); condition must be NULL",
-        ));
+        let cond: Condition = handles::get(p.condition)?;
+        if matches!(cond.category(), Category::Graph | Category::KernelTriggered) {
+            // The nodes or the device handle are the only way to use such an operation.
+            if mask & OP_ATTR_FIELD_CONDITION_OUT == 0 || p.condition_out.is_null() {
+                return Err(Error::invalid_param(format!(
+                    "a {} condition needs GSC_OP_ATTR_FIELD_CONDITION_OUT and a condition_out to return its {}",
+                    cond.category().name(),
+                    if cond.category() == Category::Graph { "graph nodes" } else { "device handle" }
+                )));
+            }
+            out.out.condition_out = p.condition_out;
+        }
+        out.params.condition = Some(cond);
+    } else if out.params.no_stream_wait {
+        return Err(Error::invalid_param("GSC_OP_ATTR_FLAG_NO_STREAM_WAIT needs a stream or host-stream condition"));
     }
     if mask & OP_ATTR_FIELD_RECV_INFO != 0 {
         if kind != OpKind::Recv {
             return Err(Error::invalid_param("GSC_OP_ATTR_FIELD_RECV_INFO is for receives only"));
         }
         // SAFETY: a union of one pointer member; reading it reads the pointer the caller set.
-        out.tag_info = unsafe { p.recv_info.tag_info };
-        if out.tag_info.is_null() {
+        out.out.tag_info = unsafe { p.recv_info.tag_info };
+        if out.out.tag_info.is_null() {
             return Err(Error::invalid_param("GSC_OP_ATTR_FIELD_RECV_INFO is set but recv_info.tag_info is NULL"));
         }
     }
@@ -250,13 +282,27 @@ pub(crate) unsafe fn convert(param: *const RequestParam, kind: OpKind) -> Result
 }
 
 /// The status pointer for what starting an operation gave back.
-pub(crate) fn status_ptr(started: Started, tag_info: *mut TagRecvInfo) -> *mut c_void {
+pub(crate) fn status_ptr(started: Started, out: Outputs) -> *mut c_void {
     match started {
         Started::Done(info) => {
+            let tag_info = out.tag_info;
             if !tag_info.is_null() {
                 // SAFETY: `convert` took this pointer from `recv_info.tag_info`, which the caller
                 // points at a writable gsc_tag_recv_info_t for the duration of the call.
                 unsafe { tag_info.write(info.into()) };
+            }
+            std::ptr::null_mut()
+        }
+        Started::Armed(o) => {
+            if !out.condition_out.is_null() {
+                let c = ConditionOut {
+                    start_node: o.start_node as *mut c_void,
+                    done_node: o.done_node as *mut c_void,
+                    device_handle: o.device_handle as usize as *mut c_void,
+                };
+                // SAFETY: `convert` took this pointer from `condition_out`, which the caller points
+                // at a writable gsc_condition_out_t for the duration of the call.
+                unsafe { out.condition_out.write(c) };
             }
             std::ptr::null_mut()
         }

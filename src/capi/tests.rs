@@ -67,6 +67,10 @@ fn header_bits_equal_the_rust_constants() {
         ("GSC_MEM_MAP_PARAM_FIELD_LENGTH", MEM_MAP_PARAM_FIELD_LENGTH),
         ("GSC_MEM_MAP_PARAM_FIELD_FLAGS", MEM_MAP_PARAM_FIELD_FLAGS),
         ("GSC_MEM_MAP_ALLOCATE", MEM_MAP_ALLOCATE),
+        ("GSC_OP_ATTR_FIELD_CONDITION_OUT", OP_ATTR_FIELD_CONDITION_OUT),
+        ("GSC_OP_ATTR_FLAG_NO_STREAM_WAIT", OP_ATTR_FLAG_NO_STREAM_WAIT),
+        ("GSC_CONDITION_PARAM_FIELD_CATEGORY", super::condition::CONDITION_PARAM_FIELD_CATEGORY),
+        ("GSC_CONDITION_PARAM_FIELD_CONTEXT", super::condition::CONDITION_PARAM_FIELD_CONTEXT),
     ];
     for (name, v) in expect {
         assert_eq!(bits.get(name), Some(&v), "{name}");
@@ -76,6 +80,9 @@ fn header_bits_equal_the_rust_constants() {
     assert!(HEADER.contains(&format!("#define GSC_UNIQUE_ID_BYTES {}\n", crate::bootstrap::UNIQUE_ID_BYTES)));
     assert!(HEADER.contains(&format!("#define GSC_UNIQUE_ID_STRING_LEN {}\n", super::bootstrap::UNIQUE_ID_STRING_LEN)));
     assert!(HEADER.contains("GSC_MEMORY_TYPE_CUDA = 1") && MEMORY_TYPE_CUDA == 1);
+    for (i, name) in ["STREAM", "GRAPH", "KERNEL_TRIGGERED", "HOST_STREAM"].iter().enumerate() {
+        assert!(HEADER.contains(&format!("GSC_CONDITION_CATEGORY_{name} = {i}")), "{name}");
+    }
 }
 
 /// Compile a C program that prints the header's struct layouts and compare them with the
@@ -100,6 +107,9 @@ int main(void) {
     S(gsc_request_param_t); O(gsc_request_param_t, flags); O(gsc_request_param_t, cb);
     O(gsc_request_param_t, user_data); O(gsc_request_param_t, memory_type);
     O(gsc_request_param_t, recv_info); O(gsc_request_param_t, condition);
+    O(gsc_request_param_t, condition_out);
+    S(gsc_condition_out_t); O(gsc_condition_out_t, done_node); O(gsc_condition_out_t, device_handle);
+    S(gsc_condition_param_t); O(gsc_condition_param_t, category); O(gsc_condition_param_t, context);
     S(gsc_tag_recv_info_t); O(gsc_tag_recv_info_t, length);
     S(gsc_params_t); O(gsc_params_t, config); O(gsc_params_t, config_count);
     S(gsc_config_pair_t); O(gsc_config_pair_t, value);
@@ -134,6 +144,13 @@ int main(void) {
         ("gsc_request_param_t.memory_type", offset_of!(RequestParam, memory_type)),
         ("gsc_request_param_t.recv_info", offset_of!(RequestParam, recv_info)),
         ("gsc_request_param_t.condition", offset_of!(RequestParam, condition)),
+        ("gsc_request_param_t.condition_out", offset_of!(RequestParam, condition_out)),
+        ("gsc_condition_out_t", size_of::<super::params::ConditionOut>()),
+        ("gsc_condition_out_t.done_node", offset_of!(super::params::ConditionOut, done_node)),
+        ("gsc_condition_out_t.device_handle", offset_of!(super::params::ConditionOut, device_handle)),
+        ("gsc_condition_param_t", size_of::<super::condition::ConditionParam>()),
+        ("gsc_condition_param_t.category", offset_of!(super::condition::ConditionParam, category)),
+        ("gsc_condition_param_t.context", offset_of!(super::condition::ConditionParam, context)),
         ("gsc_tag_recv_info_t", size_of::<TagRecvInfo>()),
         ("gsc_tag_recv_info_t.length", offset_of!(TagRecvInfo, length)),
         ("gsc_params_t", size_of::<Params>()),

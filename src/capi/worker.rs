@@ -108,7 +108,7 @@ pub unsafe extern "C" fn gsc_worker_flush_nbx(worker: *mut CWorker, param: *cons
         let w: Worker = handles::get(worker as *const c_void)?;
         // SAFETY: forwarded caller contract.
         let conv = unsafe { params::convert(param, OpKind::Send) }?;
-        Ok(params::status_ptr(w.flush_nbx(conv.params)?, conv.tag_info))
+        Ok(params::status_ptr(w.flush_nbx(conv.params)?, conv.out))
     })
 }
 
@@ -167,7 +167,7 @@ pub unsafe extern "C" fn gsc_ep_close_nbx(ep: *mut CEp, param: *const RequestPar
         // From here the handle is gone whatever the outcome: the endpoint is closed, closing, or
         // unusable. (Another thread may have closed it meanwhile; then there is nothing to do.)
         let _ = handles::unregister::<Arc<Endpoint>>(ep as *const c_void);
-        Ok(params::status_ptr(result?, conv.tag_info))
+        Ok(params::status_ptr(result?, conv.out))
     })
 }
 
@@ -181,6 +181,6 @@ pub unsafe extern "C" fn gsc_ep_flush_nbx(ep: *mut CEp, param: *const RequestPar
         let e: Arc<Endpoint> = handles::get(ep as *const c_void)?;
         // SAFETY: forwarded caller contract.
         let conv = unsafe { params::convert(param, OpKind::Send) }?;
-        Ok(params::status_ptr(e.flush_nbx(conv.params)?, conv.tag_info))
+        Ok(params::status_ptr(e.flush_nbx(conv.params)?, conv.out))
     })
 }

@@ -323,6 +323,48 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_duration(c.peer_check_interval),
     },
     Knob {
+        name: "GSC_PROXY_SPIN",
+        default: "100ms",
+        doc: "How long the proxy spins on graph/kernel triggers after the last activity before polling",
+        kind: KnobKind::Duration,
+        parse: |c, v| {
+            c.proxy_spin = positive_duration(v)?;
+            Ok(())
+        },
+        show: |c| format_duration(c.proxy_spin),
+    },
+    Knob {
+        name: "GSC_PROXY_POLL",
+        default: "50us",
+        doc: "Polling period of an idle proxy that has graph/kernel triggers armed",
+        kind: KnobKind::Duration,
+        parse: |c, v| {
+            c.proxy_poll = positive_duration(v)?;
+            Ok(())
+        },
+        show: |c| format_duration(c.proxy_poll),
+    },
+    Knob {
+        name: "GSC_KERNEL_CACHE_DIR",
+        default: "",
+        doc: "Directory for compiled kernels (empty: $XDG_CACHE_HOME or ~/.cache, under gscomm/kernels)",
+        kind: KnobKind::Path,
+        parse: |c, v| {
+            let v = v.trim();
+            if v.is_empty() {
+                c.kernel_cache_dir = None;
+                return Ok(());
+            }
+            let path = PathBuf::from(v);
+            if !path.is_absolute() {
+                return Err("expected an absolute directory, or nothing for the default".to_string());
+            }
+            c.kernel_cache_dir = Some(path);
+            Ok(())
+        },
+        show: |c| c.kernel_cache_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+    },
+    Knob {
         name: "GSC_CONNECT_TIMEOUT",
         default: "10s",
         doc: "Time allowed to establish a link to a peer",

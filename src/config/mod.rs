@@ -80,11 +80,23 @@ pub enum Subsys {
     Config,
     Capi,
     Bench,
+    Proxy,
+    Cuda,
 }
 
 impl Subsys {
-    pub const ALL: &'static [Subsys] =
-        &[Subsys::Core, Subsys::Proto, Subsys::Shm, Subsys::Loopback, Subsys::Bootstrap, Subsys::Config, Subsys::Capi, Subsys::Bench];
+    pub const ALL: &'static [Subsys] = &[
+        Subsys::Core,
+        Subsys::Proto,
+        Subsys::Shm,
+        Subsys::Loopback,
+        Subsys::Bootstrap,
+        Subsys::Config,
+        Subsys::Capi,
+        Subsys::Bench,
+        Subsys::Proxy,
+        Subsys::Cuda,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -96,6 +108,8 @@ impl Subsys {
             Subsys::Config => "config",
             Subsys::Capi => "capi",
             Subsys::Bench => "bench",
+            Subsys::Proxy => "proxy",
+            Subsys::Cuda => "cuda",
         }
     }
 
@@ -111,6 +125,8 @@ impl Subsys {
             Subsys::Config => log::CONFIG,
             Subsys::Capi => log::CAPI,
             Subsys::Bench => log::BENCH,
+            Subsys::Proxy => log::PROXY,
+            Subsys::Cuda => log::CUDA,
         }
     }
 }
@@ -212,6 +228,14 @@ pub struct Config {
     pub peer_check_interval: Duration,
     /// `GSC_CONNECT_TIMEOUT`, non-zero.
     pub connect_timeout: Duration,
+    /// `GSC_PROXY_SPIN`: how long the proxy keeps spinning on persistent triggers after the last
+    /// activity before it falls back to polling every `proxy_poll`.
+    pub proxy_spin: Duration,
+    /// `GSC_PROXY_POLL`: the idle proxy's polling period for persistent triggers.
+    pub proxy_poll: Duration,
+    /// `GSC_KERNEL_CACHE_DIR`, absolute: where compiled kernels are kept; `None`: the default
+    /// place (see [`default_kernel_cache_dir`]).
+    pub kernel_cache_dir: Option<PathBuf>,
     /// `GSC_BOOTSTRAP_ADDR`: `host:port` (checked syntax, not resolved).
     pub bootstrap_addr: Option<String>,
     /// `GSC_BOOTSTRAP_SECRET`. Never printed: `get`, `dump` and `Debug` show `<set>`/`<unset>`.
@@ -224,6 +248,16 @@ pub struct Config {
     pub rank: Option<u32>,
     /// `GSC_NRANKS`; at least 1.
     pub nranks: Option<u32>,
+}
+
+/// Where compiled kernels are cached when `GSC_KERNEL_CACHE_DIR` is unset:
+/// `$XDG_CACHE_HOME/gscomm/kernels`, else `$HOME/.cache/gscomm/kernels`, else nowhere.
+pub fn default_kernel_cache_dir() -> Option<PathBuf> {
+    let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        Some(x) => PathBuf::from(x),
+        None => PathBuf::from(std::env::var_os("HOME").filter(|v| !v.is_empty())?).join(".cache"),
+    };
+    base.is_absolute().then(|| base.join("gscomm").join("kernels"))
 }
 
 impl Default for Config {
@@ -245,6 +279,9 @@ impl Default for Config {
             timeout: Some(Duration::from_secs(60)),
             peer_check_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(10),
+            proxy_spin: Duration::from_millis(100),
+            proxy_poll: Duration::from_micros(50),
+            kernel_cache_dir: None,
             bootstrap_addr: None,
             bootstrap_secret: None,
             unique_id: None,

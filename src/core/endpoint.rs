@@ -22,6 +22,26 @@ pub enum CloseMode {
     Force,
 }
 
+/// What an operation needs to find its connection again when it starts, possibly later on the
+/// proxy thread (an armed operation): the connection and the generation it must still have.
+#[derive(Copy, Clone)]
+struct EpKey {
+    conn: ConnId,
+    generation: u32,
+}
+
+impl EpKey {
+    fn usable(self, st: &State) -> Result<ConnId> {
+        match st.conns.get(self.conn) {
+            Some(c) if c.generation == self.generation => match &c.failed {
+                Some(e) => Err(e.clone().context("endpoint unusable")),
+                None => Ok(self.conn),
+            },
+            _ => Err(Error::new(Status::NotConnected, "endpoint closed")),
+        }
+    }
+}
+
 impl Endpoint {
     pub(crate) fn new(worker: Worker, conn: ConnId, generation: u32) -> Endpoint {
         Endpoint { worker, conn, generation }
@@ -39,13 +59,11 @@ impl Endpoint {
 
     /// The connection if it is still this endpoint's and alive; the error names why not.
     fn usable(&self, st: &State) -> Result<ConnId> {
-        match st.conns.get(self.conn) {
-            Some(c) if c.generation == self.generation => match &c.failed {
-                Some(e) => Err(e.clone().context("endpoint unusable")),
-                None => Ok(self.conn),
-            },
-            _ => Err(Error::new(Status::NotConnected, "endpoint closed")),
-        }
+        self.key().usable(st)
+    }
+
+    fn key(&self) -> EpKey {
+        EpKey { conn: self.conn, generation: self.generation }
     }
 
     /// Send `len` bytes at `buf` with `tag`.
@@ -57,9 +75,10 @@ impl Endpoint {
         check_buffer(buf, len, "tag_send_nbx")?;
         check_memtype(&params)?;
         let mem = params.memory_type.unwrap_or(MemType::Host);
-        self.worker.start_op(ReqKind::Send, Some(self.conn), params, |st, req, out| {
-            let conn = self.usable(st)?;
-            st.engine.tag.send(out, conn, req, tag, UserBuf { addr: buf as usize, len }, mem).map(|_| ())
+        let (key, addr) = (self.key(), buf as usize);
+        self.worker.start_op(ReqKind::Send, Some(self.conn), params, move |st, req, out| {
+            let conn = key.usable(st)?;
+            st.engine.tag.send(out, conn, req, tag, UserBuf { addr, len }, mem).map(|_| ())
         })
     }
 
@@ -95,8 +114,10 @@ impl Endpoint {
         check_buffer(buf, len, "put_nbx")?;
         check_range(rkey.base, rkey.len, remote_addr, len).map_err(|e| e.context("put_nbx"))?;
         let rkey = *rkey;
-        self.worker.start_op(ReqKind::Put, Some(self.conn), params, |st, req, out| {
-            let conn = self.usable(st)?;
+        let (key, addr) = (self.key(), buf as usize);
+        self.worker.start_op(ReqKind::Put, Some(self.conn), params, move |st, req, out| {
+            let conn = key.usable(st)?;
+            let buf = addr as *const u8;
             let c = &st.conns[conn];
             if c.props.remote_memory {
                 // SAFETY: `buf` is readable for `len` (caller contract); the remote range was
@@ -119,8 +140,10 @@ impl Endpoint {
         check_buffer(buf, len, "get_nbx")?;
         check_range(rkey.base, rkey.len, remote_addr, len).map_err(|e| e.context("get_nbx"))?;
         let rkey = *rkey;
-        self.worker.start_op(ReqKind::Get, Some(self.conn), params, |st, req, out| {
-            let conn = self.usable(st)?;
+        let (key, addr) = (self.key(), buf as usize);
+        self.worker.start_op(ReqKind::Get, Some(self.conn), params, move |st, req, out| {
+            let conn = key.usable(st)?;
+            let buf = addr as *mut u8;
             let c = &st.conns[conn];
             if c.props.remote_memory {
                 // SAFETY: as in `put_nbx`, with the buffer written instead of read.
@@ -136,8 +159,9 @@ impl Endpoint {
     /// Completes when every earlier operation on this endpoint was applied at the peer; reports
     /// the first error an emulated remote access met.
     pub fn flush_nbx(&self, params: RequestParams) -> Result<Started> {
-        self.worker.start_op(ReqKind::Flush, Some(self.conn), params, |st, req, out| {
-            let conn = self.usable(st)?;
+        let key = self.key();
+        self.worker.start_op(ReqKind::Flush, Some(self.conn), params, move |st, req, out| {
+            let conn = key.usable(st)?;
             st.engine.rma.flush(out, conn, req);
             Ok(())
         })
@@ -151,18 +175,19 @@ impl Endpoint {
     /// Close the endpoint. With `Flush`, completes once every send on it completed and the peer
     /// was told; with `Force`, at once. The endpoint is unusable afterwards either way.
     pub fn close_nbx(&self, mode: CloseMode, params: RequestParams) -> Result<Started> {
-        self.worker.start_op(ReqKind::Close, Some(self.conn), params, |st, req, out| {
-            match st.conns.get(self.conn) {
-                Some(c) if c.generation == self.generation => {}
+        let EpKey { conn, generation } = self.key();
+        self.worker.start_op(ReqKind::Close, Some(self.conn), params, move |st, req, out| {
+            match st.conns.get(conn) {
+                Some(c) if c.generation == generation => {}
                 _ => return Err(Error::new(Status::NotConnected, "endpoint already closed")),
             }
-            if st.conns[self.conn].failed.is_some() || mode == CloseMode::Force {
+            if st.conns[conn].failed.is_some() || mode == CloseMode::Force {
                 let e = Error::new(Status::Canceled, "endpoint closed by force");
-                st.fail_conn(self.conn, e, out);
-                st.conns.try_remove(self.conn);
+                st.fail_conn(conn, e, out);
+                st.conns.try_remove(conn);
                 out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
             } else {
-                st.begin_close(self.conn, req, out);
+                st.begin_close(conn, req, out);
             }
             Ok(())
         })

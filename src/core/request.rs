@@ -5,7 +5,7 @@
 //! is *detected* (`InvalidHandle`) instead of dereferenced. As an integer it is never zero and never
 //! in the error range of a status pointer, so the C API can return it as `gsc_status_ptr_t`.
 
-use crate::condition::Condition;
+use crate::condition::{ArmedOutputs, Condition, Signal};
 use crate::error::Status;
 use crate::protocols::{MemType, RecvInfo};
 
@@ -20,8 +20,13 @@ pub struct RequestParams {
     pub callback: Option<Callback>,
     /// The memory type of the buffer; `None` means detect (host memory until GPU lanes exist).
     pub memory_type: Option<MemType>,
-    /// When the operation starts and what waits for it. `None`: now, on the host.
+    /// When the operation starts and what waits for it. `None`: now, on the calling thread.
     pub condition: Option<Condition>,
+    /// With a stream or host-stream condition: the producer does *not* wait for this operation's
+    /// completion (MPI's `Isend_enqueue` rather than `Send_enqueue`); `Condition::wait` later
+    /// makes it wait for everything issued so far. Lets a send and a receive be in flight
+    /// together, as a halo exchange needs.
+    pub no_stream_wait: bool,
     /// Always return a request, even if the operation completed at once (UCP's
     /// `UCP_OP_ATTR_FLAG_NO_IMM_CMPL`). A request that completes inside the starting call (with
     /// this flag, or because it failed at once, e.g. truncation) fires its callback before that
@@ -61,11 +66,26 @@ pub(crate) struct Slot {
     /// For worker flushes: parts still outstanding and the first error among them.
     pub(crate) pending_parts: usize,
     pub(crate) first_error: Option<Status>,
+    /// Conditioned operations: advances the condition's done word when the request completes.
+    pub(crate) signal: Option<Signal>,
+    /// Armed on a condition that has not triggered yet: the operation has not started.
+    pub(crate) armed: bool,
 }
 
 impl Slot {
     pub(crate) fn new(kind: ReqKind, conn: Option<usize>, generation: u16, callback: Option<Callback>) -> Slot {
-        Slot { generation, kind, conn, result: None, callback, released: false, pending_parts: 0, first_error: None }
+        Slot {
+            generation,
+            kind,
+            conn,
+            result: None,
+            callback,
+            released: false,
+            pending_parts: 0,
+            first_error: None,
+            signal: None,
+            armed: false,
+        }
     }
 }
 
@@ -91,7 +111,11 @@ pub enum Started {
     /// Completed within the call (UCP's NULL status pointer); no callback fires.
     Done(RecvInfo),
     /// In progress: test or wait on the handle, then release it (see `Worker::request_*`).
+    /// Operations with a stream or host-stream condition always give one.
     Pending(u64),
+    /// Armed on a graph or kernel-triggered condition: it runs every time its trigger fires, so
+    /// there is no single request; failures show in `Condition::query`.
+    Armed(ArmedOutputs),
 }
 
 #[cfg(test)]

@@ -10,12 +10,13 @@ use super::address::WorkerAddress;
 use super::context::{Context, random_u128};
 use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
-use crate::condition;
+use crate::condition::{Condition, Issued, Signal};
 use crate::error::{Error, Result, Status};
 use crate::protocols::{
     Action, Actions, ConnId, Engine, FrameOutcome, LaneProps, MemType, OutFrame, Payload, ProbeInfo, ProtoConfig, RecvInfo, ReqId, UserBuf,
     wire,
 };
+use crate::proxy::{ArmedOp, Msg, PersistentOp, Proxy};
 use crate::transport::{LaneKind, Link, Listener, ProcessIdentity, loopback, shm};
 use slab::Slab;
 use std::collections::{HashMap, VecDeque};
@@ -36,6 +37,17 @@ impl Completion {
     }
 }
 
+/// How an operation starts, given the worker's state and its request: what an armed operation
+/// keeps until its condition is met (and, for persistent ones, runs again for every trigger).
+pub(crate) type OpStart = Arc<dyn Fn(&mut State, ReqId, &mut Actions) -> Result<()> + Send + Sync>;
+
+/// A persistent operation's recipe: a fresh request of `kind` on `conn` is started each time.
+pub(crate) struct OpTemplate {
+    kind: ReqKind,
+    conn: Option<ConnId>,
+    start: OpStart,
+}
+
 #[derive(Clone)]
 pub struct Worker {
     pub(crate) inner: Arc<WorkerInner>,
@@ -47,6 +59,8 @@ pub(crate) struct WorkerInner {
     pub(crate) context: Context,
     address: Vec<u8>,
     state: Mutex<State>,
+    /// Started with the first conditioned operation.
+    proxy: Mutex<Option<Proxy>>,
 }
 
 pub(crate) struct Conn {
@@ -166,7 +180,7 @@ impl Worker {
             peer_check_interval: cfg.peer_check_interval,
         };
         let id = register_worker_id()?;
-        let inner = Arc::new(WorkerInner { id, uuid, context, address, state: Mutex::new(state) });
+        let inner = Arc::new(WorkerInner { id, uuid, context, address, state: Mutex::new(state), proxy: Mutex::new(None) });
         workers().lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::downgrade(&inner));
         tracing::debug!(target: "gsc::core", worker = id, "worker created");
         Ok(Worker { inner })
@@ -230,15 +244,18 @@ impl Worker {
     }
 
     /// Start an operation under the lock: allocate its request, run `start`, execute what it
-    /// emitted, and decide between immediate completion and a pending handle.
+    /// emitted, and decide between immediate completion and a pending handle. With a condition,
+    /// the operation is armed instead and `start` runs when the condition is met.
     pub(crate) fn start_op(
         &self,
         kind: ReqKind,
         conn: Option<ConnId>,
-        params: RequestParams,
-        start: impl FnOnce(&mut State, ReqId, &mut Actions) -> Result<()>,
+        mut params: RequestParams,
+        start: impl Fn(&mut State, ReqId, &mut Actions) -> Result<()> + Send + Sync + 'static,
     ) -> Result<Started> {
-        condition::ensure_supported(&params.condition)?;
+        if let Some(cond) = params.condition.take() {
+            return self.arm(kind, conn, params, cond, Arc::new(start));
+        }
         let RequestParams { callback, no_immediate_completion, .. } = params;
         // Callbacks that will not run are dropped only after the lock is released: a user
         // closure may own objects (an Endpoint) whose Drop takes this worker's lock.
@@ -279,6 +296,102 @@ impl Worker {
         Ok(started)
     }
 
+    /// Arm an operation on `cond`: the proxy starts it when the condition's trigger fires.
+    fn arm(&self, kind: ReqKind, conn: Option<ConnId>, params: RequestParams, cond: Condition, start: OpStart) -> Result<Started> {
+        if kind == ReqKind::Close {
+            return Err(Error::unsupported("closing an endpoint under a condition is not supported; close it on the host"));
+        }
+        // The endpoint must be usable now; a failure at trigger time is reported through the
+        // request and the condition.
+        if let Some(c) = conn {
+            let st = self.lock();
+            match st.conns.get(c) {
+                Some(c) if c.failed.is_none() => {}
+                Some(c) => return Err(c.failed.clone().expect("checked").context("endpoint unusable")),
+                None => return Err(Error::new(Status::NotConnected, "endpoint closed")),
+            }
+        }
+        self.ensure_proxy()?;
+        match cond.issue(!params.no_stream_wait)? {
+            Issued::Sequenced(channel, seq) => {
+                let req = {
+                    let mut st = self.lock();
+                    let req = st.alloc_request(self.inner.id, kind, conn, params.callback);
+                    let slot = st.slot_mut(req).expect("just allocated");
+                    slot.signal = Some(Signal::new(channel.clone(), seq));
+                    slot.armed = true;
+                    req
+                };
+                self.send_to_proxy(Msg::Arm(ArmedOp { channel, seq, req, start }));
+                Ok(Started::Pending(req))
+            }
+            Issued::Persistent(channel, outputs) => {
+                let template = OpTemplate { kind, conn, start };
+                self.send_to_proxy(Msg::Persist(PersistentOp { channel, template, started: 0 }));
+                Ok(Started::Armed(outputs))
+            }
+        }
+    }
+
+    fn ensure_proxy(&self) -> Result<()> {
+        let mut proxy = self.inner.proxy.lock().unwrap_or_else(|e| e.into_inner());
+        if proxy.is_none() {
+            let cfg = &self.inner.context.inner.config;
+            *proxy = Some(Proxy::spawn(Arc::downgrade(&self.inner), cfg.proxy_spin, cfg.proxy_poll)?);
+        }
+        Ok(())
+    }
+
+    /// The proxy runs for the worker's whole life once started; a send can only fail if its
+    /// thread died (a bug), and then the operation's signal reports it canceled when dropped.
+    fn send_to_proxy(&self, msg: Msg) {
+        let proxy = self.inner.proxy.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = proxy.as_ref().map_or(Err(Error::new(Status::Internal, "no proxy")), |p| p.send(msg)) {
+            tracing::error!(target: "gsc::proxy", error = %e, "could not hand an armed operation to the proxy");
+        }
+    }
+
+    /// Proxy side: the condition of armed request `req` was met; start it now.
+    pub(crate) fn start_armed(&self, req: ReqId, start: &OpStart) {
+        let ready = {
+            let mut st = self.lock();
+            match st.slot_mut(req) {
+                Some(slot) if slot.armed => slot.armed = false,
+                _ => return,
+            }
+            let mut actions = st.take_actions();
+            match start(&mut st, req, &mut actions) {
+                Ok(()) => st.execute(&self.inner.context, actions),
+                Err(e) => {
+                    tracing::debug!(target: "gsc::proxy", req, error = %e, "armed operation failed to start");
+                    actions.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
+                    st.execute(&self.inner.context, actions);
+                }
+            }
+            std::mem::take(&mut st.ready)
+        };
+        fire(ready);
+    }
+
+    /// Proxy side: a persistent operation's trigger advanced; run one more instance of it.
+    pub(crate) fn start_epoch(&self, template: &OpTemplate, signal: Signal) {
+        let ready = {
+            let mut st = self.lock();
+            let req = st.alloc_request(self.inner.id, template.kind, template.conn, None);
+            let slot = st.slot_mut(req).expect("just allocated");
+            slot.released = true;
+            slot.signal = Some(signal);
+            let mut actions = st.take_actions();
+            if let Err(e) = (template.start)(&mut st, req, &mut actions) {
+                tracing::debug!(target: "gsc::proxy", error = %e, "persistent operation failed to start");
+                actions.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
+            }
+            st.execute(&self.inner.context, actions);
+            std::mem::take(&mut st.ready)
+        };
+        fire(ready);
+    }
+
     /// Post a tagged receive of up to `len` bytes at `buf` for messages matching `(tag, mask)`.
     ///
     /// # Safety
@@ -287,8 +400,9 @@ impl Worker {
     pub unsafe fn tag_recv_nbx(&self, buf: *mut u8, len: usize, tag: u64, tag_mask: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_recv_nbx")?;
         check_memtype(&params)?;
-        self.start_op(ReqKind::Recv, None, params, |st, req, out| {
-            st.engine.tag.recv(out, req, tag, tag_mask, UserBuf { addr: buf as usize, len });
+        let addr = buf as usize;
+        self.start_op(ReqKind::Recv, None, params, move |st, req, out| {
+            st.engine.tag.recv(out, req, tag, tag_mask, UserBuf { addr, len });
             Ok(())
         })
     }
@@ -299,9 +413,8 @@ impl Worker {
     /// As for `tag_recv_nbx`.
     pub unsafe fn tag_msg_recv_nbx(&self, buf: *mut u8, len: usize, msg: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_msg_recv_nbx")?;
-        self.start_op(ReqKind::Recv, None, params, |st, req, out| {
-            st.engine.tag.msg_recv(out, req, msg, UserBuf { addr: buf as usize, len })
-        })
+        let addr = buf as usize;
+        self.start_op(ReqKind::Recv, None, params, move |st, req, out| st.engine.tag.msg_recv(out, req, msg, UserBuf { addr, len }))
     }
 
     /// Blocking receive into `buf` (progresses until done or `GSC_TIMEOUT`).
@@ -326,6 +439,7 @@ impl Worker {
     pub(crate) fn finish_blocking(&self, started: Started, on_timeout: OnTimeout) -> Result<Completion> {
         let handle = match started {
             Started::Done(info) => return Ok(Completion { status: Status::Ok, info }),
+            Started::Armed(_) => return Err(Error::new(Status::Internal, "a blocking call armed a persistent operation")),
             Started::Pending(h) => h,
         };
         let r = self.request_wait(handle);
@@ -438,6 +552,9 @@ impl Worker {
             if slot.kind != ReqKind::Recv {
                 return Err(Error::new(Status::Unsupported, "only receives can be canceled; sends and RMA have started moving data"));
             }
+            if slot.armed {
+                return Err(Error::new(Status::Busy, "the receive waits for its condition; it cannot be canceled before it starts"));
+            }
             let mut out = Actions::new();
             st.engine.tag.cancel(&mut out, handle)?;
             st.execute(&self.inner.context, out);
@@ -505,6 +622,8 @@ pub struct WorkerStats {
 
 impl Drop for WorkerInner {
     fn drop(&mut self) {
+        // Stop the proxy first: it fails the operations still armed, releasing their producers.
+        drop(self.proxy.get_mut().unwrap_or_else(|e| e.into_inner()).take());
         workers().lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         for (_, c) in st.conns.iter_mut() {
@@ -933,6 +1052,9 @@ impl State {
         }
         let slot = self.slot_mut(req).expect("checked above");
         slot.result = Some((status, info));
+        if let Some(signal) = slot.signal.take() {
+            signal.fire(status);
+        }
         if let Some(cb) = slot.callback.take() {
             self.ready.push((req, cb, status, info));
         }

@@ -1,4 +1,226 @@
-//! The proxy engine (issue #3): one thread per worker that watches the trigger words GPUs write,
-//! advances protocol state machines and writes completion words, without ever calling a blocking
-//! CUDA API while a user stream may wait on it. Not built yet: today every operation starts on
-//! the calling thread and progresses through `Worker::progress`.
+//! The proxy: one thread per worker that executes operations whose condition a producer (a CUDA
+//! stream, a graph, a kernel, a host stream) satisfies by writing a trigger word.
+//!
+//! It watches the trigger words of armed operations, starts each operation on the worker when its
+//! word reaches it, progresses the worker while anything it started is in flight, and leaves the
+//! done words to the operations' completion signals (`condition::Signal`). It never calls CUDA:
+//! everything it touches is host memory, so it cannot block behind a stream that waits on it.
+//!
+//! Idle behaviour: with nothing armed it sleeps on its channel and wakes when an operation is
+//! armed. With one-shot operations armed it spins (their trigger is near: the producer was just
+//! given the write). With only persistent operations (graph nodes, kernel triggers) armed, whose
+//! next trigger may be hours away, it spins for `GSC_PROXY_SPIN` after the last activity and then
+//! polls every `GSC_PROXY_POLL`.
+
+use crate::condition::Channel;
+use crate::core::worker::{OpStart, Worker, WorkerInner};
+use crate::error::{Error, Result, Status};
+use crate::protocols::ReqId;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::{Arc, Weak};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
+
+/// A one-shot operation: start request `req` once `channel`'s trigger reaches `seq`.
+pub(crate) struct ArmedOp {
+    pub(crate) channel: Arc<Channel>,
+    pub(crate) seq: u64,
+    pub(crate) req: ReqId,
+    pub(crate) start: OpStart,
+}
+
+/// A persistent operation: start a fresh request for every epoch the trigger word advances by.
+pub(crate) struct PersistentOp {
+    pub(crate) channel: Arc<Channel>,
+    pub(crate) template: crate::core::worker::OpTemplate,
+    /// Epochs started so far.
+    pub(crate) started: u64,
+}
+
+pub(crate) enum Msg {
+    Arm(ArmedOp),
+    Persist(PersistentOp),
+    /// Stop watching a persistent operation (its graph or condition is gone).
+    Retire(Arc<Channel>),
+}
+
+/// The worker's handle on its proxy thread.
+pub(crate) struct Proxy {
+    tx: Option<Sender<Msg>>,
+    thread: Option<JoinHandle<()>>,
+    thread_id: ThreadId,
+}
+
+impl Proxy {
+    pub(crate) fn spawn(worker: Weak<WorkerInner>, spin: Duration, poll: Duration) -> Result<Proxy> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let thread = std::thread::Builder::new()
+            .name("gsc-proxy".into())
+            .spawn(move || Engine::new(worker, rx, spin, poll).run())
+            .map_err(|e| Error::new(Status::NoResource, format!("cannot start the proxy thread: {e}")))?;
+        let thread_id = thread.thread().id();
+        Ok(Proxy { tx: Some(tx), thread: Some(thread), thread_id })
+    }
+
+    pub(crate) fn send(&self, msg: Msg) -> Result<()> {
+        let tx = self.tx.as_ref().expect("set until drop");
+        tx.send(msg).map_err(|_| Error::new(Status::Internal, "the proxy thread has exited"))
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        // Disconnecting the channel tells the thread to finish; it fails what it still holds.
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            // The worker's last reference can be dropped by the proxy thread itself (it holds
+            // one while it works); joining itself would deadlock, and it is exiting anyway.
+            if std::thread::current().id() != self.thread_id {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+struct Engine {
+    worker: Weak<WorkerInner>,
+    rx: Receiver<Msg>,
+    armed: Vec<ArmedOp>,
+    persistent: Vec<PersistentOp>,
+    /// Started operations not yet complete: (channel, seq).
+    in_flight: Vec<(Arc<Channel>, u64)>,
+    spin: Duration,
+    poll: Duration,
+    last_activity: Instant,
+    disconnected: bool,
+}
+
+impl Engine {
+    fn new(worker: Weak<WorkerInner>, rx: Receiver<Msg>, spin: Duration, poll: Duration) -> Engine {
+        Engine {
+            worker,
+            rx,
+            armed: Vec::new(),
+            persistent: Vec::new(),
+            in_flight: Vec::new(),
+            spin,
+            poll,
+            last_activity: Instant::now(),
+            disconnected: false,
+        }
+    }
+
+    fn run(mut self) {
+        tracing::debug!(target: "gsc::proxy", "proxy thread started");
+        let mut idle_spins = 0u32;
+        loop {
+            if !self.wait_for_work(idle_spins) {
+                break;
+            }
+            let Some(worker) = self.worker.upgrade().map(|inner| Worker { inner }) else { break };
+            let events = self.pass(&worker);
+            drop(worker);
+            if events > 0 {
+                self.last_activity = Instant::now();
+                idle_spins = 0;
+            } else {
+                idle_spins = idle_spins.saturating_add(1);
+            }
+        }
+        self.shutdown();
+    }
+
+    /// Take new messages; sleep first when nothing needs watching. False: time to exit.
+    fn wait_for_work(&mut self, idle_spins: u32) -> bool {
+        let busy = !self.armed.is_empty() || !self.in_flight.is_empty();
+        let msg = if self.disconnected {
+            return busy;
+        } else if busy || (!self.persistent.is_empty() && self.last_activity.elapsed() < self.spin) {
+            if idle_spins > 0 && idle_spins % 64 == 0 {
+                // Spinning, but let a producer thread on the same core run.
+                std::thread::yield_now();
+            }
+            match self.rx.try_recv() {
+                Ok(m) => Some(m),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => {
+                    self.disconnected = true;
+                    None
+                }
+            }
+        } else if !self.persistent.is_empty() {
+            match self.rx.recv_timeout(self.poll) {
+                Ok(m) => Some(m),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.disconnected = true;
+                    None
+                }
+            }
+        } else {
+            match self.rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => return false,
+            }
+        };
+        if let Some(m) = msg {
+            self.take(m);
+            while let Ok(m) = self.rx.try_recv() {
+                self.take(m);
+            }
+        }
+        !self.disconnected || busy
+    }
+
+    fn take(&mut self, msg: Msg) {
+        self.last_activity = Instant::now();
+        match msg {
+            Msg::Arm(op) => self.armed.push(op),
+            Msg::Persist(op) => self.persistent.push(op),
+            Msg::Retire(channel) => self.persistent.retain(|p| !Arc::ptr_eq(&p.channel, &channel)),
+        }
+    }
+
+    /// Start whatever was triggered, progress what is in flight. Returns the number of events.
+    fn pass(&mut self, worker: &Worker) -> usize {
+        let mut events = 0;
+        let mut i = 0;
+        while i < self.armed.len() {
+            if self.armed[i].channel.trigger() >= self.armed[i].seq {
+                let op = self.armed.swap_remove(i);
+                worker.start_armed(op.req, &op.start);
+                self.in_flight.push((op.channel, op.seq));
+                events += 1;
+            } else {
+                i += 1;
+            }
+        }
+        for p in &mut self.persistent {
+            let trigger = p.channel.trigger();
+            while p.started < trigger {
+                p.started += 1;
+                worker.start_epoch(&p.template, crate::condition::Signal::new(p.channel.clone(), p.started));
+                self.in_flight.push((p.channel.clone(), p.started));
+                events += 1;
+            }
+        }
+        if !self.in_flight.is_empty() {
+            events += worker.progress();
+            self.in_flight.retain(|(c, seq)| c.done_word() < *seq);
+        }
+        events
+    }
+
+    /// The worker is gone or dropped its proxy: nothing will start the operations still armed,
+    /// so their producers are released with an error instead of waiting forever.
+    fn shutdown(&mut self) {
+        let gone = || Error::new(Status::Canceled, "the worker was destroyed before the operation's condition was met");
+        for op in self.armed.drain(..) {
+            op.channel.fail(gone());
+        }
+        for p in self.persistent.drain(..) {
+            p.channel.fail(gone());
+        }
+        tracing::debug!(target: "gsc::proxy", "proxy thread exited");
+    }
+}

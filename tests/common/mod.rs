@@ -357,6 +357,7 @@ pub fn progress_until(w: &Worker, timeout: Duration, what: &str, mut done: impl 
 pub fn wait_release(w: &Worker, s: Started) -> gscomm::Completion {
     match s {
         Started::Done(info) => gscomm::Completion { status: Status::Ok, info },
+        Started::Armed(_) => panic!("no condition was given"),
         Started::Pending(h) => {
             let c = w.request_wait(h).expect("request_wait");
             w.request_release(h).expect("release");
@@ -525,6 +526,14 @@ impl Peer {
                     std::panic::resume_unwind(e);
                 }
             }
+        }
+    }
+
+    /// Has the peer ended (process exited / thread returned)?
+    pub fn is_finished(&mut self) -> bool {
+        match self {
+            Peer::Proc(c) => c.exited(),
+            Peer::Thread { handle, .. } => handle.as_ref().is_none_or(|h| h.is_finished()),
         }
     }
 

@@ -1,0 +1,54 @@
+//! Where a channel's trigger and done words live.
+//!
+//! Host streams and tests use plain host memory. CUDA producers need memory both sides can
+//! reach: page-locked host memory mapped into the device (the stream's memops and kernels use the
+//! device address, the proxy the host address). Each word sits on its own cache line: the device
+//! writes one and the proxy the other, and sharing a line would make every write bounce it.
+
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicU64;
+
+#[repr(C, align(64))]
+#[derive(Default)]
+struct Line {
+    word: AtomicU64,
+}
+
+/// The two words of one channel, host-side view, plus their device addresses when a GPU uses them.
+pub(crate) struct Words {
+    trigger: NonNull<AtomicU64>,
+    done: NonNull<AtomicU64>,
+    /// (trigger, done) as the GPU addresses them.
+    pub(crate) device: Option<(u64, u64)>,
+    _backing: Backing,
+}
+
+enum Backing {
+    Host(#[allow(dead_code)] Box<[Line; 2]>),
+}
+
+// SAFETY: the pointers refer to memory the `Words` owns (or keeps alive through `_backing`) for
+// its whole life, and they are only used through atomics.
+unsafe impl Send for Words {}
+// SAFETY: as above; every access is an atomic operation.
+unsafe impl Sync for Words {}
+
+impl Words {
+    /// Words in ordinary host memory (host streams, tests).
+    pub(crate) fn host() -> Words {
+        let lines = Box::new([Line::default(), Line::default()]);
+        let trigger = NonNull::from(&lines[0].word);
+        let done = NonNull::from(&lines[1].word);
+        Words { trigger, done, device: None, _backing: Backing::Host(lines) }
+    }
+
+    pub(crate) fn trigger(&self) -> &AtomicU64 {
+        // SAFETY: see the `Send`/`Sync` note: the backing outlives `self`.
+        unsafe { self.trigger.as_ref() }
+    }
+
+    pub(crate) fn done(&self) -> &AtomicU64 {
+        // SAFETY: as for `trigger`.
+        unsafe { self.done.as_ref() }
+    }
+}

@@ -1,0 +1,317 @@
+//! Host-stream conditions between processes (shm lane) and threads (loopback): every operation
+//! is issued on a host stream and started by the worker's proxy when the stream reaches it.
+//! The CUDA-stream versions of these scenarios are in tests/conditions_gpu.rs.
+mod common;
+
+use common::*;
+use gscomm::condition::{Condition, HostStream};
+use gscomm::{Context, RequestParams, Started, Status, Worker};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(60);
+
+/// A buffer shared by stream work (closures) and operations (raw pointers); stream order keeps
+/// the two apart in time.
+#[derive(Clone)]
+struct Buf(Arc<Mutex<Vec<u8>>>);
+
+impl Buf {
+    fn new(len: usize) -> Buf {
+        Buf(Arc::new(Mutex::new(vec![0; len])))
+    }
+    fn ptr(&self) -> *mut u8 {
+        self.0.lock().unwrap().as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+fn on(c: &Condition, wait: bool) -> RequestParams {
+    RequestParams { condition: Some(c.clone()), no_stream_wait: !wait, ..Default::default() }
+}
+
+fn handle(s: Started) -> u64 {
+    match s {
+        Started::Pending(h) => h,
+        other => panic!("a stream-conditioned operation gave {other:?}"),
+    }
+}
+
+/// Wait for and release every request; the statuses in order.
+fn wait_all(w: &Worker, hs: Vec<u64>) -> Vec<Status> {
+    hs.into_iter()
+        .map(|h| {
+            let c = w.request_wait(h).expect("request_wait");
+            w.request_release(h).unwrap();
+            c.status
+        })
+        .collect()
+}
+
+fn sizes_to_bytes(s: &[usize]) -> Vec<u8> {
+    s.iter().flat_map(|&x| (x as u64).to_le_bytes()).collect()
+}
+
+fn bytes_to_sizes(b: &[u8]) -> Vec<usize> {
+    b.chunks_exact(8).map(|c| bytes_u64(c) as usize).collect()
+}
+
+const HALO_ITERS: u8 = 200;
+const HALO_SIZE: usize = 100_000;
+
+/// Fill for a halo iteration: differs by iteration and by side, so stale data shows.
+fn halo_byte(iter: u8, side: u8) -> u8 {
+    iter.wrapping_mul(7) ^ side.wrapping_mul(0x55)
+}
+
+/// One side of the halo exchange: every iteration refills its buffer on the stream, sends and
+/// receives with no stream wait, waits for both, and checks what arrived, all on the stream.
+fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8) -> Result<(), String> {
+    let stream = HostStream::new().unwrap();
+    let cond = Condition::host_stream(&stream);
+    let (src, dst) = (Buf::new(HALO_SIZE), Buf::new(HALO_SIZE));
+    let bad = Arc::new(Mutex::new(None::<String>));
+    let mut reqs = Vec::new();
+    for iter in 0..HALO_ITERS {
+        let s2 = src.clone();
+        stream.launch(move || s2.0.lock().unwrap().fill(halo_byte(iter, side)));
+        reqs.push(handle(unsafe { w.tag_recv_nbx(dst.ptr(), HALO_SIZE, iter as u64, u64::MAX, on(&cond, false)).unwrap() }));
+        reqs.push(handle(unsafe { ep.tag_send_nbx(src.ptr(), HALO_SIZE, iter as u64, on(&cond, false)).unwrap() }));
+        cond.wait().unwrap();
+        let (d2, bad2) = (dst.clone(), bad.clone());
+        let want = halo_byte(iter, 1 - side);
+        stream.launch(move || {
+            if let Some(i) = d2.0.lock().unwrap().iter().position(|&x| x != want) {
+                bad2.lock().unwrap().get_or_insert(format!("iteration {iter}: byte {i} stale"));
+            }
+        });
+    }
+    let statuses = wait_all(w, reqs);
+    stream.synchronize(Some(T)).map_err(|e| e.to_string())?;
+    if let Some(s) = statuses.iter().find(|s| **s != Status::Ok) {
+        return Err(format!("an operation ended with {s:?}"));
+    }
+    bad.lock().unwrap().take().map_or(Ok(()), Err)
+}
+
+fn roles(role: &str, chan: &dyn Chan, ctx: Context) {
+    let w = ctx.create_worker().unwrap();
+    let ep = w.connect(&chan.get("addr")).unwrap();
+    chan.put("ready", w.address());
+    match role {
+        // Receive each message on the stream, transform it there, send it back on the stream.
+        "echo" => {
+            let sizes = bytes_to_sizes(&chan.get("sizes"));
+            let stream = HostStream::new().unwrap();
+            let cond = Condition::host_stream(&stream);
+            let mut reqs = Vec::new();
+            let bufs: Vec<Buf> = sizes.iter().map(|&n| Buf::new(n)).collect();
+            for (i, b) in bufs.iter().enumerate() {
+                reqs.push(handle(unsafe { w.tag_recv_nbx(b.ptr(), b.len(), i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+                let b2 = b.clone();
+                stream.launch(move || b2.0.lock().unwrap().iter_mut().for_each(|x| *x ^= 0x5A));
+                reqs.push(handle(unsafe { ep.tag_send_nbx(b.ptr(), b.len(), 1000 + i as u64, on(&cond, true)).unwrap() }));
+            }
+            let st = wait_all(&w, reqs);
+            stream.synchronize(Some(T)).unwrap();
+            assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
+            chan.put("echoed", &[]);
+        }
+        "halo" => {
+            let r = halo_side(&w, &ep, 1);
+            chan.put("halo", r.err().unwrap_or_default().as_bytes());
+        }
+        // Send tags 1..=8 in order at once (the receiver takes them in reverse, late).
+        "tags" => {
+            let stream = HostStream::new().unwrap();
+            let cond = Condition::host_stream(&stream);
+            let bufs: Vec<Vec<u8>> = (1..=8u64).map(|t| pattern(t, 1000 * t as usize)).collect();
+            let reqs = bufs
+                .iter()
+                .zip(1u64..)
+                .map(|(b, t)| handle(unsafe { ep.tag_send_nbx(b.as_ptr(), b.len(), t, on(&cond, false)).unwrap() }))
+                .collect();
+            cond.wait().unwrap();
+            let st = wait_all(&w, reqs);
+            stream.synchronize(Some(T)).unwrap();
+            assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
+            chan.put("sent", &[]);
+        }
+        // Connected; never receives. The test kills this process.
+        "doomed" => loop {
+            w.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        },
+        other => panic!("unknown role {other}"),
+    }
+    chan.get("bye");
+    ep.close().unwrap();
+}
+
+fn child_or(f: impl FnOnce()) {
+    if !run_child_role(roles) {
+        f()
+    }
+}
+
+struct Setup {
+    lane: Lane,
+    test: &'static str,
+    _dir: ShmDir,
+    cfg: Vec<(String, String)>,
+    w: Worker,
+}
+
+impl Setup {
+    fn new(lane: Lane, test: &'static str) -> Setup {
+        let dir = ShmDir::new(test);
+        let cfg = vec![
+            ("GSC_TLS".to_string(), lane.tls().to_string()),
+            ("GSC_SHM_DIR".to_string(), dir.as_str().to_string()),
+            ("GSC_TIMEOUT".to_string(), "60s".to_string()),
+            ("GSC_PEER_CHECK_INTERVAL".to_string(), "50ms".to_string()),
+        ];
+        let w = ctx_with(&refs(&cfg)).create_worker().unwrap();
+        Setup { lane, test, _dir: dir, cfg, w }
+    }
+
+    /// Start `role` and connect to it both ways (it sends its worker's address when ready).
+    fn peer(&self, role: &str) -> (Peer, gscomm::Endpoint) {
+        let mut p = start_peer(self.lane, self.test, role, &refs(&self.cfg), roles);
+        p.put("addr", self.w.address());
+        let addr = p.get_progress("ready", T, &self.w);
+        let ep = self.w.connect(&addr).unwrap();
+        (p, ep)
+    }
+
+    fn finish(&self, mut p: Peer, ep: gscomm::Endpoint) {
+        p.put("bye", &[]);
+        ep.close().unwrap();
+        let deadline = Instant::now() + T;
+        while !p.is_finished() {
+            assert!(Instant::now() < deadline, "peer did not finish");
+            self.w.progress();
+        }
+        p.finish(T);
+    }
+}
+
+fn echo(lane: Lane, test: &'static str) {
+    let s = Setup::new(lane, test);
+    let (mut p, ep) = s.peer("echo");
+    let sizes = [0usize, 1, 128, 129, 65_535, 65_536, 65_537, 1 << 20, 64 << 20];
+    p.put("sizes", &sizes_to_bytes(&sizes));
+    let stream = HostStream::new().unwrap();
+    let cond = Condition::host_stream(&stream);
+    let (srcs, dsts): (Vec<Buf>, Vec<Buf>) = sizes.iter().map(|&n| (Buf::new(n), Buf::new(n))).unzip();
+    let bad = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut reqs = Vec::new();
+    for (i, (src, dst)) in srcs.iter().zip(&dsts).enumerate() {
+        // The data is made on the stream, right before the send that carries it.
+        let s2 = src.clone();
+        stream.launch(move || {
+            let mut b = s2.0.lock().unwrap();
+            let n = b.len();
+            b.copy_from_slice(&pattern(i as u64 + 77, n));
+        });
+        reqs.push(handle(unsafe { ep.tag_send_nbx(src.ptr(), src.len(), i as u64, on(&cond, true)).unwrap() }));
+        reqs.push(handle(unsafe { s.w.tag_recv_nbx(dst.ptr(), dst.len(), 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+        // And checked on the stream, right after the receive that brought it back.
+        let (d2, bad2) = (dst.clone(), bad.clone());
+        stream.launch(move || {
+            let got = d2.0.lock().unwrap();
+            let want: Vec<u8> = pattern(i as u64 + 77, got.len()).iter().map(|x| x ^ 0x5A).collect();
+            if *got != want {
+                bad2.lock().unwrap().push(format!("size {}: wrong data after the receive", got.len()));
+            }
+        });
+    }
+    let st = wait_all(&s.w, reqs);
+    assert!(st.iter().all(|x| *x == Status::Ok), "{st:?}");
+    stream.synchronize(Some(T)).unwrap();
+    assert!(bad.lock().unwrap().is_empty(), "{:?}", bad.lock().unwrap());
+    p.get_progress("echoed", T, &s.w);
+    s.finish(p, ep);
+}
+
+#[test]
+fn stream_ordered_echo_all_sizes_shm() {
+    child_or(|| echo(Lane::Shm, "stream_ordered_echo_all_sizes_shm"));
+}
+
+#[test]
+fn stream_ordered_echo_all_sizes_loopback() {
+    child_or(|| echo(Lane::Loopback, "stream_ordered_echo_all_sizes_loopback"));
+}
+
+/// 200 rounds of a two-sided halo exchange issued ahead on the stream, new data every round.
+#[test]
+fn halo_exchange_rounds_with_new_data_shm() {
+    child_or(|| {
+        let s = Setup::new(Lane::Shm, "halo_exchange_rounds_with_new_data_shm");
+        let (mut p, ep) = s.peer("halo");
+        let mine = halo_side(&s.w, &ep, 0);
+        let theirs = String::from_utf8(p.get_progress("halo", T, &s.w)).unwrap();
+        assert_eq!(mine, Ok(()));
+        assert!(theirs.is_empty(), "peer: {theirs}");
+        s.finish(p, ep);
+    });
+}
+
+/// Receives posted in reverse tag order, long after the sends, behind slow stream work.
+#[test]
+fn late_receives_in_reverse_tag_order_shm() {
+    child_or(|| {
+        let s = Setup::new(Lane::Shm, "late_receives_in_reverse_tag_order_shm");
+        let (mut p, ep) = s.peer("tags");
+        let stream = HostStream::new().unwrap();
+        let cond = Condition::host_stream(&stream);
+        stream.launch(|| std::thread::sleep(Duration::from_millis(300)));
+        let bufs: Vec<Buf> = (1..=8usize).map(|t| Buf::new(1000 * t)).collect();
+        let reqs = (1..=8u64)
+            .rev()
+            .map(|t| {
+                let b = &bufs[t as usize - 1];
+                handle(unsafe { s.w.tag_recv_nbx(b.ptr(), b.len(), t, u64::MAX, on(&cond, false)).unwrap() })
+            })
+            .collect();
+        cond.wait().unwrap();
+        let st = wait_all(&s.w, reqs);
+        assert!(st.iter().all(|x| *x == Status::Ok), "{st:?}");
+        stream.synchronize(Some(T)).unwrap();
+        for (b, t) in bufs.iter().zip(1u64..) {
+            assert_same(&b.0.lock().unwrap(), &pattern(t, 1000 * t as usize), &format!("tag {t}"));
+        }
+        p.get_progress("sent", T, &s.w);
+        s.finish(p, ep);
+    });
+}
+
+/// A rendezvous send armed on a stream to a peer that dies: the request fails, the stream's
+/// wait is released, the condition reports the failure, all within a bounded time.
+#[test]
+fn a_dead_peer_fails_the_operation_and_releases_the_stream_shm() {
+    child_or(|| {
+        let s = Setup::new(Lane::Shm, "a_dead_peer_fails_the_operation_and_releases_the_stream_shm");
+        let (p, ep) = s.peer("doomed");
+        let stream = HostStream::new().unwrap();
+        let cond = Condition::host_stream(&stream);
+        let data = vec![7u8; 4 << 20];
+        let h = handle(unsafe { ep.tag_send_nbx(data.as_ptr(), data.len(), 1, on(&cond, true)).unwrap() });
+        let Peer::Proc(mut child) = p else { unreachable!() };
+        std::thread::sleep(Duration::from_millis(50));
+        child.kill();
+        let t0 = Instant::now();
+        let st = wait_all(&s.w, vec![h]);
+        assert_ne!(st[0], Status::Ok);
+        let e = stream.synchronize(Some(Duration::from_secs(20))).unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+        assert_eq!(cond.query().unwrap_err().status(), e.status());
+    });
+}
+
+fn refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
+    v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
