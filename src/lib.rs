@@ -10,6 +10,7 @@ pub mod collectives;
 pub mod condition;
 pub mod config;
 pub mod core;
+pub mod cuda;
 pub mod error;
 pub mod gda;
 pub mod log;

@@ -57,7 +57,8 @@ pub unsafe extern "C" fn gsc_condition_create(param: *const ConditionParam, cond
                 }
                 Condition::host_stream(&handles::get::<HostStream>(context)?)
             }
-            other => Condition::cuda(other, context as usize)?,
+            // A condition belongs to no context, so its one knob comes from the environment.
+            other => Condition::cuda(other, context as usize, crate::Config::from_env()?.kernel_cache_dir)?,
         };
         let h = handles::register(cond, std::ptr::null());
         // SAFETY: non-NULL (checked), writable by the caller's contract.

@@ -33,6 +33,9 @@ pub(crate) struct Channel {
     /// Issue order: taken while an operation is numbered *and* enqueued on its stream, so the
     /// numbers match the stream order even when several threads issue on one condition.
     pub(crate) issue: Mutex<u64>,
+    /// Where counting starts: reused words keep their old values (a late wait on one of them
+    /// must still pass), so a channel continues from them instead of resetting them.
+    pub(crate) base: u64,
 }
 
 #[derive(Default)]
@@ -47,7 +50,18 @@ struct Tracker {
 
 impl Channel {
     pub(crate) fn new(words: Words) -> Arc<Channel> {
-        Arc::new(Channel { words, tracker: Mutex::default(), advanced: Condvar::new(), issue: Mutex::new(0) })
+        let trigger = words.trigger().load(Ordering::Acquire);
+        let done = words.done().load(Ordering::Acquire) & !DONE_ERROR_BIT;
+        let base = trigger.max(done);
+        words.trigger().store(base, Ordering::Release);
+        words.done().store(base, Ordering::Release);
+        let tracker = Tracker { done: base, ..Default::default() };
+        Arc::new(Channel { words, tracker: Mutex::new(tracker), advanced: Condvar::new(), issue: Mutex::new(base), base })
+    }
+
+    /// Point the device handle of pinned words at them, with the device's epoch at `base`.
+    pub(crate) fn init_device_handle(&self) {
+        self.words.init_device_handle(self.base);
     }
 
     /// The value the producer last wrote.
@@ -136,6 +150,14 @@ impl Channel {
                 None => slice,
             };
             t = self.advanced.wait_timeout(t, wait).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        if self.tracker.get_mut().unwrap_or_else(|e| e.into_inner()).error.is_some() {
+            self.words.poison();
         }
     }
 }

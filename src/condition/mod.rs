@@ -18,13 +18,14 @@ mod channel;
 mod host_stream;
 mod words;
 
-pub(crate) use channel::{Channel, DONE_ERROR_BIT, Signal};
+pub use channel::DONE_ERROR_BIT;
+pub(crate) use channel::{Channel, Signal};
 pub use host_stream::HostStream;
 pub(crate) use words::Words;
 
 use crate::error::{Error, Result, Status};
 use host_stream::Item;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 /// The kind of a condition (`gsc_condition_category_t`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -73,12 +74,31 @@ pub(crate) struct CondInner {
     producer: Producer,
     /// Sequenced conditions: the one channel every operation on it shares.
     channel: Option<Arc<Channel>>,
-    /// Persistent conditions: the channel of every operation armed on it (for `query`).
-    armed: Mutex<Vec<Arc<Channel>>>,
+    /// Persistent operations armed on it, for `query`. Their lifetime is their graph's (a CUDA
+    /// user object holds them) or, for kernel triggers, the condition's (`keep`).
+    armed: Mutex<Vec<Weak<Channel>>>,
+    keep: Mutex<Vec<Arc<Channel>>>,
+    /// Operations captured from a stream without a stream wait, for the next `wait`.
+    captured_unwaited: Mutex<Vec<Arc<Channel>>>,
+    /// Kernel cache directory (`GSC_KERNEL_CACHE_DIR`) for the replay-safe nodes.
+    kernel_cache: Option<std::path::PathBuf>,
 }
 
 enum Producer {
     Host(HostStream),
+    /// A CUstream and its context.
+    CudaStream {
+        stream: usize,
+        ctx: usize,
+    },
+    /// A CUgraph; nodes are built in the context current when the condition was created.
+    Graph {
+        graph: usize,
+        ctx: usize,
+    },
+    KernelTriggered {
+        ctx: usize,
+    },
 }
 
 /// How the worker must arm an operation on this condition.
@@ -92,18 +112,47 @@ pub(crate) enum Issued {
 impl Condition {
     /// A condition on a host stream: operations start in the stream's order.
     pub fn host_stream(stream: &HostStream) -> Condition {
-        Condition::build(Category::HostStream, Producer::Host(stream.clone()), Some(Channel::new(Words::host())))
+        Condition::build(Category::HostStream, Producer::Host(stream.clone()), Some(Channel::new(Words::host())), None)
     }
 
-    /// A condition of `category` on the CUDA object at `context` (a CUstream or CUgraph; ignored
-    /// for kernel-triggered conditions).
-    pub fn cuda(category: Category, context: usize) -> Result<Condition> {
-        let _ = context;
-        Err(Error::unsupported(format!("{} conditions need the CUDA driver, which this build cannot use yet", category.name())))
+    /// A condition of `category` on the CUDA object at `context`: a CUstream for `Stream`, a
+    /// CUgraph for `Graph` (nodes are built for the context current on the calling thread),
+    /// nothing for `KernelTriggered` (the current context's kernels use it). `kernel_cache`:
+    /// where compiled kernels are kept (`None`: the default place).
+    pub fn cuda(category: Category, context: usize, kernel_cache: Option<std::path::PathBuf>) -> Result<Condition> {
+        crate::cuda::init().map_err(|e| e.context(format!("{} conditions need the CUDA driver", category.name())))?;
+        let (producer, channel) = match category {
+            Category::Stream => {
+                // The legacy default stream (0) is a valid CUstream; only the context lookup
+                // tells whether the handle is one.
+                let ctx = crate::cuda::stream_context(context)? as usize;
+                let _scope = crate::cuda::CtxScope::enter(crate::cuda::raw(ctx))?;
+                (Producer::CudaStream { stream: context, ctx }, Some(Channel::new(Words::pinned(crate::cuda::PinnedSlot::take()?))))
+            }
+            Category::Graph => {
+                if context == 0 {
+                    return Err(Error::invalid_param("a graph condition needs its CUgraph as context"));
+                }
+                (Producer::Graph { graph: context, ctx: crate::cuda::current_context()? as usize }, None)
+            }
+            Category::KernelTriggered => (Producer::KernelTriggered { ctx: crate::cuda::current_context()? as usize }, None),
+            Category::HostStream => return Err(Error::invalid_param("use Condition::host_stream for host streams")),
+        };
+        Ok(Condition::build(category, producer, channel, kernel_cache))
     }
 
-    fn build(category: Category, producer: Producer, channel: Option<Arc<Channel>>) -> Condition {
-        Condition { inner: Arc::new(CondInner { category, producer, channel, armed: Mutex::new(Vec::new()) }) }
+    fn build(category: Category, producer: Producer, channel: Option<Arc<Channel>>, kernel_cache: Option<std::path::PathBuf>) -> Condition {
+        Condition {
+            inner: Arc::new(CondInner {
+                category,
+                producer,
+                channel,
+                armed: Mutex::default(),
+                keep: Mutex::default(),
+                captured_unwaited: Mutex::default(),
+                kernel_cache,
+            }),
+        }
     }
 
     pub fn category(&self) -> Category {
@@ -116,7 +165,7 @@ impl Condition {
             return Err(e);
         }
         let armed = self.inner.armed.lock().unwrap_or_else(|e| e.into_inner());
-        match armed.iter().find_map(|c| c.error()) {
+        match armed.iter().filter_map(Weak::upgrade).find_map(|c| c.error()) {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -126,8 +175,32 @@ impl Condition {
     /// condition so far (for operations issued with `no_stream_wait`).
     pub fn wait(&self) -> Result<()> {
         let channel = self.sequenced_channel("wait")?;
+        if let Producer::CudaStream { stream, ctx } = self.inner.producer {
+            if crate::cuda::capture_graph(stream)?.is_some() {
+                // Captured operations have a channel each: wait for each with a kernel node.
+                let kernels = self.kernels(ctx)?;
+                let mut pending = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
+                for c in pending.drain(..) {
+                    crate::cuda::launch_on_stream(kernels.wait, stream, c.words.device_handle().expect("pinned"))?;
+                }
+                return Ok(());
+            }
+        }
         let issued = channel.issue.lock().unwrap_or_else(|e| e.into_inner());
         self.enqueue(&channel, None, Some(*issued))
+    }
+
+    fn kernels(&self, ctx: usize) -> Result<crate::cuda::Kernels> {
+        crate::cuda::Kernels::of(crate::cuda::raw(ctx), self.inner.kernel_cache.as_deref())
+    }
+
+    /// A fresh channel of its own for one persistent operation, its device handle pointing at it.
+    fn persistent_channel(&self, ctx: usize) -> Result<Arc<Channel>> {
+        let _scope = crate::cuda::CtxScope::enter(crate::cuda::raw(ctx))?;
+        let slot = crate::cuda::PinnedSlot::take()?;
+        let channel = Channel::new(Words::pinned(slot));
+        channel.init_device_handle();
+        Ok(channel)
     }
 
     fn sequenced_channel(&self, what: &str) -> Result<Arc<Channel>> {
@@ -142,6 +215,16 @@ impl Condition {
     /// Arm one operation: number it and give the producer its trigger (and, unless
     /// `stream_wait` is false, the wait for its completion). Nothing is changed on error.
     pub(crate) fn issue(&self, stream_wait: bool) -> Result<Issued> {
+        match self.inner.producer {
+            Producer::CudaStream { stream, ctx } => {
+                if let Some(graph) = crate::cuda::capture_graph(stream)? {
+                    return self.issue_captured(stream, ctx, graph as usize, stream_wait);
+                }
+            }
+            Producer::Graph { graph, ctx } => return self.issue_graph(graph, ctx),
+            Producer::KernelTriggered { ctx } => return self.issue_kernel_triggered(ctx),
+            Producer::Host(_) => {}
+        }
         match &self.inner.channel {
             Some(channel) => {
                 let mut issued = channel.issue.lock().unwrap_or_else(|e| e.into_inner());
@@ -153,7 +236,7 @@ impl Condition {
                 *issued = seq;
                 Ok(Issued::Sequenced(channel.clone(), seq))
             }
-            None => Err(Error::new(Status::Internal, "persistent conditions are armed by their producer")),
+            None => Err(Error::new(Status::Internal, "a sequenced producer without a channel")),
         }
     }
 
@@ -165,6 +248,63 @@ impl Condition {
                 stream.push_all(items.chain(wait.map(|k| Item::Wait(channel.clone(), k))));
                 Ok(())
             }
+            Producer::CudaStream { stream, .. } => {
+                let (t, d) = channel.words.device.expect("stream channels use mapped words");
+                match trigger {
+                    Some(k) => crate::cuda::enqueue_trigger_wait(*stream, t, k, wait.map(|w| (d, w))),
+                    None => wait.map_or(Ok(()), |w| crate::cuda::enqueue_wait(*stream, d, w)),
+                }
+            }
+            Producer::Graph { .. } | Producer::KernelTriggered { .. } => {
+                Err(Error::new(Status::Internal, "graph and kernel conditions have no stream to enqueue on"))
+            }
+        }
+    }
+
+    /// An operation issued on a stream under capture: replay-safe kernel nodes (the trigger
+    /// kernel bumps the device epoch; the wait kernel waits for that epoch), owned by the graph.
+    fn issue_captured(&self, stream: usize, ctx: usize, graph: usize, stream_wait: bool) -> Result<Issued> {
+        let kernels = self.kernels(ctx)?;
+        let channel = self.persistent_channel(ctx)?;
+        let handle = channel.words.device_handle().expect("pinned");
+        crate::cuda::launch_on_stream(kernels.trigger, stream, handle)?;
+        if stream_wait {
+            crate::cuda::launch_on_stream(kernels.wait, stream, handle)?;
+        } else {
+            self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
+        }
+        crate::cuda::tie_to_graph(crate::cuda::raw(graph), channel.clone())?;
+        self.remember(&channel, false);
+        Ok(Issued::Persistent(channel, ArmedOutputs::default()))
+    }
+
+    /// A graph operation: a trigger node and a done node after it, owned by the graph.
+    fn issue_graph(&self, graph: usize, ctx: usize) -> Result<Issued> {
+        let kernels = self.kernels(ctx)?;
+        let channel = self.persistent_channel(ctx)?;
+        let handle = channel.words.device_handle().expect("pinned");
+        let g = crate::cuda::raw(graph);
+        let start = crate::cuda::add_kernel_node(g, kernels.trigger, handle, &[])?;
+        let done = crate::cuda::add_kernel_node(g, kernels.wait, handle, &[start])?;
+        crate::cuda::tie_to_graph(g, channel.clone())?;
+        self.remember(&channel, false);
+        Ok(Issued::Persistent(channel, ArmedOutputs { start_node: start as usize, done_node: done as usize, device_handle: 0 }))
+    }
+
+    /// A kernel-triggered operation: the device handle, kept alive by the condition.
+    fn issue_kernel_triggered(&self, ctx: usize) -> Result<Issued> {
+        let channel = self.persistent_channel(ctx)?;
+        let handle = channel.words.device_handle().expect("pinned");
+        self.remember(&channel, true);
+        Ok(Issued::Persistent(channel, ArmedOutputs { device_handle: handle, ..Default::default() }))
+    }
+
+    fn remember(&self, channel: &Arc<Channel>, keep: bool) {
+        let mut armed = self.inner.armed.lock().unwrap_or_else(|e| e.into_inner());
+        armed.retain(|w| w.strong_count() > 0);
+        armed.push(Arc::downgrade(channel));
+        if keep {
+            self.inner.keep.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
         }
     }
 }

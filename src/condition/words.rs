@@ -25,6 +25,8 @@ pub(crate) struct Words {
 
 enum Backing {
     Host(#[allow(dead_code)] Box<[Line; 2]>),
+    /// A slot of mapped page-locked memory (see `cuda::PinnedSlot`).
+    Pinned(crate::cuda::PinnedSlot),
 }
 
 // SAFETY: the pointers refer to memory the `Words` owns (or keeps alive through `_backing`) for
@@ -40,6 +42,34 @@ impl Words {
         let trigger = NonNull::from(&lines[0].word);
         let done = NonNull::from(&lines[1].word);
         Words { trigger, done, device: None, _backing: Backing::Host(lines) }
+    }
+
+    /// Words in a mapped page-locked slot (CUDA producers).
+    pub(crate) fn pinned(slot: crate::cuda::PinnedSlot) -> Words {
+        let (trigger, done) = slot.host_words();
+        let device = Some(slot.device_words());
+        Words { trigger, done, device, _backing: Backing::Pinned(slot) }
+    }
+
+    /// The slot's device handle (`gsc_device_handle_t`), for pinned words.
+    pub(crate) fn device_handle(&self) -> Option<u64> {
+        match &self._backing {
+            Backing::Pinned(s) => Some(s.device_handle()),
+            Backing::Host(_) => None,
+        }
+    }
+
+    pub(crate) fn init_device_handle(&self, base: u64) {
+        if let Backing::Pinned(s) = &self._backing {
+            s.init_handle(base);
+        }
+    }
+
+    /// Never reuse this memory: a stream may still write a stale trigger into it.
+    pub(crate) fn poison(&mut self) {
+        if let Backing::Pinned(s) = &mut self._backing {
+            s.poison();
+        }
     }
 
     pub(crate) fn trigger(&self) -> &AtomicU64 {

@@ -327,7 +327,8 @@ impl Worker {
             }
             Issued::Persistent(channel, outputs) => {
                 let template = OpTemplate { kind, conn, start };
-                self.send_to_proxy(Msg::Persist(PersistentOp { channel, template, started: 0 }));
+                let started = channel.base;
+                self.send_to_proxy(Msg::Persist(PersistentOp { channel, template, started }));
                 Ok(Started::Armed(outputs))
             }
         }

@@ -10,7 +10,8 @@
 //! armed. With one-shot operations armed it spins (their trigger is near: the producer was just
 //! given the write). With only persistent operations (graph nodes, kernel triggers) armed, whose
 //! next trigger may be hours away, it spins for `GSC_PROXY_SPIN` after the last activity and then
-//! polls every `GSC_PROXY_POLL`.
+//! polls every `GSC_PROXY_POLL`. A persistent operation is dropped once only the proxy refers
+//! to its channel (its graphs were destroyed, or its kernel-triggered condition released).
 
 use crate::condition::Channel;
 use crate::core::worker::{OpStart, Worker, WorkerInner};
@@ -40,8 +41,6 @@ pub(crate) struct PersistentOp {
 pub(crate) enum Msg {
     Arm(ArmedOp),
     Persist(PersistentOp),
-    /// Stop watching a persistent operation (its graph or condition is gone).
-    Retire(Arc<Channel>),
 }
 
 /// The worker's handle on its proxy thread.
@@ -177,7 +176,6 @@ impl Engine {
         match msg {
             Msg::Arm(op) => self.armed.push(op),
             Msg::Persist(op) => self.persistent.push(op),
-            Msg::Retire(channel) => self.persistent.retain(|p| !Arc::ptr_eq(&p.channel, &channel)),
         }
     }
 
@@ -195,6 +193,9 @@ impl Engine {
                 i += 1;
             }
         }
+        // A persistent operation nobody else refers to any more (its graphs were destroyed, its
+        // condition released) can never trigger again: stop watching it.
+        self.persistent.retain(|p| Arc::strong_count(&p.channel) > 1);
         for p in &mut self.persistent {
             let trigger = p.channel.trigger();
             while p.started < trigger {

@@ -1,0 +1,237 @@
+//! Small safe wrappers over the driver for gscomm's GPU tests, examples and gsc-bench: pick a
+//! device, make streams, page-locked buffers and device buffers, compile and launch kernels,
+//! build, capture and replay graphs. Not a general CUDA binding: just what those programs need,
+//! so they do not each carry their own unsafe driver calls.
+
+use super::{check, cu, init, raw};
+use crate::error::{Error, Result};
+
+/// Make device `ordinal`'s primary context current on the calling thread.
+pub fn set_device(ordinal: i32) -> Result<()> {
+    init()?;
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: valid out-pointers throughout.
+    check(unsafe { cu::cuDeviceGet(&mut dev, ordinal) }, "cuDeviceGet")?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    check(unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) }, "cuDevicePrimaryCtxRetain")?;
+    check(unsafe { cu::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
+}
+
+/// Number of GPUs (0 when the driver is missing).
+pub fn device_count() -> i32 {
+    if init().is_err() {
+        return 0;
+    }
+    let mut n = 0;
+    // SAFETY: a valid out-pointer.
+    unsafe { cu::cuDeviceGetCount(&mut n) };
+    n
+}
+
+/// A non-blocking stream of the current context.
+pub struct Stream(usize);
+
+impl Stream {
+    pub fn new() -> Result<Stream> {
+        let mut s: cu::CUstream = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; flag 1 = CU_STREAM_NON_BLOCKING.
+        check(unsafe { cu::cuStreamCreate(&mut s, 1) }, "cuStreamCreate")?;
+        Ok(Stream(s as usize))
+    }
+    /// The CUstream, as gscomm conditions take it.
+    pub fn raw(&self) -> usize {
+        self.0
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: our live stream.
+        check(unsafe { cu::cuStreamSynchronize(raw(self.0)) }, "cuStreamSynchronize")
+    }
+    pub fn begin_capture(&self) -> Result<()> {
+        // SAFETY: our live stream; mode 2 = CU_STREAM_CAPTURE_MODE_RELAXED.
+        check(
+            unsafe { cu::cuStreamBeginCapture_v2(raw(self.0), cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) },
+            "cuStreamBeginCapture",
+        )
+    }
+    pub fn end_capture(&self) -> Result<Graph> {
+        let mut g: cu::CUgraph = std::ptr::null_mut();
+        // SAFETY: our stream, being captured; a valid out-pointer.
+        check(unsafe { cu::cuStreamEndCapture(raw(self.0), &mut g) }, "cuStreamEndCapture")?;
+        Ok(Graph(g as usize))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: our stream, destroyed once.
+        unsafe { cu::cuStreamDestroy_v2(raw(self.0)) };
+    }
+}
+
+/// Page-locked host memory mapped into the device: kernels and the host both use it.
+pub struct PinnedBuf {
+    host: *mut u8,
+    dev: u64,
+    len: usize,
+}
+
+// SAFETY: plain memory owned by this value.
+unsafe impl Send for PinnedBuf {}
+
+impl PinnedBuf {
+    pub fn new(len: usize) -> Result<PinnedBuf> {
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        let flags = cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: valid out-pointers; freed in Drop.
+        check(unsafe { cu::cuMemHostAlloc(&mut host, len.max(1), flags) }, "cuMemHostAlloc")?;
+        let mut dev: cu::CUdeviceptr = 0;
+        check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }, "cuMemHostGetDevicePointer")?;
+        // SAFETY: fresh allocation of at least `len` bytes.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, len) };
+        Ok(PinnedBuf { host: host as *mut u8, dev, len })
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host
+    }
+    pub fn device_ptr(&self) -> u64 {
+        self.dev
+    }
+    /// A copy of the contents (read with volatile loads: a kernel may have written them).
+    pub fn to_vec(&self) -> Vec<u8> {
+        // SAFETY: `len` readable bytes; the caller has synchronized with any writer.
+        (0..self.len).map(|i| unsafe { std::ptr::read_volatile(self.host.add(i)) }).collect()
+    }
+    pub fn write(&self, data: &[u8]) {
+        assert!(data.len() <= self.len);
+        // SAFETY: in bounds; the caller has synchronized with any reader.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.host, data.len()) };
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
+        unsafe { cu::cuMemFreeHost(self.host as *mut _) };
+    }
+}
+
+/// Kernels compiled from CUDA C source (NVRTC, disk-cached) for the current context.
+pub struct Module(cu::CUmodule);
+
+impl Module {
+    pub fn compile(source: &str) -> Result<Module> {
+        let ctx = super::current_context()?;
+        let arch = super::context_arch(ctx)?;
+        let cubin = super::kernels::compile_cached(source, arch, None)?;
+        Ok(Module(super::kernels::load_module(&cubin)?))
+    }
+    pub fn function(&self, name: &str) -> Result<Function> {
+        Ok(Function(super::kernels::function(self.0, name)? as usize))
+    }
+}
+
+#[derive(Copy, Clone)]
+pub struct Function(usize);
+
+impl Function {
+    /// Launch with 8-byte arguments (pointers, 64-bit integers).
+    pub fn launch(&self, grid: u32, block: u32, stream: &Stream, args: &[u64]) -> Result<()> {
+        let mut vals = args.to_vec();
+        let mut ptrs: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut _).collect();
+        // SAFETY: the kernel's parameters are `args.len()` 8-byte values (the caller's promise);
+        // the driver copies them during the call.
+        check(
+            unsafe { cu::cuLaunchKernel(raw(self.0), grid, 1, 1, block, 1, 1, 0, raw(stream.0), ptrs.as_mut_ptr(), std::ptr::null_mut()) },
+            "cuLaunchKernel",
+        )
+    }
+}
+
+/// A CUDA graph (destroyed on drop; gscomm's nodes in it stay valid for its instances).
+pub struct Graph(usize);
+
+impl Graph {
+    pub fn new() -> Result<Graph> {
+        let mut g: cu::CUgraph = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check(unsafe { cu::cuGraphCreate(&mut g, 0) }, "cuGraphCreate")?;
+        Ok(Graph(g as usize))
+    }
+    /// The CUgraph, as a graph condition takes it.
+    pub fn raw(&self) -> usize {
+        self.0
+    }
+    /// Add a kernel node after `deps` (CUgraphNode addresses).
+    pub fn add_kernel(&self, f: Function, grid: u32, block: u32, args: &[u64], deps: &[usize]) -> Result<usize> {
+        let mut vals = args.to_vec();
+        let mut ptrs: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut _).collect();
+        // SAFETY: zero is valid for every field.
+        let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+        p.func = raw(f.0);
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid, 1, 1);
+        (p.blockDimX, p.blockDimY, p.blockDimZ) = (block, 1, 1);
+        p.kernelParams = ptrs.as_mut_ptr();
+        let deps: Vec<cu::CUgraphNode> = deps.iter().map(|&d| raw(d)).collect();
+        let mut node: cu::CUgraphNode = std::ptr::null_mut();
+        // SAFETY: our graph, nodes of it, parameters copied by the driver.
+        check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, raw(self.0), deps.as_ptr(), deps.len(), &p) }, "cuGraphAddKernelNode")?;
+        Ok(node as usize)
+    }
+    /// Make `to` depend on `from` (both nodes of this graph).
+    pub fn add_dependency(&self, from: usize, to: usize) -> Result<()> {
+        let (f, t): (cu::CUgraphNode, cu::CUgraphNode) = (raw(from), raw(to));
+        // SAFETY: two nodes of our graph; no edge data.
+        check(unsafe { cu::cuGraphAddDependencies_v2(raw(self.0), &f, &t, std::ptr::null(), 1) }, "cuGraphAddDependencies")
+    }
+    pub fn instantiate(&self) -> Result<GraphExec> {
+        let mut e: cu::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: our graph; a valid out-pointer.
+        check(unsafe { cu::cuGraphInstantiateWithFlags(&mut e, raw(self.0), 0) }, "cuGraphInstantiate")?;
+        Ok(GraphExec(e as usize))
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: our graph, destroyed once.
+        unsafe { cu::cuGraphDestroy(raw(self.0)) };
+    }
+}
+
+pub struct GraphExec(usize);
+
+impl GraphExec {
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: our executable graph and a live stream.
+        check(unsafe { cu::cuGraphLaunch(raw(self.0), raw(stream.0)) }, "cuGraphLaunch")
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // SAFETY: ours, destroyed once.
+        unsafe { cu::cuGraphExecDestroy(raw(self.0)) };
+    }
+}
+
+/// Why GPU tests cannot run here, or `None` when they can (`GSC_TEST_GPU=1` and a GPU).
+pub fn gpu_test_skip_reason() -> Option<String> {
+    if std::env::var("GSC_TEST_GPU").ok().as_deref() != Some("1") {
+        return Some("GSC_TEST_GPU is not 1 (GPU tests run on the device machines)".into());
+    }
+    match init() {
+        Ok(()) => None,
+        Err(e) => Some(format!("no usable GPU: {e}")),
+    }
+}
+
+/// Ensure `e` names CUDA for messages in tests.
+pub fn describe(e: &Error) -> String {
+    format!("{}: {}", e.status().c_name(), e.message())
+}

@@ -1,0 +1,296 @@
+//! The one place that calls the CUDA driver and NVRTC. Both are loaded at run time (cudarc's
+//! dynamic loading), so building the crate needs no CUDA and a machine without a GPU gets a
+//! clear error (`LibraryMissing` / `NoDevice`) the first time a CUDA feature is used.
+//!
+//! What lives here: driver start-up and error mapping, contexts of streams, the stream memops
+//! that arm a stream condition, kernel launches and graph nodes for replay-safe conditions,
+//! page-locked mapped memory for trigger/done words (`pinned`), the NVRTC kernel cache
+//! (`kernels`), and a few thin wrappers the tests and gsc-bench use (`api`).
+//!
+//! Rule kept everywhere: nothing here is called from the proxy thread. The proxy only reads
+//! and writes host memory, so no CUDA call can block it behind a stream that waits on it.
+
+pub mod api;
+mod kernels;
+mod pinned;
+
+pub(crate) use kernels::Kernels;
+pub(crate) use pinned::PinnedSlot;
+
+use crate::error::{Error, Result, Status};
+use cudarc::driver::sys as cu;
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+/// Every driver symbol gscomm calls, checked once at start-up so a driver that lacks one gives
+/// an error naming it instead of a panic in the middle of an operation.
+const DRIVER_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuDeviceGet",
+    "cuDeviceGetCount",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxGetDevice",
+    "cuCtxSynchronize",
+    "cuStreamGetCtx",
+    "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo_v3",
+    "cuStreamBatchMemOp_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuMemHostAlloc",
+    "cuMemHostGetDevicePointer_v2",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    "cuGraphCreate",
+    "cuGraphDestroy",
+    "cuGraphAddKernelNode_v2",
+    "cuGraphAddDependencies_v2",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphExecDestroy",
+    "cuGraphLaunch",
+    "cuUserObjectCreate",
+    "cuGraphRetainUserObject",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuPointerGetAttribute",
+];
+
+/// Load the driver, check its symbols and initialize it (once per process).
+pub fn init() -> Result<()> {
+    static INIT: OnceLock<std::result::Result<(), Error>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: probing for the library has no preconditions.
+        if !unsafe { cu::is_culib_present() } {
+            return Err(Error::new(
+                Status::LibraryMissing,
+                "the CUDA driver (libcuda.so) cannot be loaded: no NVIDIA driver on this machine",
+            ));
+        }
+        // SAFETY: the library is present (checked above); `get` only looks symbols up.
+        let lib = unsafe { cu::culib() };
+        for name in DRIVER_SYMBOLS {
+            // SAFETY: a lookup; the pointer is not called here.
+            if unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err() {
+                return Err(Error::new(Status::LibraryMissing, format!("the CUDA driver lacks {name} (driver too old?)")));
+            }
+        }
+        // SAFETY: cuInit has no preconditions.
+        check(unsafe { cu::cuInit(0) }, "cuInit")?;
+        let mut n = 0;
+        // SAFETY: `n` is a valid out-pointer.
+        check(unsafe { cu::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+        if n == 0 {
+            return Err(Error::new(Status::NoDevice, "the CUDA driver sees no GPU"));
+        }
+        tracing::debug!(target: "gsc::cuda", devices = n, "CUDA driver initialized");
+        Ok(())
+    })
+    .clone()
+}
+
+/// `Ok` for CUDA_SUCCESS, else an error naming the call and the driver's error.
+pub(crate) fn check(r: cu::CUresult, what: &str) -> Result<()> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: a valid out-pointer; the driver returns a static string or leaves it null.
+    unsafe { cu::cuGetErrorName(r, &mut name) };
+    let name = if name.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: non-null strings from cuGetErrorName are static and NUL-terminated.
+        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    };
+    let status = match r {
+        cu::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Status::NoMemory,
+        cu::CUresult::CUDA_ERROR_INVALID_VALUE | cu::CUresult::CUDA_ERROR_INVALID_HANDLE => Status::InvalidParam,
+        cu::CUresult::CUDA_ERROR_NO_DEVICE => Status::NoDevice,
+        cu::CUresult::CUDA_ERROR_NOT_SUPPORTED => Status::Unsupported,
+        _ => Status::DeviceError,
+    };
+    Err(Error::new(status, format!("{what} failed: {name}")))
+}
+
+/// A raw CUDA handle passed through gscomm as an address (CUstream, CUgraph, CUcontext).
+pub(crate) fn raw<T>(addr: usize) -> *mut T {
+    addr as *mut T
+}
+
+/// The context a stream belongs to (the legacy/per-thread default streams: the current one).
+pub(crate) fn stream_context(stream: usize) -> Result<cu::CUcontext> {
+    init()?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: the user passed `stream` as a CUstream of a live context (gsc.h's contract);
+    // `ctx` is a valid out-pointer.
+    check(unsafe { cu::cuStreamGetCtx(raw(stream), &mut ctx) }, "cuStreamGetCtx")?;
+    Ok(ctx)
+}
+
+/// The calling thread's current context; an error when it has none.
+pub(crate) fn current_context() -> Result<cu::CUcontext> {
+    init()?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    check(unsafe { cu::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
+    if ctx.is_null() {
+        return Err(Error::new(
+            Status::NoDevice,
+            "no CUDA context is current on this thread (call cudaSetDevice and cudaFree(0), or cuCtxSetCurrent, first)",
+        ));
+    }
+    Ok(ctx)
+}
+
+/// Makes `ctx` current for a scope and restores the previous one after.
+pub(crate) struct CtxScope(());
+
+impl CtxScope {
+    pub(crate) fn enter(ctx: cu::CUcontext) -> Result<CtxScope> {
+        // SAFETY: `ctx` is a live context (from the driver).
+        check(unsafe { cu::cuCtxPushCurrent_v2(ctx) }, "cuCtxPushCurrent")?;
+        Ok(CtxScope(()))
+    }
+}
+
+impl Drop for CtxScope {
+    fn drop(&mut self) {
+        let mut old: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context `enter` pushed on this thread.
+        unsafe { cu::cuCtxPopCurrent_v2(&mut old) };
+    }
+}
+
+/// If `stream` is being captured, the graph it is captured into.
+pub(crate) fn capture_graph(stream: usize) -> Result<Option<cu::CUgraph>> {
+    let mut status = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: u64 = 0;
+    let mut graph: cu::CUgraph = std::ptr::null_mut();
+    let mut deps: *const cu::CUgraphNode = std::ptr::null();
+    let mut edges: *const cu::CUgraphEdgeData = std::ptr::null();
+    let mut ndeps: usize = 0;
+    // SAFETY: every out-pointer is valid; `stream` is the user's CUstream.
+    check(
+        unsafe { cu::cuStreamGetCaptureInfo_v3(raw(stream), &mut status, &mut id, &mut graph, &mut deps, &mut edges, &mut ndeps) },
+        "cuStreamGetCaptureInfo",
+    )?;
+    Ok(match status {
+        cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => Some(graph),
+        cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => None,
+        _ => return Err(Error::invalid_param("the stream's capture was invalidated; end it (cudaStreamEndCapture) before issuing on it")),
+    })
+}
+
+/// Enqueue on `stream`, as one batch: write `value` to the trigger word, then (if given) wait
+/// until the done word is `>=` its value. The write carries the default system-wide fence, so
+/// whatever the stream wrote before is visible to the proxy and to peers first.
+pub(crate) fn enqueue_trigger_wait(stream: usize, trigger: u64, value: u64, wait: Option<(u64, u64)>) -> Result<()> {
+    // SAFETY: an all-zero memop descriptor is a valid starting point for every union member.
+    let mut ops: [cu::CUstreamBatchMemOpParams; 2] = unsafe { std::mem::zeroed() };
+    ops[0].writeValue.operation = cu::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    ops[0].writeValue.address = trigger;
+    ops[0].writeValue.__bindgen_anon_1.value64 = value;
+    ops[0].writeValue.flags = 0;
+    let mut count = 1;
+    if let Some((done, at_least)) = wait {
+        ops[1].waitValue.operation = cu::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_64;
+        ops[1].waitValue.address = done;
+        ops[1].waitValue.__bindgen_anon_1.value64 = at_least;
+        ops[1].waitValue.flags = cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        count = 2;
+    }
+    // SAFETY: `ops` holds `count` initialized descriptors naming mapped page-locked words that
+    // stay allocated while any stream may still use them (see `pinned`).
+    check(unsafe { cu::cuStreamBatchMemOp_v2(raw(stream), count, ops.as_mut_ptr(), 0) }, "cuStreamBatchMemOp")
+}
+
+/// Enqueue only a wait (`done >= value`) on `stream`.
+pub(crate) fn enqueue_wait(stream: usize, done: u64, value: u64) -> Result<()> {
+    // SAFETY: as in `enqueue_trigger_wait`.
+    let mut op: cu::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
+    op.waitValue.operation = cu::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    op.waitValue.address = done;
+    op.waitValue.__bindgen_anon_1.value64 = value;
+    op.waitValue.flags = cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+    // SAFETY: one initialized descriptor naming a live mapped word.
+    check(unsafe { cu::cuStreamBatchMemOp_v2(raw(stream), 1, &mut op, 0) }, "cuStreamBatchMemOp")
+}
+
+/// Keep `value` alive as long as `graph` (and every graph instantiated from it): a CUDA user
+/// object owned by the graph drops it when the last of them is destroyed.
+pub(crate) fn tie_to_graph<T: Send + 'static>(graph: cu::CUgraph, value: T) -> Result<()> {
+    unsafe extern "C" fn drop_boxed<T>(p: *mut std::ffi::c_void) {
+        // SAFETY: `p` is the `Box<T>` leaked below, handed back exactly once by the driver.
+        // Dropping it makes no CUDA call (the rule for user-object destructors).
+        drop(unsafe { Box::from_raw(p as *mut T) });
+    }
+    let ptr = Box::into_raw(Box::new(value)) as *mut std::ffi::c_void;
+    let mut obj: cu::CUuserObject = std::ptr::null_mut();
+    let flags = cu::CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32;
+    // SAFETY: `ptr` stays valid until the destructor runs; the driver calls it once.
+    let r = unsafe { cu::cuUserObjectCreate(&mut obj, ptr, Some(drop_boxed::<T>), 1, flags) };
+    if let Err(e) = check(r, "cuUserObjectCreate") {
+        // SAFETY: the driver did not take the pointer.
+        drop(unsafe { Box::from_raw(ptr as *mut T) });
+        return Err(e);
+    }
+    let mv = cu::CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE as u32;
+    // SAFETY: `graph` is the user's live graph; the reference moves to it.
+    check(unsafe { cu::cuGraphRetainUserObject(graph, obj, 1, mv) }, "cuGraphRetainUserObject")
+}
+
+/// Compute capability (major, minor) of the context's device.
+pub(crate) fn context_arch(ctx: cu::CUcontext) -> Result<(i32, i32)> {
+    let _scope = CtxScope::enter(ctx)?;
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: a valid out-pointer, with `ctx` current.
+    check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    let (mut major, mut minor) = (0, 0);
+    use cu::CUdevice_attribute::{
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJ, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MIN,
+    };
+    // SAFETY: valid out-pointers and a device of this context.
+    check(unsafe { cu::cuDeviceGetAttribute(&mut major, MAJ, dev) }, "cuDeviceGetAttribute")?;
+    // SAFETY: as above.
+    check(unsafe { cu::cuDeviceGetAttribute(&mut minor, MIN, dev) }, "cuDeviceGetAttribute")?;
+    Ok((major, minor))
+}
+
+/// Launch a one-thread kernel taking one pointer argument on `stream` (captured into a graph
+/// node when the stream is being captured).
+pub(crate) fn launch_on_stream(f: cu::CUfunction, stream: usize, arg: u64) -> Result<()> {
+    let mut a = arg;
+    let mut params = [&mut a as *mut u64 as *mut std::ffi::c_void];
+    // SAFETY: `f` takes exactly one 8-byte parameter; `params` outlives the call (the driver
+    // copies the values).
+    check(unsafe { cu::cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) }, "cuLaunchKernel")
+}
+
+/// Add a one-thread kernel node taking one pointer argument to `graph`, after `deps`.
+pub(crate) fn add_kernel_node(graph: cu::CUgraph, f: cu::CUfunction, arg: u64, deps: &[cu::CUgraphNode]) -> Result<cu::CUgraphNode> {
+    let mut a = arg;
+    let mut params = [&mut a as *mut u64 as *mut std::ffi::c_void];
+    // SAFETY: zero is a valid value for every field (null pointers, no extra).
+    let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    p.func = f;
+    (p.gridDimX, p.gridDimY, p.gridDimZ) = (1, 1, 1);
+    (p.blockDimX, p.blockDimY, p.blockDimZ) = (1, 1, 1);
+    p.kernelParams = params.as_mut_ptr();
+    let mut node: cu::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: the user's live graph, `deps` nodes of it, and parameters copied by the driver.
+    check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, deps.as_ptr(), deps.len(), &p) }, "cuGraphAddKernelNode")?;
+    Ok(node)
+}
