@@ -1,0 +1,283 @@
+//! CUDA conditions between two processes, one per GPU: stream-, graph-, capture- and
+//! kernel-triggered operations, with the data made and checked by kernels on the GPU.
+//!
+//! Buffers are page-locked host memory mapped into the GPUs (GPU-memory buffers need the CUDA
+//! IPC lane, not built yet). Skips with a printed reason unless `GSC_TEST_GPU=1` and a GPU is
+//! there; the device machines run it through `.gpu/run.sh`.
+mod common;
+
+use common::*;
+use gscomm::condition::{Category, Condition};
+use gscomm::cuda::api::{Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, set_device};
+use gscomm::{Context, Endpoint, RequestParams, Started, Status, Worker};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(120);
+
+const KERNELS: &str = r#"
+extern "C" __global__ void fill(unsigned char *b, unsigned long long n, unsigned long long seed) {
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        b[i] = (unsigned char)(i * 131 + seed * 7 + 1);
+}
+extern "C" __global__ void xor5a(unsigned char *b, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        b[i] ^= 0x5A;
+}
+extern "C" __global__ void check(const unsigned char *b, unsigned long long n, unsigned long long seed,
+                                 unsigned long long x, unsigned long long *errors) {
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        if (b[i] != (unsigned char)((unsigned char)(i * 131 + seed * 7 + 1) ^ (unsigned char)x)) { atomicAdd(errors, 1ULL); return; }
+}
+/* One block. Bumps the round counter (thread 0) and fills for (round, side). */
+extern "C" __global__ void fill_round(unsigned char *b, unsigned long long n, unsigned long long *round, unsigned long long side) {
+    __shared__ unsigned long long r;
+    if (threadIdx.x == 0) { r = *(volatile unsigned long long *)round + 1; *round = r; }
+    __syncthreads();
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) b[i] = (unsigned char)(i + r * 3 + side * 101);
+}
+/* One block. Checks the peer's data of the current round. */
+extern "C" __global__ void check_round(const unsigned char *b, unsigned long long n, unsigned long long *round,
+                                       unsigned long long side, unsigned long long *errors) {
+    unsigned long long r = *(volatile unsigned long long *)round;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x)
+        if (b[i] != (unsigned char)(i + r * 3 + side * 101)) { atomicAdd(errors, 1ULL); return; }
+}
+/* One block: `rounds` halo exchanges driven from inside the kernel. */
+extern "C" __global__ void kernel_rounds(gsc_device_handle_t *send, gsc_device_handle_t *recv, unsigned char *src,
+                                         const unsigned char *dst, unsigned long long n, unsigned long long rounds,
+                                         unsigned long long side, unsigned long long *errors) {
+    for (unsigned long long r = 1; r <= rounds; r++) {
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) src[i] = (unsigned char)(i + r * 5 + side * 77);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            gsc_trigger(recv);
+            gsc_trigger(send);
+            if (gsc_wait(send) != 0 || gsc_wait(recv) != 0) atomicAdd(errors, 1000000ULL);
+        }
+        __syncthreads();
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x)
+            if (dst[i] != (unsigned char)(i + r * 5 + (1 - side) * 77)) { atomicAdd(errors, 1ULL); break; }
+        __syncthreads();
+    }
+}
+"#;
+
+struct Kern {
+    fill: Function,
+    xor5a: Function,
+    check: Function,
+    fill_round: Function,
+    check_round: Function,
+    kernel_rounds: Function,
+    _m: Module,
+}
+
+fn kernels() -> Kern {
+    let src = format!("{}\n{KERNELS}", include_str!("../include/gsc_device.cuh"));
+    let m = Module::compile(&src).expect("compile test kernels");
+    let f = |n| m.function(n).unwrap();
+    Kern {
+        fill: f("fill"),
+        xor5a: f("xor5a"),
+        check: f("check"),
+        fill_round: f("fill_round"),
+        check_round: f("check_round"),
+        kernel_rounds: f("kernel_rounds"),
+        _m: m,
+    }
+}
+
+fn grid(n: usize) -> u32 {
+    (n.div_ceil(256)).clamp(1, 1024) as u32
+}
+
+fn on(c: &Condition, wait: bool) -> RequestParams {
+    RequestParams { condition: Some(c.clone()), no_stream_wait: !wait, ..Default::default() }
+}
+
+fn handle(s: Started) -> u64 {
+    match s {
+        Started::Pending(h) => h,
+        other => panic!("expected a request, got {other:?}"),
+    }
+}
+
+fn armed(s: Started) -> gscomm::condition::ArmedOutputs {
+    match s {
+        Started::Armed(o) => o,
+        other => panic!("expected an armed persistent operation, got {other:?}"),
+    }
+}
+
+fn wait_all(w: &Worker, hs: Vec<u64>) -> Vec<Status> {
+    hs.into_iter()
+        .map(|h| {
+            let c = w.request_wait(h).expect("request_wait");
+            w.request_release(h).unwrap();
+            c.status
+        })
+        .collect()
+}
+
+fn errors(b: &PinnedBuf) -> u64 {
+    u64::from_le_bytes(b.to_vec()[..8].try_into().unwrap())
+}
+
+const SIZES: [usize; 9] = [0, 1, 128, 129, 65_535, 65_536, 65_537, 1 << 20, 64 << 20];
+const GRAPH_ROUNDS: usize = 10_000;
+const CAPTURE_ROUNDS: usize = 1_000;
+const KERNEL_ROUNDS: u64 = 500;
+const ROUND_BYTES: usize = 4096;
+
+/// One side's scenario list; `side` 0 is the test process, 1 the child.
+fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn FnMut(&str, String)) {
+    let stream = Stream::new().unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+
+    // 1. Stream-ordered echo: side 0 fills on the GPU, sends, receives the echo and checks it on
+    //    the GPU; side 1 receives, transforms on the GPU and sends back. All on one stream each.
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let bufs: Vec<(PinnedBuf, PinnedBuf)> = SIZES.iter().map(|&n| (PinnedBuf::new(n).unwrap(), PinnedBuf::new(n).unwrap())).collect();
+    let mut reqs = Vec::new();
+    for (i, (a, b)) in bufs.iter().enumerate() {
+        let n = a.len();
+        if side == 0 {
+            k.fill.launch(grid(n), 256, &stream, &[a.device_ptr(), n as u64, i as u64]).unwrap();
+            reqs.push(handle(unsafe { ep.tag_send_nbx(a.host_ptr(), n, i as u64, on(&cond, true)).unwrap() }));
+            reqs.push(handle(unsafe { w.tag_recv_nbx(b.host_ptr(), n, 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+            k.check.launch(grid(n), 256, &stream, &[b.device_ptr(), n as u64, i as u64, 0x5A, err.device_ptr()]).unwrap();
+        } else {
+            reqs.push(handle(unsafe { w.tag_recv_nbx(a.host_ptr(), n, i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+            k.xor5a.launch(grid(n), 256, &stream, &[a.device_ptr(), n as u64]).unwrap();
+            reqs.push(handle(unsafe { ep.tag_send_nbx(a.host_ptr(), n, 1000 + i as u64, on(&cond, true)).unwrap() }));
+        }
+    }
+    let st = wait_all(w, reqs);
+    stream.synchronize().unwrap();
+    report("stream", if st.iter().all(|s| *s == Status::Ok) && errors(&err) == 0 { String::new() } else { format!("{st:?} errors={}", errors(&err)) });
+    drop(bufs);
+
+    // 2. Graph: a halo exchange as graph nodes (fill -> send; recv; both done -> check),
+    //    replayed GRAPH_ROUNDS times with new data each round.
+    let err = PinnedBuf::new(8).unwrap();
+    let round = PinnedBuf::new(8).unwrap();
+    let (src, dst) = (PinnedBuf::new(ROUND_BYTES).unwrap(), PinnedBuf::new(ROUND_BYTES).unwrap());
+    let g = Graph::new().unwrap();
+    let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
+    let n = ROUND_BYTES as u64;
+    let fill = g.add_kernel(k.fill_round, 1, 256, &[src.device_ptr(), n, round.device_ptr(), side], &[]).unwrap();
+    let s = armed(unsafe { ep.tag_send_nbx(src.host_ptr(), ROUND_BYTES, 7, on(&gc, true)).unwrap() });
+    let r = armed(unsafe { w.tag_recv_nbx(dst.host_ptr(), ROUND_BYTES, 7, u64::MAX, on(&gc, true)).unwrap() });
+    g.add_dependency(fill, s.start_node).unwrap();
+    // The receive of round k+1 may only start once round k was checked: the next replay's
+    // start nodes come after this replay's check in stream order anyway (graph launches of one
+    // executable are ordered).
+    let check = g.add_kernel(k.check_round, 1, 256, &[dst.device_ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[s.done_node, r.done_node]).unwrap();
+    let _ = check;
+    let exec = g.instantiate().unwrap();
+    let t0 = Instant::now();
+    for _ in 0..GRAPH_ROUNDS {
+        exec.launch(&stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let dt = t0.elapsed();
+    report("graph", if errors(&err) == 0 && gc.query().is_ok() { String::new() } else { format!("errors={} query={:?}", errors(&err), gc.query()) });
+    eprintln!("side {side}: {GRAPH_ROUNDS} graph replays in {dt:?} ({:.1} us/replay)", dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64);
+    drop(exec);
+    drop(g);
+
+    // 3. Stream capture: the same exchange issued on a capturing stream (no stream wait, then
+    //    one condition wait), replayed CAPTURE_ROUNDS times.
+    let err = PinnedBuf::new(8).unwrap();
+    let round = PinnedBuf::new(8).unwrap();
+    let cap = Stream::new().unwrap();
+    let cc = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    k.fill_round.launch(1, 256, &cap, &[src.device_ptr(), n, round.device_ptr(), side]).unwrap();
+    let a = unsafe { w.tag_recv_nbx(dst.host_ptr(), ROUND_BYTES, 9, u64::MAX, on(&cc, false)).unwrap() };
+    let b = unsafe { ep.tag_send_nbx(src.host_ptr(), ROUND_BYTES, 9, on(&cc, false)).unwrap() };
+    assert!(matches!(a, Started::Armed(_)) && matches!(b, Started::Armed(_)), "captured operations are persistent");
+    cc.wait().unwrap();
+    k.check_round.launch(1, 256, &cap, &[dst.device_ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()]).unwrap();
+    let cg = cap.end_capture().unwrap();
+    let cexec = cg.instantiate().unwrap();
+    for _ in 0..CAPTURE_ROUNDS {
+        cexec.launch(&stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    report("capture", if errors(&err) == 0 && cc.query().is_ok() { String::new() } else { format!("errors={}", errors(&err)) });
+    drop(cexec);
+    drop(cg);
+
+    // 4. Kernel-triggered: one kernel runs KERNEL_ROUNDS exchanges, triggering and waiting
+    //    from the device.
+    let err = PinnedBuf::new(8).unwrap();
+    let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
+    let hs = armed(unsafe { ep.tag_send_nbx(src.host_ptr(), ROUND_BYTES, 11, on(&kc, true)).unwrap() });
+    let hr = armed(unsafe { w.tag_recv_nbx(dst.host_ptr(), ROUND_BYTES, 11, u64::MAX, on(&kc, true)).unwrap() });
+    k.kernel_rounds
+        .launch(1, 256, &stream, &[hs.device_handle, hr.device_handle, src.device_ptr(), dst.device_ptr(), n, KERNEL_ROUNDS, side, err.device_ptr()])
+        .unwrap();
+    stream.synchronize().unwrap();
+    report("kernel", if errors(&err) == 0 && kc.query().is_ok() { String::new() } else { format!("errors={}", errors(&err)) });
+}
+
+fn device_for(side: u64) -> i32 {
+    if device_count() >= 2 { side as i32 } else { 0 }
+}
+
+fn roles(role: &str, chan: &dyn Chan, ctx: Context) {
+    assert_eq!(role, "peer");
+    set_device(device_for(1)).unwrap();
+    let k = kernels();
+    let w = ctx.create_worker().unwrap();
+    let ep = w.connect(&chan.get("addr")).unwrap();
+    chan.put("ready", w.address());
+    let mut results = Vec::new();
+    scenarios(1, &w, &ep, &k, &mut |name, r| results.push(format!("{name}:{r}")));
+    chan.put("results", results.join(";").as_bytes());
+    chan.get("bye");
+    ep.close().unwrap();
+}
+
+#[test]
+fn stream_graph_capture_and_kernel_conditions_between_two_gpus() {
+    if run_child_role(roles) {
+        return;
+    }
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(device_for(0)).unwrap();
+    let k = kernels();
+    let dir = ShmDir::new("gpu_conditions");
+    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "120s")];
+    let w = ctx_with(&cfg).create_worker().unwrap();
+    let mut p = start_peer(Lane::Shm, "stream_graph_capture_and_kernel_conditions_between_two_gpus", "peer", &cfg, roles);
+    p.put("addr", w.address());
+    let addr = p.get_progress("ready", T, &w);
+    let ep = w.connect(&addr).unwrap();
+    let mut mine = Vec::new();
+    scenarios(0, &w, &ep, &k, &mut |name, r| mine.push((name.to_string(), r)));
+    let theirs = String::from_utf8(p.get_progress("results", T, &w)).unwrap();
+    for (name, r) in &mine {
+        eprintln!("side 0 {name}: {}", if r.is_empty() { "ok" } else { r });
+    }
+    eprintln!("side 1: {theirs}");
+    for (name, r) in mine {
+        assert!(r.is_empty(), "side 0 {name}: {r}");
+    }
+    for part in theirs.split(';') {
+        let (name, r) = part.split_once(':').unwrap();
+        assert!(r.is_empty(), "side 1 {name}: {r}");
+    }
+    p.put("bye", &[]);
+    ep.close().unwrap();
+    let deadline = Instant::now() + T;
+    while !p.is_finished() {
+        assert!(Instant::now() < deadline);
+        w.progress();
+    }
+    p.finish(T);
+}
