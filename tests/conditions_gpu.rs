@@ -154,7 +154,10 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     }
     let st = wait_all(w, reqs);
     stream.synchronize().unwrap();
-    report("stream", if st.iter().all(|s| *s == Status::Ok) && errors(&err) == 0 { String::new() } else { format!("{st:?} errors={}", errors(&err)) });
+    report(
+        "stream",
+        if st.iter().all(|s| *s == Status::Ok) && errors(&err) == 0 { String::new() } else { format!("{st:?} errors={}", errors(&err)) },
+    );
     drop(bufs);
 
     // 2. Graph: a halo exchange as graph nodes (fill -> send; recv; both done -> check),
@@ -172,7 +175,15 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     // The receive of round k+1 may only start once round k was checked: the next replay's
     // start nodes come after this replay's check in stream order anyway (graph launches of one
     // executable are ordered).
-    let check = g.add_kernel(k.check_round, 1, 256, &[dst.device_ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[s.done_node, r.done_node]).unwrap();
+    let check = g
+        .add_kernel(
+            k.check_round,
+            1,
+            256,
+            &[dst.device_ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()],
+            &[s.done_node, r.done_node],
+        )
+        .unwrap();
     let _ = check;
     let exec = g.instantiate().unwrap();
     let t0 = Instant::now();
@@ -181,7 +192,10 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     }
     stream.synchronize().unwrap();
     let dt = t0.elapsed();
-    report("graph", if errors(&err) == 0 && gc.query().is_ok() { String::new() } else { format!("errors={} query={:?}", errors(&err), gc.query()) });
+    report(
+        "graph",
+        if errors(&err) == 0 && gc.query().is_ok() { String::new() } else { format!("errors={} query={:?}", errors(&err), gc.query()) },
+    );
     eprintln!("side {side}: {GRAPH_ROUNDS} graph replays in {dt:?} ({:.1} us/replay)", dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64);
     drop(exec);
     drop(g);
@@ -216,7 +230,12 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     let hs = armed(unsafe { ep.tag_send_nbx(src.host_ptr(), ROUND_BYTES, 11, on(&kc, true)).unwrap() });
     let hr = armed(unsafe { w.tag_recv_nbx(dst.host_ptr(), ROUND_BYTES, 11, u64::MAX, on(&kc, true)).unwrap() });
     k.kernel_rounds
-        .launch(1, 256, &stream, &[hs.device_handle, hr.device_handle, src.device_ptr(), dst.device_ptr(), n, KERNEL_ROUNDS, side, err.device_ptr()])
+        .launch(
+            1,
+            256,
+            &stream,
+            &[hs.device_handle, hr.device_handle, src.device_ptr(), dst.device_ptr(), n, KERNEL_ROUNDS, side, err.device_ptr()],
+        )
         .unwrap();
     stream.synchronize().unwrap();
     report("kernel", if errors(&err) == 0 && kc.query().is_ok() { String::new() } else { format!("errors={}", errors(&err)) });
