@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, set_device};
-use gscomm::{Context, Endpoint, RequestParams, Started, Status, Worker};
+use gscomm::{Context, Endpoint, Started, Status, Worker};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(120);
@@ -91,32 +91,11 @@ fn grid(n: usize) -> u32 {
     (n.div_ceil(256)).clamp(1, 1024) as u32
 }
 
-fn on(c: &Condition, wait: bool) -> RequestParams {
-    RequestParams { condition: Some(c.clone()), no_stream_wait: !wait, ..Default::default() }
-}
-
-fn handle(s: Started) -> u64 {
-    match s {
-        Started::Pending(h) => h,
-        other => panic!("expected a request, got {other:?}"),
-    }
-}
-
 fn armed(s: Started) -> gscomm::condition::ArmedOutputs {
     match s {
         Started::Armed(o) => o,
         other => panic!("expected an armed persistent operation, got {other:?}"),
     }
-}
-
-fn wait_all(w: &Worker, hs: Vec<u64>) -> Vec<Status> {
-    hs.into_iter()
-        .map(|h| {
-            let c = w.request_wait(h).expect("request_wait");
-            w.request_release(h).unwrap();
-            c.status
-        })
-        .collect()
 }
 
 fn errors(b: &PinnedBuf) -> u64 {
@@ -143,13 +122,13 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
         let n = a.len();
         if side == 0 {
             k.fill.launch(grid(n), 256, &stream, &[a.device_ptr(), n as u64, i as u64]).unwrap();
-            reqs.push(handle(unsafe { ep.tag_send_nbx(a.host_ptr(), n, i as u64, on(&cond, true)).unwrap() }));
-            reqs.push(handle(unsafe { w.tag_recv_nbx(b.host_ptr(), n, 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+            reqs.push(pending(unsafe { ep.tag_send_nbx(a.host_ptr(), n, i as u64, on(&cond, true)).unwrap() }));
+            reqs.push(pending(unsafe { w.tag_recv_nbx(b.host_ptr(), n, 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
             k.check.launch(grid(n), 256, &stream, &[b.device_ptr(), n as u64, i as u64, 0x5A, err.device_ptr()]).unwrap();
         } else {
-            reqs.push(handle(unsafe { w.tag_recv_nbx(a.host_ptr(), n, i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+            reqs.push(pending(unsafe { w.tag_recv_nbx(a.host_ptr(), n, i as u64, u64::MAX, on(&cond, true)).unwrap() }));
             k.xor5a.launch(grid(n), 256, &stream, &[a.device_ptr(), n as u64]).unwrap();
-            reqs.push(handle(unsafe { ep.tag_send_nbx(a.host_ptr(), n, 1000 + i as u64, on(&cond, true)).unwrap() }));
+            reqs.push(pending(unsafe { ep.tag_send_nbx(a.host_ptr(), n, 1000 + i as u64, on(&cond, true)).unwrap() }));
         }
     }
     let st = wait_all(w, reqs);

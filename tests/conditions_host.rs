@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use gscomm::condition::{Condition, HostStream};
-use gscomm::{Context, RequestParams, Started, Status, Worker};
+use gscomm::{Context, Status, Worker};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,28 +26,6 @@ impl Buf {
     fn len(&self) -> usize {
         self.0.lock().unwrap().len()
     }
-}
-
-fn on(c: &Condition, wait: bool) -> RequestParams {
-    RequestParams { condition: Some(c.clone()), no_stream_wait: !wait, ..Default::default() }
-}
-
-fn handle(s: Started) -> u64 {
-    match s {
-        Started::Pending(h) => h,
-        other => panic!("a stream-conditioned operation gave {other:?}"),
-    }
-}
-
-/// Wait for and release every request; the statuses in order.
-fn wait_all(w: &Worker, hs: Vec<u64>) -> Vec<Status> {
-    hs.into_iter()
-        .map(|h| {
-            let c = w.request_wait(h).expect("request_wait");
-            w.request_release(h).unwrap();
-            c.status
-        })
-        .collect()
 }
 
 fn sizes_to_bytes(s: &[usize]) -> Vec<u8> {
@@ -77,8 +55,8 @@ fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8) -> Result<(), String> 
     for iter in 0..HALO_ITERS {
         let s2 = src.clone();
         stream.launch(move || s2.0.lock().unwrap().fill(halo_byte(iter, side)));
-        reqs.push(handle(unsafe { w.tag_recv_nbx(dst.ptr(), HALO_SIZE, iter as u64, u64::MAX, on(&cond, false)).unwrap() }));
-        reqs.push(handle(unsafe { ep.tag_send_nbx(src.ptr(), HALO_SIZE, iter as u64, on(&cond, false)).unwrap() }));
+        reqs.push(pending(unsafe { w.tag_recv_nbx(dst.ptr(), HALO_SIZE, iter as u64, u64::MAX, on(&cond, false)).unwrap() }));
+        reqs.push(pending(unsafe { ep.tag_send_nbx(src.ptr(), HALO_SIZE, iter as u64, on(&cond, false)).unwrap() }));
         cond.wait().unwrap();
         let (d2, bad2) = (dst.clone(), bad.clone());
         let want = halo_byte(iter, 1 - side);
@@ -109,10 +87,10 @@ fn roles(role: &str, chan: &dyn Chan, ctx: Context) {
             let mut reqs = Vec::new();
             let bufs: Vec<Buf> = sizes.iter().map(|&n| Buf::new(n)).collect();
             for (i, b) in bufs.iter().enumerate() {
-                reqs.push(handle(unsafe { w.tag_recv_nbx(b.ptr(), b.len(), i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+                reqs.push(pending(unsafe { w.tag_recv_nbx(b.ptr(), b.len(), i as u64, u64::MAX, on(&cond, true)).unwrap() }));
                 let b2 = b.clone();
                 stream.launch(move || b2.0.lock().unwrap().iter_mut().for_each(|x| *x ^= 0x5A));
-                reqs.push(handle(unsafe { ep.tag_send_nbx(b.ptr(), b.len(), 1000 + i as u64, on(&cond, true)).unwrap() }));
+                reqs.push(pending(unsafe { ep.tag_send_nbx(b.ptr(), b.len(), 1000 + i as u64, on(&cond, true)).unwrap() }));
             }
             let st = wait_all(&w, reqs);
             stream.synchronize(Some(T)).unwrap();
@@ -131,7 +109,7 @@ fn roles(role: &str, chan: &dyn Chan, ctx: Context) {
             let reqs = bufs
                 .iter()
                 .zip(1u64..)
-                .map(|(b, t)| handle(unsafe { ep.tag_send_nbx(b.as_ptr(), b.len(), t, on(&cond, false)).unwrap() }))
+                .map(|(b, t)| pending(unsafe { ep.tag_send_nbx(b.as_ptr(), b.len(), t, on(&cond, false)).unwrap() }))
                 .collect();
             cond.wait().unwrap();
             let st = wait_all(&w, reqs);
@@ -216,8 +194,8 @@ fn echo(lane: Lane, test: &'static str) {
             let n = b.len();
             b.copy_from_slice(&pattern(i as u64 + 77, n));
         });
-        reqs.push(handle(unsafe { ep.tag_send_nbx(src.ptr(), src.len(), i as u64, on(&cond, true)).unwrap() }));
-        reqs.push(handle(unsafe { s.w.tag_recv_nbx(dst.ptr(), dst.len(), 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+        reqs.push(pending(unsafe { ep.tag_send_nbx(src.ptr(), src.len(), i as u64, on(&cond, true)).unwrap() }));
+        reqs.push(pending(unsafe { s.w.tag_recv_nbx(dst.ptr(), dst.len(), 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
         // And checked on the stream, right after the receive that brought it back.
         let (d2, bad2) = (dst.clone(), bad.clone());
         stream.launch(move || {
@@ -274,7 +252,7 @@ fn late_receives_in_reverse_tag_order_shm() {
             .rev()
             .map(|t| {
                 let b = &bufs[t as usize - 1];
-                handle(unsafe { s.w.tag_recv_nbx(b.ptr(), b.len(), t, u64::MAX, on(&cond, false)).unwrap() })
+                pending(unsafe { s.w.tag_recv_nbx(b.ptr(), b.len(), t, u64::MAX, on(&cond, false)).unwrap() })
             })
             .collect();
         cond.wait().unwrap();
@@ -299,7 +277,7 @@ fn a_dead_peer_fails_the_operation_and_releases_the_stream_shm() {
         let stream = HostStream::new().unwrap();
         let cond = Condition::host_stream(&stream);
         let data = vec![7u8; 4 << 20];
-        let h = handle(unsafe { ep.tag_send_nbx(data.as_ptr(), data.len(), 1, on(&cond, true)).unwrap() });
+        let h = pending(unsafe { ep.tag_send_nbx(data.as_ptr(), data.len(), 1, on(&cond, true)).unwrap() });
         let Peer::Proc(mut child) = p else { unreachable!() };
         std::thread::sleep(Duration::from_millis(50));
         child.kill();

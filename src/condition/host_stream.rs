@@ -65,7 +65,7 @@ impl HostStream {
 
     /// Queue user work; it runs after everything queued before it.
     pub fn launch(&self, f: impl FnOnce() + Send + 'static) {
-        self.handle.inner.push(Item::Host(Box::new(f)));
+        self.push_all([Item::Host(Box::new(f))]);
     }
 
     /// Wait until everything queued so far has run. Reports (and clears) the first failure since
@@ -117,14 +117,6 @@ impl HostStream {
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn push(&self, item: Item) {
-        let mut q = self.lock();
-        q.items.push_back(item);
-        q.queued += 1;
-        drop(q);
-        self.changed.notify_all();
     }
 }
 

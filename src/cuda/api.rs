@@ -4,7 +4,7 @@
 //! so they do not each carry their own unsafe driver calls.
 
 use super::{check, cu, init, raw};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Make device `ordinal`'s primary context current on the calling thread.
 pub fn set_device(ordinal: i32) -> Result<()> {
@@ -229,9 +229,4 @@ pub fn gpu_test_skip_reason() -> Option<String> {
         Ok(()) => None,
         Err(e) => Some(format!("no usable GPU: {e}")),
     }
-}
-
-/// Ensure `e` names CUDA for messages in tests.
-pub fn describe(e: &Error) -> String {
-    format!("{}: {}", e.status().c_name(), e.message())
 }

@@ -551,3 +551,33 @@ impl Peer {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Conditioned operations (tests/conditions_host.rs, tests/conditions_gpu.rs)
+
+/// Request parameters putting an operation on condition `c`; `wait`: the stream waits for it.
+#[allow(dead_code)]
+pub fn on(c: &gscomm::condition::Condition, wait: bool) -> gscomm::RequestParams {
+    gscomm::RequestParams { condition: Some(c.clone()), no_stream_wait: !wait, ..Default::default() }
+}
+
+/// The request of a stream-conditioned operation (they always give one).
+#[allow(dead_code)]
+pub fn pending(s: Started) -> u64 {
+    match s {
+        Started::Pending(h) => h,
+        other => panic!("a stream-conditioned operation gave {other:?}"),
+    }
+}
+
+/// Wait for and release every request; the statuses in order.
+#[allow(dead_code)]
+pub fn wait_all(w: &Worker, hs: Vec<u64>) -> Vec<Status> {
+    hs.into_iter()
+        .map(|h| {
+            let c = w.request_wait(h).expect("request_wait");
+            w.request_release(h).unwrap();
+            c.status
+        })
+        .collect()
+}
