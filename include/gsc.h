@@ -289,7 +289,7 @@ unsigned gsc_worker_progress(gsc_worker_h worker);
 /** Where a buffer lives. */
 typedef enum {
     GSC_MEMORY_TYPE_HOST = 0, /**< Host memory. */
-    GSC_MEMORY_TYPE_CUDA = 1  /**< CUDA device memory (no lane carries it in this version). */
+    GSC_MEMORY_TYPE_CUDA = 1  /**< CUDA device memory (tagged send/receive; see GSC_CUDA_IPC). */
 } gsc_memory_type_t;
 
 /** What a completed tagged receive reports. */

@@ -381,7 +381,14 @@ static void param_errors(gsc_ep_h ep)
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = GSC_OP_ATTR_FIELD_MEMORY_TYPE;
     p.memory_type = GSC_MEMORY_TYPE_CUDA;
-    EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_UNSUPPORTED, "cuda");
+    {
+        /* A host buffer declared as GPU memory: refused at the call. Without the CUDA driver
+           loaded in this process the reason is the missing driver; with it, the mismatch. */
+        gsc_status_ptr_t _p = gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p);
+        EXPECT(GSC_PTR_IS_ERR(_p));
+        EXPECT(GSC_PTR_STATUS(_p) == GSC_ERR_LIBRARY_MISSING || GSC_PTR_STATUS(_p) == GSC_ERR_INVALID_PARAM);
+        EXPECT(strstr(gsc_last_error_message(), "declared CUDA memory") != NULL);
+    }
     p.memory_type = (gsc_memory_type_t)7;
     EXPECT_PTR_STATUS(gsc_tag_send_nbx(ep, buf, sizeof(buf), 1, &p), GSC_ERR_INVALID_PARAM, "memory_type");
 

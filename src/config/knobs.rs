@@ -293,6 +293,20 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| c.cma.name().to_string(),
     },
     Knob {
+        name: "GSC_CUDA_IPC",
+        default: "off",
+        doc: "Read peers' GPU buffers through CUDA IPC with the copy engine (auto/on; on: a \
+              failed IPC read fails the receive); off: push GPU data through host memory frame by \
+              frame (staged). Off by default until the IPC path passes on the GPU machines \
+              (docs/ARCHITECTURE.md)",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.cuda_ipc = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.cuda_ipc.name().to_string(),
+    },
+    Knob {
         name: "GSC_TIMEOUT",
         default: "60s",
         doc: "Bound on every blocking wait; inf: wait forever",

@@ -222,6 +222,8 @@ pub struct Config {
     pub shm_max_frame: usize,
     /// `GSC_CMA`
     pub cma: Tristate,
+    /// `GSC_CUDA_IPC`
+    pub cuda_ipc: Tristate,
     /// `GSC_TIMEOUT`: bound on every blocking wait; `None` waits forever.
     pub timeout: Option<Duration>,
     /// `GSC_PEER_CHECK_INTERVAL`, non-zero.
@@ -276,6 +278,7 @@ impl Default for Config {
             shm_ring_size: 4 << 20,
             shm_max_frame: 64 << 10,
             cma: Tristate::Auto,
+            cuda_ipc: Tristate::Off,
             timeout: Some(Duration::from_secs(60)),
             peer_check_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(10),

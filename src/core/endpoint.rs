@@ -2,9 +2,9 @@
 
 use super::memory::{Rkey, check_range, rkey_unpack};
 use super::request::{ReqKind, RequestParams, Started};
-use super::worker::{Completion, OnTimeout, State, Worker, check_buffer, check_memtype};
+use super::worker::{Completion, OnTimeout, State, Worker, check_buffer, require_host_memory, resolve_memtype};
 use crate::error::{Error, Result, Status};
-use crate::protocols::{Action, ConnId, MemType, RecvInfo, UserBuf};
+use crate::protocols::{Action, ConnId, MemType, ProtoId, RecvInfo, UserBuf};
 use crate::transport::LaneKind;
 
 pub struct Endpoint {
@@ -73,12 +73,22 @@ impl Endpoint {
     /// send that is before this call returns), and not modified in the meantime.
     pub unsafe fn tag_send_nbx(&self, buf: *const u8, len: usize, tag: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf, len, "tag_send_nbx")?;
-        check_memtype(&params)?;
-        let mem = params.memory_type.unwrap_or(MemType::Host);
         let (key, addr) = (self.key(), buf as usize);
+        let mem = resolve_memtype(&params, addr, len)?;
+        // A GPU buffer read by the receiver travels with its IPC key, made here on the caller's
+        // thread (with the copy stream) rather than later on the proxy.
+        let gpu_key = match mem {
+            MemType::Cuda => self.worker.prepare_gpu_send(self.key().conn, addr, len)?,
+            MemType::Host => None,
+        };
         self.worker.start_op(ReqKind::Send, Some(self.conn), params, move |st, req, out| {
             let conn = key.usable(st)?;
-            st.engine.tag.send(out, conn, req, tag, UserBuf { addr, len }, mem).map(|_| ())
+            let buf = UserBuf { addr, len, mem };
+            let device_key = match st.engine.tag.protocol_for(conn, buf)? {
+                ProtoId::RndvGet => gpu_key.clone(),
+                _ => None,
+            };
+            st.engine.tag.send(out, conn, req, tag, buf, device_key).map(|_| ())
         })
     }
 
@@ -112,6 +122,7 @@ impl Endpoint {
     /// `buf` must be valid for `len` bytes of reads until the request completes.
     pub unsafe fn put_nbx(&self, buf: *const u8, len: usize, remote_addr: u64, rkey: &Rkey, params: RequestParams) -> Result<Started> {
         check_buffer(buf, len, "put_nbx")?;
+        require_host_memory(&params, buf as usize, len, "put_nbx")?;
         check_range(rkey.base, rkey.len, remote_addr, len).map_err(|e| e.context("put_nbx"))?;
         let rkey = *rkey;
         let (key, addr) = (self.key(), buf as usize);
@@ -126,7 +137,7 @@ impl Endpoint {
                 out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
             } else {
                 let max_frame = c.props.max_frame;
-                st.engine.rma.put(out, conn, req, rkey.region, remote_addr, UserBuf { addr: buf as usize, len }, max_frame);
+                st.engine.rma.put(out, conn, req, rkey.region, remote_addr, UserBuf::host(buf as usize, len), max_frame);
             }
             Ok(())
         })
@@ -138,6 +149,7 @@ impl Endpoint {
     /// `buf` must be valid for `len` bytes of writes until the request completes.
     pub unsafe fn get_nbx(&self, buf: *mut u8, len: usize, remote_addr: u64, rkey: &Rkey, params: RequestParams) -> Result<Started> {
         check_buffer(buf, len, "get_nbx")?;
+        require_host_memory(&params, buf as usize, len, "get_nbx")?;
         check_range(rkey.base, rkey.len, remote_addr, len).map_err(|e| e.context("get_nbx"))?;
         let rkey = *rkey;
         let (key, addr) = (self.key(), buf as usize);
@@ -150,7 +162,7 @@ impl Endpoint {
                 unsafe { c.link_ref().read_remote(buf, remote_addr, len)? };
                 out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
             } else {
-                st.engine.rma.get(out, conn, req, rkey.region, remote_addr, UserBuf { addr: buf as usize, len });
+                st.engine.rma.get(out, conn, req, rkey.region, remote_addr, UserBuf::host(buf as usize, len));
             }
             Ok(())
         })

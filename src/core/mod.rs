@@ -4,6 +4,7 @@
 
 pub mod address;
 pub mod context;
+mod device_mem;
 pub mod endpoint;
 pub mod memory;
 pub mod request;

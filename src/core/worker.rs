@@ -8,6 +8,7 @@
 
 use super::address::WorkerAddress;
 use super::context::{Context, random_u128};
+use super::device_mem::{DeviceMem, ReadStart};
 use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
 use crate::condition::{Condition, Issued, Signal};
@@ -95,6 +96,10 @@ pub(crate) struct State {
     frame_scratch: Actions,
     last_peer_check: Instant,
     peer_check_interval: Duration,
+    /// GPU-memory copies (IPC reads, host staging).
+    pub(crate) device: DeviceMem,
+    /// Scratch for finished device reads.
+    reads_done: Vec<(ReqId, Result<()>)>,
 }
 
 /// Process-wide table from worker id (the top bits of a request handle) to worker.
@@ -145,6 +150,19 @@ fn copy_to_user(dst: usize, src: &[u8]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
 }
 
+/// Deliver received bytes into a user buffer: a plain copy for host memory, staged through our
+/// copy stream for GPU memory.
+fn copy_in(device: &mut DeviceMem, dst: usize, mem: MemType, src: &[u8]) -> Result<()> {
+    match mem {
+        MemType::Host => {
+            copy_to_user(dst, src);
+            Ok(())
+        }
+        MemType::Cuda if src.is_empty() => Ok(()),
+        MemType::Cuda => device.stage_in(dst, src),
+    }
+}
+
 impl Worker {
     pub(crate) fn new(context: Context) -> Result<Worker> {
         let cfg = &context.inner.config;
@@ -178,6 +196,8 @@ impl Worker {
             frame_scratch: Actions::new(),
             last_peer_check: Instant::now(),
             peer_check_interval: cfg.peer_check_interval,
+            device: DeviceMem::new(cfg.cuda_ipc),
+            reads_done: Vec::new(),
         };
         let id = register_worker_id()?;
         let inner = Arc::new(WorkerInner { id, uuid, context, address, state: Mutex::new(state), proxy: Mutex::new(None) });
@@ -393,6 +413,18 @@ impl Worker {
         fire(ready);
     }
 
+    /// Before a send of GPU memory on `conn`: make the copy stream exist and the IPC key the
+    /// RTS will carry (see `DeviceMem::send_key`).
+    pub(crate) fn prepare_gpu_send(&self, conn: ConnId, addr: usize, len: usize) -> Result<Option<Vec<u8>>> {
+        let (lane, ipc) = {
+            let mut st = self.lock();
+            st.device.prepare_for(addr)?;
+            let lane = st.conns.get(conn).map(|c| c.props.lane).ok_or_else(|| Error::new(Status::NotConnected, "endpoint closed"))?;
+            (lane, st.device.ipc)
+        };
+        Ok(DeviceMem::send_key(ipc, lane, addr, len))
+    }
+
     /// Post a tagged receive of up to `len` bytes at `buf` for messages matching `(tag, mask)`.
     ///
     /// # Safety
@@ -400,10 +432,13 @@ impl Worker {
     /// canceled), and not accessed by the caller in the meantime.
     pub unsafe fn tag_recv_nbx(&self, buf: *mut u8, len: usize, tag: u64, tag_mask: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_recv_nbx")?;
-        check_memtype(&params)?;
         let addr = buf as usize;
+        let mem = resolve_memtype(&params, addr, len)?;
+        if mem == MemType::Cuda {
+            self.lock().device.prepare_for(addr)?;
+        }
         self.start_op(ReqKind::Recv, None, params, move |st, req, out| {
-            st.engine.tag.recv(out, req, tag, tag_mask, UserBuf { addr, len });
+            st.engine.tag.recv(out, req, tag, tag_mask, UserBuf { addr, len, mem });
             Ok(())
         })
     }
@@ -415,7 +450,11 @@ impl Worker {
     pub unsafe fn tag_msg_recv_nbx(&self, buf: *mut u8, len: usize, msg: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_msg_recv_nbx")?;
         let addr = buf as usize;
-        self.start_op(ReqKind::Recv, None, params, move |st, req, out| st.engine.tag.msg_recv(out, req, msg, UserBuf { addr, len }))
+        let mem = resolve_memtype(&params, addr, len)?;
+        if mem == MemType::Cuda {
+            self.lock().device.prepare_for(addr)?;
+        }
+        self.start_op(ReqKind::Recv, None, params, move |st, req, out| st.engine.tag.msg_recv(out, req, msg, UserBuf { addr, len, mem }))
     }
 
     /// Blocking receive into `buf` (progresses until done or `GSC_TIMEOUT`).
@@ -652,10 +691,20 @@ pub(crate) fn check_buffer(buf: *const u8, len: usize, what: &str) -> Result<()>
     Ok(())
 }
 
-pub(crate) fn check_memtype(params: &RequestParams) -> Result<()> {
+/// The memory type of a buffer: as declared (checked against the driver, so a wrong
+/// declaration is an error here and not a fault in a copy), else detected.
+pub(crate) fn resolve_memtype(params: &RequestParams, addr: usize, len: usize) -> Result<MemType> {
     match params.memory_type {
-        None | Some(MemType::Host) => Ok(()),
-        Some(m) => Err(Error::unsupported(format!("{} memory has no lane in this build yet", m.name()))),
+        Some(m) => crate::cuda::memory::check_declared(addr, len, m).map(|()| m),
+        None => crate::cuda::memory::memtype_of(addr),
+    }
+}
+
+/// For operations that move host memory only (put/get).
+pub(crate) fn require_host_memory(params: &RequestParams, addr: usize, len: usize, what: &str) -> Result<()> {
+    match resolve_memtype(params, addr, len)? {
+        MemType::Host => Ok(()),
+        m => Err(Error::unsupported(format!("{what} on {} memory is not supported yet; use tagged send/receive", m.name()))),
     }
 }
 
@@ -681,7 +730,12 @@ impl Conn {
 
 impl State {
     pub(crate) fn add_conn(&mut self, link: Box<dyn Link>, peer_process: Option<ProcessIdentity>, has_user_ep: bool) -> (ConnId, u32) {
-        let props = LaneProps { lane: link.lane(), max_frame: link.max_frame(), remote_memory: link.caps().remote_memory };
+        let props = LaneProps {
+            lane: link.lane(),
+            max_frame: link.max_frame(),
+            remote_memory: link.caps().remote_memory,
+            device_ipc: self.device.ipc != crate::config::Tristate::Off,
+        };
         let generation = self.next_conn_generation;
         self.next_conn_generation = self.next_conn_generation.wrapping_add(1).max(1);
         let conn = self.conns.insert(Conn {
@@ -763,6 +817,15 @@ impl State {
             }
         }
         self.conn_keys = keys;
+        if self.device.reads_in_flight() > 0 {
+            let mut done = std::mem::take(&mut self.reads_done);
+            self.device.poll_reads(&mut done);
+            events += done.len();
+            for (req, result) in done.drain(..) {
+                self.engine.tag.remote_read_done(&mut actions, req, result);
+            }
+            self.reads_done = done;
+        }
         if self.polls % 64 == 0 && self.last_peer_check.elapsed() >= self.peer_check_interval {
             self.last_peer_check = Instant::now();
             self.check_peers(&mut actions);
@@ -812,7 +875,7 @@ impl State {
     fn poll_conn(&mut self, ctx: &Context, conn: ConnId, deferred: &mut Actions) -> usize {
         // A field, not the spare pool: this runs on every pass for every link, busy or not.
         let mut scratch = std::mem::take(&mut self.frame_scratch);
-        let State { engine, conns, .. } = self;
+        let State { engine, conns, device, .. } = self;
         let Some(c) = conns.get_mut(conn) else { return 0 };
         let mut violation: Option<Error> = None;
         let mut peer_closed = false;
@@ -830,7 +893,12 @@ impl State {
             let payload = wire::payload_of(frame);
             for a in scratch.drain(..) {
                 match a {
-                    Action::CopyFromFrame { dst, src_offset, len } => copy_to_user(dst, &payload[src_offset..src_offset + len]),
+                    Action::CopyFromFrame { dst, mem, src_offset, len } => {
+                        if let Err(e) = copy_in(device, dst, mem, &payload[src_offset..src_offset + len]) {
+                            // The message cannot be delivered and frames of it are still coming.
+                            violation.get_or_insert(e.context("receiving into a GPU buffer"));
+                        }
+                    }
                     other => deferred.push(other),
                 }
             }
@@ -856,6 +924,7 @@ impl State {
                 Payload::None => &[][..],
                 Payload::User { addr, len } => user_slice(*addr, *len),
                 Payload::Owned(v) => v.as_slice(),
+                Payload::Device { .. } => unreachable!("queue_frame stages device payloads"),
             };
             match c.link.try_send(&[front.header.as_bytes(), payload]) {
                 Ok(true) => {
@@ -882,11 +951,25 @@ impl State {
         if c.failed.is_some() {
             return;
         }
+        if let Payload::Device { addr, len } = frame.payload {
+            // GPU bytes go through host memory: staged now, so the frame owns them.
+            match self.device.stage_out(addr, len) {
+                Ok(v) => frame.payload = Payload::Owned(v),
+                Err(e) => {
+                    // The message cannot be completed and the peer is waiting for its frames.
+                    self.conns[conn].outq.push_back(OutFrame { payload: Payload::None, ..frame });
+                    self.fail_conn(conn, e.context("staging a GPU send buffer"), out);
+                    return;
+                }
+            }
+        }
+        let c = &mut self.conns[conn];
         if c.outq.is_empty() {
             let payload = match &frame.payload {
                 Payload::None => &[][..],
                 Payload::User { addr, len } => user_slice(*addr, *len),
                 Payload::Owned(v) => v.as_slice(),
+                Payload::Device { .. } => unreachable!("staged above"),
             };
             match c.link.try_send(&[frame.header.as_bytes(), payload]) {
                 Ok(true) => {
@@ -989,16 +1072,31 @@ impl State {
             for a in work.drain(..) {
                 match a {
                     Action::Transmit { conn, frame } => self.queue_frame(conn, frame.0, &mut next),
-                    Action::CopyOwned { dst, data } => copy_to_user(dst, &data),
+                    Action::CopyOwned { dst, mem, data } => {
+                        if let Err(e) = copy_in(&mut self.device, dst, mem, &data) {
+                            tracing::warn!(target: "gsc::core", error = %e, "could not deliver a buffered message into a GPU buffer");
+                        }
+                    }
                     Action::CopyFromFrame { .. } => {
                         tracing::error!(target: "gsc::core", "copy-from-frame outside frame handling; dropped (bug)");
                     }
-                    Action::ReadRemote { conn, dst, remote, len, req } => {
+                    Action::ReadRemote { dst, remote, len, req, device_key: Some(key), .. } => {
+                        match self.device.start_read(dst, remote, len, &key, req) {
+                            ReadStart::Started => {}
+                            ReadStart::Refused(why) => {
+                                tracing::debug!(target: "gsc::cuda", req, %why, "GPU read refused; asking the sender to push");
+                                self.engine.tag.remote_read_refused(&mut next, req);
+                            }
+                            ReadStart::Failed(e) => self.engine.tag.remote_read_done(&mut next, req, Err(e)),
+                        }
+                    }
+                    Action::ReadRemote { conn, dst, remote, len, req, device_key: None } => {
                         let result = match self.conns.get(conn) {
                             Some(c) if c.failed.is_none() => {
-                                // SAFETY: `dst..dst+len` is inside the pending receive's buffer
-                                // (the engine clips `len` to it); the kernel checks `remote`.
-                                unsafe { c.link.read_remote(dst as *mut u8, remote, len) }
+                                // SAFETY: `dst..dst+len` is inside the pending receive's host
+                                // buffer (the engine clips `len` to it and sends only host
+                                // buffers this way); the kernel checks `remote`.
+                                unsafe { c.link.read_remote(dst.addr as *mut u8, remote, len) }
                             }
                             _ => Err(Error::new(Status::NotConnected, "connection gone before the rendezvous read")),
                         };

@@ -121,6 +121,54 @@ impl Drop for PinnedBuf {
     }
 }
 
+/// Device memory of the current context (`cuMemAlloc`), freed on drop.
+pub struct DeviceBuf {
+    ptr: u64,
+    len: usize,
+}
+
+// SAFETY: a device allocation owned by this value; usable from any thread.
+unsafe impl Send for DeviceBuf {}
+
+impl DeviceBuf {
+    pub fn new(len: usize) -> Result<DeviceBuf> {
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: a valid out-pointer; freed in Drop.
+        check(unsafe { cu::cuMemAlloc_v2(&mut ptr, len.max(1)) }, "cuMemAlloc")?;
+        Ok(DeviceBuf { ptr, len })
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device address (what kernels and gscomm operations take).
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Copy `data` to the start of the buffer (synchronous).
+    pub fn upload(&self, data: &[u8]) -> Result<()> {
+        assert!(data.len() <= self.len);
+        // SAFETY: in bounds of our allocation; `data` is readable for the whole call.
+        check(unsafe { cu::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const _, data.len()) }, "cuMemcpyHtoD")
+    }
+    /// The contents (synchronous).
+    pub fn download(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len];
+        // SAFETY: `v` holds `len` writable bytes; the source is our allocation.
+        check(unsafe { cu::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut _, self.ptr, self.len) }, "cuMemcpyDtoH")?;
+        Ok(v)
+    }
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`, freed once.
+        unsafe { cu::cuMemFree_v2(self.ptr) };
+    }
+}
+
 /// Kernels compiled from CUDA C source (NVRTC, disk-cached) for the current context.
 pub struct Module(cu::CUmodule);
 

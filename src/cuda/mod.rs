@@ -7,11 +7,19 @@
 //! page-locked mapped memory for trigger/done words (`pinned`), the NVRTC kernel cache
 //! (`kernels`), and a few thin wrappers the tests and gsc-bench use (`api`).
 //!
-//! Rule kept everywhere: nothing here is called from the proxy thread. The proxy only reads
-//! and writes host memory, so no CUDA call can block it behind a stream that waits on it.
+//! Also here: memory type detection (`memory`), CUDA IPC keys and mappings (`ipc`) and the
+//! copy engine (`copy`).
+//!
+//! Rule kept everywhere: the proxy thread makes no CUDA call that can wait on a user stream.
+//! It arms nothing and launches nothing; the calls it does make (enqueueing a copy on our own
+//! non-blocking copy stream, querying its event, opening an IPC handle, and host-staged copies
+//! that wait on that copy stream only) never wait behind a stream that waits on the proxy.
 
 pub mod api;
+pub(crate) mod copy;
+pub(crate) mod ipc;
 mod kernels;
+pub(crate) mod memory;
 mod pinned;
 
 pub(crate) use kernels::Kernels;
@@ -66,6 +74,16 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuStreamBeginCapture_v2",
     "cuStreamEndCapture",
     "cuPointerGetAttribute",
+    "cuMemGetAddressRange_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuMemcpyAsync",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+    "cuMemFreeHost",
 ];
 
 /// Load the driver, check its symbols and initialize it (once per process).

@@ -80,18 +80,19 @@ pub fn selection_table(cfg: &crate::Config) -> String {
     use crate::config::Tristate;
     use crate::transport::LaneKind;
     let proto = ProtoConfig { eager_short_max: cfg.eager_short_max, rndv_thresh: cfg.rndv_thresh, rndv_scheme: cfg.rndv_scheme };
+    let device_ipc = cfg.cuda_ipc != Tristate::Off;
     let mut lanes = Vec::new();
     for lane in &cfg.tls {
         match lane {
             LaneKind::Loopback => {
-                lanes.push(LaneProps { lane: *lane, max_frame: crate::transport::loopback::MAX_FRAME, remote_memory: true })
+                lanes.push(LaneProps { lane: *lane, max_frame: crate::transport::loopback::MAX_FRAME, remote_memory: true, device_ipc })
             }
             LaneKind::Shm => {
                 if cfg.cma != Tristate::Off {
-                    lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: true });
+                    lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: true, device_ipc });
                 }
                 if cfg.cma != Tristate::On {
-                    lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: false });
+                    lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: false, device_ipc });
                 }
             }
         }

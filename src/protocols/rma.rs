@@ -10,6 +10,7 @@
 //! emulated access met since the previous flush, so a bad put is reported, not lost.
 
 use super::idmap::IdMap;
+use super::select::MemType;
 use super::tag::{Action, Actions, ConnId, OutFrame, OutFrameEq, Payload, RecvInfo, ReqId, UserBuf};
 use super::wire::Header;
 use crate::error::{Error, Result, Status};
@@ -102,7 +103,7 @@ impl RmaEngine {
     ) -> Result<()> {
         match header {
             Header::Put { region, addr } => match regions.resolve(region, addr, payload.len()) {
-                Ok(dst) => out.push(Action::CopyFromFrame { dst, src_offset: 0, len: payload.len() }),
+                Ok(dst) => out.push(Action::CopyFromFrame { dst, mem: MemType::Host, src_offset: 0, len: payload.len() }),
                 Err(e) => {
                     tracing::debug!(target: "gsc::proto", error = %e, "emulated put refused");
                     self.errors.entry(conn).or_insert(e.status());
@@ -145,7 +146,7 @@ impl RmaEngine {
                     return Err(bad("get data past the requested range"));
                 }
                 if !payload.is_empty() {
-                    out.push(Action::CopyFromFrame { dst: g.dst.addr + offset, src_offset: 0, len: payload.len() });
+                    out.push(Action::CopyFromFrame { dst: g.dst.addr + offset, mem: g.dst.mem, src_offset: 0, len: payload.len() });
                 }
                 g.received += payload.len();
                 if g.received >= g.dst.len {

@@ -9,8 +9,7 @@ use crate::error::{Error, Result};
 use crate::transport::LaneKind;
 use std::fmt::Write;
 
-/// Where a buffer lives. Only host memory has protocols so far; device memory arrives with the
-/// GPU lanes.
+/// Where a buffer lives.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum MemType {
     Host,
@@ -50,7 +49,10 @@ impl Default for ProtoConfig {
 pub struct LaneProps {
     pub lane: LaneKind,
     pub max_frame: usize,
+    /// The receiver can read the sender's host memory (CMA, one address space).
     pub remote_memory: bool,
+    /// The peer's GPU memory can be opened here (CUDA IPC on one host, or one process).
+    pub device_ipc: bool,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -60,6 +62,7 @@ pub enum ProtoId {
     /// Copied through frames (fragmented at the lane's frame size), no handshake.
     EagerCopy,
     /// RTS, then the receiver reads the sender's buffer directly into its own (one copy), then ATS.
+    /// For GPU memory the RTS carries a CUDA IPC key and the copy engine does the read.
     RndvGet,
     /// RTS, RTR from the ready receiver, then the sender pushes the data in frames.
     RndvPipeline,
@@ -100,13 +103,23 @@ fn rndv_get(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usize,
         // On loopback a get is a single memcpy in one address space.
         RndvScheme::Auto => lane.lane == LaneKind::Loopback,
     };
-    (mem == MemType::Host && lane.remote_memory && wanted).then_some((cfg.rndv_thresh, usize::MAX))
+    match mem {
+        MemType::Host => (lane.remote_memory && wanted).then_some((cfg.rndv_thresh, usize::MAX)),
+        // GPU memory: a copy-engine read through CUDA IPC at every size. Eager would stage the
+        // bytes through host memory on both sides (two blocking copies); the read is one
+        // asynchronous copy, and an 8-byte RTS/ATS round trip costs less than either staging.
+        MemType::Cuda => lane.device_ipc.then_some((0, usize::MAX)),
+    }
 }
 
 fn rndv_pipeline(cfg: &ProtoConfig, mem: MemType, _lane: &LaneProps) -> Option<(usize, usize)> {
-    // Always possible for host memory: it only needs frames. It is listed after rndv_get, so it
-    // is chosen when Get is excluded or the lane cannot read remote memory.
-    (mem == MemType::Host).then_some((cfg.rndv_thresh, usize::MAX))
+    // Always possible: it only needs frames. It is listed after rndv_get, so it is chosen when
+    // Get is excluded or the lane cannot read remote memory. GPU memory with no IPC goes this way
+    // at every size, staged through host memory frame by frame.
+    match mem {
+        MemType::Host => Some((cfg.rndv_thresh, usize::MAX)),
+        MemType::Cuda => Some((0, usize::MAX)),
+    }
 }
 
 /// In order of preference.
@@ -145,14 +158,12 @@ pub fn describe(cfg: &ProtoConfig, lanes: &[LaneProps]) -> String {
     );
     for lane in lanes {
         for mem in [MemType::Host, MemType::Cuda] {
-            let _ = writeln!(
-                out,
-                "[{} lane, {} memory, frame {} B, remote memory {}]",
-                lane.lane.name(),
-                mem.name(),
-                lane.max_frame,
-                if lane.remote_memory { "yes" } else { "no" }
-            );
+            let yes_no = |b: bool| if b { "yes" } else { "no" };
+            let access = match mem {
+                MemType::Host => format!("remote memory {}", yes_no(lane.remote_memory)),
+                MemType::Cuda => format!("cuda ipc {}", yes_no(lane.device_ipc)),
+            };
+            let _ = writeln!(out, "[{} lane, {} memory, frame {} B, {access}]", lane.lane.name(), mem.name(), lane.max_frame);
             let mut covered_to: Option<usize> = None;
             let mut any = false;
             for p in REGISTRY {
@@ -181,14 +192,14 @@ mod tests {
     use super::*;
 
     fn shm(remote: bool) -> LaneProps {
-        LaneProps { lane: LaneKind::Shm, max_frame: 65536, remote_memory: remote }
+        LaneProps { lane: LaneKind::Shm, max_frame: 65536, remote_memory: remote, device_ipc: true }
     }
 
     #[test]
     fn boundaries_follow_the_thresholds() {
         let cfg = ProtoConfig { eager_short_max: 128, rndv_thresh: 16384, rndv_scheme: RndvScheme::Auto };
         let l = shm(true);
-        let lb = LaneProps { lane: LaneKind::Loopback, max_frame: 65536, remote_memory: true };
+        let lb = LaneProps { lane: LaneKind::Loopback, max_frame: 65536, remote_memory: true, device_ipc: true };
         assert_eq!(select(&cfg, MemType::Host, &l, 0).unwrap(), ProtoId::EagerShort);
         assert_eq!(select(&cfg, MemType::Host, &l, 128).unwrap(), ProtoId::EagerShort);
         assert_eq!(select(&cfg, MemType::Host, &l, 129).unwrap(), ProtoId::EagerCopy);
@@ -205,7 +216,7 @@ mod tests {
     #[test]
     fn scheme_knob_and_small_frames_are_respected() {
         let cfg = ProtoConfig { eager_short_max: 4096, rndv_thresh: 1000, rndv_scheme: RndvScheme::Pipeline };
-        let small = LaneProps { lane: LaneKind::Shm, max_frame: 256, remote_memory: true };
+        let small = LaneProps { lane: LaneKind::Shm, max_frame: 256, remote_memory: true, device_ipc: false };
         // eager_short is capped by the frame and by the rendezvous threshold.
         assert_eq!(select(&cfg, MemType::Host, &small, 240).unwrap(), ProtoId::EagerShort);
         assert_eq!(select(&cfg, MemType::Host, &small, 241).unwrap(), ProtoId::EagerCopy);
@@ -213,19 +224,27 @@ mod tests {
     }
 
     #[test]
-    fn device_memory_has_no_protocol_yet_and_says_so() {
-        let e = select(&ProtoConfig::default(), MemType::Cuda, &shm(true), 8).unwrap_err();
-        assert_eq!(e.status(), crate::Status::Unsupported);
-        assert!(e.message().contains("cuda"));
+    fn device_memory_is_read_through_ipc_or_pushed_staged() {
+        let cfg = ProtoConfig::default();
+        for n in [0, 8, 1 << 20, 1 << 30] {
+            assert_eq!(select(&cfg, MemType::Cuda, &shm(true), n).unwrap(), ProtoId::RndvGet);
+        }
+        let no_ipc = LaneProps { device_ipc: false, ..shm(true) };
+        for n in [0, 8, 1 << 20] {
+            assert_eq!(select(&cfg, MemType::Cuda, &no_ipc, n).unwrap(), ProtoId::RndvPipeline);
+        }
+        // The pipeline scheme knob is about host memory; GPU memory still prefers IPC.
+        let pipe = ProtoConfig { rndv_scheme: RndvScheme::Pipeline, ..cfg };
+        assert_eq!(select(&pipe, MemType::Cuda, &shm(true), 8).unwrap(), ProtoId::RndvGet);
     }
 
     #[test]
     fn table_shows_each_reachable_range_once() {
-        let lb = LaneProps { lane: LaneKind::Loopback, max_frame: 65536, remote_memory: true };
+        let lb = LaneProps { lane: LaneKind::Loopback, max_frame: 65536, remote_memory: true, device_ipc: true };
         let t = describe(&ProtoConfig::default(), &[lb]);
         assert!(t.contains("eager_short"));
         assert!(t.contains("rndv_get"));
-        assert!(!t.contains("rndv_pipeline"), "pipeline is unreachable when get covers the range:\n{t}");
-        assert!(t.contains("(no protocol yet)"));
+        assert_eq!(t.matches("rndv_pipeline").count(), 0, "pipeline is unreachable when get covers the range:\n{t}");
+        assert_eq!(t.matches("rndv_get").count(), 2, "host and cuda blocks:\n{t}");
     }
 }

@@ -12,17 +12,34 @@
 use super::idmap::IdMap;
 use super::matching::{PostedQueue, UnexpectedQueue};
 use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
-use super::wire::{Encoded, Header, RTS_REMOTE_MEMORY};
+use super::wire::{Encoded, Header, RTS_DEVICE_KEY, RTS_REMOTE_MEMORY};
 use crate::error::{Error, Result, Status};
 
 pub type ConnId = usize;
 pub type ReqId = u64;
 
-/// A user buffer: where it is and how long. Validity is the worker's (and the user's) business.
+/// A user buffer: where it is, how long, and in which memory. Validity is the worker's (and the
+/// user's) business.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct UserBuf {
     pub addr: usize,
     pub len: usize,
+    pub mem: MemType,
+}
+
+impl UserBuf {
+    pub fn host(addr: usize, len: usize) -> UserBuf {
+        UserBuf { addr, len, mem: MemType::Host }
+    }
+
+    /// The payload for `self[offset..offset + len]`.
+    fn payload(self, offset: usize, len: usize) -> Payload {
+        let addr = self.addr + offset;
+        match self.mem {
+            MemType::Host => Payload::User { addr, len },
+            MemType::Cuda => Payload::Device { addr, len },
+        }
+    }
 }
 
 /// What a completed receive reports.
@@ -43,13 +60,19 @@ pub enum Payload {
         len: usize,
     },
     Owned(Vec<u8>),
+    /// Bytes of a user buffer in GPU memory: the worker stages them through host memory when it
+    /// builds the frame.
+    Device {
+        addr: usize,
+        len: usize,
+    },
 }
 
 impl Payload {
     pub fn len(&self) -> usize {
         match self {
             Payload::None => 0,
-            Payload::User { len, .. } => *len,
+            Payload::User { len, .. } | Payload::Device { len, .. } => *len,
             Payload::Owned(v) => v.len(),
         }
     }
@@ -76,24 +99,31 @@ pub enum Action {
         conn: ConnId,
         frame: OutFrameEq,
     },
-    /// Copy `len` bytes from the payload of the frame being handled, at `src_offset`, to `dst`.
+    /// Copy `len` bytes from the payload of the frame being handled, at `src_offset`, to `dst`
+    /// (in `mem`).
     CopyFromFrame {
         dst: usize,
+        mem: MemType,
         src_offset: usize,
         len: usize,
     },
-    /// Copy bytes the engine buffered (an unexpected message) to `dst`.
+    /// Copy bytes the engine buffered (an unexpected message) to `dst` (in `mem`).
     CopyOwned {
         dst: usize,
+        mem: MemType,
         data: Vec<u8>,
     },
-    /// Read `len` bytes of the peer's memory at `remote` into `dst`, then call `remote_read_done`.
+    /// Read `len` bytes of the peer's memory at `remote` into `dst`, then call
+    /// `remote_read_done` (or `remote_read_refused` when this side cannot reach that memory).
+    /// With `device_key`, `remote` is GPU memory the key (the sender's, opaque here) opens;
+    /// without, it is host memory of the peer process.
     ReadRemote {
         conn: ConnId,
-        dst: usize,
+        dst: UserBuf,
         remote: u64,
         len: usize,
         req: ReqId,
+        device_key: Option<Vec<u8>>,
     },
     Complete {
         req: ReqId,
@@ -176,7 +206,16 @@ enum UnexpectedBody {
         sreq: ReqId,
         remote_addr: u64,
         remote_memory: bool,
+        device_key: Option<Vec<u8>>,
     },
+}
+
+/// What a matched RTS offers.
+struct RtsFrom {
+    sreq: ReqId,
+    remote_addr: u64,
+    remote_memory: bool,
+    device_key: Option<Vec<u8>>,
 }
 
 /// Where the next fragments of a multi-fragment eager message go.
@@ -273,49 +312,64 @@ impl TagEngine {
         self.unexpected.len()
     }
 
-    /// Start a tagged send. Selection errors leave the engine unchanged.
-    pub fn send(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, tag: u64, buf: UserBuf, mem: MemType) -> Result<ProtoId> {
+    /// The protocol a send of `buf` on `conn` would use (what `send` will pick).
+    pub fn protocol_for(&self, conn: ConnId, buf: UserBuf) -> Result<ProtoId> {
+        let cs = self
+            .conns
+            .get(&conn)
+            .ok_or_else(|| Error::new(Status::NotConnected, "send on a connection the protocol layer does not know"))?;
+        select::select(&self.cfg, buf.mem, &cs.props, buf.len)
+    }
+
+    /// Start a tagged send. Selection errors leave the engine unchanged. `device_key` opens a GPU
+    /// buffer for the receiver (rendezvous only); without one the receiver asks for a push.
+    pub fn send(
+        &mut self,
+        out: &mut Actions,
+        conn: ConnId,
+        req: ReqId,
+        tag: u64,
+        buf: UserBuf,
+        device_key: Option<Vec<u8>>,
+    ) -> Result<ProtoId> {
         let cs = self
             .conns
             .get_mut(&conn)
             .ok_or_else(|| Error::new(Status::NotConnected, "send on a connection the protocol layer does not know"))?;
         let props = cs.props;
-        let proto = select::select(&self.cfg, mem, &props, buf.len)?;
+        let proto = select::select(&self.cfg, buf.mem, &props, buf.len)?;
         match proto {
             ProtoId::EagerShort => {
                 let header = Header::EagerOnly { tag }.encode();
                 // The frame either goes into the link now or is copied into the queue by the
                 // worker (`copy_if_queued`), so the send is complete as soon as it is handed over:
                 // no send state, no sent notification.
-                let frame =
-                    OutFrame { header, payload: Payload::User { addr: buf.addr, len: buf.len }, on_sent: None, copy_if_queued: true };
+                let frame = OutFrame { header, payload: buf.payload(0, buf.len), on_sent: None, copy_if_queued: true };
                 out.push(Action::Transmit { conn, frame: OutFrameEq(frame) });
                 out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });
             }
             ProtoId::EagerCopy => {
                 let only = Header::EagerOnly { tag };
                 if buf.len <= header_room(props.max_frame, &only) {
-                    transmit(out, conn, only, Payload::User { addr: buf.addr, len: buf.len }, Some(req));
+                    transmit(out, conn, only, buf.payload(0, buf.len), Some(req));
                 } else {
                     let msg_id = cs.next_msg_id;
                     cs.next_msg_id += 1;
                     let first = Header::EagerFirst { tag, msg_id, total: buf.len as u64 };
                     let n0 = header_room(props.max_frame, &first);
-                    transmit(out, conn, first, Payload::User { addr: buf.addr, len: n0 }, None);
+                    transmit(out, conn, first, buf.payload(0, n0), None);
                     push_fragments(out, conn, buf, n0, props.max_frame, req, |offset| Header::EagerNext { msg_id, offset });
                 }
                 self.sends.insert(req, SendState::Frames { conn });
             }
             ProtoId::RndvGet | ProtoId::RndvPipeline => {
-                let remote = proto == ProtoId::RndvGet;
-                let h = Header::Rts {
-                    tag,
-                    sreq: req,
-                    total: buf.len as u64,
-                    remote_addr: buf.addr as u64,
-                    flags: if remote { RTS_REMOTE_MEMORY } else { 0 },
+                let (flags, payload) = match (proto, buf.mem, device_key) {
+                    (ProtoId::RndvGet, MemType::Cuda, Some(key)) => (RTS_DEVICE_KEY, Payload::Owned(key)),
+                    (ProtoId::RndvGet, MemType::Host, _) => (RTS_REMOTE_MEMORY, Payload::None),
+                    _ => (0, Payload::None),
                 };
-                transmit(out, conn, h, Payload::None, None);
+                let h = Header::Rts { tag, sreq: req, total: buf.len as u64, remote_addr: buf.addr as u64, flags };
+                transmit(out, conn, h, payload, None);
                 self.sends.insert(req, SendState::AwaitingReceiver { conn, buf, max_frame: props.max_frame });
             }
         }
@@ -385,6 +439,15 @@ impl TagEngine {
         }
     }
 
+    /// This side cannot read the memory a `ReadRemote` named (no GPU here, the key does not
+    /// open, the peer is not reachable by the copy engine): ask the sender to push instead.
+    pub fn remote_read_refused(&mut self, out: &mut Actions, req: ReqId) {
+        let Some(RecvState::Reading { conn, buf, info, sreq }) = self.recvs.remove(&req) else { return };
+        let want = info.length.min(buf.len);
+        transmit(out, conn, Header::Rtr { sreq, rreq: req, len: want as u64 }, Payload::None, None);
+        self.recvs.insert(req, RecvState::Pushed { conn, buf, info, want, received: 0 });
+    }
+
     /// A `ReadRemote` finished.
     pub fn remote_read_done(&mut self, out: &mut Actions, req: ReqId, result: Result<()>) {
         let Some(RecvState::Reading { conn, buf, info, sreq }) = self.recvs.remove(&req) else { return };
@@ -422,10 +485,11 @@ impl TagEngine {
             Header::EagerNext { msg_id, offset } => self.eager_fragment(out, conn, msg_id, offset as usize, payload)?,
             Header::Rts { tag, sreq, total, remote_addr, flags } => {
                 let total = usize::try_from(total).map_err(|_| protocol_error("rendezvous length overflows"))?;
+                let device_key = (flags & RTS_DEVICE_KEY != 0).then(|| payload.to_vec());
                 let u = Unexpected {
                     conn,
                     total,
-                    body: UnexpectedBody::Rts { sreq, remote_addr, remote_memory: flags & RTS_REMOTE_MEMORY != 0 },
+                    body: UnexpectedBody::Rts { sreq, remote_addr, remote_memory: flags & RTS_REMOTE_MEMORY != 0, device_key },
                     failed: None,
                 };
                 self.arrive(out, conn, tag, u, &[], None);
@@ -440,7 +504,7 @@ impl TagEngine {
                     return Err(protocol_error("RTR arrived on a different link than its RTS"));
                 }
                 let len = (len as usize).min(buf.len);
-                let part = UserBuf { addr: buf.addr, len };
+                let part = UserBuf { len, ..buf };
                 push_fragments(out, conn, part, 0, max_frame, sreq, |offset| Header::RndvData { rreq, offset });
                 self.sends.insert(sreq, SendState::Frames { conn });
             }
@@ -454,7 +518,7 @@ impl TagEngine {
                 if *c != conn || offset != *received || offset.checked_add(payload.len()).is_none_or(|end| end > *want) {
                     return Err(protocol_error("rendezvous data out of order or outside the receive window"));
                 }
-                out.push(Action::CopyFromFrame { dst: buf.addr + offset, src_offset: 0, len: payload.len() });
+                out.push(Action::CopyFromFrame { dst: buf.addr + offset, mem: buf.mem, src_offset: 0, len: payload.len() });
                 *received += payload.len();
                 if *received >= *want {
                     if let Some(RecvState::Pushed { buf, info, .. }) = self.recvs.remove(&rreq) {
@@ -487,8 +551,8 @@ impl TagEngine {
                     copy_clipped(out, buf, 0, first, CopySrc::Frame);
                     self.eager_progress(out, conn, req, buf, info, first.len(), msg_id);
                 }
-                UnexpectedBody::Rts { sreq, remote_addr, remote_memory } => {
-                    self.match_rts(out, conn, req, buf, info, sreq, remote_addr, remote_memory);
+                UnexpectedBody::Rts { sreq, remote_addr, remote_memory, device_key } => {
+                    self.match_rts(out, conn, req, buf, info, RtsFrom { sreq, remote_addr, remote_memory, device_key });
                 }
             }
         } else {
@@ -530,27 +594,19 @@ impl TagEngine {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn match_rts(
-        &mut self,
-        out: &mut Actions,
-        conn: ConnId,
-        req: ReqId,
-        buf: UserBuf,
-        info: RecvInfo,
-        sreq: ReqId,
-        remote_addr: u64,
-        remote_memory: bool,
-    ) {
+    fn match_rts(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, buf: UserBuf, info: RecvInfo, rts: RtsFrom) {
+        let RtsFrom { sreq, remote_addr, remote_memory, device_key } = rts;
         let want = info.length.min(buf.len);
         let local_remote_memory = self.conns.get(&conn).is_some_and(|c| c.props.remote_memory);
         if want == 0 {
             // Nothing to move (empty message or empty buffer): release the sender at once.
             transmit(out, conn, Header::Ats { sreq, status: Status::Ok.code() }, Payload::None, None);
             out.push(Action::Complete { req, status: status_of(info.length, buf), info });
-        } else if remote_memory && local_remote_memory {
+        } else if device_key.is_some() || (remote_memory && local_remote_memory && buf.mem == MemType::Host) {
+            // GPU memory is read by the copy engine through the key; host memory by the lane's
+            // remote read (which cannot write into GPU memory, hence the host-only condition).
             self.recvs.insert(req, RecvState::Reading { conn, buf, info, sreq });
-            out.push(Action::ReadRemote { conn, dst: buf.addr, remote: remote_addr, len: want, req });
+            out.push(Action::ReadRemote { conn, dst: buf, remote: remote_addr, len: want, req, device_key });
         } else {
             transmit(out, conn, Header::Rtr { sreq, rreq: req, len: want as u64 }, Payload::None, None);
             self.recvs.insert(req, RecvState::Pushed { conn, buf, info, want, received: 0 });
@@ -570,8 +626,8 @@ impl TagEngine {
                 copy_clipped(out, buf, 0, &data, CopySrc::Owned);
                 self.eager_progress(out, u.conn, req, buf, info, received, msg_id);
             }
-            UnexpectedBody::Rts { sreq, remote_addr, remote_memory } => {
-                self.match_rts(out, u.conn, req, buf, info, sreq, remote_addr, remote_memory);
+            UnexpectedBody::Rts { sreq, remote_addr, remote_memory, device_key } => {
+                self.match_rts(out, u.conn, req, buf, info, RtsFrom { sreq, remote_addr, remote_memory, device_key });
             }
         }
     }
@@ -709,9 +765,10 @@ fn copy_clipped(out: &mut Actions, buf: UserBuf, offset: usize, data: &[u8], src
         return;
     }
     let n = data.len().min(buf.len - offset);
+    let (dst, mem) = (buf.addr + offset, buf.mem);
     match src {
-        CopySrc::Frame => out.push(Action::CopyFromFrame { dst: buf.addr + offset, src_offset: 0, len: n }),
-        CopySrc::Owned => out.push(Action::CopyOwned { dst: buf.addr + offset, data: data[..n].to_vec() }),
+        CopySrc::Frame => out.push(Action::CopyFromFrame { dst, mem, src_offset: 0, len: n }),
+        CopySrc::Owned => out.push(Action::CopyOwned { dst, mem, data: data[..n].to_vec() }),
     }
 }
 
@@ -739,7 +796,7 @@ fn push_fragments(
         let h = header_at(offset as u64);
         let n = header_room(max_frame, &h).min(buf.len - offset);
         let last = offset + n >= buf.len;
-        transmit(out, conn, h, Payload::User { addr: buf.addr + offset, len: n }, last.then_some(req));
+        transmit(out, conn, h, buf.payload(offset, n), last.then_some(req));
         offset += n;
     }
 }

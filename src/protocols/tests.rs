@@ -67,6 +67,10 @@ struct Pair {
     sides: [Side; 2],
     wire: [VecDeque<Vec<u8>>; 2],
     next_req: ReqId,
+    /// Answer reads of (simulated) GPU memory with `remote_read_refused`.
+    refuse_device_reads: bool,
+    /// Device keys that reached a receiver's ReadRemote.
+    keys_seen: Vec<Vec<u8>>,
 }
 
 impl Pair {
@@ -74,13 +78,19 @@ impl Pair {
         // Under the Auto scheme `rndv_get` is chosen on loopback and `rndv_pipeline` on shm, so the
         // lane follows `remote_memory` to keep both rendezvous paths covered.
         let lane = if remote_memory { LaneKind::Loopback } else { LaneKind::Shm };
-        let props = LaneProps { lane, max_frame, remote_memory };
+        let props = LaneProps { lane, max_frame, remote_memory, device_ipc: false };
         let mk = || {
             let mut engine = Engine::new(cfg);
             engine.add_conn(0, props);
             Side { engine, mem: Mem::default(), regions: Regions::default(), done: HashMap::new() }
         };
-        Pair { sides: [mk(), mk()], wire: [VecDeque::new(), VecDeque::new()], next_req: 1 }
+        Pair {
+            sides: [mk(), mk()],
+            wire: [VecDeque::new(), VecDeque::new()],
+            next_req: 1,
+            refuse_device_reads: false,
+            keys_seen: Vec::new(),
+        }
     }
 
     fn req(&mut self) -> ReqId {
@@ -99,6 +109,8 @@ impl Pair {
                     match &f.payload {
                         Payload::None => {}
                         Payload::User { addr, len } => bytes.extend(self.sides[s].mem.read(*addr, *len)),
+                        // Simulated "device" memory is plain memory here; the worker stages it.
+                        Payload::Device { addr, len } => bytes.extend(self.sides[s].mem.read(*addr, *len)),
                         Payload::Owned(v) => bytes.extend_from_slice(v),
                     }
                     self.wire[s].push_back(bytes);
@@ -108,15 +120,22 @@ impl Pair {
                         followups.push(out);
                     }
                 }
-                Action::CopyFromFrame { dst, src_offset, len } => {
+                Action::CopyFromFrame { dst, src_offset, len, .. } => {
                     let payload = frame.expect("copy from a frame while handling one");
                     self.sides[s].mem.write(dst, &payload[src_offset..src_offset + len]);
                 }
-                Action::CopyOwned { dst, data } => self.sides[s].mem.write(dst, &data),
-                Action::ReadRemote { dst, remote, len, req, .. } => {
+                Action::CopyOwned { dst, data, .. } => self.sides[s].mem.write(dst, &data),
+                Action::ReadRemote { device_key: Some(key), req, .. } if self.refuse_device_reads => {
+                    self.keys_seen.push(key);
+                    let mut out = Actions::new();
+                    self.sides[s].engine.tag.remote_read_refused(&mut out, req);
+                    followups.push(out);
+                }
+                Action::ReadRemote { dst, remote, len, req, device_key, .. } => {
+                    self.keys_seen.extend(device_key);
                     let peer = 1 - s;
                     let result = self.sides[peer].mem.locate(remote as usize, len).map(|(v, off)| v[off..off + len].to_vec());
-                    let result = result.map(|data| self.sides[s].mem.write(dst, &data));
+                    let result = result.map(|data| self.sides[s].mem.write(dst.addr, &data));
                     let mut out = Actions::new();
                     self.sides[s].engine.tag.remote_read_done(&mut out, req, result);
                     followups.push(out);
@@ -148,7 +167,7 @@ impl Pair {
         let req = self.req();
         let addr = self.sides[0].mem.alloc(data.to_vec());
         let mut out = Actions::new();
-        self.sides[0].engine.tag.send(&mut out, 0, req, tag, UserBuf { addr, len: data.len() }, MemType::Host).unwrap();
+        self.sides[0].engine.tag.send(&mut out, 0, req, tag, UserBuf::host(addr, data.len()), None).unwrap();
         self.run(0, out, None);
         req
     }
@@ -159,7 +178,7 @@ impl Pair {
         let req = self.req();
         let addr = self.sides[1].mem.alloc(vec![0xEE; len + 64]);
         let mut out = Actions::new();
-        self.sides[1].engine.tag.recv(&mut out, req, tag, mask, UserBuf { addr, len });
+        self.sides[1].engine.tag.recv(&mut out, req, tag, mask, UserBuf::host(addr, len));
         self.run(1, out, None);
         (req, addr)
     }
@@ -298,12 +317,12 @@ fn probe_then_receive_the_probed_message_even_while_it_is_arriving() {
     let req = p.req();
     let addr = p.sides[1].mem.alloc(vec![0; 3000]);
     let mut out = Actions::new();
-    p.sides[1].engine.tag.msg_recv(&mut out, req, msg, UserBuf { addr, len: 3000 }).unwrap();
+    p.sides[1].engine.tag.msg_recv(&mut out, req, msg, UserBuf::host(addr, 3000)).unwrap();
     p.run(1, out, None);
     assert_eq!(p.sides[1].done[&req].0, Status::Ok);
     assert_eq!(p.sides[1].mem.get(addr), &data);
     let mut out = Actions::new();
-    assert_eq!(p.sides[1].engine.tag.msg_recv(&mut out, 999, msg, UserBuf { addr, len: 1 }).unwrap_err().status(), Status::InvalidHandle);
+    assert_eq!(p.sides[1].engine.tag.msg_recv(&mut out, 999, msg, UserBuf::host(addr, 1)).unwrap_err().status(), Status::InvalidHandle);
 }
 
 #[test]
@@ -338,7 +357,7 @@ fn emulated_put_get_and_flush_check_the_target_region() {
     let src = p.sides[0].mem.alloc(src_data.clone());
     let (put, flush) = (p.req(), p.req());
     let mut out = Actions::new();
-    p.sides[0].engine.rma.put(&mut out, 0, put, 7, (target + 100) as u64, UserBuf { addr: src, len: 3000 }, 256);
+    p.sides[0].engine.rma.put(&mut out, 0, put, 7, (target + 100) as u64, UserBuf::host(src, 3000), 256);
     p.sides[0].engine.rma.flush(&mut out, 0, flush);
     p.run(0, out, None);
     p.pump();
@@ -349,7 +368,7 @@ fn emulated_put_get_and_flush_check_the_target_region() {
     let dst = p.sides[0].mem.alloc(vec![0; 3000]);
     let get = p.req();
     let mut out = Actions::new();
-    p.sides[0].engine.rma.get(&mut out, 0, get, 7, (target + 100) as u64, UserBuf { addr: dst, len: 3000 });
+    p.sides[0].engine.rma.get(&mut out, 0, get, 7, (target + 100) as u64, UserBuf::host(dst, 3000));
     p.run(0, out, None);
     p.pump();
     assert_eq!(p.sides[0].done[&get].0, Status::Ok);
@@ -358,8 +377,8 @@ fn emulated_put_get_and_flush_check_the_target_region() {
     // Out of the region: the get fails, the put is refused and reported by the next flush.
     let (bad_get, bad_put, flush2) = (p.req(), p.req(), p.req());
     let mut out = Actions::new();
-    p.sides[0].engine.rma.get(&mut out, 0, bad_get, 7, (target + 4000) as u64, UserBuf { addr: dst, len: 200 });
-    p.sides[0].engine.rma.put(&mut out, 0, bad_put, 7, (target + 4000) as u64, UserBuf { addr: src, len: 200 }, 256);
+    p.sides[0].engine.rma.get(&mut out, 0, bad_get, 7, (target + 4000) as u64, UserBuf::host(dst, 200));
+    p.sides[0].engine.rma.put(&mut out, 0, bad_put, 7, (target + 4000) as u64, UserBuf::host(src, 200), 256);
     p.sides[0].engine.rma.flush(&mut out, 0, flush2);
     p.run(0, out, None);
     p.pump();
@@ -371,7 +390,7 @@ fn emulated_put_get_and_flush_check_the_target_region() {
 #[test]
 fn protocol_violations_are_errors_not_panics() {
     let mut e = Engine::new(cfg());
-    e.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false });
+    e.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: false });
     let regions = Regions::default();
     let mut out = Actions::new();
     let frames: Vec<Vec<u8>> = vec![
@@ -457,4 +476,58 @@ fn a_duplicated_fragment_is_a_protocol_error_not_an_early_completion() {
         assert!(replayed, "size {size}: no data frame seen");
         assert!(p.sides[1].done.get(&r).is_none_or(|d| d.0 == Status::Ok), "size {size}");
     }
+}
+
+/// GPU buffers: the RTS carries the sender's key to the receiver's read at every size; a receiver
+/// that cannot use it asks for a push, and the data arrives in frames (staged by the worker).
+#[test]
+fn device_rendezvous_reads_through_the_key_or_falls_back_to_a_push() {
+    for refuse in [false, true] {
+        for len in [1usize, 8, 5000, 70_000] {
+            let mut p = Pair::new(cfg(), false, 1024);
+            for side in &mut p.sides {
+                side.engine.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: true });
+            }
+            p.refuse_device_reads = refuse;
+            let data = pattern(len, 3);
+            let sreq = p.req();
+            let saddr = p.sides[0].mem.alloc(data.clone());
+            let sbuf = UserBuf { addr: saddr, len, mem: MemType::Cuda };
+            assert_eq!(p.sides[0].engine.tag.protocol_for(0, sbuf).unwrap(), ProtoId::RndvGet);
+            let mut out = Actions::new();
+            let key = b"opaque device key".to_vec();
+            p.sides[0].engine.tag.send(&mut out, 0, sreq, 9, sbuf, Some(key.clone())).unwrap();
+            p.run(0, out, None);
+            let rreq = p.req();
+            let raddr = p.sides[1].mem.alloc(vec![0; len]);
+            let mut out = Actions::new();
+            p.sides[1].engine.tag.recv(&mut out, rreq, 9, u64::MAX, UserBuf { addr: raddr, len, mem: MemType::Cuda });
+            p.run(1, out, None);
+            p.pump();
+            assert_eq!(p.keys_seen, vec![key.clone()], "refuse={refuse} len={len}");
+            assert_eq!(p.sides[1].done[&rreq], (Status::Ok, RecvInfo { tag: 9, length: len }), "refuse={refuse} len={len}");
+            assert_eq!(p.sides[0].done[&sreq].0, Status::Ok, "refuse={refuse} len={len}");
+            assert_eq!(p.sides[1].mem.get(raddr), &data, "refuse={refuse} len={len}");
+        }
+    }
+}
+
+/// A host-memory RTS offering a CMA read is never read into a GPU buffer (the kernel cannot
+/// write device memory): the receiver asks for a push.
+#[test]
+fn host_rts_into_a_gpu_buffer_is_pushed() {
+    let mut p = Pair::new(ProtoConfig { rndv_scheme: RndvScheme::Get, ..cfg() }, true, 1024);
+    let data = pattern(10_000, 5);
+    let sreq = p.send(&data, 4);
+    let rreq = p.req();
+    let raddr = p.sides[1].mem.alloc(vec![0; data.len()]);
+    let mut out = Actions::new();
+    p.sides[1].engine.tag.recv(&mut out, rreq, 4, u64::MAX, UserBuf { addr: raddr, len: data.len(), mem: MemType::Cuda });
+    assert!(!out.iter().any(|a| matches!(a, Action::ReadRemote { .. })));
+    p.run(1, out, None);
+    p.pump();
+    assert!(p.keys_seen.is_empty());
+    assert_eq!(p.sides[1].done[&rreq].0, Status::Ok);
+    assert_eq!(p.sides[0].done[&sreq].0, Status::Ok);
+    assert_eq!(p.sides[1].mem.get(raddr), &data);
 }

@@ -28,8 +28,8 @@ pub enum Header {
         offset: u64,
     },
     /// Rendezvous request to send: the receiver matches it, then fetches the data itself
-    /// (`remote_addr` is the sender's buffer, valid when `flags & RTS_REMOTE_MEMORY`) or asks for
-    /// it to be pushed (`Rtr`).
+    /// (`remote_addr` is the sender's buffer, valid when `flags & RTS_REMOTE_MEMORY` or
+    /// `RTS_DEVICE_KEY`) or asks for it to be pushed (`Rtr`).
     Rts {
         tag: u64,
         sreq: u64,
@@ -85,6 +85,9 @@ pub enum Header {
 
 /// RTS flag: `remote_addr` may be read directly (the lane has remote memory access).
 pub const RTS_REMOTE_MEMORY: u32 = 1;
+/// RTS flag: `remote_addr` is GPU memory and the frame's payload is the key that opens it
+/// (a CUDA IPC handle and the allocation it names; see cuda/ipc.rs).
+pub const RTS_DEVICE_KEY: u32 = 2;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WireError {

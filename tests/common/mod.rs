@@ -31,6 +31,19 @@ pub fn config_with(overrides: &[(&str, &str)]) -> Config {
     let mut c = Config::default();
     // Tests must never wait the default 60 s.
     c.set("GSC_TIMEOUT", "20s").unwrap();
+    // Tests build their config from defaults, not the environment; these let a run on the
+    // device machines turn logging on without a rebuild.
+    for (env, knob) in [("GSC_TEST_LOG_LEVEL", "GSC_LOG_LEVEL"), ("GSC_TEST_LOG_SUBSYS", "GSC_LOG_SUBSYS")] {
+        if let Ok(v) = std::env::var(env) {
+            c.set(knob, &v).unwrap_or_else(|e| panic!("{env}: {e}"));
+        }
+    }
+    if std::env::var("GSC_TEST_LOG_LEVEL").is_ok() {
+        static LOGGING: std::sync::Once = std::sync::Once::new();
+        LOGGING.call_once(|| {
+            gscomm::log::init(&c).expect("log init");
+        });
+    }
     for (k, v) in overrides {
         c.set(k, v).unwrap_or_else(|e| panic!("set {k}={v}: {e}"));
     }

@@ -1,0 +1,137 @@
+//! Memory type detection: is an address host memory or CUDA device memory?
+//!
+//! Asked for every send and receive whose memory type the user did not give, so it must cost
+//! nothing in a process that does not use CUDA: the driver is consulted only once libcuda is
+//! already loaded into the process (by the application or by us). A process that has not loaded
+//! it cannot hold device pointers. The "not loaded" answer is re-checked at most every 100 ms,
+//! so an application that initializes CUDA after creating its gscomm context is seen.
+//!
+//! Page-locked host memory (cudaHostAlloc) and managed memory are host memory here: the CPU can
+//! read them, so the host protocols move them correctly.
+
+use super::{check, cu, init};
+use crate::error::{Error, Result, Status};
+use crate::protocols::MemType;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// What the driver says about a device-memory address.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DevicePtr {
+    /// Ordinal of the GPU the memory is on.
+    pub device: i32,
+    /// Unique per allocation for the process's life: keys caches of exported handles, so a
+    /// freed and re-made allocation at the same address is never confused with the old one.
+    pub buffer_id: u64,
+}
+
+/// True once libcuda is loaded in this process.
+pub(crate) fn process_has_cuda() -> bool {
+    static SEEN: AtomicBool = AtomicBool::new(false);
+    static LAST_CHECK_MS: AtomicU64 = AtomicU64::new(0);
+    if SEEN.load(Ordering::Relaxed) {
+        return true;
+    }
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let last = LAST_CHECK_MS.load(Ordering::Relaxed);
+    if last != 0 && now.saturating_sub(last) < 100 {
+        return false;
+    }
+    LAST_CHECK_MS.store(now.max(1), Ordering::Relaxed);
+    let loaded = ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+        let c = std::ffi::CString::new(*name).expect("no NUL in a literal");
+        // SAFETY: RTLD_NOLOAD only looks the library up; it loads and runs nothing. The handle
+        // (a reference count) is released at once.
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        if h.is_null() {
+            return false;
+        }
+        // SAFETY: the handle dlopen just returned.
+        unsafe { libc::dlclose(h) };
+        true
+    });
+    if loaded {
+        SEEN.store(true, Ordering::Relaxed);
+    }
+    loaded
+}
+
+/// `Some` for CUDA device memory, `None` for anything the CPU can address (pageable, pinned,
+/// managed) and for addresses the driver does not know.
+pub(crate) fn device_ptr(addr: usize) -> Result<Option<DevicePtr>> {
+    // A process with libcuda loaded but no usable GPU holds no device pointers either.
+    if !process_has_cuda() || init().is_err() {
+        return Ok(None);
+    }
+    let mut mem_type: u32 = 0;
+    // SAFETY: a 4-byte out-value for MEMORY_TYPE; the driver only looks the address up.
+    let r = unsafe {
+        cu::cuPointerGetAttribute(
+            &mut mem_type as *mut u32 as *mut _,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr as cu::CUdeviceptr,
+        )
+    };
+    // Memory the driver never saw (plain malloc) is reported as an invalid value.
+    if r != cu::CUresult::CUDA_SUCCESS || mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(None);
+    }
+    let mut managed: u32 = 0;
+    // SAFETY: as above, a 4-byte boolean.
+    let r = unsafe {
+        cu::cuPointerGetAttribute(
+            &mut managed as *mut u32 as *mut _,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            addr as cu::CUdeviceptr,
+        )
+    };
+    if r == cu::CUresult::CUDA_SUCCESS && managed != 0 {
+        return Ok(None);
+    }
+    let mut device: i32 = 0;
+    // SAFETY: a 4-byte ordinal.
+    check(
+        unsafe {
+            cu::cuPointerGetAttribute(
+                &mut device as *mut i32 as *mut _,
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr as cu::CUdeviceptr,
+            )
+        },
+        "cuPointerGetAttribute(DEVICE_ORDINAL)",
+    )?;
+    let mut buffer_id: u64 = 0;
+    // SAFETY: an 8-byte id.
+    check(
+        unsafe {
+            cu::cuPointerGetAttribute(
+                &mut buffer_id as *mut u64 as *mut _,
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                addr as cu::CUdeviceptr,
+            )
+        },
+        "cuPointerGetAttribute(BUFFER_ID)",
+    )?;
+    Ok(Some(DevicePtr { device, buffer_id }))
+}
+
+/// The memory type of `addr`, detected.
+pub(crate) fn memtype_of(addr: usize) -> Result<MemType> {
+    Ok(if device_ptr(addr)?.is_some() { MemType::Cuda } else { MemType::Host })
+}
+
+/// Check a memory type the user declared against what the driver says, so a wrong declaration
+/// is an error at the call and never a fault inside a copy.
+pub(crate) fn check_declared(addr: usize, len: usize, declared: MemType) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    match (declared, device_ptr(addr)?) {
+        (MemType::Cuda, None) if !process_has_cuda() => {
+            Err(Error::new(Status::LibraryMissing, "the buffer is declared CUDA memory but this process has not loaded the CUDA driver"))
+        }
+        (MemType::Cuda, None) => Err(Error::invalid_param("the buffer is declared CUDA memory but the driver says it is host memory")),
+        (MemType::Host, Some(_)) => Err(Error::invalid_param("the buffer is declared host memory but it is CUDA device memory")),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,518 @@
+//! GPU-memory buffers between processes, one per GPU: rendezvous reads through CUDA IPC by the
+//! copy engine (`GSC_CUDA_IPC=on`), and the host-staged path (`GSC_CUDA_IPC=off`). Data is pseudo-random, made and
+//! checked by kernels; every condition kind; sizes up to 1 GiB; a receive posted long after its
+//! send; tags received out of order; the seed's graph broadcast (one receive, two sends) across
+//! three GPUs.
+//!
+//! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
+//! machines run it through `.gpu/run.sh gpu_memory`.
+mod common;
+
+use common::*;
+use gscomm::condition::{ArmedOutputs, Category, Condition};
+use gscomm::cuda::api::{DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, set_device};
+use gscomm::{Context, Endpoint, RequestParams, Started, Status, Worker};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(300);
+
+const KERNELS: &str = r#"
+__device__ unsigned char val(unsigned long long i, unsigned long long seed) {
+    unsigned long long x = (i + 1) * 0x9E3779B97F4A7C15ULL ^ (seed + 1) * 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 31; x *= 0x94D049BB133111EBULL; x ^= x >> 29;
+    return (unsigned char)x;
+}
+extern "C" __global__ void fill(unsigned char *b, unsigned long long n, unsigned long long seed) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        b[i] = val(i, seed);
+}
+extern "C" __global__ void xor5a(unsigned char *b, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        b[i] ^= 0x5A;
+}
+extern "C" __global__ void check(const unsigned char *b, unsigned long long n, unsigned long long seed,
+                                 unsigned long long x, unsigned long long *errors) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        if (b[i] != (unsigned char)(val(i, seed) ^ (unsigned char)x)) { atomicAdd(errors, 1ULL); return; }
+}
+/* Bumps the round counter (one thread of the grid) after reading it; fills for (round, tag). */
+extern "C" __global__ void fill_round(unsigned char *b, unsigned long long n, unsigned long long *round, unsigned long long tag) {
+    unsigned long long r = *(volatile unsigned long long *)round + 1;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        b[i] = val(i, r * 1000 + tag);
+}
+extern "C" __global__ void bump(unsigned long long *round) { *round += 1; }
+/* Checks data of the current round (after `bump`). */
+extern "C" __global__ void check_round(const unsigned char *b, unsigned long long n, unsigned long long *round,
+                                       unsigned long long tag, unsigned long long *errors) {
+    unsigned long long r = *(volatile unsigned long long *)round;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        if (b[i] != val(i, r * 1000 + tag)) { atomicAdd(errors, 1ULL); return; }
+}
+/* One block: `rounds` exchanges triggered and awaited from inside the kernel. */
+extern "C" __global__ void kernel_rounds(gsc_device_handle_t *send, gsc_device_handle_t *recv, unsigned char *src,
+                                         const unsigned char *dst, unsigned long long n, unsigned long long rounds,
+                                         unsigned long long side, unsigned long long *errors) {
+    for (unsigned long long r = 1; r <= rounds; r++) {
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) src[i] = val(i, r * 10 + side);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            gsc_trigger(recv);
+            gsc_trigger(send);
+            if (gsc_wait(send) != 0 || gsc_wait(recv) != 0) atomicAdd(errors, 1000000ULL);
+        }
+        __syncthreads();
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x)
+            if (dst[i] != val(i, r * 10 + (1 - side))) { atomicAdd(errors, 1ULL); break; }
+        __syncthreads();
+    }
+}
+"#;
+
+struct Kern {
+    fill: Function,
+    xor5a: Function,
+    check: Function,
+    fill_round: Function,
+    bump: Function,
+    check_round: Function,
+    kernel_rounds: Function,
+    _m: Module,
+}
+
+fn kernels() -> Kern {
+    let src = format!("{}\n{KERNELS}", include_str!("../include/gsc_device.cuh"));
+    let m = Module::compile(&src).expect("compile test kernels");
+    let f = |n| m.function(n).unwrap();
+    Kern {
+        fill: f("fill"),
+        xor5a: f("xor5a"),
+        check: f("check"),
+        fill_round: f("fill_round"),
+        bump: f("bump"),
+        check_round: f("check_round"),
+        kernel_rounds: f("kernel_rounds"),
+        _m: m,
+    }
+}
+
+fn grid(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 4096) as u32
+}
+
+fn armed(s: Started) -> ArmedOutputs {
+    match s {
+        Started::Armed(o) => o,
+        other => panic!("expected an armed persistent operation, got {other:?}"),
+    }
+}
+
+fn count(b: &PinnedBuf) -> u64 {
+    u64::from_le_bytes(b.to_vec()[..8].try_into().unwrap())
+}
+
+fn verdict(statuses: &[Status], errors: u64) -> String {
+    if statuses.iter().all(|s| *s == Status::Ok) && errors == 0 { String::new() } else { format!("{statuses:?} errors={errors}") }
+}
+
+const IPC_SIZES: &[usize] = &[0, 1, 8, 4096, 65_535, 65_536, 1 << 20, 16 << 20, 256 << 20, 1 << 30];
+const STAGED_SIZES: &[usize] = &[1, 8, 129, 65_536, 4 << 20];
+const GRAPH_ROUNDS: usize = 10_000;
+const KERNEL_ROUNDS: u64 = 500;
+const ROUND_BYTES: usize = 4096;
+
+/// Stream-ordered echo: side 0 fills on the GPU, sends, receives the echo and checks it on the
+/// GPU; side 1 receives, transforms (xor) on the GPU and sends it back. One buffer pair at a time
+/// (1 GiB each at the top).
+fn stream_echo(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize]) -> String {
+    let stream = Stream::new().unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let mut statuses = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let (a, b) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
+        let (t, seed) = (i as u64, 77 + i as u64);
+        let mut reqs = Vec::new();
+        if side == 0 {
+            k.fill.launch(grid(n), 256, &stream, &[a.ptr(), n as u64, seed]).unwrap();
+            reqs.push(pending(unsafe { ep.tag_send_nbx(a.ptr() as *const u8, n, t, on(&cond, true)).unwrap() }));
+            reqs.push(pending(unsafe { w.tag_recv_nbx(b.ptr() as *mut u8, n, 1000 + t, u64::MAX, on(&cond, true)).unwrap() }));
+            k.check.launch(grid(n), 256, &stream, &[b.ptr(), n as u64, seed, 0x5A, err.device_ptr()]).unwrap();
+        } else {
+            reqs.push(pending(unsafe { w.tag_recv_nbx(a.ptr() as *mut u8, n, t, u64::MAX, on(&cond, true)).unwrap() }));
+            k.xor5a.launch(grid(n), 256, &stream, &[a.ptr(), n as u64]).unwrap();
+            reqs.push(pending(unsafe { ep.tag_send_nbx(a.ptr() as *const u8, n, 1000 + t, on(&cond, true)).unwrap() }));
+        }
+        statuses.extend(wait_all(w, reqs));
+        stream.synchronize().unwrap();
+        if std::env::var("GSC_TEST_LOG_LEVEL").is_ok() {
+            eprintln!("side {side}: echo of {n} B done");
+        }
+    }
+    verdict(&statuses, count(&err))
+}
+
+/// A halo exchange as graph nodes (fill -> send; recv; both done -> bump, check) on GPU
+/// buffers, replayed GRAPH_ROUNDS times with new data every round.
+fn graph_halo(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
+    let stream = Stream::new().unwrap();
+    let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
+    let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
+    let n = ROUND_BYTES as u64;
+    let g = Graph::new().unwrap();
+    let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
+    let fill = g.add_kernel(k.fill_round, grid(ROUND_BYTES), 256, &[src.ptr(), n, round.device_ptr(), side], &[]).unwrap();
+    let s = armed(unsafe { ep.tag_send_nbx(src.ptr() as *const u8, ROUND_BYTES, 7, on(&gc, true)).unwrap() });
+    let r = armed(unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, ROUND_BYTES, 7, u64::MAX, on(&gc, true)).unwrap() });
+    g.add_dependency(fill, s.start_node).unwrap();
+    let bump = g.add_kernel(k.bump, 1, 1, &[round.device_ptr()], &[s.done_node, r.done_node]).unwrap();
+    g.add_kernel(k.check_round, grid(ROUND_BYTES), 256, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[bump]).unwrap();
+    let exec = g.instantiate().unwrap();
+    let t0 = Instant::now();
+    for i in 0..GRAPH_ROUNDS {
+        exec.launch(&stream).unwrap();
+        if sync_every() > 0 && (i + 1) % sync_every() == 0 {
+            stream.synchronize().unwrap();
+        }
+    }
+    stream.synchronize().unwrap();
+    let dt = t0.elapsed();
+    eprintln!(
+        "side {side}: {GRAPH_ROUNDS} graph replays on GPU buffers in {dt:?} ({:.1} us/replay)",
+        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+    );
+    let rounds = count(&round);
+    let mut v = verdict(&[], count(&err));
+    if rounds != GRAPH_ROUNDS as u64 || gc.query().is_err() {
+        v += &format!(" rounds={rounds} query={:?}", gc.query());
+    }
+    v
+}
+
+/// KERNEL_ROUNDS exchanges of GPU buffers triggered and awaited from inside one kernel.
+fn kernel_triggered(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
+    let stream = Stream::new().unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
+    let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
+    let hs = armed(unsafe { ep.tag_send_nbx(src.ptr() as *const u8, ROUND_BYTES, 11, on(&kc, true)).unwrap() });
+    let hr = armed(unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, ROUND_BYTES, 11, u64::MAX, on(&kc, true)).unwrap() });
+    let args = [hs.device_handle, hr.device_handle, src.ptr(), dst.ptr(), ROUND_BYTES as u64, KERNEL_ROUNDS, side, err.device_ptr()];
+    k.kernel_rounds.launch(1, 256, &stream, &args).unwrap();
+    stream.synchronize().unwrap();
+    let mut v = verdict(&[], count(&err));
+    if kc.query().is_err() {
+        v += &format!(" query={:?}", kc.query());
+    }
+    v
+}
+
+/// Side 0 sends 1 MiB (tag 50) and 8 B (tag 51) from GPU buffers at once, without conditions;
+/// side 1 posts its receives 300 ms later and in the other order.
+fn late_and_reordered(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, chan: &mut dyn FnMut(&str)) -> String {
+    let stream = Stream::new().unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let sizes = [(50u64, 1usize << 20), (51, 8)];
+    let bufs: Vec<DeviceBuf> = sizes.iter().map(|&(_, n)| DeviceBuf::new(n).unwrap()).collect();
+    let mut reqs = Vec::new();
+    if side == 0 {
+        for (b, &(tag, n)) in bufs.iter().zip(&sizes) {
+            k.fill.launch(grid(n), 256, &stream, &[b.ptr(), n as u64, tag]).unwrap();
+        }
+        stream.synchronize().unwrap();
+        for (b, &(tag, n)) in bufs.iter().zip(&sizes) {
+            let s = unsafe { ep.tag_send_nbx(b.ptr() as *const u8, n, tag, RequestParams::default()).unwrap() };
+            if let Started::Pending(h) = s {
+                reqs.push(h);
+            }
+        }
+        chan("sent");
+    } else {
+        chan("sent");
+        std::thread::sleep(Duration::from_millis(300));
+        for (b, &(tag, n)) in bufs.iter().zip(&sizes).rev() {
+            let s = unsafe { w.tag_recv_nbx(b.ptr() as *mut u8, n, tag, u64::MAX, RequestParams::default()).unwrap() };
+            match s {
+                Started::Pending(h) => reqs.push(h),
+                Started::Done(info) => assert_eq!(info.length, n),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    let statuses = wait_all(w, reqs);
+    if side == 1 {
+        for (b, &(tag, n)) in bufs.iter().zip(&sizes) {
+            k.check.launch(grid(n), 256, &stream, &[b.ptr(), n as u64, tag, 0, err.device_ptr()]).unwrap();
+        }
+        stream.synchronize().unwrap();
+    }
+    verdict(&statuses, count(&err))
+}
+
+/// `GSC_TEST_SYNC_EVERY=k`: synchronize the stream after every k graph launches (0: only at
+/// the end), to tell launch-queue effects from transfer costs.
+fn sync_every() -> usize {
+    std::env::var("GSC_TEST_SYNC_EVERY").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+fn device_for(rank: u64) -> i32 {
+    (rank as i32) % device_count().max(1)
+}
+
+/// Runs every two-process scenario; `ep2`/`w2` are the staged (IPC off) pair.
+fn scenarios(
+    side: u64,
+    pair: (&Worker, &Endpoint),
+    staged: (&Worker, &Endpoint),
+    k: &Kern,
+    sync: &mut dyn FnMut(&str),
+) -> Vec<(String, String)> {
+    let (w, ep) = pair;
+    let mut out = Vec::new();
+    let mut run = |name: &str, f: &mut dyn FnMut() -> String| {
+        let t0 = Instant::now();
+        let r = f();
+        eprintln!("side {side}: {name} {} in {:?}", if r.is_empty() { "ok" } else { &r }, t0.elapsed());
+        out.push((name.to_string(), r));
+    };
+    run("stream_ipc", &mut || stream_echo(side, w, ep, k, IPC_SIZES));
+    run("stream_staged", &mut || stream_echo(side, staged.0, staged.1, k, STAGED_SIZES));
+    run("graph", &mut || graph_halo(side, w, ep, k));
+    run("kernel", &mut || kernel_triggered(side, w, ep, k));
+    run("late_reordered", &mut || late_and_reordered(side, w, ep, k, sync));
+    out
+}
+
+fn two_roles(role: &str, chan: &dyn Chan, ctx: Context) {
+    assert_eq!(role, "peer");
+    set_device(device_for(1)).unwrap();
+    let k = kernels();
+    let w = ctx.create_worker().unwrap();
+    let ep = w.connect(&chan.get("addr")).unwrap();
+    let staged_ctx = child_ctx_plus(&[("GSC_CUDA_IPC", "off")]);
+    let w2 = staged_ctx.create_worker().unwrap();
+    let ep2 = w2.connect(&chan.get("addr2")).unwrap();
+    chan.put("ready", w.address());
+    chan.put("ready2", w2.address());
+    let mut sync = |key: &str| {
+        let _ = chan.get(key);
+    };
+    let results = scenarios(1, (&w, &ep), (&w2, &ep2), &k, &mut sync);
+    let text: Vec<String> = results.iter().map(|(n, r)| format!("{n}:{r}")).collect();
+    chan.put("results", text.join(";").as_bytes());
+    chan.get("bye");
+    ep.close().unwrap();
+    ep2.close().unwrap();
+}
+
+fn child_ctx_plus(extra: &[(&str, &str)]) -> Context {
+    let mut o = child_overrides();
+    o.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let refs: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    ctx_with(&refs)
+}
+
+fn gpu_skip(needed: i32) -> Option<String> {
+    if let Some(why) = gpu_test_skip_reason() {
+        return Some(why);
+    }
+    (device_count() < needed).then(|| format!("needs {needed} GPUs, found {}", device_count()))
+}
+
+#[test]
+fn gpu_buffers_between_two_gpus_ipc_and_staged() {
+    if run_child_role(two_roles) {
+        return;
+    }
+    if let Some(why) = gpu_skip(2) {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(device_for(0)).unwrap();
+    let k = kernels();
+    let dir = ShmDir::new("gpu_memory");
+    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "300s"), ("GSC_CUDA_IPC", "on")];
+    let w = ctx_with(&cfg).create_worker().unwrap();
+    let staged_cfg = [cfg[0], cfg[1], cfg[2], ("GSC_CUDA_IPC", "off")];
+    let w2 = ctx_with(&staged_cfg).create_worker().unwrap();
+    let mut p = start_peer(Lane::Shm, "gpu_buffers_between_two_gpus_ipc_and_staged", "peer", &cfg, two_roles);
+    p.put("addr", w.address());
+    p.put("addr2", w2.address());
+    let ep = w.connect(&p.get_progress("ready", T, &w)).unwrap();
+    let ep2 = w2.connect(&p.get_progress("ready2", T, &w2)).unwrap();
+    let mine = {
+        let mut sync = |key: &str| p.put(key, &[]);
+        scenarios(0, (&w, &ep), (&w2, &ep2), &k, &mut sync)
+    };
+    let theirs = String::from_utf8(p.get_progress("results", T, &w)).unwrap();
+    eprintln!("side 1: {theirs}");
+    for (name, r) in &mine {
+        assert!(r.is_empty(), "side 0 {name}: {r}");
+    }
+    for part in theirs.split(';') {
+        let (name, r) = part.split_once(':').unwrap();
+        assert!(r.is_empty(), "side 1 {name}: {r}");
+    }
+    p.put("bye", &[]);
+    ep.close().unwrap();
+    ep2.close().unwrap();
+    let deadline = Instant::now() + T;
+    while !p.is_finished() {
+        assert!(Instant::now() < deadline, "peer did not finish");
+        w.progress();
+    }
+    p.finish(T);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The seed's graph broadcast across three GPUs: rank 0 sends to rank 1; rank 1's graph has one
+// receive and two sends wired by dependencies (to rank 2, and back to rank 0 so the root checks
+// the data too); every replay moves new data.
+
+const BCAST: &[(usize, usize)] = &[(8, 1000), (65_536, 1000), (4 << 20, 100), (256 << 20, 10), (1 << 30, 3)];
+
+fn bcast_rank(rank: u64, w: &Worker, to: &[(u64, &Endpoint)], k: &Kern) -> String {
+    let stream = Stream::new().unwrap();
+    let mut v = String::new();
+    for (i, &(n, replays)) in BCAST.iter().enumerate() {
+        let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
+        let buf = DeviceBuf::new(n).unwrap();
+        let back = DeviceBuf::new(n).unwrap();
+        let (nn, t) = (n as u64, 100 * i as u64);
+        let g = Graph::new().unwrap();
+        let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
+        let ep = |r: u64| to.iter().find(|(x, _)| *x == r).unwrap().1;
+        let send = |e: &Endpoint, tag: u64| armed(unsafe { e.tag_send_nbx(buf.ptr() as *const u8, n, tag, on(&gc, true)).unwrap() });
+        let recv = |b: &DeviceBuf, tag: u64| armed(unsafe { w.tag_recv_nbx(b.ptr() as *mut u8, n, tag, u64::MAX, on(&gc, true)).unwrap() });
+        let g_args = |b: &DeviceBuf| [b.ptr(), nn, round.device_ptr(), t, err.device_ptr()];
+        match rank {
+            0 => {
+                let fill = g.add_kernel(k.fill_round, grid(n), 256, &[buf.ptr(), nn, round.device_ptr(), t], &[]).unwrap();
+                let s = send(ep(1), t + 1);
+                let r = recv(&back, t + 3);
+                g.add_dependency(fill, s.start_node).unwrap();
+                let bump = g.add_kernel(k.bump, 1, 1, &[round.device_ptr()], &[s.done_node, r.done_node]).unwrap();
+                g.add_kernel(k.check_round, grid(n), 256, &g_args(&back), &[bump]).unwrap();
+            }
+            1 => {
+                let r = recv(&buf, t + 1);
+                let s2 = send(ep(2), t + 2);
+                let s0 = send(ep(0), t + 3);
+                g.add_dependency(r.done_node, s2.start_node).unwrap();
+                g.add_dependency(r.done_node, s0.start_node).unwrap();
+                let bump = g.add_kernel(k.bump, 1, 1, &[round.device_ptr()], &[s2.done_node, s0.done_node]).unwrap();
+                // Checked after the bump: the data of round r is for r = round.
+                g.add_kernel(k.check_round, grid(n), 256, &g_args(&buf), &[bump]).unwrap();
+            }
+            _ => {
+                let r = recv(&buf, t + 2);
+                let bump = g.add_kernel(k.bump, 1, 1, &[round.device_ptr()], &[r.done_node]).unwrap();
+                g.add_kernel(k.check_round, grid(n), 256, &g_args(&buf), &[bump]).unwrap();
+            }
+        }
+        let exec = g.instantiate().unwrap();
+        let t0 = Instant::now();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let monitor = {
+            let (stop, w, round_ptr) = (stop.clone(), w.clone(), round.host_ptr() as usize);
+            std::thread::spawn(move || {
+                let mut waited = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    waited += 1;
+                    if waited % 50 == 0 {
+                        // SAFETY (test): a live pinned counter the GPU bumps.
+                        let r = unsafe { std::ptr::read_volatile(round_ptr as *const u64) };
+                        eprintln!("rank {rank}: {n} B still running after {}s: round {r}, {:?}", waited / 10, w.stats());
+                    }
+                }
+            })
+        };
+        for i in 0..replays {
+            exec.launch(&stream).unwrap();
+            if sync_every() > 0 && (i + 1) % sync_every() == 0 {
+                stream.synchronize().unwrap();
+            }
+        }
+        stream.synchronize().unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        monitor.join().unwrap();
+        let dt = t0.elapsed();
+        eprintln!("rank {rank}: broadcast {n} B x {replays} replays in {dt:?} ({:.1} us/replay)", dt.as_secs_f64() * 1e6 / replays as f64);
+        let (e, r) = (count(&err), count(&round));
+        if e != 0 || r != replays as u64 || gc.query().is_err() {
+            v += &format!("[{n} B: errors={e} rounds={r} query={:?}]", gc.query());
+        }
+    }
+    v
+}
+
+fn bcast_roles(role: &str, chan: &dyn Chan, ctx: Context) {
+    let rank: u64 = role.strip_prefix("rank").unwrap().parse().unwrap();
+    set_device(device_for(rank)).unwrap();
+    let k = kernels();
+    let w = ctx.create_worker().unwrap();
+    chan.put("addr", w.address());
+    let addrs: Vec<Vec<u8>> = (0..3).map(|r| chan.get(&format!("addr{r}"))).collect();
+    let targets: &[u64] = if rank == 1 { &[0, 2] } else { &[] };
+    let eps: Vec<(u64, Endpoint)> = targets.iter().map(|&r| (r, w.connect(&addrs[r as usize]).unwrap())).collect();
+    chan.put("ready", &[]);
+    let to: Vec<(u64, &Endpoint)> = eps.iter().map(|(r, e)| (*r, e)).collect();
+    let v = bcast_rank(rank, &w, &to, &k);
+    chan.put("result", v.as_bytes());
+    chan.get("bye");
+    for (_, e) in eps {
+        e.close().unwrap();
+    }
+}
+
+#[test]
+fn seed_graph_broadcast_across_three_gpus() {
+    if run_child_role(bcast_roles) {
+        return;
+    }
+    if let Some(why) = gpu_skip(3) {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(device_for(0)).unwrap();
+    let k = kernels();
+    let dir = ShmDir::new("gpu_bcast");
+    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "300s"), ("GSC_CUDA_IPC", "on")];
+    let w = ctx_with(&cfg).create_worker().unwrap();
+    let test = "seed_graph_broadcast_across_three_gpus";
+    let mut peers = [start_peer(Lane::Shm, test, "rank1", &cfg, bcast_roles), start_peer(Lane::Shm, test, "rank2", &cfg, bcast_roles)];
+    let mut addrs = vec![w.address().to_vec()];
+    for p in peers.iter_mut() {
+        addrs.push(p.get("addr", T));
+    }
+    for p in peers.iter_mut() {
+        for (r, a) in addrs.iter().enumerate() {
+            p.put(&format!("addr{r}"), a);
+        }
+    }
+    let ep1 = w.connect(&addrs[1]).unwrap();
+    for p in peers.iter_mut() {
+        p.get_progress("ready", T, &w);
+    }
+    let mine = bcast_rank(0, &w, &[(1, &ep1)], &k);
+    let mut theirs = Vec::new();
+    for p in peers.iter_mut() {
+        theirs.push(String::from_utf8(p.get_progress("result", T, &w)).unwrap());
+    }
+    eprintln!("rank 0: {mine:?}; rank 1: {:?}; rank 2: {:?}", theirs[0], theirs[1]);
+    assert!(mine.is_empty(), "rank 0: {mine}");
+    assert!(theirs.iter().all(|t| t.is_empty()), "{theirs:?}");
+    for p in peers.iter_mut() {
+        p.put("bye", &[]);
+    }
+    ep1.close().unwrap();
+    let deadline = Instant::now() + T;
+    for p in peers.iter_mut() {
+        while !p.is_finished() {
+            assert!(Instant::now() < deadline, "peer did not finish");
+            w.progress();
+        }
+        p.finish(T);
+    }
+}
