@@ -100,6 +100,9 @@ pub(crate) struct State {
     pub(crate) device: DeviceMem,
     /// Scratch for finished device reads.
     reads_done: Vec<(ReqId, Result<()>)>,
+    /// Receives whose buffered data could not be copied into their (GPU) buffer: their
+    /// completion reports this status.
+    failed_copies: Vec<(ReqId, Status)>,
 }
 
 /// Process-wide table from worker id (the top bits of a request handle) to worker.
@@ -198,6 +201,7 @@ impl Worker {
             peer_check_interval: cfg.peer_check_interval,
             device: DeviceMem::new(cfg.cuda_ipc),
             reads_done: Vec::new(),
+            failed_copies: Vec::new(),
         };
         let id = register_worker_id()?;
         let inner = Arc::new(WorkerInner { id, uuid, context, address, state: Mutex::new(state), proxy: Mutex::new(None) });
@@ -1072,9 +1076,12 @@ impl State {
             for a in work.drain(..) {
                 match a {
                     Action::Transmit { conn, frame } => self.queue_frame(conn, frame.0, &mut next),
-                    Action::CopyOwned { dst, mem, data } => {
+                    Action::CopyOwned { req, dst, mem, data } => {
                         if let Err(e) = copy_in(&mut self.device, dst, mem, &data) {
-                            tracing::warn!(target: "gsc::core", error = %e, "could not deliver a buffered message into a GPU buffer");
+                            // The engine completes the receive right after its copy; make that
+                            // completion report the failure instead of wrong data.
+                            tracing::warn!(target: "gsc::core", req, error = %e, "could not deliver a buffered message into a GPU buffer");
+                            self.failed_copies.push((req, e.status()));
                         }
                     }
                     Action::CopyFromFrame { .. } => {
@@ -1119,6 +1126,10 @@ impl State {
     }
 
     fn complete(&mut self, req: ReqId, status: Status, info: RecvInfo, out: &mut Actions) {
+        let status = match self.failed_copies.iter().position(|(r, _)| *r == req) {
+            Some(i) => self.failed_copies.swap_remove(i).1,
+            None => status,
+        };
         let Some(slot) = self.slot_mut(req) else {
             tracing::debug!(target: "gsc::core", req, "completion for a request that is gone");
             return;

@@ -119,6 +119,8 @@ pub(crate) fn same_process_key(addr: usize, len: usize) -> DeviceKey {
 struct Mapping {
     handle: [u8; HANDLE_LEN],
     mapped: u64,
+    /// The size the driver maps, which the peer's claim in the key is checked against.
+    size: u64,
 }
 
 /// Mappings of peer allocations that were since replaced; never closed yet (see `map_peer`).
@@ -147,8 +149,14 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     let mut cache = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
     let map = cache.get_or_insert_with(HashMap::new);
     let slot = (key.pid, key.base, device);
+    let within = |m: &Mapping| -> Result<u64> {
+        if offset + len as u64 > m.size {
+            return Err(Error::new(Status::ConnectionReset, "the peer's key claims more memory than its allocation has"));
+        }
+        Ok(m.mapped + offset)
+    };
     if let Some(m) = map.get(&slot).filter(|m| m.handle == handle) {
-        return Ok(m.mapped + offset);
+        return within(m);
     }
     let _scope = CtxScope::enter(primary_context(device)?)?;
     if let Some(old) = map.remove(&slot) {
@@ -167,8 +175,14 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     let flags = cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
     // SAFETY: a valid out-pointer; the driver validates the handle.
     check(unsafe { cu::cuIpcOpenMemHandle_v2(&mut mapped, h, flags) }, "cuIpcOpenMemHandle")?;
-    map.insert(slot, Mapping { handle, mapped });
-    Ok(mapped + offset)
+    let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: valid out-pointers; `mapped` was just mapped in the current context. A peer
+    // cannot make us copy past the real allocation by claiming a larger one in its key.
+    check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, mapped) }, "cuMemGetAddressRange(mapped)")?;
+    let m = Mapping { handle, mapped, size: size as u64 };
+    let at = within(&m);
+    map.insert(slot, m);
+    at
 }
 
 #[cfg(test)]

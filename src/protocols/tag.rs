@@ -107,8 +107,10 @@ pub enum Action {
         src_offset: usize,
         len: usize,
     },
-    /// Copy bytes the engine buffered (an unexpected message) to `dst` (in `mem`).
+    /// Copy bytes the engine buffered (an unexpected message) to `dst` (in `mem`) for receive
+    /// `req` (which fails instead of completing if the copy cannot be done).
     CopyOwned {
+        req: ReqId,
         dst: usize,
         mem: MemType,
         data: Vec<u8>,
@@ -623,7 +625,7 @@ impl TagEngine {
         match u.body {
             UnexpectedBody::Eager { data, msg_id } => {
                 let received = data.len();
-                copy_clipped(out, buf, 0, &data, CopySrc::Owned);
+                copy_clipped(out, buf, 0, &data, CopySrc::Owned(req));
                 self.eager_progress(out, u.conn, req, buf, info, received, msg_id);
             }
             UnexpectedBody::Rts { sreq, remote_addr, remote_memory, device_key } => {
@@ -755,7 +757,8 @@ fn append_fragment(u: &mut Unexpected, offset: usize, payload: &[u8]) -> Result<
 
 enum CopySrc {
     Frame,
-    Owned,
+    /// Buffered bytes for this receive.
+    Owned(ReqId),
 }
 
 /// Copy `data` (which belongs at `offset` of the message) into `buf`, writing nothing past the
@@ -768,7 +771,7 @@ fn copy_clipped(out: &mut Actions, buf: UserBuf, offset: usize, data: &[u8], src
     let (dst, mem) = (buf.addr + offset, buf.mem);
     match src {
         CopySrc::Frame => out.push(Action::CopyFromFrame { dst, mem, src_offset: 0, len: n }),
-        CopySrc::Owned => out.push(Action::CopyOwned { dst, mem, data: data[..n].to_vec() }),
+        CopySrc::Owned(req) => out.push(Action::CopyOwned { req, dst, mem, data: data[..n].to_vec() }),
     }
 }
 
