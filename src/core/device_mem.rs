@@ -96,10 +96,11 @@ impl DeviceMem {
             Ok(s) => s,
             Err(e) => return refuse_or_fail(self.ipc, e.context("opening the peer's GPU buffer")),
         };
-        // SAFETY: `dst` is the pending receive's buffer (valid until it completes, which waits
-        // for this copy); `src` is the peer's mapped buffer, held by its pending send until our
-        // ATS, which is sent only after the copy is done.
         tracing::debug!(target: "gsc::cuda", req, len, device, src = format_args!("{src:#x}"), "IPC read");
+        // SAFETY: `dst` is the pending receive's buffer (valid until it completes, which waits
+        // for this copy; one gap: a link failure completes the receive at once, see
+        // ARCHITECTURE.md); `src` is the peer's mapped buffer, held by its pending send until
+        // our ATS, which is sent only after the copy is done.
         match unsafe { self.copier().start(device, dst.addr as u64, src, len) } {
             Ok(t) => {
                 self.reads.push((t, req));
