@@ -12,13 +12,16 @@ use crate::config::Tristate;
 use crate::cuda::copy::{Copier, CopyTicket};
 use crate::cuda::{ipc, memory};
 use crate::error::{Error, Result, Status};
-use crate::protocols::{MemType, ReqId, UserBuf};
+use crate::protocols::{MemType, RecvInfo, ReqId, UserBuf};
 use crate::transport::LaneKind;
 
 pub(crate) struct DeviceMem {
     /// Created with the first GPU copy, so host-only workers never touch the driver.
     copier: Option<Copier>,
     reads: Vec<(CopyTicket, ReqId)>,
+    /// Completions that arrived (a link failure) while the request's read was still copying
+    /// into its buffer: held until the copy is done, so the buffer is the user's again only then.
+    held: Vec<(ReqId, Status, RecvInfo)>,
     /// `GSC_CUDA_IPC`: off never reads through IPC; on makes a failed IPC read an error
     /// rather than a fall back to the sender pushing through host memory.
     pub(crate) ipc: Tristate,
@@ -35,7 +38,7 @@ pub(crate) enum ReadStart {
 
 impl DeviceMem {
     pub(crate) fn new(ipc: Tristate) -> DeviceMem {
-        DeviceMem { copier: None, reads: Vec::new(), ipc }
+        DeviceMem { copier: None, reads: Vec::new(), held: Vec::new(), ipc }
     }
 
     fn copier(&mut self) -> &mut Copier {
@@ -45,6 +48,22 @@ impl DeviceMem {
     /// Reads in flight.
     pub(crate) fn reads_in_flight(&self) -> usize {
         self.reads.len()
+    }
+
+    /// Hold `req`'s completion if a read into its buffer is still running (true: held).
+    pub(crate) fn hold_completion(&mut self, req: ReqId, status: Status, info: RecvInfo) -> bool {
+        let running = self.reads.iter().any(|(_, r)| *r == req);
+        if running {
+            self.held.push((req, status, info));
+        }
+        running
+    }
+
+    /// The completion held for `req`, once its read is done.
+    pub(crate) fn take_held(&mut self, req: ReqId) -> Option<(Status, RecvInfo)> {
+        let i = self.held.iter().position(|(r, ..)| *r == req)?;
+        let (_, status, info) = self.held.swap_remove(i);
+        Some((status, info))
     }
 
     /// Make the copy stream of the GPU holding `addr` exist. Called on the user's thread when
@@ -97,10 +116,9 @@ impl DeviceMem {
             Err(e) => return refuse_or_fail(self.ipc, e.context("opening the peer's GPU buffer")),
         };
         tracing::debug!(target: "gsc::cuda", req, len, device, src = format_args!("{src:#x}"), "IPC read");
-        // SAFETY: `dst` is the pending receive's buffer (valid until it completes, which waits
-        // for this copy; one gap: a link failure completes the receive at once, see
-        // ARCHITECTURE.md); `src` is the peer's mapped buffer, held by its pending send until
-        // our ATS, which is sent only after the copy is done.
+        // SAFETY: `dst` is the pending receive's buffer, valid until it completes, which waits
+        // for this copy (even a failure's completion is held: `hold_completion`); `src` is the
+        // peer's mapped buffer, held by its pending send until our ATS, sent after the copy.
         match unsafe { self.copier().start(device, dst.addr as u64, src, len) } {
             Ok(t) => {
                 self.reads.push((t, req));

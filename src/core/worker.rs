@@ -826,7 +826,11 @@ impl State {
             self.device.poll_reads(&mut done);
             events += done.len();
             for (req, result) in done.drain(..) {
-                self.engine.tag.remote_read_done(&mut actions, req, result);
+                match self.device.take_held(req) {
+                    // The receive already ended (its link failed); its buffer is free now.
+                    Some((status, info)) => actions.push(Action::Complete { req, status, info }),
+                    None => self.engine.tag.remote_read_done(&mut actions, req, result),
+                }
             }
             self.reads_done = done;
         }
@@ -1130,6 +1134,9 @@ impl State {
             Some(i) => self.failed_copies.swap_remove(i).1,
             None => status,
         };
+        if self.device.reads_in_flight() > 0 && self.device.hold_completion(req, status, info) {
+            return;
+        }
         let Some(slot) = self.slot_mut(req) else {
             tracing::debug!(target: "gsc::core", req, "completion for a request that is gone");
             return;
