@@ -91,17 +91,6 @@ fn grid(n: usize) -> u32 {
     (n.div_ceil(256)).clamp(1, 1024) as u32
 }
 
-fn armed(s: Started) -> gscomm::condition::ArmedOutputs {
-    match s {
-        Started::Armed(o) => o,
-        other => panic!("expected an armed persistent operation, got {other:?}"),
-    }
-}
-
-fn errors(b: &PinnedBuf) -> u64 {
-    u64::from_le_bytes(b.to_vec()[..8].try_into().unwrap())
-}
-
 const SIZES: [usize; 9] = [0, 1, 128, 129, 65_535, 65_536, 65_537, 1 << 20, 64 << 20];
 const GRAPH_ROUNDS: usize = 10_000;
 const CAPTURE_ROUNDS: usize = 1_000;
@@ -135,7 +124,11 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     stream.synchronize().unwrap();
     report(
         "stream",
-        if st.iter().all(|s| *s == Status::Ok) && errors(&err) == 0 { String::new() } else { format!("{st:?} errors={}", errors(&err)) },
+        if st.iter().all(|s| *s == Status::Ok) && pinned_u64(&err) == 0 {
+            String::new()
+        } else {
+            format!("{st:?} errors={}", pinned_u64(&err))
+        },
     );
     drop(bufs);
 
@@ -173,7 +166,11 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     let dt = t0.elapsed();
     report(
         "graph",
-        if errors(&err) == 0 && gc.query().is_ok() { String::new() } else { format!("errors={} query={:?}", errors(&err), gc.query()) },
+        if pinned_u64(&err) == 0 && gc.query().is_ok() {
+            String::new()
+        } else {
+            format!("errors={} query={:?}", pinned_u64(&err), gc.query())
+        },
     );
     eprintln!("side {side}: {GRAPH_ROUNDS} graph replays in {dt:?} ({:.1} us/replay)", dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64);
     drop(exec);
@@ -198,7 +195,7 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
         cexec.launch(&stream).unwrap();
     }
     stream.synchronize().unwrap();
-    report("capture", if errors(&err) == 0 && cc.query().is_ok() { String::new() } else { format!("errors={}", errors(&err)) });
+    report("capture", if pinned_u64(&err) == 0 && cc.query().is_ok() { String::new() } else { format!("errors={}", pinned_u64(&err)) });
     drop(cexec);
     drop(cg);
 
@@ -217,7 +214,7 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
         )
         .unwrap();
     stream.synchronize().unwrap();
-    report("kernel", if errors(&err) == 0 && kc.query().is_ok() { String::new() } else { format!("errors={}", errors(&err)) });
+    report("kernel", if pinned_u64(&err) == 0 && kc.query().is_ok() { String::new() } else { format!("errors={}", pinned_u64(&err)) });
 }
 
 fn device_for(side: u64) -> i32 {

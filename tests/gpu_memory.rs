@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use gscomm::condition::{ArmedOutputs, Category, Condition};
+use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, set_device};
 use gscomm::{Context, Endpoint, RequestParams, Started, Status, Worker};
 use std::time::{Duration, Instant};
@@ -100,17 +100,6 @@ fn grid(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 4096) as u32
 }
 
-fn armed(s: Started) -> ArmedOutputs {
-    match s {
-        Started::Armed(o) => o,
-        other => panic!("expected an armed persistent operation, got {other:?}"),
-    }
-}
-
-fn count(b: &PinnedBuf) -> u64 {
-    u64::from_le_bytes(b.to_vec()[..8].try_into().unwrap())
-}
-
 fn verdict(statuses: &[Status], errors: u64) -> String {
     if statuses.iter().all(|s| *s == Status::Ok) && errors == 0 { String::new() } else { format!("{statuses:?} errors={errors}") }
 }
@@ -149,7 +138,7 @@ fn stream_echo(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize]) 
             eprintln!("side {side}: echo of {n} B done");
         }
     }
-    verdict(&statuses, count(&err))
+    verdict(&statuses, pinned_u64(&err))
 }
 
 /// A halo exchange as graph nodes (fill -> send; recv; both done -> bump, check) on GPU
@@ -181,8 +170,8 @@ fn graph_halo(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
         "side {side}: {GRAPH_ROUNDS} graph replays on GPU buffers in {dt:?} ({:.1} us/replay)",
         dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
     );
-    let rounds = count(&round);
-    let mut v = verdict(&[], count(&err));
+    let rounds = pinned_u64(&round);
+    let mut v = verdict(&[], pinned_u64(&err));
     if rounds != GRAPH_ROUNDS as u64 || gc.query().is_err() {
         v += &format!(" rounds={rounds} query={:?}", gc.query());
     }
@@ -200,7 +189,7 @@ fn kernel_triggered(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     let args = [hs.device_handle, hr.device_handle, src.ptr(), dst.ptr(), ROUND_BYTES as u64, KERNEL_ROUNDS, side, err.device_ptr()];
     k.kernel_rounds.launch(1, 256, &stream, &args).unwrap();
     stream.synchronize().unwrap();
-    let mut v = verdict(&[], count(&err));
+    let mut v = verdict(&[], pinned_u64(&err));
     if kc.query().is_err() {
         v += &format!(" query={:?}", kc.query());
     }
@@ -246,7 +235,7 @@ fn late_and_reordered(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, chan: &mut
         }
         stream.synchronize().unwrap();
     }
-    verdict(&statuses, count(&err))
+    verdict(&statuses, pinned_u64(&err))
 }
 
 /// `GSC_TEST_SYNC_EVERY=k`: synchronize the stream after every k graph launches (0: only at
@@ -439,7 +428,7 @@ fn bcast_rank(rank: u64, w: &Worker, to: &[(u64, &Endpoint)], k: &Kern) -> Strin
         monitor.join().unwrap();
         let dt = t0.elapsed();
         eprintln!("rank {rank}: broadcast {n} B x {replays} replays in {dt:?} ({:.1} us/replay)", dt.as_secs_f64() * 1e6 / replays as f64);
-        let (e, r) = (count(&err), count(&round));
+        let (e, r) = (pinned_u64(&err), pinned_u64(&round));
         if e != 0 || r != replays as u64 || gc.query().is_err() {
             v += &format!("[{n} B: errors={e} rounds={r} query={:?}]", gc.query());
         }

@@ -45,7 +45,7 @@ pub(crate) fn process_has_cuda() -> bool {
         c.set(n.wrapping_add(1));
         n
     });
-    if n % 256 != 0 {
+    if !n.is_multiple_of(256) {
         return false;
     }
     let loaded = ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
@@ -66,62 +66,44 @@ pub(crate) fn process_has_cuda() -> bool {
     loaded
 }
 
+/// One pointer attribute of `addr` as a `T`.
+///
+/// # Safety
+/// `T` must have the width the driver writes for `which` (u32 for MEMORY_TYPE and IS_MANAGED,
+/// i32 for DEVICE_ORDINAL, u64 for BUFFER_ID).
+unsafe fn attribute<T: Default>(addr: usize, which: cu::CUpointer_attribute) -> (cu::CUresult, T) {
+    let mut v = T::default();
+    // SAFETY: `v` is an out-value of the width the driver writes for `which` (the caller's
+    // promise); the driver only looks the address up.
+    let r = unsafe { cu::cuPointerGetAttribute(&mut v as *mut T as *mut _, which, addr as cu::CUdeviceptr) };
+    (r, v)
+}
+
 /// `Some` for CUDA device memory, `None` for anything the CPU can address (pageable, pinned,
 /// managed) and for addresses the driver does not know.
 pub(crate) fn device_ptr(addr: usize) -> Result<Option<DevicePtr>> {
+    use cu::CUpointer_attribute::{
+        CU_POINTER_ATTRIBUTE_BUFFER_ID as BUFFER_ID, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as DEVICE_ORDINAL,
+        CU_POINTER_ATTRIBUTE_IS_MANAGED as IS_MANAGED, CU_POINTER_ATTRIBUTE_MEMORY_TYPE as MEMORY_TYPE,
+    };
     // A process with libcuda loaded but no usable GPU holds no device pointers either.
     if !process_has_cuda() || init().is_err() {
         return Ok(None);
     }
-    let mut mem_type: u32 = 0;
-    // SAFETY: a 4-byte out-value for MEMORY_TYPE; the driver only looks the address up.
-    let r = unsafe {
-        cu::cuPointerGetAttribute(
-            &mut mem_type as *mut u32 as *mut _,
-            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            addr as cu::CUdeviceptr,
-        )
-    };
     // Memory the driver never saw (plain malloc) is reported as an invalid value.
+    // SAFETY (all four): each attribute is read with the type the driver writes for it.
+    let (r, mem_type) = unsafe { attribute::<u32>(addr, MEMORY_TYPE) };
     if r != cu::CUresult::CUDA_SUCCESS || mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
         return Ok(None);
     }
-    let mut managed: u32 = 0;
-    // SAFETY: as above, a 4-byte boolean.
-    let r = unsafe {
-        cu::cuPointerGetAttribute(
-            &mut managed as *mut u32 as *mut _,
-            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
-            addr as cu::CUdeviceptr,
-        )
-    };
+    let (r, managed) = unsafe { attribute::<u32>(addr, IS_MANAGED) };
     if r == cu::CUresult::CUDA_SUCCESS && managed != 0 {
         return Ok(None);
     }
-    let mut device: i32 = 0;
-    // SAFETY: a 4-byte ordinal.
-    check(
-        unsafe {
-            cu::cuPointerGetAttribute(
-                &mut device as *mut i32 as *mut _,
-                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                addr as cu::CUdeviceptr,
-            )
-        },
-        "cuPointerGetAttribute(DEVICE_ORDINAL)",
-    )?;
-    let mut buffer_id: u64 = 0;
-    // SAFETY: an 8-byte id.
-    check(
-        unsafe {
-            cu::cuPointerGetAttribute(
-                &mut buffer_id as *mut u64 as *mut _,
-                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                addr as cu::CUdeviceptr,
-            )
-        },
-        "cuPointerGetAttribute(BUFFER_ID)",
-    )?;
+    let (r, device) = unsafe { attribute::<i32>(addr, DEVICE_ORDINAL) };
+    check(r, "cuPointerGetAttribute(DEVICE_ORDINAL)")?;
+    let (r, buffer_id) = unsafe { attribute::<u64>(addr, BUFFER_ID) };
+    check(r, "cuPointerGetAttribute(BUFFER_ID)")?;
     Ok(Some(DevicePtr { device, buffer_id }))
 }
 

@@ -594,3 +594,18 @@ pub fn wait_all(w: &Worker, hs: Vec<u64>) -> Vec<Status> {
         })
         .collect()
 }
+
+/// The outputs of a graph- or kernel-conditioned operation (they are persistent, never pending).
+#[allow(dead_code)]
+pub fn armed(s: Started) -> gscomm::condition::ArmedOutputs {
+    match s {
+        Started::Armed(o) => o,
+        other => panic!("expected an armed persistent operation, got {other:?}"),
+    }
+}
+
+/// A 64-bit counter a kernel keeps in page-locked memory (error counts, round numbers).
+#[allow(dead_code)]
+pub fn pinned_u64(b: &gscomm::cuda::api::PinnedBuf) -> u64 {
+    u64::from_le_bytes(b.to_vec()[..8].try_into().unwrap())
+}
