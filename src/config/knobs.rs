@@ -294,11 +294,11 @@ pub(super) static KNOBS: &[Knob] = &[
     },
     Knob {
         name: "GSC_CUDA_IPC",
-        default: "off",
-        doc: "Read peers' GPU buffers through CUDA IPC with the copy engine (auto/on; on: a \
-              failed IPC read fails the receive); off: push GPU data through host memory frame by \
-              frame (staged). Off by default until the IPC path passes on the GPU machines \
-              (docs/ARCHITECTURE.md)",
+        default: "auto",
+        doc: "Read peers' GPU buffers through CUDA IPC with the copy engine (auto: fall back to \
+              the sender pushing through host memory when a read cannot be done; on: a failed \
+              IPC read fails the receive); off: always push GPU data through host memory frame \
+              by frame (staged)",
         kind: KnobKind::Tristate,
         parse: |c, v| {
             c.cuda_ipc = Tristate::from_option(parse_tristate(v)?);

@@ -278,7 +278,7 @@ impl Default for Config {
             shm_ring_size: 4 << 20,
             shm_max_frame: 64 << 10,
             cma: Tristate::Auto,
-            cuda_ipc: Tristate::Off,
+            cuda_ipc: Tristate::Auto,
             timeout: Some(Duration::from_secs(60)),
             peer_check_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(10),

@@ -153,6 +153,13 @@ impl DeviceBuf {
         // SAFETY: in bounds of our allocation; `data` is readable for the whole call.
         check(unsafe { cu::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const _, data.len()) }, "cuMemcpyHtoD")
     }
+    /// Set every byte to `value` (synchronous).
+    pub fn fill(&self, value: u8) -> Result<()> {
+        // SAFETY: exactly our allocation.
+        check(unsafe { cu::cuMemsetD8_v2(self.ptr, value, self.len) }, "cuMemsetD8")?;
+        // SAFETY: no arguments; waits for the memset (which runs on the legacy stream).
+        check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")
+    }
     /// The contents (synchronous).
     pub fn download(&self) -> Result<Vec<u8>> {
         let mut v = vec![0u8; self.len];

@@ -1,15 +1,9 @@
-//! gsc-bench: gscomm's benchmark tool.
-//!
-//! Host point-to-point between two processes on this machine (the tool starts its peer itself):
-//!   gsc-bench tag-lat [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [--ucx]
-//!   gsc-bench tag-bw  [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx]
-//! Latency is half the round trip of a ping-pong; bandwidth streams WINDOW outstanding sends per
-//! iteration. `--ucx` runs UCX's `ucx_perftest` on the same sizes in the same run (Debian package
-//! ucx-utils) and prints both side by side. GSC_* knobs apply as usual (e.g. GSC_TLS=shm).
+//! Host point-to-point between two processes: tag-lat and tag-bw, optionally beside UCX's
+//! ucx_perftest on the same sizes.
 
-use gscomm::{Config, Context, Endpoint, RequestParams, Started, Worker};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use crate::{Control, config, die, hex, parse_size, size_sweep, spawn_peer, unhex};
+use gscomm::{Context, Endpoint, RequestParams, Started, Worker};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -19,7 +13,7 @@ enum Test {
 }
 
 #[derive(Clone, Debug)]
-struct Opts {
+pub(crate) struct Opts {
     test: Test,
     min: usize,
     max: usize,
@@ -34,32 +28,11 @@ struct Opts {
 const TAG_DATA: u64 = 1;
 const TAG_ACK: u64 = 2;
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin]\n\
-         sizes accept K/M/G suffixes; defaults: -b 8 -e 4M -f 2 -n 10000 (bw: 200) -w 1000 (bw: 20) -W 32"
-    );
-    std::process::exit(2)
-}
-
-fn parse_size(s: &str) -> usize {
-    let (num, mult) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>().map(|n| n * mult).unwrap_or_else(|_| {
-        eprintln!("gsc-bench: bad size {s:?}");
-        usage()
-    })
-}
-
-fn parse_args(args: &[String]) -> Opts {
+pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
     let test = match args.first().map(String::as_str) {
         Some("tag-lat") => Test::Lat,
         Some("tag-bw") => Test::Bw,
-        _ => usage(),
+        _ => return None,
     };
     let mut o = Opts {
         test,
@@ -74,36 +47,23 @@ fn parse_args(args: &[String]) -> Opts {
     };
     let mut it = args[1..].iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().cloned().unwrap_or_else(|| usage());
+        let mut val = || it.next().cloned();
         match a.as_str() {
-            "-b" => o.min = parse_size(&val()),
-            "-e" => o.max = parse_size(&val()),
-            "-f" => o.factor = parse_size(&val()).max(2),
-            "-n" => o.iters = parse_size(&val()).max(1),
-            "-w" => o.warmup = parse_size(&val()),
-            "-W" => o.window = parse_size(&val()).max(1),
+            "-b" => o.min = parse_size(&val()?),
+            "-e" => o.max = parse_size(&val()?),
+            "-f" => o.factor = parse_size(&val()?).max(2),
+            "-n" => o.iters = parse_size(&val()?).max(1),
+            "-w" => o.warmup = parse_size(&val()?),
+            "-W" => o.window = parse_size(&val()?).max(1),
             "--ucx" => o.ucx = true,
             "--no-pin" => o.pin = false,
-            _ => usage(),
+            _ => return None,
         }
     }
-    o
+    Some(o)
 }
 
-fn sizes(o: &Opts) -> Vec<usize> {
-    let mut v = Vec::new();
-    let mut s = o.min;
-    loop {
-        v.push(s);
-        if s >= o.max {
-            break;
-        }
-        s = if s == 0 { 1 } else { (s * o.factor).min(o.max) };
-    }
-    v
-}
-
-fn pin_to(cpu: usize) {
+pub(crate) fn pin_to(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call only
     // affects the calling thread's affinity.
     unsafe {
@@ -115,23 +75,10 @@ fn pin_to(cpu: usize) {
 
 /// Online CPUs of the machine. Not `available_parallelism`: that follows the affinity mask, and
 /// the peer process inherits the mask of a client that already pinned itself.
-fn ncpus() -> usize {
+pub(crate) fn ncpus() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     if n > 0 { n as usize } else { 1 }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex address")).collect()
-}
-
-fn die(what: &str, e: impl std::fmt::Display) -> ! {
-    eprintln!("gsc-bench: {what}: {e}");
-    std::process::exit(1)
 }
 
 /// Wait for a pending request by spinning on progress (no yields: this is a benchmark).
@@ -213,47 +160,29 @@ fn run_size(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) -> f
     start.elapsed().as_secs_f64()
 }
 
-fn setup(peer_hex: Option<&str>) -> (Worker, Option<Endpoint>) {
-    let cfg = Config::from_env().unwrap_or_else(|e| die("configuration", e));
-    let ctx = Context::new(cfg).unwrap_or_else(|e| die("context", e));
-    let w = ctx.create_worker().unwrap_or_else(|e| die("worker", e));
-    let ep = peer_hex.map(|h| w.connect(&unhex(h)).unwrap_or_else(|e| die("connect", e)));
-    (w, ep)
+fn sizes(o: &Opts) -> Vec<usize> {
+    size_sweep(o.min, o.max, o.factor)
 }
 
-/// The peer process: connect back, then serve every size in the same order as the client.
-fn server(o: &Opts) {
+fn setup() -> Worker {
+    let ctx = Context::new(config()).unwrap_or_else(|e| die("context", e));
+    ctx.create_worker().unwrap_or_else(|e| die("worker", e))
+}
+
+/// The peer process: swap addresses, then serve every size in the same order as the client.
+pub(crate) fn server(o: &Opts) {
     if o.pin {
         pin_to(1 % ncpus());
     }
-    let (w, _) = setup(None);
-    let stdin = std::io::stdin();
-    let mut out = std::io::stdout();
-    writeln!(out, "ADDR {}", hex(w.address())).unwrap();
-    out.flush().unwrap();
-    let mut line = String::new();
-    stdin.lock().read_line(&mut line).unwrap();
-    let peer = line.trim().strip_prefix("ADDR ").unwrap_or_else(|| die("handshake", "expected ADDR"));
-    let ep = w.connect(&unhex(peer)).unwrap_or_else(|e| die("connect", e));
+    let w = setup();
+    let mut ctl = Control::of_parent();
+    ctl.send("ADDR", &hex(w.address()));
+    let peer = ctl.expect("ADDR");
+    let ep = w.connect(&unhex(&peer)).unwrap_or_else(|e| die("connect", e));
     for size in sizes(o) {
         run_size(o, &w, &ep, size, false);
     }
     let _ = ep.close();
-}
-
-fn spawn_server(args: &[String]) -> (Child, String) {
-    let exe = std::env::current_exe().unwrap_or_else(|e| die("current_exe", e));
-    let mut child = Command::new(exe)
-        .arg("__server")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| die("spawn peer", e));
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.trim().strip_prefix("ADDR ").unwrap_or_else(|| die("peer handshake", line.trim())).to_string();
-    (child, addr)
 }
 
 /// Run ucx_perftest for one size; returns (latency µs, bandwidth MB/s as printed by UCX).
@@ -294,25 +223,15 @@ fn ucx_perftest(o: &Opts, size: usize) -> Option<(f64, f64)> {
     Some((nums[3], nums[5]))
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("__server") {
-        let o = parse_args(&args[1..]);
-        server(&o);
-        return;
-    }
-    let o = parse_args(&args);
+pub(crate) fn client(o: &Opts, args: &[String]) {
+    let o = o.clone();
     if o.pin {
         pin_to(0);
     }
-    let (mut child, server_addr) = spawn_server(&args);
-    let (w, ep) = setup(Some(&server_addr));
-    let ep = ep.expect("client endpoint");
-    {
-        let stdin = child.stdin.as_mut().unwrap();
-        writeln!(stdin, "ADDR {}", hex(w.address())).unwrap();
-        stdin.flush().unwrap();
-    }
+    let (mut child, mut ctl) = spawn_peer(args);
+    let w = setup();
+    let ep = w.connect(&unhex(&ctl.expect("ADDR"))).unwrap_or_else(|e| die("connect", e));
+    ctl.send("ADDR", &hex(w.address()));
     let lane = ep.lane().map(|l| l.name()).unwrap_or("?");
     let cfg = w.context().config();
     println!(

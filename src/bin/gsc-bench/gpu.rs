@@ -1,0 +1,347 @@
+//! `gpu-sendrecv`: GPU buffers between two GPUs, one process per GPU, in nccl-tests' sendrecv
+//! pattern: every iteration each rank sends `size` bytes to the other and receives `size` bytes
+//! from it, both in flight together. Time is per iteration (wall clock over the timed
+//! iterations, from the first enqueue to the end of the stream); busbw = algbw = size / time, as
+//! nccl-tests defines it for sendrecv. `#wrong` counts bytes of the last iteration's receive
+//! that differ from what the peer sent (nccl-tests' column of the same name).
+//!
+//! How each mode starts the operations, all through the proxy:
+//! - stream: receive and send issued on the stream (`no_stream_wait`), then `Condition::wait`:
+//!   per iteration two trigger writes and one wait, enqueued by the host.
+//! - graph: `-G` iterations of the stream sequence captured into one CUDA graph, replayed
+//!   (nccl-tests' `-G`; time is per captured iteration).
+//! - kernel: one kernel runs every iteration, triggering both operations and waiting for them
+//!   from the device (`gsc_trigger` / `gsc_wait`).
+//! - nccl (`--nccl`): ncclSend + ncclRecv in a group per iteration on a stream, and the same
+//!   captured `-G` per graph.
+
+use crate::nccl::{Comm, Nccl, UniqueId};
+use crate::{Control, config, die, hex, parse_size, size_sweep, spawn_peer, unhex};
+use gscomm::condition::{Category, Condition};
+use gscomm::cuda::api::{DeviceBuf, Function, Module, PinnedBuf, Stream, device_count, set_device};
+use gscomm::{Context, Endpoint, RequestParams, Started, Worker};
+use std::time::Instant;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Stream,
+    Graph,
+    Kernel,
+    Nccl,
+    NcclGraph,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Stream => "stream",
+            Mode::Graph => "graph",
+            Mode::Kernel => "kernel",
+            Mode::Nccl => "nccl",
+            Mode::NcclGraph => "nccl-graph",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Opts {
+    min: usize,
+    max: usize,
+    factor: usize,
+    iters: usize,
+    warmup: usize,
+    graph_iters: usize,
+    modes: Vec<Mode>,
+    devices: [i32; 2],
+    nccl: bool,
+}
+
+pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
+    let mut o = Opts {
+        min: 8,
+        max: 128 << 20,
+        factor: 2,
+        iters: 1000,
+        warmup: 100,
+        graph_iters: 100,
+        modes: vec![Mode::Stream, Mode::Graph, Mode::Kernel],
+        devices: [0, 1],
+        nccl: false,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().cloned();
+        match a.as_str() {
+            "-b" => o.min = parse_size(&val()?),
+            "-e" => o.max = parse_size(&val()?),
+            "-f" => o.factor = parse_size(&val()?).max(2),
+            "-n" => o.iters = parse_size(&val()?).max(1),
+            "-w" => o.warmup = parse_size(&val()?),
+            "-G" => o.graph_iters = parse_size(&val()?).max(1),
+            "-m" => {
+                o.modes = val()?
+                    .split(',')
+                    .map(|m| match m {
+                        "stream" => Some(Mode::Stream),
+                        "graph" => Some(Mode::Graph),
+                        "kernel" => Some(Mode::Kernel),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()?
+            }
+            "-d" => {
+                let v: Vec<i32> = val()?.split(',').map(|d| d.parse().ok()).collect::<Option<_>>()?;
+                o.devices = v.try_into().ok()?;
+            }
+            "--nccl" => o.nccl = true,
+            _ => return None,
+        }
+    }
+    if o.nccl {
+        o.modes.extend([Mode::Nccl, Mode::NcclGraph]);
+    }
+    Some(o)
+}
+
+/// Iterations for one size: `-n`, fewer for large sizes (at most ~4 GiB moved per direction),
+/// a multiple of the graph's captured iterations for the graph modes.
+fn iterations(o: &Opts, size: usize, mode: Mode) -> (usize, usize) {
+    let budget = ((4usize << 30) / size.max(1)).max(5);
+    let n = o.iters.min(budget);
+    let w = o.warmup.min(n);
+    match mode {
+        Mode::Graph | Mode::NcclGraph => {
+            let g = o.graph_iters.min(n);
+            (n.div_ceil(g) * g, w.div_ceil(g).max(1) * g)
+        }
+        _ => (n, w),
+    }
+}
+
+const TAG: u64 = 77;
+
+/// The device kernel of the kernel mode: one thread runs `rounds` exchanges.
+const KERNEL_SRC: &str = r#"
+extern "C" __global__ void exchange_rounds(gsc_device_handle_t *send, gsc_device_handle_t *recv,
+                                           unsigned long long rounds, unsigned long long *errors) {
+    for (unsigned long long r = 0; r < rounds; r++) {
+        gsc_trigger(recv);
+        gsc_trigger(send);
+        if (gsc_wait(send) != 0 || gsc_wait(recv) != 0) { atomicAdd(errors, 1ULL); return; }
+    }
+}
+"#;
+
+/// One rank's state.
+struct Rank {
+    rank: i32,
+    w: Worker,
+    ep: Endpoint,
+    send: DeviceBuf,
+    recv: DeviceBuf,
+    stream: Stream,
+    exchange_rounds: Function,
+    _module: Module,
+}
+
+fn on(c: &Condition) -> RequestParams {
+    RequestParams { condition: Some(c.clone()), no_stream_wait: true, ..Default::default() }
+}
+
+fn release(w: &Worker, s: Started) {
+    if let Started::Pending(h) = s {
+        // A pending request still completes after release; its slot is recycled then.
+        w.request_release(h).unwrap_or_else(|e| die("request_release", e));
+    }
+}
+
+impl Rank {
+    /// Issue one exchange of `n` bytes on `cond` (a stream condition, maybe capturing).
+    fn issue(&self, cond: &Condition, n: usize) {
+        // SAFETY: both buffers live as long as `self`, and every issued operation has completed
+        // before `self` is dropped (each run ends with a stream synchronize).
+        let r = unsafe { self.w.tag_recv_nbx(self.recv.ptr() as *mut u8, n, TAG, u64::MAX, on(cond)) };
+        release(&self.w, r.unwrap_or_else(|e| die("tag_recv_nbx", e)));
+        let s = unsafe { self.ep.tag_send_nbx(self.send.ptr() as *const u8, n, TAG, on(cond)) };
+        release(&self.w, s.unwrap_or_else(|e| die("tag_send_nbx", e)));
+        cond.wait().unwrap_or_else(|e| die("Condition::wait", e));
+    }
+
+    /// Run `warmup` then `iters` iterations of `mode`; seconds per timed iteration.
+    fn run(&self, ctl: &mut Control, nccl: Option<&Comm>, mode: Mode, n: usize, o: &Opts) -> f64 {
+        let (iters, warmup) = iterations(o, n, mode);
+        let peer = 1 - self.rank;
+        let sync = || self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
+        let nccl_step = |stream: &Stream| {
+            let c = nccl.expect("nccl modes need a communicator");
+            // SAFETY: our device buffers of at least `n` bytes, on this rank's GPU; every run
+            // ends with a stream synchronize.
+            unsafe { c.sendrecv(self.send.ptr(), self.recv.ptr(), n, peer, stream.raw()) }.unwrap_or_else(|e| die("nccl", e));
+        };
+        match mode {
+            Mode::Stream | Mode::Nccl => {
+                let cond = Condition::cuda(Category::Stream, self.stream.raw(), None).unwrap_or_else(|e| die("condition", e));
+                let step = || if mode == Mode::Stream { self.issue(&cond, n) } else { nccl_step(&self.stream) };
+                (0..warmup).for_each(|_| step());
+                sync();
+                ctl.barrier();
+                let t0 = Instant::now();
+                (0..iters).for_each(|_| step());
+                sync();
+                t0.elapsed().as_secs_f64() / iters as f64
+            }
+            Mode::Graph | Mode::NcclGraph => {
+                let g = o.graph_iters.min(iters);
+                let cap = Stream::new().unwrap_or_else(|e| die("stream", e));
+                let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap_or_else(|e| die("condition", e));
+                cap.begin_capture().unwrap_or_else(|e| die("begin capture", e));
+                for _ in 0..g {
+                    if mode == Mode::Graph { self.issue(&cond, n) } else { nccl_step(&cap) }
+                }
+                let graph = cap.end_capture().unwrap_or_else(|e| die("end capture", e));
+                let exec = graph.instantiate().unwrap_or_else(|e| die("instantiate", e));
+                let launch = |times: usize| (0..times).for_each(|_| exec.launch(&self.stream).unwrap_or_else(|e| die("graph launch", e)));
+                launch(warmup / g);
+                sync();
+                ctl.barrier();
+                let t0 = Instant::now();
+                launch(iters / g);
+                sync();
+                t0.elapsed().as_secs_f64() / iters as f64
+            }
+            Mode::Kernel => {
+                let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap_or_else(|e| die("condition", e));
+                let handle = |s: gscomm::Result<Started>, what: &str| match s {
+                    Ok(Started::Armed(a)) => a.device_handle,
+                    other => die(what, format!("expected an armed operation, got {other:?}")),
+                };
+                let params = || RequestParams { condition: Some(kc.clone()), ..Default::default() };
+                // SAFETY: as in `issue`; the kernels below end before `self` is dropped.
+                let hr = handle(unsafe { self.w.tag_recv_nbx(self.recv.ptr() as *mut u8, n, TAG, u64::MAX, params()) }, "recv");
+                let hs = handle(unsafe { self.ep.tag_send_nbx(self.send.ptr() as *const u8, n, TAG, params()) }, "send");
+                let err = PinnedBuf::new(8).unwrap_or_else(|e| die("pinned", e));
+                let rounds = |k: usize| {
+                    self.exchange_rounds
+                        .launch(1, 1, &self.stream, &[hs, hr, k as u64, err.device_ptr()])
+                        .unwrap_or_else(|e| die("launch", e))
+                };
+                rounds(warmup);
+                sync();
+                ctl.barrier();
+                let t0 = Instant::now();
+                rounds(iters);
+                sync();
+                let dt = t0.elapsed().as_secs_f64() / iters as f64;
+                if err.to_vec().iter().any(|b| *b != 0) || kc.query().is_err() {
+                    die("kernel-triggered exchange", format!("{:?}", kc.query()));
+                }
+                dt
+            }
+        }
+    }
+}
+
+fn pattern(rank: i32, n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i as u64).wrapping_mul(2654435761).wrapping_add(rank as u64 * 97 + 13) as u8 ^ (i >> 12) as u8).collect()
+}
+
+/// Bytes of the receive buffer's first `n` that are not what the peer sent.
+fn wrong(r: &Rank, n: usize, expect: &[u8]) -> usize {
+    let got = r.recv.download().unwrap_or_else(|e| die("download", e));
+    got[..n].iter().zip(&expect[..n]).filter(|(a, b)| a != b).count()
+}
+
+/// Everything both ranks do: set up, then every (size, mode) in the same order.
+fn rank_main(
+    rank: i32,
+    o: &Opts,
+    ctl: &mut Control,
+    nccl_id: impl FnOnce(&mut Control, &Nccl) -> UniqueId,
+) -> Vec<(usize, Mode, f64, usize)> {
+    let dev = o.devices[rank as usize];
+    if device_count() <= dev {
+        die("devices", format!("GPU {dev} is not there ({} GPUs)", device_count()));
+    }
+    set_device(dev).unwrap_or_else(|e| die("set_device", e));
+    let ctx = Context::new(config()).unwrap_or_else(|e| die("context", e));
+    let w = ctx.create_worker().unwrap_or_else(|e| die("worker", e));
+    ctl.send("ADDR", &hex(w.address()));
+    let ep = w.connect(&unhex(&ctl.expect("ADDR"))).unwrap_or_else(|e| die("connect", e));
+    let module = Module::compile(&format!("{}\n{KERNEL_SRC}", include_str!("../../../include/gsc_device.cuh")))
+        .unwrap_or_else(|e| die("compile", e));
+    let exchange_rounds = module.function("exchange_rounds").unwrap_or_else(|e| die("kernel", e));
+    let nccl = o.nccl.then(|| Nccl::load().unwrap_or_else(|e| die("nccl", e)));
+    let comm = nccl.as_ref().map(|l| {
+        let id = nccl_id(ctl, l);
+        l.comm(id, rank).unwrap_or_else(|e| die("nccl", e))
+    });
+    let buf = |what| DeviceBuf::new(o.max.max(1)).unwrap_or_else(|e| die(what, e));
+    let stream = Stream::new().unwrap_or_else(|e| die("stream", e));
+    let r = Rank { rank, w, ep, send: buf("send buffer"), recv: buf("receive buffer"), stream, exchange_rounds, _module: module };
+    r.send.upload(&pattern(rank, o.max)).unwrap_or_else(|e| die("upload", e));
+    let expect = pattern(1 - rank, o.max);
+    let mut out = Vec::new();
+    for n in size_sweep(o.min, o.max, o.factor) {
+        for &mode in &o.modes {
+            r.recv.fill(0).unwrap_or_else(|e| die("memset", e));
+            ctl.barrier();
+            let t = r.run(ctl, comm.as_ref(), mode, n, o);
+            out.push((n, mode, t, wrong(&r, n, &expect)));
+        }
+    }
+    drop(comm);
+    let _ = r.ep.close();
+    out
+}
+
+pub(crate) fn server(o: &Opts) {
+    let mut ctl = Control::of_parent();
+    let res = rank_main(1, o, &mut ctl, |ctl, _| {
+        let b = unhex(&ctl.expect("NCCLID"));
+        UniqueId { internal: b.try_into().unwrap_or_else(|_| die("nccl", "bad unique id")) }
+    });
+    // The peer's #wrong counts too: hand them to the client, which prints the table.
+    ctl.send("WRONG", &res.iter().map(|r| r.3.to_string()).collect::<Vec<_>>().join(","));
+    ctl.expect("BYE");
+}
+
+pub(crate) fn client(o: &Opts, args: &[String]) {
+    let (mut child, mut ctl) = spawn_peer(args);
+    let mut nccl_version = String::new();
+    let res = rank_main(0, o, &mut ctl, |ctl, l| {
+        let id = l.unique_id().unwrap_or_else(|e| die("nccl", e));
+        ctl.send("NCCLID", &hex(&id.internal));
+        nccl_version = l.version();
+        id
+    });
+    let theirs: Vec<usize> = ctl.expect("WRONG").split(',').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap_or(usize::MAX)).collect();
+    ctl.send("BYE", "");
+    let _ = child.wait();
+    let cfg = config();
+    println!(
+        "# gsc-bench gpu-sendrecv | gscomm {} | GPUs {},{} | GSC_CUDA_IPC={} | -n {} -w {} -G {}{}",
+        gscomm::VERSION,
+        o.devices[0],
+        o.devices[1],
+        cfg.cuda_ipc.name(),
+        o.iters,
+        o.warmup,
+        o.graph_iters,
+        if o.nccl { format!(" | NCCL {nccl_version}") } else { String::new() }
+    );
+    println!("# time per iteration (us), busbw (GB/s) = size / time; #wrong: bytes wrong on either rank");
+    let mut head = format!("{:>12}", "size(B)");
+    for m in &o.modes {
+        head += &format!(" {:>12} {:>9}", format!("{}(us)", m.label()), "busbw");
+    }
+    println!("{head} {:>7}", "#wrong");
+    for (row, chunk) in res.chunks(o.modes.len()).enumerate() {
+        let mut line = format!("{:>12}", chunk[0].0);
+        let mut bad = 0;
+        for (i, (n, _, t, w)) in chunk.iter().enumerate() {
+            line += &format!(" {:>12.2} {:>9.2}", t * 1e6, *n as f64 / t / 1e9);
+            bad += w + theirs.get(row * o.modes.len() + i).copied().unwrap_or(0);
+        }
+        println!("{line} {bad:>7}");
+    }
+}

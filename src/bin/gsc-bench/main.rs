@@ -1,0 +1,152 @@
+//! gsc-bench: gscomm's benchmark tool. Every test starts its peer process itself.
+//!
+//! Host point-to-point between two processes on this machine:
+//!   gsc-bench tag-lat [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [--ucx]
+//!   gsc-bench tag-bw  [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx]
+//! Latency is half the round trip of a ping-pong; bandwidth streams WINDOW outstanding sends per
+//! iteration. `--ucx` runs UCX's `ucx_perftest` on the same sizes in the same run (Debian package
+//! ucx-utils) and prints both side by side.
+//!
+//! GPU point-to-point between two GPUs, one process per GPU (see `gpu.rs`):
+//!   gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]
+//!                          [-m stream,graph,kernel] [-d DEV0,DEV1] [--nccl]
+//! nccl-tests' sendrecv pattern (each rank sends to and receives from the other at once), with
+//! the operation started by a stream position, a captured graph or a kernel trigger, and NCCL's
+//! ncclSend/ncclRecv in the same run with `--nccl`.
+//!
+//! GSC_* knobs apply as usual (e.g. GSC_TLS=shm, GSC_LOG_LEVEL).
+
+mod gpu;
+mod host;
+mod nccl;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin]\n\
+         \x20      gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]\n\
+         \x20                             [-m stream,graph,kernel] [-d DEV0,DEV1] [--nccl]\n\
+         sizes accept K/M/G suffixes"
+    );
+    std::process::exit(2)
+}
+
+pub(crate) fn parse_size(s: &str) -> usize {
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().map(|n| n * mult).unwrap_or_else(|_| {
+        eprintln!("gsc-bench: bad size {s:?}");
+        usage()
+    })
+}
+
+/// MIN, MIN*FACTOR, ... up to and including MAX.
+pub(crate) fn size_sweep(min: usize, max: usize, factor: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min;
+    loop {
+        v.push(s);
+        if s >= max {
+            break;
+        }
+        s = if s == 0 { 1 } else { (s * factor).min(max) };
+    }
+    v
+}
+
+pub(crate) fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+pub(crate) fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex")).collect()
+}
+
+pub(crate) fn die(what: &str, e: impl std::fmt::Display) -> ! {
+    eprintln!("gsc-bench: {what}: {e}");
+    std::process::exit(1)
+}
+
+/// The line-based control channel between the tool and the peer process it started: the
+/// client holds the child's stdin/stdout, the peer its own stdin/stdout.
+pub(crate) struct Control {
+    input: Box<dyn BufRead>,
+    output: Box<dyn Write>,
+}
+
+impl Control {
+    /// In the peer process.
+    pub(crate) fn of_parent() -> Control {
+        Control { input: Box::new(BufReader::new(std::io::stdin())), output: Box::new(std::io::stdout()) }
+    }
+
+    pub(crate) fn send(&mut self, key: &str, value: &str) {
+        writeln!(self.output, "{key} {value}").unwrap_or_else(|e| die("control channel", e));
+        self.output.flush().unwrap_or_else(|e| die("control channel", e));
+    }
+
+    pub(crate) fn expect(&mut self, key: &str) -> String {
+        let mut line = String::new();
+        if self.input.read_line(&mut line).unwrap_or(0) == 0 {
+            die("control channel", format!("the peer closed it while {key} was expected"));
+        }
+        match line.trim_end().split_once(' ') {
+            Some((k, v)) if k == key => v.to_string(),
+            _ if line.trim_end() == key => String::new(),
+            _ => die("control channel", format!("expected {key}, got {:?}", line.trim_end())),
+        }
+    }
+
+    /// Both sides call it; returns when both have.
+    pub(crate) fn barrier(&mut self) {
+        self.send("BARRIER", "");
+        self.expect("BARRIER");
+    }
+}
+
+/// Start this binary again as the peer (`__server ARGS`) and hold its control channel.
+pub(crate) fn spawn_peer(args: &[String]) -> (Child, Control) {
+    let exe = std::env::current_exe().unwrap_or_else(|e| die("current_exe", e));
+    let mut child = Command::new(exe)
+        .arg("__server")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| die("spawn peer", e));
+    let stdin: ChildStdin = child.stdin.take().expect("piped");
+    let stdout: ChildStdout = child.stdout.take().expect("piped");
+    (child, Control { input: Box::new(BufReader::new(stdout)), output: Box::new(stdin) })
+}
+
+/// The configuration from the environment, with logging set up as it asks.
+pub(crate) fn config() -> gscomm::Config {
+    let cfg = gscomm::Config::from_env().unwrap_or_else(|e| die("configuration", e));
+    gscomm::log::init(&cfg).unwrap_or_else(|e| die("logging", e));
+    cfg
+}
+
+fn main() {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let server = args.first().map(String::as_str) == Some("__server");
+    if server {
+        args.remove(0);
+    }
+    match args.first().map(String::as_str) {
+        Some("tag-lat" | "tag-bw") => {
+            let o = host::parse_args(&args).unwrap_or_else(|| usage());
+            if server { host::server(&o) } else { host::client(&o, &args) }
+        }
+        Some("gpu-sendrecv") => {
+            let o = gpu::parse_args(&args[1..]).unwrap_or_else(|| usage());
+            if server { gpu::server(&o) } else { gpu::client(&o, &args) }
+        }
+        _ => usage(),
+    }
+}

@@ -1,0 +1,141 @@
+//! NCCL, loaded at run time, for the side-by-side columns of `gpu-sendrecv`: just the calls
+//! nccl-tests' sendrecv makes (unique id, communicator, grouped send + receive on a stream).
+//!
+//! The library is found as `libnccl.so.2` on the loader's path, or at `GSC_BENCH_NCCL_LIB`.
+//! Everything unsafe about NCCL is in this file.
+
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value to `ncclCommInitRank`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct UniqueId {
+    pub(crate) internal: [u8; 128],
+}
+
+type NcclComm = *mut c_void;
+type Res = c_int;
+const NCCL_INT8: c_int = 0;
+
+struct Api {
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Res,
+    comm_init_rank: unsafe extern "C" fn(*mut NcclComm, c_int, UniqueId, c_int) -> Res,
+    comm_destroy: unsafe extern "C" fn(NcclComm) -> Res,
+    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> Res,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> Res,
+    group_start: unsafe extern "C" fn() -> Res,
+    group_end: unsafe extern "C" fn() -> Res,
+    error_string: unsafe extern "C" fn(Res) -> *const c_char,
+    version: unsafe extern "C" fn(*mut c_int) -> Res,
+}
+
+/// A loaded NCCL.
+pub(crate) struct Nccl {
+    api: Api,
+}
+
+/// A two-rank communicator.
+pub(crate) struct Comm<'a> {
+    nccl: &'a Nccl,
+    comm: NcclComm,
+}
+
+impl Nccl {
+    pub(crate) fn load() -> Result<Nccl, String> {
+        let name = std::env::var("GSC_BENCH_NCCL_LIB").unwrap_or_else(|_| "libnccl.so.2".into());
+        let cname = CString::new(name.clone()).map_err(|_| "bad library name".to_string())?;
+        // SAFETY: a NUL-terminated name; the handle is kept for the process (never closed).
+        let lib = unsafe { libc::dlopen(cname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if lib.is_null() {
+            // SAFETY: dlerror returns a NUL-terminated string or null.
+            let why = unsafe { libc::dlerror() };
+            let why = if why.is_null() { String::new() } else { unsafe { CStr::from_ptr(why) }.to_string_lossy().into_owned() };
+            return Err(format!("cannot load {name}: {why}"));
+        }
+        let sym = |s: &str| -> Result<*mut c_void, String> {
+            let c = CString::new(s).expect("symbol name");
+            // SAFETY: a live handle and a NUL-terminated name.
+            let p = unsafe { libc::dlsym(lib, c.as_ptr()) };
+            if p.is_null() { Err(format!("{name} has no {s}")) } else { Ok(p) }
+        };
+        // SAFETY: each symbol is NCCL's public function of that name, whose C signature
+        // (nccl.h, stable since NCCL 2.7) is the one it is transmuted to.
+        let api = unsafe {
+            Api {
+                get_unique_id: std::mem::transmute::<*mut c_void, _>(sym("ncclGetUniqueId")?),
+                comm_init_rank: std::mem::transmute::<*mut c_void, _>(sym("ncclCommInitRank")?),
+                comm_destroy: std::mem::transmute::<*mut c_void, _>(sym("ncclCommDestroy")?),
+                send: std::mem::transmute::<*mut c_void, _>(sym("ncclSend")?),
+                recv: std::mem::transmute::<*mut c_void, _>(sym("ncclRecv")?),
+                group_start: std::mem::transmute::<*mut c_void, _>(sym("ncclGroupStart")?),
+                group_end: std::mem::transmute::<*mut c_void, _>(sym("ncclGroupEnd")?),
+                error_string: std::mem::transmute::<*mut c_void, _>(sym("ncclGetErrorString")?),
+                version: std::mem::transmute::<*mut c_void, _>(sym("ncclGetVersion")?),
+            }
+        };
+        Ok(Nccl { api })
+    }
+
+    fn check(&self, r: Res, what: &str) -> Result<(), String> {
+        if r == 0 {
+            return Ok(());
+        }
+        // SAFETY: NCCL returns a static NUL-terminated string for any result code.
+        let s = unsafe { CStr::from_ptr((self.api.error_string)(r)) };
+        Err(format!("{what}: {}", s.to_string_lossy()))
+    }
+
+    /// "2.28.9".
+    pub(crate) fn version(&self) -> String {
+        let mut v = 0;
+        // SAFETY: a valid out-pointer.
+        unsafe { (self.api.version)(&mut v) };
+        format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100)
+    }
+
+    pub(crate) fn unique_id(&self) -> Result<UniqueId, String> {
+        let mut id = UniqueId { internal: [0; 128] };
+        // SAFETY: a valid out-pointer.
+        self.check(unsafe { (self.api.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
+        Ok(id)
+    }
+
+    /// Join the communicator of `id` as `rank` of 2 (blocks until the other rank joins), on the
+    /// calling thread's current GPU.
+    pub(crate) fn comm(&self, id: UniqueId, rank: i32) -> Result<Comm<'_>, String> {
+        let mut comm: NcclComm = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; `id` came from ncclGetUniqueId (on one of the ranks).
+        self.check(unsafe { (self.api.comm_init_rank)(&mut comm, 2, id, rank) }, "ncclCommInitRank")?;
+        Ok(Comm { nccl: self, comm })
+    }
+}
+
+impl Comm<'_> {
+    /// Enqueue on `stream` one grouped send of `n` bytes from `send` to `peer` and receive of
+    /// `n` bytes from `peer` into `recv` (nccl-tests' sendrecv step).
+    ///
+    /// # Safety
+    /// `send` and `recv` are device buffers of at least `n` bytes on this rank's GPU, live until
+    /// the stream has run the operation; `stream` is a live stream of that GPU.
+    pub(crate) unsafe fn sendrecv(&self, send: u64, recv: u64, n: usize, peer: i32, stream: usize) -> Result<(), String> {
+        let a = &self.nccl.api;
+        let s = stream as *mut c_void;
+        // SAFETY: the caller's promise; group calls bracket the two operations.
+        unsafe {
+            self.nccl.check((a.group_start)(), "ncclGroupStart")?;
+            let r1 = (a.send)(send as *const c_void, n, NCCL_INT8, peer, self.comm, s);
+            let r2 = (a.recv)(recv as *mut c_void, n, NCCL_INT8, peer, self.comm, s);
+            let r3 = (a.group_end)();
+            self.nccl.check(r1, "ncclSend")?;
+            self.nccl.check(r2, "ncclRecv")?;
+            self.nccl.check(r3, "ncclGroupEnd")
+        }
+    }
+}
+
+impl Drop for Comm<'_> {
+    fn drop(&mut self) {
+        // SAFETY: our communicator, destroyed once.
+        unsafe { (self.nccl.api.comm_destroy)(self.comm) };
+    }
+}
