@@ -16,7 +16,7 @@
 //!   captured `-G` per graph.
 
 use crate::nccl::{Comm, Nccl, UniqueId};
-use crate::{Control, config, die, hex, parse_size, size_sweep, spawn_peer, unhex};
+use crate::{Control, Sweep, config, die, hex, parse_size, spawn_peer, unhex};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Function, Module, PinnedBuf, Stream, device_count, set_device};
 use gscomm::{Context, Endpoint, RequestParams, Started, Worker};
@@ -45,11 +45,7 @@ impl Mode {
 
 #[derive(Clone, Debug)]
 pub(crate) struct Opts {
-    min: usize,
-    max: usize,
-    factor: usize,
-    iters: usize,
-    warmup: usize,
+    sweep: Sweep,
     graph_iters: usize,
     modes: Vec<Mode>,
     devices: [i32; 2],
@@ -58,11 +54,7 @@ pub(crate) struct Opts {
 
 pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
     let mut o = Opts {
-        min: 8,
-        max: 128 << 20,
-        factor: 2,
-        iters: 1000,
-        warmup: 100,
+        sweep: Sweep { min: 8, max: 128 << 20, factor: 2, iters: 1000, warmup: 100 },
         graph_iters: 100,
         modes: vec![Mode::Stream, Mode::Graph, Mode::Kernel],
         devices: [0, 1],
@@ -71,12 +63,10 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().cloned();
+        if o.sweep.apply(a, &mut val)? {
+            continue;
+        }
         match a.as_str() {
-            "-b" => o.min = parse_size(&val()?),
-            "-e" => o.max = parse_size(&val()?),
-            "-f" => o.factor = parse_size(&val()?).max(2),
-            "-n" => o.iters = parse_size(&val()?).max(1),
-            "-w" => o.warmup = parse_size(&val()?),
             "-G" => o.graph_iters = parse_size(&val()?).max(1),
             "-m" => {
                 o.modes = val()?
@@ -107,8 +97,8 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
 /// a multiple of the graph's captured iterations for the graph modes.
 fn iterations(o: &Opts, size: usize, mode: Mode) -> (usize, usize) {
     let budget = ((4usize << 30) / size.max(1)).max(5);
-    let n = o.iters.min(budget);
-    let w = o.warmup.min(n);
+    let n = o.sweep.iters.min(budget);
+    let w = o.sweep.warmup.min(n);
     match mode {
         Mode::Graph | Mode::NcclGraph => {
             let g = o.graph_iters.min(n);
@@ -275,13 +265,13 @@ fn rank_main(
         let id = nccl_id(ctl, l);
         l.comm(id, rank).unwrap_or_else(|e| die("nccl", e))
     });
-    let buf = |what| DeviceBuf::new(o.max.max(1)).unwrap_or_else(|e| die(what, e));
+    let buf = |what| DeviceBuf::new(o.sweep.max.max(1)).unwrap_or_else(|e| die(what, e));
     let stream = Stream::new().unwrap_or_else(|e| die("stream", e));
     let r = Rank { rank, w, ep, send: buf("send buffer"), recv: buf("receive buffer"), stream, exchange_rounds, _module: module };
-    r.send.upload(&pattern(rank, o.max)).unwrap_or_else(|e| die("upload", e));
-    let expect = pattern(1 - rank, o.max);
+    r.send.upload(&pattern(rank, o.sweep.max)).unwrap_or_else(|e| die("upload", e));
+    let expect = pattern(1 - rank, o.sweep.max);
     let mut out = Vec::new();
-    for n in size_sweep(o.min, o.max, o.factor) {
+    for n in o.sweep.sizes() {
         for &mode in &o.modes {
             r.recv.fill(0).unwrap_or_else(|e| die("memset", e));
             ctl.barrier();
@@ -324,8 +314,8 @@ pub(crate) fn client(o: &Opts, args: &[String]) {
         o.devices[0],
         o.devices[1],
         cfg.cuda_ipc.name(),
-        o.iters,
-        o.warmup,
+        o.sweep.iters,
+        o.sweep.warmup,
         o.graph_iters,
         if o.nccl { format!(" | NCCL {nccl_version}") } else { String::new() }
     );

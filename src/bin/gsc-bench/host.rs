@@ -1,7 +1,7 @@
 //! Host point-to-point between two processes: tag-lat and tag-bw, optionally beside UCX's
 //! ucx_perftest on the same sizes.
 
-use crate::{Control, config, die, hex, parse_size, size_sweep, spawn_peer, unhex};
+use crate::{Control, Sweep, config, die, hex, parse_size, spawn_peer, unhex};
 use gscomm::{Context, Endpoint, RequestParams, Started, Worker};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,11 +15,7 @@ enum Test {
 #[derive(Clone, Debug)]
 pub(crate) struct Opts {
     test: Test,
-    min: usize,
-    max: usize,
-    factor: usize,
-    iters: usize,
-    warmup: usize,
+    sweep: Sweep,
     window: usize,
     ucx: bool,
     pin: bool,
@@ -36,11 +32,13 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
     };
     let mut o = Opts {
         test,
-        min: 8,
-        max: 4 << 20,
-        factor: 2,
-        iters: if test == Test::Lat { 10_000 } else { 200 },
-        warmup: if test == Test::Lat { 1000 } else { 20 },
+        sweep: Sweep {
+            min: 8,
+            max: 4 << 20,
+            factor: 2,
+            iters: if test == Test::Lat { 10_000 } else { 200 },
+            warmup: if test == Test::Lat { 1000 } else { 20 },
+        },
         window: 32,
         ucx: false,
         pin: true,
@@ -48,12 +46,10 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
     let mut it = args[1..].iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().cloned();
+        if o.sweep.apply(a, &mut val)? {
+            continue;
+        }
         match a.as_str() {
-            "-b" => o.min = parse_size(&val()?),
-            "-e" => o.max = parse_size(&val()?),
-            "-f" => o.factor = parse_size(&val()?).max(2),
-            "-n" => o.iters = parse_size(&val()?).max(1),
-            "-w" => o.warmup = parse_size(&val()?),
             "-W" => o.window = parse_size(&val()?).max(1),
             "--ucx" => o.ucx = true,
             "--no-pin" => o.pin = false,
@@ -116,12 +112,12 @@ fn run_size(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) -> f
     let mut buf = vec![0x5Au8; size.max(1)];
     let buf = &mut buf[..size];
     let mut ack = [0u8; 1];
-    let total = o.warmup + o.iters;
+    let total = o.sweep.warmup + o.sweep.iters;
     let mut start = Instant::now();
     match o.test {
         Test::Lat => {
             for i in 0..total {
-                if i == o.warmup {
+                if i == o.sweep.warmup {
                     start = Instant::now();
                 }
                 if client {
@@ -138,7 +134,7 @@ fn run_size(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) -> f
         Test::Bw => {
             let mut bufs: Vec<Vec<u8>> = (0..o.window).map(|_| vec![0x5Au8; size]).collect();
             for i in 0..total {
-                if i == o.warmup {
+                if i == o.sweep.warmup {
                     start = Instant::now();
                 }
                 if client {
@@ -160,10 +156,6 @@ fn run_size(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) -> f
     start.elapsed().as_secs_f64()
 }
 
-fn sizes(o: &Opts) -> Vec<usize> {
-    size_sweep(o.min, o.max, o.factor)
-}
-
 fn setup() -> Worker {
     let ctx = Context::new(config()).unwrap_or_else(|e| die("context", e));
     ctx.create_worker().unwrap_or_else(|e| die("worker", e))
@@ -179,7 +171,7 @@ pub(crate) fn server(o: &Opts) {
     ctl.send("ADDR", &hex(w.address()));
     let peer = ctl.expect("ADDR");
     let ep = w.connect(&unhex(&peer)).unwrap_or_else(|e| die("connect", e));
-    for size in sizes(o) {
+    for size in o.sweep.sizes() {
         run_size(o, &w, &ep, size, false);
     }
     let _ = ep.close();
@@ -189,11 +181,11 @@ pub(crate) fn server(o: &Opts) {
 fn ucx_perftest(o: &Opts, size: usize) -> Option<(f64, f64)> {
     let port = 13337 + (std::process::id() % 1000) as u16;
     let test = if o.test == Test::Lat { "tag_lat" } else { "tag_bw" };
-    let iters = (o.warmup + o.iters).to_string();
+    let iters = (o.sweep.warmup + o.sweep.iters).to_string();
     let common = |c: &mut Command| {
         c.args(["-t", test, "-s", &size.to_string(), "-n", &iters, "-p", &port.to_string()]);
         if o.test == Test::Bw {
-            c.args(["-w", &o.warmup.to_string()]);
+            c.args(["-w", &o.sweep.warmup.to_string()]);
         }
         c.stdout(Stdio::piped()).stderr(Stdio::null());
     };
@@ -242,27 +234,27 @@ pub(crate) fn client(o: &Opts, args: &[String]) {
         cfg.eager_short_max,
         cfg.rndv_thresh,
         cfg.rndv_scheme,
-        o.iters,
-        o.warmup,
+        o.sweep.iters,
+        o.sweep.warmup,
         if o.test == Test::Bw { format!(", window {}", o.window) } else { String::new() }
     );
     let mut results = Vec::new();
-    for size in sizes(&o) {
+    for size in o.sweep.sizes() {
         let secs = run_size(&o, &w, &ep, size, true);
         results.push((size, secs));
     }
     let _ = ep.close();
     let _ = child.wait();
-    let ucx: Vec<Option<(f64, f64)>> = if o.ucx { sizes(&o).iter().map(|s| ucx_perftest(&o, *s)).collect() } else { vec![] };
+    let ucx: Vec<Option<(f64, f64)>> = if o.ucx { o.sweep.sizes().iter().map(|s| ucx_perftest(&o, *s)).collect() } else { vec![] };
     match o.test {
         Test::Lat => println!("{:>12} {:>14} {:>14} {:>8}", "size(B)", "gscomm(us)", "ucx(us)", "ratio"),
         Test::Bw => println!("{:>12} {:>14} {:>14} {:>8}", "size(B)", "gscomm(GB/s)", "ucx(GB/s)", "ratio"),
     }
     for (i, (size, secs)) in results.iter().enumerate() {
         let (ours, theirs) = match o.test {
-            Test::Lat => (secs / o.iters as f64 / 2.0 * 1e6, ucx.get(i).copied().flatten().map(|u| u.0)),
+            Test::Lat => (secs / o.sweep.iters as f64 / 2.0 * 1e6, ucx.get(i).copied().flatten().map(|u| u.0)),
             Test::Bw => (
-                (*size * o.window * o.iters) as f64 / secs / 1e9,
+                (*size * o.window * o.sweep.iters) as f64 / secs / 1e9,
                 // ucx_perftest prints MB/s with MB = 2^20 bytes.
                 ucx.get(i).copied().flatten().map(|u| u.1 * (1 << 20) as f64 / 1e9),
             ),

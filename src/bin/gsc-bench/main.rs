@@ -46,18 +46,45 @@ pub(crate) fn parse_size(s: &str) -> usize {
     })
 }
 
-/// MIN, MIN*FACTOR, ... up to and including MAX.
-pub(crate) fn size_sweep(min: usize, max: usize, factor: usize) -> Vec<usize> {
-    let mut v = Vec::new();
-    let mut s = min;
-    loop {
-        v.push(s);
-        if s >= max {
-            break;
+/// The options every test has: the size sweep (-b MIN -e MAX -f FACTOR) and the iteration
+/// counts (-n ITERS -w WARMUP).
+#[derive(Clone, Debug)]
+pub(crate) struct Sweep {
+    pub(crate) min: usize,
+    pub(crate) max: usize,
+    pub(crate) factor: usize,
+    pub(crate) iters: usize,
+    pub(crate) warmup: usize,
+}
+
+impl Sweep {
+    /// Apply `flag` if it is one of these options, taking its value from `val`. `Some(false)`:
+    /// not one of ours; `None`: its value is missing.
+    pub(crate) fn apply(&mut self, flag: &str, val: &mut dyn FnMut() -> Option<String>) -> Option<bool> {
+        match flag {
+            "-b" => self.min = parse_size(&val()?),
+            "-e" => self.max = parse_size(&val()?),
+            "-f" => self.factor = parse_size(&val()?).max(2),
+            "-n" => self.iters = parse_size(&val()?).max(1),
+            "-w" => self.warmup = parse_size(&val()?),
+            _ => return Some(false),
         }
-        s = if s == 0 { 1 } else { (s * factor).min(max) };
+        Some(true)
     }
-    v
+
+    /// MIN, MIN*FACTOR, ... up to and including MAX.
+    pub(crate) fn sizes(&self) -> Vec<usize> {
+        let mut v = Vec::new();
+        let mut s = self.min;
+        loop {
+            v.push(s);
+            if s >= self.max {
+                break;
+            }
+            s = if s == 0 { 1 } else { (s * self.factor).min(self.max) };
+        }
+        v
+    }
 }
 
 pub(crate) fn hex(b: &[u8]) -> String {
