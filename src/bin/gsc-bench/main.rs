@@ -177,3 +177,26 @@ fn main() {
         _ => usage(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sweep() -> Sweep {
+        Sweep { min: 8, max: 4 << 20, factor: 2, iters: 10, warmup: 1 }
+    }
+
+    #[test]
+    fn sweep_options_and_sizes() {
+        let mut s = sweep();
+        let mut vals = vec!["100".to_string(), "1K".to_string()].into_iter();
+        assert_eq!(s.apply("-b", &mut || vals.next()), Some(true));
+        assert_eq!(s.apply("-e", &mut || vals.next()), Some(true));
+        assert_eq!(s.apply("-f", &mut || None), None, "a flag without its value");
+        assert_eq!(s.apply("-G", &mut || Some("5".into())), Some(false), "not a sweep option");
+        s.factor = 3;
+        assert_eq!(s.sizes(), vec![100, 300, 900, 1024], "the last size is MAX itself");
+        let zero = Sweep { min: 0, max: 4, factor: 2, ..sweep() };
+        assert_eq!(zero.sizes(), vec![0, 1, 2, 4]);
+    }
+}
