@@ -597,6 +597,15 @@ gsc_status_t gsc_condition_destroy(gsc_condition_h condition);
 /** STREAM / HOST_STREAM: make the stream wait, at its current position, for every operation
  *  issued on the condition so far. */
 gsc_status_t gsc_condition_wait(gsc_condition_h condition);
+/** STREAM / HOST_STREAM: open a group (groups nest). Operations issued on the condition, and
+ *  gsc_condition_wait() calls, until the matching gsc_condition_group_end() are put on the stream
+ *  together at the end: one trigger write and one wait for all of them (on a captured stream, one
+ *  trigger node and one wait node), like ncclGroupStart/ncclGroupEnd around sends and receives.
+ *  The group belongs to the condition, not to the calling thread. */
+gsc_status_t gsc_condition_group_start(gsc_condition_h condition);
+/** Close a group; the outermost end enqueues what was issued in it. GSC_ERR_INVALID_PARAM
+ *  without a group. If enqueueing fails, the group's operations fail (and the condition). */
+gsc_status_t gsc_condition_group_end(gsc_condition_h condition);
 /** GSC_OK, or the first failure of any operation issued on the condition (sticky). A failed
  *  operation releases every stream wait on the condition, so no GPU work hangs behind it. */
 gsc_status_t gsc_condition_query(gsc_condition_h condition);

@@ -30,28 +30,30 @@ static __device__ __forceinline__ unsigned long long gsc_trigger(gsc_device_hand
     volatile unsigned long long *ep = &h->epoch;
     unsigned long long e = *ep + 1;
     *ep = e;
-    /* Everything this thread (and, after a barrier, its block) wrote before is visible to the
-     * host and to peers before the trigger is. */
-    __threadfence_system();
+    /* A release at system scope: everything this thread wrote before (and, after a barrier, its
+     * block: release is cumulative) is visible to the host and to peers before the trigger is.
+     * One fence, not a __threadfence_system() plus the release: each waits for the writes still
+     * in flight over PCIe, about a microsecond. */
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(h->trigger), "l"(e) : "memory");
     return e;
 }
 
-/* Wait until the operation of trigger `epoch` (and every earlier one) completed. */
-static __device__ __forceinline__ void gsc_wait_epoch(const gsc_device_handle_t *h, unsigned long long epoch)
+/* Wait until the operation of trigger `epoch` (and every earlier one) completed. Returns the
+ * done word seen (bit 63: an operation failed). */
+static __device__ __forceinline__ unsigned long long gsc_wait_epoch(const gsc_device_handle_t *h, unsigned long long epoch)
 {
     unsigned long long d;
     do {
         asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(h->done) : "memory");
     } while (d < epoch);
+    return d;
 }
 
 /* Wait until the last triggered operation completed. Returns 0, or -1 if an operation failed. */
 static __device__ __forceinline__ int gsc_wait(gsc_device_handle_t *h)
 {
     unsigned long long e = *(volatile unsigned long long *)&h->epoch;
-    gsc_wait_epoch(h, e);
-    return (*(volatile unsigned long long *)h->done & GSC_DEVICE_DONE_ERROR_BIT) ? -1 : 0;
+    return (gsc_wait_epoch(h, e) & GSC_DEVICE_DONE_ERROR_BIT) ? -1 : 0;
 }
 
 #endif /* GSC_DEVICE_CUH */

@@ -15,6 +15,8 @@
 //! way to see our logs) and by our binaries; Rust users bring their own subscriber and may
 //! filter on these targets.
 
+pub mod timeline;
+
 use std::fs::{File, OpenOptions};
 use std::io::{self, ErrorKind};
 use std::path::PathBuf;
@@ -110,11 +112,16 @@ pub fn hostname() -> Result<String> {
 
 /// The file `GSC_LOG_FILE=pattern` names in this process.
 pub fn log_file_path(pattern: &str) -> Result<PathBuf> {
+    file_path(pattern, "GSC_LOG_FILE")
+}
+
+/// The file a file-pattern knob (`knob=pattern`) names in this process.
+pub(crate) fn file_path(pattern: &str, knob: &str) -> Result<PathBuf> {
     // Only ask for the host name when the pattern uses it.
     let host = if pattern.contains("%h") { hostname()? } else { String::new() };
     expand_pattern(pattern, &host, std::process::id())
         .map(PathBuf::from)
-        .map_err(|reason| Error::new(Status::InvalidConfig, format!("GSC_LOG_FILE={pattern:?}: {reason}")))
+        .map_err(|reason| Error::new(Status::InvalidConfig, format!("{knob}={pattern:?}: {reason}")))
 }
 
 /// Open `path` for appending; `true` when this call created it (so a failed `init` can remove

@@ -55,9 +55,17 @@ fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8) -> Result<(), String> 
     for iter in 0..HALO_ITERS {
         let s2 = src.clone();
         stream.launch(move || s2.0.lock().unwrap().fill(halo_byte(iter, side)));
+        // Side 0 groups every other round (one trigger and one wait for the pair), side 1 never.
+        let grouped = side == 0 && iter % 2 == 0;
+        if grouped {
+            cond.group_start().unwrap();
+        }
         reqs.push(pending(unsafe { w.tag_recv_nbx(dst.ptr(), HALO_SIZE, iter as u64, u64::MAX, on(&cond, false)).unwrap() }));
         reqs.push(pending(unsafe { ep.tag_send_nbx(src.ptr(), HALO_SIZE, iter as u64, on(&cond, false)).unwrap() }));
         cond.wait().unwrap();
+        if grouped {
+            cond.group_end().unwrap();
+        }
         let (d2, bad2) = (dst.clone(), bad.clone());
         let want = halo_byte(iter, 1 - side);
         stream.launch(move || {

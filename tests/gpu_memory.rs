@@ -2,7 +2,8 @@
 //! copy engine (`GSC_CUDA_IPC=on`), and the host-staged path (`GSC_CUDA_IPC=off`). Data is pseudo-random, made and
 //! checked by kernels; every condition kind; sizes up to 1 GiB; a receive posted long after its
 //! send; tags received out of order; the seed's graph broadcast (one receive, two sends) across
-//! three GPUs.
+//! three GPUs; a VMM send buffer (`cuMemCreate`) read by another process through a POSIX file
+//! descriptor passed over a Unix socket.
 //!
 //! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
 //! machines run it through `.gpu/run.sh gpu_memory`.
@@ -10,7 +11,10 @@ mod common;
 
 use common::*;
 use gscomm::condition::{Category, Condition};
-use gscomm::cuda::api::{DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, set_device};
+use gscomm::cuda::api::{
+    DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, ipc_export_kind,
+    release_retired_peer_mappings, set_device, vmm_counters,
+};
 use gscomm::{Context, Endpoint, RequestParams, Started, Status, Worker};
 use std::time::{Duration, Instant};
 
@@ -504,4 +508,139 @@ fn seed_graph_broadcast_across_three_gpus() {
         }
         p.finish(T);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A VMM send buffer (`cuMemCreate`, as PyTorch's expandable segments and NCCL's cuMem allocator
+// make them) read by a receiver in another process (on another GPU when there are two) through
+// a POSIX file descriptor passed over the sender's Unix socket, not pushed through host memory.
+
+/// (allocation bytes, offset of the sent range in it, bytes sent, sends of that range). The
+/// allocation outside the range holds other data, so a wrong offset is caught; the case sent
+/// twice checks that a second send reuses the export and the mapping.
+const VMM_CASES: &[(usize, usize, usize, u64)] = &[
+    (1, 0, 1, 1),
+    (8, 0, 8, 1),
+    (4095, 0, 4095, 1),
+    (65_536, 0, 65_536, 1),
+    (1 << 20, 0, 1 << 20, 2),
+    (4 << 20, 12_345, 1 << 20, 1),
+    ((2 << 20) + 3, 0, (2 << 20) + 3, 1),
+    (16 << 20, 0, 16 << 20, 1),
+    (64 << 20, 0, 64 << 20, 1),
+];
+
+fn vmm_seed(case: usize, send: u64) -> u64 {
+    0x5EED_0000 + 16 * case as u64 + send
+}
+
+fn vmm_sends() -> u64 {
+    VMM_CASES.iter().map(|c| c.3).sum()
+}
+
+/// The receiving process: a plain `cuMemAlloc` buffer per message, checked on its GPU.
+fn vmm_receiver(role: &str, chan: &dyn Chan, ctx: Context) {
+    assert_eq!(role, "receiver");
+    set_device(device_for(1)).unwrap();
+    let k = kernels();
+    let w = ctx.create_worker().unwrap();
+    let ep = w.connect(&chan.get("addr")).unwrap();
+    chan.put("ready", w.address());
+    let (stream, err) = (Stream::new().unwrap(), PinnedBuf::new(8).unwrap());
+    let before = vmm_counters();
+    let (mut problems, mut tag) = (String::new(), 0u64);
+    for (i, &(_, _, n, sends)) in VMM_CASES.iter().enumerate() {
+        for s in 0..sends {
+            let dst = DeviceBuf::new(n).unwrap();
+            dst.fill(0xEE).unwrap();
+            let started = unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, n, tag, u64::MAX, RequestParams::default()).unwrap() };
+            let c = wait_release(&w, started);
+            if c.status != Status::Ok || c.info.length != n {
+                problems += &format!("[{n} B send {s}: {:?}, {} B]", c.status, c.info.length);
+            }
+            let e0 = pinned_u64(&err);
+            k.check.launch(grid(n), 256, &stream, &[dst.ptr(), n as u64, vmm_seed(i, s), 0, err.device_ptr()]).unwrap();
+            stream.synchronize().unwrap();
+            if pinned_u64(&err) != e0 {
+                problems += &format!("[{n} B send {s}: wrong data]");
+            }
+            tag += 1;
+        }
+    }
+    let after = vmm_counters();
+    // Every stream is idle: a safe point to unmap mappings of buffers the sender replaced.
+    let released = release_retired_peer_mappings().map_err(|e| e.to_string());
+    let report = format!(
+        "problems={problems};imported={};reads={};released={released:?}",
+        after.imported - before.imported,
+        after.reads - before.reads
+    );
+    chan.put("results", report.as_bytes());
+    chan.get("bye");
+    ep.close().unwrap();
+}
+
+#[test]
+fn vmm_send_buffer_read_by_another_process_through_fd_passing() {
+    if run_child_role(vmm_receiver) {
+        return;
+    }
+    if let Some(why) = gpu_skip(1) {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(device_for(0)).unwrap();
+    eprintln!("sender on GPU {}, receiver on GPU {}", device_for(0), device_for(1));
+    let k = kernels();
+    let dir = ShmDir::new("gpu_vmm");
+    // IPC on: a read through the key that fails is an error, never a silent push.
+    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "300s"), ("GSC_CUDA_IPC", "on")];
+    let w = ctx_with(&cfg).create_worker().unwrap();
+    let test = "vmm_send_buffer_read_by_another_process_through_fd_passing";
+    let mut p = start_peer(Lane::Shm, test, "receiver", &cfg, vmm_receiver);
+    p.put("addr", w.address());
+    let ep = w.connect(&p.get_progress("ready", T, &w)).unwrap();
+    let stream = Stream::new().unwrap();
+    let before = vmm_counters();
+    let mut tag = 0u64;
+    for (i, &(alloc, off, n, sends)) in VMM_CASES.iter().enumerate() {
+        let buf = DeviceBuf::new_vmm(alloc).unwrap();
+        assert!(buf.is_vmm());
+        let src = buf.ptr() + off as u64;
+        for s in 0..sends {
+            let seed = vmm_seed(i, s);
+            k.fill.launch(grid(alloc), 256, &stream, &[buf.ptr(), alloc as u64, !seed]).unwrap();
+            k.fill.launch(grid(n), 256, &stream, &[src, n as u64, seed]).unwrap();
+            stream.synchronize().unwrap();
+            // What the send's RTS will carry: a VMM key, or the reason there is none.
+            match ipc_export_kind(src) {
+                Ok(kind) => assert_eq!(kind, "vmm", "{alloc} B VMM allocation"),
+                Err(e) => panic!("a {alloc} B VMM allocation cannot be shared with another process: {e}"),
+            }
+            let t0 = Instant::now();
+            let started = unsafe { ep.tag_send_nbx(src as *const u8, n, tag, RequestParams::default()).unwrap() };
+            let c = wait_release(&w, started);
+            assert_eq!(c.status, Status::Ok, "send of {n} B (case {i}, send {s})");
+            eprintln!("sender: {n} B from a {alloc} B VMM allocation (+{off}) sent in {:?}", t0.elapsed());
+            tag += 1;
+        }
+    }
+    let exported = vmm_counters().exported - before.exported;
+    let theirs = String::from_utf8(p.get_progress("results", T, &w)).unwrap();
+    eprintln!("receiver: {theirs}");
+    let field =
+        |name: &str| theirs.split(';').find_map(|f| f.strip_prefix(&format!("{name}="))).unwrap_or_else(|| panic!("no {name} in {theirs}"));
+    assert_eq!(field("problems"), "", "receiver");
+    assert_eq!(exported, VMM_CASES.len() as u64, "one export per VMM allocation (a repeated send reuses it)");
+    assert_eq!(field("imported"), VMM_CASES.len().to_string(), "one import per allocation: the data was read through the VMM mapping");
+    assert_eq!(field("reads"), vmm_sends().to_string(), "every message read through a VMM mapping, none pushed through host memory");
+    assert!(field("released").starts_with("Ok("), "releasing retired mappings: {theirs}");
+    p.put("bye", &[]);
+    ep.close().unwrap();
+    let deadline = Instant::now() + T;
+    while !p.is_finished() {
+        assert!(Instant::now() < deadline, "receiver did not finish");
+        w.progress();
+    }
+    p.finish(T);
 }

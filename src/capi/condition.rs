@@ -85,6 +85,24 @@ pub extern "C" fn gsc_condition_wait(condition: *mut c_void) -> i32 {
     })
 }
 
+/// `gsc_condition_group_start`
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_condition_group_start(condition: *mut c_void) -> i32 {
+    ffi_guard("gsc_condition_group_start", || {
+        handles::get::<Condition>(condition)?.group_start()?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_condition_group_end`
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_condition_group_end(condition: *mut c_void) -> i32 {
+    ffi_guard("gsc_condition_group_end", || {
+        handles::get::<Condition>(condition)?.group_end()?;
+        Ok(Status::Ok.code())
+    })
+}
+
 /// `gsc_condition_query`
 #[unsafe(no_mangle)]
 pub extern "C" fn gsc_condition_query(condition: *mut c_void) -> i32 {

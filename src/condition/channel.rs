@@ -50,18 +50,25 @@ struct Tracker {
 
 impl Channel {
     pub(crate) fn new(words: Words) -> Arc<Channel> {
+        Arc::new(Channel::continuing(words))
+    }
+
+    /// A channel for one persistent operation, its device handle pointing at its words with the
+    /// epoch where counting starts; the handle is in GPU memory of `gpu_ctx` when given.
+    pub(crate) fn persistent(words: Words, gpu_ctx: Option<usize>) -> crate::error::Result<Arc<Channel>> {
+        let mut c = Channel::continuing(words);
+        c.words.init_device_handle(c.base, gpu_ctx)?;
+        Ok(Arc::new(c))
+    }
+
+    fn continuing(words: Words) -> Channel {
         let trigger = words.trigger().load(Ordering::Acquire);
         let done = words.done().load(Ordering::Acquire) & !DONE_ERROR_BIT;
         let base = trigger.max(done);
         words.trigger().store(base, Ordering::Release);
         words.done().store(base, Ordering::Release);
         let tracker = Tracker { done: base, ..Default::default() };
-        Arc::new(Channel { words, tracker: Mutex::new(tracker), advanced: Condvar::new(), issue: Mutex::new(base), base })
-    }
-
-    /// Point the device handle of pinned words at them, with the device's epoch at `base`.
-    pub(crate) fn init_device_handle(&self) {
-        self.words.init_device_handle(self.base);
+        Channel { words, tracker: Mutex::new(tracker), advanced: Condvar::new(), issue: Mutex::new(base), base }
     }
 
     /// The value the producer last wrote.

@@ -80,8 +80,26 @@ pub(crate) struct CondInner {
     keep: Mutex<Vec<Arc<Channel>>>,
     /// Operations captured from a stream without a stream wait, for the next `wait`.
     captured_unwaited: Mutex<Vec<Arc<Channel>>>,
+    /// An open group (`group_start`): what its end puts on the stream.
+    group: Mutex<Group>,
     /// Kernel cache directory (`GSC_KERNEL_CACHE_DIR`) for the replay-safe nodes.
     kernel_cache: Option<std::path::PathBuf>,
+}
+
+/// Operations issued between `group_start` and `group_end` are put on the stream together, at
+/// the end: their trigger writes become one (the last number covers every earlier one) and the
+/// waits one, in a single batch of stream memops; captured ones share one trigger node and one
+/// wait node. That saves a memop (about 3 µs on H200) or a kernel node per extra operation.
+#[derive(Default)]
+struct Group {
+    depth: u32,
+    /// Sequenced: the highest operation number issued in the group, and the highest to wait for.
+    trigger: Option<u64>,
+    wait: Option<u64>,
+    /// Captured: channels to trigger, and to wait for, at the end; the graph they belong to.
+    captured_triggers: Vec<Arc<Channel>>,
+    captured_waits: Vec<Arc<Channel>>,
+    graph: Option<usize>,
 }
 
 enum Producer {
@@ -150,6 +168,7 @@ impl Condition {
                 armed: Mutex::default(),
                 keep: Mutex::default(),
                 captured_unwaited: Mutex::default(),
+                group: Mutex::default(),
                 kernel_cache,
             }),
         }
@@ -175,14 +194,28 @@ impl Condition {
     /// condition so far (for operations issued with `no_stream_wait`).
     pub fn wait(&self) -> Result<()> {
         let channel = self.sequenced_channel("wait")?;
+        {
+            // The issue lock is never taken inside the group lock (`issue` nests them the other way).
+            let issued = *channel.issue.lock().unwrap_or_else(|e| e.into_inner());
+            let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
+            if group.depth > 0 {
+                let mut unwaited = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
+                group.captured_waits.append(&mut unwaited);
+                // Under capture the sequenced channel is not used: only captured waits count.
+                if group.graph.is_none() && issued > channel.base {
+                    group.wait = Some(issued);
+                }
+                return Ok(());
+            }
+        }
         if let Producer::CudaStream { stream, ctx } = self.inner.producer {
             if crate::cuda::capture_graph(stream)?.is_some() {
                 // Captured operations have a channel each: wait for each with a kernel node.
                 let kernels = self.kernels(ctx)?;
                 let mut pending = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
-                for c in pending.drain(..) {
-                    crate::cuda::launch_on_stream(kernels.wait, stream, c.words.device_handle().expect("pinned"))?;
-                }
+                let handles: Vec<u64> = pending.iter().map(|c| c.words.device_handle().expect("pinned")).collect();
+                crate::cuda::launch_group_on_stream(kernels.wait_group, stream, &handles)?;
+                pending.clear();
                 return Ok(());
             }
         }
@@ -190,17 +223,70 @@ impl Condition {
         self.enqueue(&channel, None, Some(*issued))
     }
 
+    /// Open a group (they nest): operations issued on this condition until the matching
+    /// `group_end` go on the stream together at the end (see `Group`). Only stream and host
+    /// stream conditions have groups. The group belongs to the condition, not to a thread.
+    pub fn group_start(&self) -> Result<()> {
+        self.sequenced_channel("group_start")?;
+        let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
+        group.depth = group.depth.checked_add(1).ok_or_else(|| Error::invalid_param("group_start: groups nested too deep"))?;
+        Ok(())
+    }
+
+    /// Close a group; the outermost end puts what was issued in it on the stream. If that fails,
+    /// the group's operations can never start: they fail, and so does the condition (sticky).
+    pub fn group_end(&self) -> Result<()> {
+        let channel = self.sequenced_channel("group_end")?;
+        let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
+        match group.depth {
+            0 => return Err(Error::invalid_param("group_end without group_start")),
+            1 => {}
+            _ => {
+                group.depth -= 1;
+                return Ok(());
+            }
+        }
+        let g = std::mem::take(&mut *group);
+        let result = self.flush_group(&channel, &g);
+        if let Err(e) = &result {
+            channel.fail(e.clone());
+            for c in g.captured_triggers.iter().chain(&g.captured_waits) {
+                c.fail(e.clone());
+            }
+        }
+        result
+    }
+
+    fn flush_group(&self, channel: &Arc<Channel>, g: &Group) -> Result<()> {
+        if let Producer::CudaStream { stream, ctx } = self.inner.producer {
+            if !g.captured_triggers.is_empty() || !g.captured_waits.is_empty() {
+                let now = crate::cuda::capture_graph(stream)?.map(|gr| gr as usize);
+                if now != g.graph {
+                    return Err(Error::invalid_param("group_end: the stream's capture ended (or began) inside the group"));
+                }
+                let kernels = self.kernels(ctx)?;
+                let handles = |cs: &[Arc<Channel>]| cs.iter().map(|c| c.words.device_handle().expect("pinned")).collect::<Vec<u64>>();
+                crate::cuda::launch_group_on_stream(kernels.trigger_group, stream, &handles(&g.captured_triggers))?;
+                crate::cuda::launch_group_on_stream(kernels.wait_group, stream, &handles(&g.captured_waits))?;
+            }
+        }
+        match (g.trigger, g.wait) {
+            (None, None) => Ok(()),
+            (t, w) => self.enqueue(channel, t, w),
+        }
+    }
+
     fn kernels(&self, ctx: usize) -> Result<crate::cuda::Kernels> {
         crate::cuda::Kernels::of(crate::cuda::raw(ctx), self.inner.kernel_cache.as_deref())
     }
 
-    /// A fresh channel of its own for one persistent operation, its device handle pointing at it.
-    fn persistent_channel(&self, ctx: usize) -> Result<Arc<Channel>> {
+    /// A fresh channel of its own for one persistent operation, its device handle pointing at
+    /// it: in GPU memory (`handle_in_gpu`, for kernels that loop on it) or in the pinned slot
+    /// (operations captured from a stream, where allocating is not allowed).
+    fn persistent_channel(&self, ctx: usize, handle_in_gpu: bool) -> Result<Arc<Channel>> {
         let _scope = crate::cuda::CtxScope::enter(crate::cuda::raw(ctx))?;
         let slot = crate::cuda::PinnedSlot::take()?;
-        let channel = Channel::new(Words::pinned(slot));
-        channel.init_device_handle();
-        Ok(channel)
+        Channel::persistent(Words::pinned(slot), handle_in_gpu.then_some(ctx))
     }
 
     fn sequenced_channel(&self, what: &str) -> Result<Arc<Channel>> {
@@ -232,7 +318,15 @@ impl Condition {
                     return Err(e.context("the condition failed earlier; no further operation is issued on it"));
                 }
                 let seq = *issued + 1;
-                self.enqueue(channel, Some(seq), stream_wait.then_some(seq))?;
+                let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
+                if group.depth > 0 {
+                    group.trigger = Some(seq);
+                    if stream_wait {
+                        group.wait = Some(seq);
+                    }
+                } else {
+                    self.enqueue(channel, Some(seq), stream_wait.then_some(seq))?;
+                }
                 *issued = seq;
                 Ok(Issued::Sequenced(channel.clone(), seq))
             }
@@ -265,14 +359,29 @@ impl Condition {
     /// kernel bumps the device epoch; the wait kernel waits for that epoch), owned by the graph.
     fn issue_captured(&self, stream: usize, ctx: usize, graph: usize, stream_wait: bool) -> Result<Issued> {
         let kernels = self.kernels(ctx)?;
-        let channel = self.persistent_channel(ctx)?;
+        let channel = self.persistent_channel(ctx, false)?;
         let handle = channel.words.device_handle().expect("pinned");
-        crate::cuda::launch_on_stream(kernels.trigger, stream, handle)?;
-        if stream_wait {
-            crate::cuda::launch_on_stream(kernels.wait, stream, handle)?;
+        let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
+        if group.depth > 0 {
+            if group.graph.is_some_and(|g| g != graph) {
+                return Err(Error::invalid_param("a group's operations must all be captured into one graph"));
+            }
+            group.graph = Some(graph);
+            group.captured_triggers.push(channel.clone());
+            if stream_wait {
+                group.captured_waits.push(channel.clone());
+            } else {
+                self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
+            }
         } else {
-            self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
+            crate::cuda::launch_on_stream(kernels.trigger, stream, handle)?;
+            if stream_wait {
+                crate::cuda::launch_on_stream(kernels.wait, stream, handle)?;
+            } else {
+                self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
+            }
         }
+        drop(group);
         crate::cuda::tie_to_graph(crate::cuda::raw(graph), channel.clone())?;
         self.remember(&channel, false);
         Ok(Issued::Persistent(channel, ArmedOutputs::default()))
@@ -281,7 +390,7 @@ impl Condition {
     /// A graph operation: a trigger node and a done node after it, owned by the graph.
     fn issue_graph(&self, graph: usize, ctx: usize) -> Result<Issued> {
         let kernels = self.kernels(ctx)?;
-        let channel = self.persistent_channel(ctx)?;
+        let channel = self.persistent_channel(ctx, true)?;
         let handle = channel.words.device_handle().expect("pinned");
         let g = crate::cuda::raw(graph);
         let start = crate::cuda::add_kernel_node(g, kernels.trigger, handle, &[])?;
@@ -293,7 +402,7 @@ impl Condition {
 
     /// A kernel-triggered operation: the device handle, kept alive by the condition.
     fn issue_kernel_triggered(&self, ctx: usize) -> Result<Issued> {
-        let channel = self.persistent_channel(ctx)?;
+        let channel = self.persistent_channel(ctx, true)?;
         let handle = channel.words.device_handle().expect("pinned");
         self.remember(&channel, true);
         Ok(Issued::Persistent(channel, ArmedOutputs { device_handle: handle, ..Default::default() }))

@@ -183,3 +183,45 @@ fn wait_is_for_sequenced_conditions_and_close_cannot_be_conditioned() {
     let e = ep.close_nbx(crate::core::CloseMode::Flush, on(&c)).unwrap_err();
     assert_eq!(e.status(), Status::Unsupported);
 }
+
+#[test]
+fn a_group_starts_its_operations_together_at_its_end() {
+    let (a, b, ep) = pair();
+    let (sa, sb) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    let (ca, cb) = (Condition::host_stream(&sa), Condition::host_stream(&sb));
+    let src: Vec<Arc<Shared>> = (0..3u8).map(|i| Arc::new(Shared(Mutex::new(vec![i + 1; 1000])))).collect();
+    let dst: Vec<Arc<Shared>> = (0..3).map(|_| Shared::new(1000)).collect();
+    let recvs: Vec<Started> = (0..3).map(|i| unsafe { b.tag_recv_nbx(dst[i].ptr(), 1000, i as u64, u64::MAX, on(&cb)) }.unwrap()).collect();
+    ca.group_start().unwrap();
+    ca.group_start().unwrap(); // nested: only the outermost end flushes
+    let sends: Vec<Started> = (0..3).map(|i| unsafe { ep.tag_send_nbx(src[i].ptr(), 1000, i as u64, on(&ca)) }.unwrap()).collect();
+    ca.wait().unwrap();
+    ca.group_end().unwrap();
+    // Nothing is on the stream yet, so nothing can have been sent.
+    std::thread::sleep(Duration::from_millis(50));
+    let channel = ca.inner.channel.clone().unwrap();
+    assert_eq!(channel.trigger(), channel.base, "a group's operations started before its end");
+    ca.group_end().unwrap();
+    sa.synchronize(Some(Duration::from_secs(20))).unwrap();
+    assert_eq!(channel.trigger(), channel.base + 3, "one trigger write covers the group");
+    for (s, r) in sends.into_iter().zip(recvs) {
+        assert_eq!(wait_req(&a, s), Status::Ok);
+        assert_eq!(wait_req(&b, r), Status::Ok);
+    }
+    for i in 0..3 {
+        assert!(dst[i].0.lock().unwrap().iter().all(|&x| x == i as u8 + 1), "message {i} wrong");
+    }
+}
+
+#[test]
+fn group_misuse_is_an_error_that_changes_nothing() {
+    let s = HostStream::new().unwrap();
+    let c = Condition::host_stream(&s);
+    let e = c.group_end().unwrap_err();
+    assert_eq!(e.status(), Status::InvalidParam);
+    assert!(e.to_string().contains("without group_start"), "{e}");
+    // Still usable, and a group opened afterwards works.
+    c.group_start().unwrap();
+    c.group_end().unwrap();
+    assert!(c.query().is_ok());
+}

@@ -21,6 +21,9 @@ pub(crate) struct Words {
     /// (trigger, done) as the GPU addresses them.
     pub(crate) device: Option<(u64, u64)>,
     _backing: Backing,
+    /// The device handle in GPU memory, when kernels loop on it (see `cuda::DeviceHandleSlot`);
+    /// otherwise the pinned slot's own handle line is used.
+    gpu_handle: Option<crate::cuda::DeviceHandleSlot>,
 }
 
 enum Backing {
@@ -41,28 +44,37 @@ impl Words {
         let lines = Box::new([Line::default(), Line::default()]);
         let trigger = NonNull::from(&lines[0].word);
         let done = NonNull::from(&lines[1].word);
-        Words { trigger, done, device: None, _backing: Backing::Host(lines) }
+        Words { trigger, done, device: None, _backing: Backing::Host(lines), gpu_handle: None }
     }
 
     /// Words in a mapped page-locked slot (CUDA producers).
     pub(crate) fn pinned(slot: crate::cuda::PinnedSlot) -> Words {
         let (trigger, done) = slot.host_words();
         let device = Some(slot.device_words());
-        Words { trigger, done, device, _backing: Backing::Pinned(slot) }
+        Words { trigger, done, device, _backing: Backing::Pinned(slot), gpu_handle: None }
     }
 
-    /// The slot's device handle (`gsc_device_handle_t`), for pinned words.
+    /// The device handle (`gsc_device_handle_t`), for pinned words.
     pub(crate) fn device_handle(&self) -> Option<u64> {
+        if let Some(h) = &self.gpu_handle {
+            return Some(h.addr());
+        }
         match &self._backing {
             Backing::Pinned(s) => Some(s.device_handle()),
             Backing::Host(_) => None,
         }
     }
 
-    pub(crate) fn init_device_handle(&self, base: u64) {
-        if let Backing::Pinned(s) = &self._backing {
-            s.init_handle(base);
+    /// Point the device handle of pinned words at them with the epoch at `base`: in GPU memory
+    /// of `gpu_ctx` when given, else in the pinned slot. Called before any kernel has the handle.
+    pub(crate) fn init_device_handle(&mut self, base: u64, gpu_ctx: Option<usize>) -> crate::error::Result<()> {
+        let Backing::Pinned(s) = &self._backing else { return Ok(()) };
+        s.init_handle(base);
+        if let Some(ctx) = gpu_ctx {
+            let (t, d) = s.device_words();
+            self.gpu_handle = Some(crate::cuda::DeviceHandleSlot::new(crate::cuda::raw(ctx), [t, d, base])?);
         }
+        Ok(())
     }
 
     /// Never reuse this memory: a stream may still write a stale trigger into it.

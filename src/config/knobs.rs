@@ -63,6 +63,8 @@ pub enum KnobKind {
     Secret,
     /// A non-negative integer; empty: unset.
     Count,
+    /// An integer from 1 up.
+    Positive,
 }
 
 impl KnobKind {
@@ -82,12 +84,23 @@ impl KnobKind {
             KnobKind::HostPort => "host:port; empty: unset".to_string(),
             KnobKind::Text | KnobKind::Secret => "text; empty: unset".to_string(),
             KnobKind::Count => "non-negative integer; empty: unset".to_string(),
+            KnobKind::Positive => "integer from 1 up".to_string(),
         }
     }
 }
 
 fn join_names<T: Copy>(items: &[T], name_of: fn(T) -> &'static str, sep: &str) -> String {
     items.iter().map(|&t| name_of(t)).collect::<Vec<_>>().join(sep)
+}
+
+/// A file-name pattern knob (`%h`, `%p`); empty: unset. The pattern is checked now so a typo
+/// fails at configuration time, not when the file is opened (where the real expansion happens).
+fn file_pattern(value: &str) -> Result<Option<String>, String> {
+    let file = optional_text(value);
+    if let Some(pattern) = &file {
+        crate::log::expand_pattern(pattern, "host", 1)?;
+    }
+    Ok(file)
 }
 
 /// Empty means unset for optional text knobs: `GSC_X=` is how a shell clears an inherited value.
@@ -161,16 +174,21 @@ pub(super) static KNOBS: &[Knob] = &[
         doc: "File that log messages are appended to instead of stderr",
         kind: KnobKind::LogFile,
         parse: |c, v| {
-            let file = optional_text(v);
-            if let Some(pattern) = &file {
-                // Validate the pattern now so a typo fails at configuration time, not when
-                // logging starts; the real expansion happens when the file is opened.
-                crate::log::expand_pattern(pattern, "host", 1)?;
-            }
-            c.log_file = file;
+            c.log_file = file_pattern(v)?;
             Ok(())
         },
         show: |c| show_optional(&c.log_file),
+    },
+    Knob {
+        name: "GSC_TIMELINE",
+        default: "",
+        doc: "File the event timeline (ns timestamps of every proxy step) is appended to; empty: off",
+        kind: KnobKind::LogFile,
+        parse: |c, v| {
+            c.timeline = file_pattern(v)?;
+            Ok(())
+        },
+        show: |c| show_optional(&c.timeline),
     },
     Knob {
         name: "GSC_TLS",
@@ -305,6 +323,38 @@ pub(super) static KNOBS: &[Knob] = &[
             Ok(())
         },
         show: |c| c.cuda_ipc.name().to_string(),
+    },
+    Knob {
+        name: "GSC_CUDA_COPY_STREAMS",
+        default: "1",
+        doc: "Copy streams per GPU that one large GPU read is spread over (1..=16); on H200 \
+              more streams did not move data faster and cost enqueue time, hence 1",
+        kind: KnobKind::Positive,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(1..=16).contains(&n) {
+                return Err("expected 1 to 16 streams".into());
+            }
+            c.cuda_copy_streams = n;
+            Ok(())
+        },
+        show: |c| c.cuda_copy_streams.to_string(),
+    },
+    Knob {
+        name: "GSC_CUDA_COPY_SPLIT",
+        default: "8M",
+        doc: "Smallest piece a GPU read is split into over the copy streams; reads under twice \
+              this size go whole on one stream",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if n == 0 {
+                return Err("expected a size greater than zero".into());
+            }
+            c.cuda_copy_split = n;
+            Ok(())
+        },
+        show: |c| format_size(c.cuda_copy_split as u64),
     },
     Knob {
         name: "GSC_TIMEOUT",

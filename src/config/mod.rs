@@ -204,6 +204,8 @@ pub struct Config {
     pub log_subsys: Vec<Subsys>,
     /// `GSC_LOG_FILE`: a pattern; `%h`/`%p` are expanded by `crate::log` when it opens the file.
     pub log_file: Option<String>,
+    /// `GSC_TIMELINE`: a file pattern like `log_file`; `None`: no timeline is recorded.
+    pub timeline: Option<String>,
     /// `GSC_TLS`: enabled lanes, in `LaneKind::ALL` order, never empty.
     pub tls: Vec<LaneKind>,
     /// `GSC_EAGER_SHORT_MAX`, bytes.
@@ -224,6 +226,10 @@ pub struct Config {
     pub cma: Tristate,
     /// `GSC_CUDA_IPC`
     pub cuda_ipc: Tristate,
+    /// `GSC_CUDA_COPY_STREAMS`, 1..=16.
+    pub cuda_copy_streams: usize,
+    /// `GSC_CUDA_COPY_SPLIT`, bytes, non-zero.
+    pub cuda_copy_split: usize,
     /// `GSC_TIMEOUT`: bound on every blocking wait; `None` waits forever.
     pub timeout: Option<Duration>,
     /// `GSC_PEER_CHECK_INTERVAL`, non-zero.
@@ -269,6 +275,7 @@ impl Default for Config {
             log_level: LogLevel::Warn,
             log_subsys: Subsys::ALL.to_vec(),
             log_file: None,
+            timeline: None,
             tls: LaneKind::ALL.to_vec(),
             eager_short_max: 128,
             rndv_thresh: 64 << 10,
@@ -279,6 +286,8 @@ impl Default for Config {
             shm_max_frame: 64 << 10,
             cma: Tristate::Auto,
             cuda_ipc: Tristate::Auto,
+            cuda_copy_streams: 1,
+            cuda_copy_split: 8 << 20,
             timeout: Some(Duration::from_secs(60)),
             peer_check_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(10),

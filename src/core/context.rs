@@ -30,6 +30,9 @@ pub(crate) fn random_u128() -> Result<u128> {
 impl Context {
     /// A context with the given configuration (see `Config::from_env`).
     pub fn new(config: Config) -> Result<Context> {
+        if let Some(pattern) = &config.timeline {
+            crate::log::timeline::enable(crate::log::file_path(pattern, "GSC_TIMELINE")?);
+        }
         Ok(Context {
             inner: Arc::new(ContextInner {
                 config,

@@ -12,12 +12,16 @@ use crate::config::Tristate;
 use crate::cuda::copy::{Copier, CopyTicket};
 use crate::cuda::{ipc, memory};
 use crate::error::{Error, Result, Status};
+use crate::log::timeline::{self, Event};
 use crate::protocols::{MemType, RecvInfo, ReqId, UserBuf};
 use crate::transport::LaneKind;
 
 pub(crate) struct DeviceMem {
     /// Created with the first GPU copy, so host-only workers never touch the driver.
     copier: Option<Copier>,
+    /// `GSC_CUDA_COPY_STREAMS` and `GSC_CUDA_COPY_SPLIT`, for the copier when it is made.
+    copy_streams: usize,
+    copy_split: usize,
     reads: Vec<(CopyTicket, ReqId)>,
     /// Completions that arrived (a link failure) while the request's read was still copying
     /// into its buffer: held until the copy is done, so the buffer is the user's again only then.
@@ -37,12 +41,20 @@ pub(crate) enum ReadStart {
 }
 
 impl DeviceMem {
-    pub(crate) fn new(ipc: Tristate) -> DeviceMem {
-        DeviceMem { copier: None, reads: Vec::new(), held: Vec::new(), ipc }
+    pub(crate) fn new(cfg: &crate::Config) -> DeviceMem {
+        DeviceMem {
+            copier: None,
+            copy_streams: cfg.cuda_copy_streams,
+            copy_split: cfg.cuda_copy_split,
+            reads: Vec::new(),
+            held: Vec::new(),
+            ipc: cfg.cuda_ipc,
+        }
     }
 
     fn copier(&mut self) -> &mut Copier {
-        self.copier.get_or_insert_with(Copier::default)
+        let (streams, split) = (self.copy_streams, self.copy_split);
+        self.copier.get_or_insert_with(|| Copier::new(streams, split))
     }
 
     /// Reads in flight.
@@ -113,14 +125,19 @@ impl DeviceMem {
         };
         let src = match ipc::map_peer(&key, remote, len, device) {
             Ok(s) => s,
+            // Not a failure of IPC but memory it cannot reach this way (a block already open):
+            // pushed even with GSC_CUDA_IPC=on.
+            Err(e) if e.status() == Status::Unsupported => return ReadStart::Refused(e),
             Err(e) => return refuse_or_fail(self.ipc, e.context("opening the peer's GPU buffer")),
         };
         tracing::debug!(target: "gsc::cuda", req, len, device, src = format_args!("{src:#x}"), "IPC read");
         // SAFETY: `dst` is the pending receive's buffer, valid until it completes, which waits
         // for this copy (even a failure's completion is held: `hold_completion`); `src` is the
         // peer's mapped buffer, held by its pending send until our ATS, sent after the copy.
+        timeline::record(Event::ReadIssue, req as u64);
         match unsafe { self.copier().start(device, dst.addr as u64, src, len) } {
             Ok(t) => {
+                timeline::record(Event::ReadQueued, req as u64);
                 self.reads.push((t, req));
                 ReadStart::Started
             }
@@ -137,7 +154,11 @@ impl DeviceMem {
                 None => i += 1,
                 Some(r) => {
                     let req = self.reads.swap_remove(i).1;
-                    tracing::debug!(target: "gsc::cuda", req, ok = r.is_ok(), "IPC read finished");
+                    timeline::record(Event::ReadDone, req as u64);
+                    match &r {
+                        Ok(()) => tracing::debug!(target: "gsc::cuda", req, "IPC read finished"),
+                        Err(e) => tracing::debug!(target: "gsc::cuda", req, error = %e, "IPC read failed"),
+                    }
                     done.push((req, r));
                 }
             }

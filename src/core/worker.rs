@@ -13,6 +13,7 @@ use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
 use crate::condition::{Condition, Issued, Signal};
 use crate::error::{Error, Result, Status};
+use crate::log::timeline::{self, Event};
 use crate::protocols::{
     Action, Actions, ConnId, Engine, FrameOutcome, LaneProps, MemType, OutFrame, Payload, ProbeInfo, ProtoConfig, RecvInfo, ReqId, UserBuf,
     wire,
@@ -199,7 +200,7 @@ impl Worker {
             frame_scratch: Actions::new(),
             last_peer_check: Instant::now(),
             peer_check_interval: cfg.peer_check_interval,
-            device: DeviceMem::new(cfg.cuda_ipc),
+            device: DeviceMem::new(cfg),
             reads_done: Vec::new(),
             failed_copies: Vec::new(),
         };
@@ -673,6 +674,9 @@ impl Drop for WorkerInner {
         for (_, c) in st.conns.iter_mut() {
             c.link.close();
         }
+        if let Err(e) = timeline::flush() {
+            tracing::warn!(target: "gsc::core", error = %e, "could not write the event timeline (GSC_TIMELINE)");
+        }
     }
 }
 
@@ -892,6 +896,7 @@ impl State {
             if violation.is_some() || peer_closed {
                 return;
             }
+            timeline::record(Event::FrameIn, frame.first().copied().unwrap_or(0) as u64);
             match engine.on_frame(&mut scratch, conn, frame, regions) {
                 Ok(FrameOutcome::Handled) => {}
                 Ok(FrameOutcome::PeerClosed) => peer_closed = true,
@@ -936,6 +941,7 @@ impl State {
             };
             match c.link.try_send(&[front.header.as_bytes(), payload]) {
                 Ok(true) => {
+                    timeline::record(Event::FrameOut, front.header.as_bytes()[0] as u64);
                     let f = c.outq.pop_front().expect("front exists");
                     sent += 1;
                     if let Some(req) = f.on_sent {
@@ -981,6 +987,7 @@ impl State {
             };
             match c.link.try_send(&[frame.header.as_bytes(), payload]) {
                 Ok(true) => {
+                    timeline::record(Event::FrameOut, frame.header.as_bytes()[0] as u64);
                     if let Some(req) = frame.on_sent {
                         self.frame_sent(req, out);
                     }
@@ -1098,7 +1105,10 @@ impl State {
                                 tracing::debug!(target: "gsc::cuda", req, %why, "GPU read refused; asking the sender to push");
                                 self.engine.tag.remote_read_refused(&mut next, req);
                             }
-                            ReadStart::Failed(e) => self.engine.tag.remote_read_done(&mut next, req, Err(e)),
+                            ReadStart::Failed(e) => {
+                                tracing::debug!(target: "gsc::cuda", req, error = %e, "GPU read failed");
+                                self.engine.tag.remote_read_done(&mut next, req, Err(e))
+                            }
                         }
                     }
                     Action::ReadRemote { conn, dst, remote, len, req, device_key: None } => {
@@ -1171,6 +1181,7 @@ impl State {
         slot.result = Some((status, info));
         if let Some(signal) = slot.signal.take() {
             signal.fire(status);
+            timeline::record(Event::Done, req as u64);
         }
         if let Some(cb) = slot.callback.take() {
             self.ready.push((req, cb, status, info));

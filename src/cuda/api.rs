@@ -121,10 +121,13 @@ impl Drop for PinnedBuf {
     }
 }
 
-/// Device memory of the current context (`cuMemAlloc`), freed on drop.
+/// Device memory of the current context, freed on drop: `cuMemAlloc` (`new`) or a VMM allocation
+/// (`new_vmm`).
 pub struct DeviceBuf {
     ptr: u64,
     len: usize,
+    /// `Some` for a VMM allocation (unmapped, released and its range freed on drop).
+    vmm: Option<super::vmm::Owned>,
 }
 
 // SAFETY: a device allocation owned by this value; usable from any thread.
@@ -135,7 +138,20 @@ impl DeviceBuf {
         let mut ptr: cu::CUdeviceptr = 0;
         // SAFETY: a valid out-pointer; freed in Drop.
         check(unsafe { cu::cuMemAlloc_v2(&mut ptr, len.max(1)) }, "cuMemAlloc")?;
-        Ok(DeviceBuf { ptr, len })
+        Ok(DeviceBuf { ptr, len, vmm: None })
+    }
+    /// `len` bytes of a VMM allocation on the current context's device, made the way PyTorch's
+    /// expandable segments and NCCL's cuMem allocator make theirs: `cuMemCreate` (with
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested, so it can be shared with another
+    /// process), `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess` (read/write for this
+    /// device). The allocation is rounded up to the granularity; `len()` is what was asked.
+    pub fn new_vmm(len: usize) -> Result<DeviceBuf> {
+        let owned = super::vmm::Owned::new(len)?;
+        Ok(DeviceBuf { ptr: owned.ptr, len, vmm: Some(owned) })
+    }
+    /// Whether this is a VMM allocation (`new_vmm`).
+    pub fn is_vmm(&self) -> bool {
+        self.vmm.is_some()
     }
     pub fn len(&self) -> usize {
         self.len
@@ -171,9 +187,52 @@ impl DeviceBuf {
 
 impl Drop for DeviceBuf {
     fn drop(&mut self) {
+        if let Some(vmm) = self.vmm.take() {
+            // Unmaps, releases the physical memory, then frees the address range.
+            drop(vmm);
+            return;
+        }
         // SAFETY: allocated in `new`, freed once.
         unsafe { cu::cuMemFree_v2(self.ptr) };
     }
+}
+
+/// Process-wide counts of GPU memory shared as VMM file descriptors (for tests and tools: they
+/// tell a read through CUDA IPC from a push through host memory).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct VmmCounters {
+    /// VMM allocations this process exported (a descriptor made and served), counted once each.
+    pub exported: u64,
+    /// Peer VMM allocations this process imported and mapped, once per allocation and GPU.
+    pub imported: u64,
+    /// Reads of peer memory that went through such a mapping (one per rendezvous read).
+    pub reads: u64,
+}
+
+pub fn vmm_counters() -> VmmCounters {
+    use super::vmm;
+    VmmCounters { exported: vmm::exports(), imported: vmm::imports(), reads: vmm::reads() }
+}
+
+/// How a GPU buffer at `ptr` would be described to a peer process when sent: `"legacy"` (a CUDA
+/// IPC handle) or `"vmm"` (a VMM allocation shared as a file descriptor), or the error that
+/// makes the data go through host memory instead. Exports it as a send would (cached).
+pub fn ipc_export_kind(ptr: u64) -> Result<&'static str> {
+    let p = super::memory::device_ptr(ptr as usize)?
+        .ok_or_else(|| crate::Error::invalid_param("not device memory (or the driver is not loaded in this process)"))?;
+    Ok(match super::ipc::export(ptr as usize, p)?.kind {
+        super::ipc::KeyKind::Legacy(_) => "legacy",
+        super::ipc::KeyKind::Vmm(_) => "vmm",
+        super::ipc::KeyKind::SameProcess => "same-process",
+    })
+}
+
+/// Unmap the mappings of peer GPU allocations that the peers have since freed and replaced (kept
+/// until now because unmapping synchronizes the device). Call it only where no stream waits on a
+/// gscomm operation, e.g. after synchronizing every stream that has conditions on it. Returns how
+/// many were released.
+pub fn release_retired_peer_mappings() -> Result<usize> {
+    super::ipc::release_retired()
 }
 
 /// Kernels compiled from CUDA C source (NVRTC, disk-cached) for the current context.

@@ -7,6 +7,11 @@
 //! is recorded after it, and progress asks `cuEventQuery`, which never waits. This is what lets
 //! the proxy thread drive GPU transfers while staying free of blocking CUDA calls.
 //!
+//! A large read is split into pieces over several streams of our own (`GSC_CUDA_COPY_STREAMS`,
+//! pieces of at least `GSC_CUDA_COPY_SPLIT`): the driver gives each stream its own copy
+//! channel, so the pieces run on several copy engines at once instead of queueing on one. The
+//! ticket holds one event per piece and is done when all are.
+//!
 //! `copy_sync` (the host-staged path) does wait, but only for our own stream, which holds only
 //! our own copies, so it cannot be caught in a cycle with a stream that waits on the proxy.
 
@@ -16,7 +21,8 @@ use std::collections::HashMap;
 
 struct DeviceLane {
     ctx: cu::CUcontext,
-    stream: cu::CUstream,
+    /// `streams[0]` carries whole copies and the first piece of split ones.
+    streams: Vec<cu::CUstream>,
     spare_events: Vec<cu::CUevent>,
 }
 
@@ -24,17 +30,19 @@ struct DeviceLane {
 #[derive(Debug)]
 pub(crate) struct CopyTicket {
     device: i32,
-    event: cu::CUevent,
+    /// One per piece, recorded after it on its stream.
+    events: Vec<cu::CUevent>,
 }
 
 // SAFETY: CUDA handles are process-wide and usable from any thread with their context current
 // (every call here pushes it).
 unsafe impl Send for CopyTicket {}
 
-/// The copy streams of one worker, one per GPU it has copied on.
-#[derive(Default)]
+/// The copy streams of one worker, a set per GPU it has copied on.
 pub(crate) struct Copier {
     lanes: HashMap<i32, DeviceLane>,
+    streams_per_gpu: usize,
+    split_min: usize,
 }
 
 // SAFETY: as for `CopyTicket`; the worker's mutex serializes use.
@@ -59,7 +67,21 @@ pub(crate) fn primary_context(device: i32) -> Result<cu::CUcontext> {
     Ok(ctx)
 }
 
+/// Where the pieces of a `len`-byte copy start: up to `streams` pieces of at least `split_min`
+/// bytes, equal but for the last, starts aligned to 64 KiB so no piece splits a page of the
+/// peer mapping.
+fn piece_starts(len: usize, streams: usize, split_min: usize) -> Vec<usize> {
+    const ALIGN: usize = 64 << 10;
+    let k = (len / split_min.max(1)).clamp(1, streams.max(1));
+    let piece = len.div_ceil(k).next_multiple_of(ALIGN);
+    (0..k).map(|i| i * piece).filter(|&start| start < len || start == 0).collect()
+}
+
 impl Copier {
+    pub(crate) fn new(streams_per_gpu: usize, split_min: usize) -> Copier {
+        Copier { lanes: HashMap::new(), streams_per_gpu: streams_per_gpu.max(1), split_min }
+    }
+
     /// Create `device`'s copy stream and a few events now, on the calling (user) thread, so the
     /// proxy never has to: creating a stream can wait behind a user thread that is itself
     /// blocked in a launch whose progress needs the proxy (measured: a graph broadcast hung).
@@ -83,10 +105,17 @@ impl Copier {
             Entry::Vacant(v) => {
                 let ctx = primary_context(device)?;
                 let _scope = CtxScope::enter(ctx)?;
-                let mut stream: cu::CUstream = std::ptr::null_mut();
-                // SAFETY: a valid out-pointer; flag 1 = CU_STREAM_NON_BLOCKING (module doc).
-                check(unsafe { cu::cuStreamCreate(&mut stream, 1) }, "cuStreamCreate")?;
-                Ok(v.insert(DeviceLane { ctx, stream, spare_events: Vec::new() }))
+                let mut lane = DeviceLane { ctx, streams: Vec::new(), spare_events: Vec::new() };
+                for _ in 0..self.streams_per_gpu {
+                    let mut stream: cu::CUstream = std::ptr::null_mut();
+                    // SAFETY: a valid out-pointer; flag 1 = CU_STREAM_NON_BLOCKING (module doc).
+                    if let Err(e) = check(unsafe { cu::cuStreamCreate(&mut stream, 1) }, "cuStreamCreate") {
+                        lane.destroy();
+                        return Err(e);
+                    }
+                    lane.streams.push(stream);
+                }
+                Ok(v.insert(lane))
             }
         }
     }
@@ -97,47 +126,61 @@ impl Copier {
     /// `dst` and `src` are unified addresses valid for `len` bytes until the copy completes
     /// (the ticket is polled done or the worker is gone).
     pub(crate) unsafe fn start(&mut self, device: i32, dst: u64, src: u64, len: usize) -> Result<CopyTicket> {
+        let starts = piece_starts(len, self.streams_per_gpu, self.split_min);
         let lane = self.lane(device)?;
         let _scope = CtxScope::enter(lane.ctx)?;
-        let event = match lane.spare_events.pop() {
-            Some(e) => e,
-            None => {
-                let mut e: cu::CUevent = std::ptr::null_mut();
-                // SAFETY: a valid out-pointer; timing off keeps the record cheap.
-                check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
-                e
+        let mut ticket = CopyTicket { device, events: Vec::with_capacity(starts.len()) };
+        for (i, &at) in starts.iter().enumerate() {
+            let end = starts.get(i + 1).copied().unwrap_or(len);
+            let stream = lane.streams[i];
+            let event = match lane.take_event() {
+                Ok(e) => e,
+                Err(e) => {
+                    lane.abandon(ticket);
+                    return Err(e);
+                }
+            };
+            let enqueue = || -> Result<()> {
+                if end > at {
+                    // SAFETY: the caller's promise on `dst`/`src` covers every piece; our stream.
+                    check(unsafe { cu::cuMemcpyAsync(dst + at as u64, src + at as u64, end - at, stream) }, "cuMemcpyAsync")?;
+                }
+                // SAFETY: our event and stream, both of this context.
+                check(unsafe { cu::cuEventRecord(event, stream) }, "cuEventRecord")
+            };
+            let queued = enqueue();
+            ticket.events.push(event);
+            if let Err(e) = queued {
+                lane.abandon(ticket);
+                return Err(e);
             }
-        };
-        let enqueue = || -> Result<()> {
-            if len > 0 {
-                // SAFETY: the caller's promise on `dst`/`src`; our live stream.
-                check(unsafe { cu::cuMemcpyAsync(dst, src, len, lane.stream) }, "cuMemcpyAsync")?;
-            }
-            // SAFETY: our event and stream, both of this context.
-            check(unsafe { cu::cuEventRecord(event, lane.stream) }, "cuEventRecord")
-        };
-        if let Err(e) = enqueue() {
-            lane.spare_events.push(event);
-            return Err(e);
         }
-        Ok(CopyTicket { device, event })
+        Ok(ticket)
     }
 
     /// `None` while the copy runs; its result once it is done (the ticket is then spent).
     pub(crate) fn poll(&mut self, ticket: &CopyTicket) -> Option<Result<()>> {
         let lane = self.lanes.get_mut(&ticket.device)?;
-        // The event belongs to the lane's context, which must be current for the query (on the
-        // proxy thread nothing is); without it the driver never reports the event done.
-        let r = match CtxScope::enter(lane.ctx) {
-            // SAFETY: an event recorded by `start`; querying never blocks.
-            Ok(_scope) => unsafe { cu::cuEventQuery(ticket.event) },
+        // The events belong to the lane's context, which must be current for the query (on the
+        // proxy thread nothing is); without it the driver never reports an event done.
+        let _scope = match CtxScope::enter(lane.ctx) {
+            Ok(s) => s,
             Err(e) => return Some(Err(e)),
         };
-        if r == cu::CUresult::CUDA_ERROR_NOT_READY {
-            return None;
+        let mut first_error = None;
+        for &event in &ticket.events {
+            // SAFETY: an event recorded by `start`; querying never blocks.
+            match unsafe { cu::cuEventQuery(event) } {
+                cu::CUresult::CUDA_ERROR_NOT_READY => return None,
+                r => {
+                    if first_error.is_none() {
+                        first_error = check(r, "copy engine transfer").err();
+                    }
+                }
+            }
         }
-        lane.spare_events.push(ticket.event);
-        Some(check(r, "copy engine transfer"))
+        lane.spare_events.extend(ticket.events.iter().copied());
+        Some(first_error.map_or(Ok(()), Err))
     }
 
     /// Copy and wait for it (host staging). Waits on our own stream only.
@@ -150,10 +193,50 @@ impl Copier {
         }
         let lane = self.lane(device)?;
         let _scope = CtxScope::enter(lane.ctx)?;
+        let stream = lane.streams[0];
         // SAFETY: the caller's promise; our stream.
-        check(unsafe { cu::cuMemcpyAsync(dst, src, len, lane.stream) }, "cuMemcpyAsync")?;
+        check(unsafe { cu::cuMemcpyAsync(dst, src, len, stream) }, "cuMemcpyAsync")?;
         // SAFETY: our stream, holding only our copies.
-        check(unsafe { cu::cuStreamSynchronize(lane.stream) }, "cuStreamSynchronize(copy stream)")
+        check(unsafe { cu::cuStreamSynchronize(stream) }, "cuStreamSynchronize(copy stream)")
+    }
+}
+
+impl DeviceLane {
+    /// A spare event, or a new one. The lane's context must be current.
+    fn take_event(&mut self) -> Result<cu::CUevent> {
+        if let Some(e) = self.spare_events.pop() {
+            return Ok(e);
+        }
+        let mut e: cu::CUevent = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; timing off keeps the record cheap.
+        check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+        Ok(e)
+    }
+
+    /// A copy that failed to enqueue whole: wait for the pieces already queued (they write into
+    /// the caller's buffer, which is the caller's again once we return), then keep the events.
+    fn abandon(&mut self, ticket: CopyTicket) {
+        for &s in &self.streams {
+            // SAFETY: our stream, holding only our copies.
+            unsafe { cu::cuStreamSynchronize(s) };
+        }
+        self.spare_events.extend(ticket.events);
+    }
+
+    /// Wait for our copies and destroy the streams and events. The lane's context must be current.
+    fn destroy(&mut self) {
+        // SAFETY: our streams and events, destroyed once (the vectors are drained).
+        unsafe {
+            for s in &self.streams {
+                cu::cuStreamSynchronize(*s);
+            }
+            for e in self.spare_events.drain(..) {
+                cu::cuEventDestroy_v2(e);
+            }
+            for s in self.streams.drain(..) {
+                cu::cuStreamDestroy_v2(s);
+            }
+        }
     }
 }
 
@@ -161,16 +244,30 @@ impl Drop for Copier {
     fn drop(&mut self) {
         for lane in self.lanes.values_mut() {
             let Ok(_scope) = CtxScope::enter(lane.ctx) else { continue };
-            // Copies still running belong to requests that are gone with the worker; let them
-            // finish before their events and stream go.
-            // SAFETY: our stream and events, destroyed once.
-            unsafe {
-                cu::cuStreamSynchronize(lane.stream);
-                for e in lane.spare_events.drain(..) {
-                    cu::cuEventDestroy_v2(e);
-                }
-                cu::cuStreamDestroy_v2(lane.stream);
-            }
+            // Copies still running belong to requests that are gone with the worker; `destroy`
+            // lets them finish before their events and streams go.
+            lane.destroy();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::piece_starts;
+
+    #[test]
+    fn small_copies_stay_whole_and_large_ones_split_evenly() {
+        const M: usize = 1 << 20;
+        assert_eq!(piece_starts(0, 4, 8 * M), [0]);
+        assert_eq!(piece_starts(8, 4, 8 * M), [0]);
+        assert_eq!(piece_starts(15 * M, 4, 8 * M), [0]);
+        assert_eq!(piece_starts(16 * M, 4, 8 * M), [0, 8 * M]);
+        assert_eq!(piece_starts(128 * M, 4, 8 * M), [0, 32 * M, 64 * M, 96 * M]);
+        assert_eq!(piece_starts(128 * M, 1, 8 * M), [0]);
+        // Uneven: pieces aligned to 64 KiB, the last one shorter, none empty.
+        let s = piece_starts(100 * M + 1, 3, 8 * M);
+        assert_eq!(s.len(), 3);
+        assert!(s.iter().all(|x| x % (64 << 10) == 0));
+        assert!(s[2] < 100 * M + 1);
     }
 }

@@ -1,79 +1,169 @@
 //! CUDA IPC: how a receiver in another process reads a sender's GPU buffer directly.
 //!
-//! The sender describes the allocation its buffer lies in (`DeviceKey`: a legacy IPC handle from
-//! `cuIpcGetMemHandle`, the allocation's base and size, its process id) and sends that with the
-//! rendezvous RTS. The receiver opens the handle once (`cuIpcOpenMemHandle`, cached per peer
-//! allocation and local GPU) and copies from the mapping with the copy engine over NVLink/PCIe.
-//! Between two workers of one process the key says so and the address is used as it is
-//! (unified addressing), since a process cannot open its own IPC handles.
+//! The sender describes the allocation its buffer lies in (`DeviceKey`) and sends that with the
+//! rendezvous RTS. Three kinds of key:
+//! - legacy: a `cuIpcGetMemHandle` handle, the allocation's base and size, the process id. The
+//!   receiver opens the handle once (`cuIpcOpenMemHandle`, cached per peer allocation and local
+//!   GPU) and copies from the mapping with the copy engine over NVLink/PCIe;
+//! - VMM (`cuMemCreate` memory, which has no legacy handle): the mapping's base and size, and
+//!   where the receiver gets a POSIX file descriptor of the physical allocation: the sender's
+//!   exporter socket and the export id (see `vmm` and `transport::fd_pass`). The receiver fetches
+//!   the descriptor, imports and maps it once (cached like a legacy handle) and copies the same way;
+//! - same process: between two workers of one process the address is used as it is (unified
+//!   addressing), since a process cannot open its own IPC handles.
 //!
-//! Handles are cached on both sides. The export cache is keyed by the driver's buffer id, which
+//! `export` tries the legacy handle first and, when that fails for memory that is a VMM
+//! allocation, exports it as a descriptor. Which of the two a buffer id needs is cached, so the
+//! failing legacy call is made once per allocation.
+//!
+//! Handles are cached on both sides. The export caches are keyed by the driver's buffer id, which
 //! is never reused, so a freed and re-made allocation gets a fresh handle. The mapping cache is
-//! keyed by (peer process, allocation base, local GPU) and compares the handle: a different
-//! handle at the same base means the peer freed the old allocation, so the old mapping is closed.
+//! keyed by (peer process, allocation base, local GPU) and compares the handle (or the exporter
+//! and export id): a different one at the same base means the peer freed the old allocation and
+//! made a new one there. The old mapping is then retired, not closed: closing (`cuIpcCloseMemHandle`,
+//! `cuMemUnmap`) synchronizes the device, and `map_peer` runs on the proxy thread while user
+//! streams may wait on it (measured for the legacy close: it deadlocks). Retired mappings keep
+//! the peer's freed memory until `release_retired` is called at a point where no stream waits on
+//! gscomm (`cuda::api::release_retired_peer_mappings`), or the process exits.
 //!
-//! Not covered yet: VMM allocations (`cuMemCreate`), which have no legacy handle. Exporting one
-//! fails, the RTS then carries no key, and the receiver asks the sender to push the data
-//! (host-staged); exchanging them as POSIX file descriptors is left for a later change.
+//! Not covered yet: a VMM buffer that spans several physical allocations (only the mapping its
+//! first byte is in is described, so the receiver refuses the range and the sender pushes the
+//! data through host memory); VMM memory made without `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
+//! (no key: pushed); peers in another network namespace (the exporter's abstract socket is out
+//! of reach: pushed); fabric handles across nodes.
 
 use super::copy::primary_context;
 use super::memory::DevicePtr;
+use super::vmm;
 use super::{CtxScope, check, cu};
 use crate::error::{Error, Result, Status};
+use crate::transport::fd_pass::{SocketName, TOKEN_LEN};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 const KIND_LEGACY_IPC: u8 = 1;
 const KIND_SAME_PROCESS: u8 = 2;
+const KIND_VMM_FD: u8 = 3;
 const HANDLE_LEN: usize = 64;
-/// Encoded size: kind, 3 reserved, pid, base, size, handle.
-pub(crate) const KEY_LEN: usize = 1 + 3 + 4 + 8 + 8 + HANDLE_LEN;
+/// Every kind starts with: kind, 3 reserved (zero), pid, base, size.
+const HEADER_LEN: usize = 1 + 3 + 4 + 8 + 8;
+/// Encoded size of a legacy or same-process key: the header, then the handle (zeros for the
+/// same-process kind).
+pub(crate) const KEY_LEN: usize = HEADER_LEN + HANDLE_LEN;
+/// Encoded size of a VMM key: the header, export id, offset in the physical allocation, the
+/// exporter's token.
+pub(crate) const VMM_KEY_LEN: usize = HEADER_LEN + 8 + 8 + TOKEN_LEN;
 
 /// How a peer reaches one of our device allocations.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct DeviceKey {
     pub pid: u32,
+    /// The allocation (legacy) or mapping (VMM) the buffer lies in.
     pub base: u64,
     pub size: u64,
-    /// `None`: same process, use the address as it is.
-    pub handle: Option<[u8; HANDLE_LEN]>,
+    pub kind: KeyKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum KeyKind {
+    /// Same process: use the address as it is.
+    SameProcess,
+    /// A `cuIpcGetMemHandle` handle of the allocation at `base`.
+    Legacy([u8; HANDLE_LEN]),
+    /// A VMM mapping whose physical allocation the peer's fd exporter serves.
+    Vmm(VmmRef),
+}
+
+/// Where a VMM allocation's descriptor is and how to map it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VmmRef {
+    /// The exporter's socket token (its name is made of the key's pid and this).
+    pub token: [u8; TOKEN_LEN],
+    pub export_id: u64,
+    /// Where the key's `base` is in the physical allocation.
+    pub phys_offset: u64,
+}
+
+impl VmmRef {
+    fn socket(&self, pid: u32) -> SocketName {
+        SocketName { pid, token: self.token }
+    }
+}
+
+fn bad_key(what: impl Into<std::borrow::Cow<'static, str>>) -> Error {
+    Error::new(Status::ConnectionReset, what)
 }
 
 impl DeviceKey {
     pub(crate) fn encode(&self) -> Vec<u8> {
+        let kind = match self.kind {
+            KeyKind::SameProcess => KIND_SAME_PROCESS,
+            KeyKind::Legacy(_) => KIND_LEGACY_IPC,
+            KeyKind::Vmm(_) => KIND_VMM_FD,
+        };
         let mut v = Vec::with_capacity(KEY_LEN);
-        v.push(if self.handle.is_some() { KIND_LEGACY_IPC } else { KIND_SAME_PROCESS });
+        v.push(kind);
         v.extend_from_slice(&[0; 3]);
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.base.to_le_bytes());
         v.extend_from_slice(&self.size.to_le_bytes());
-        v.extend_from_slice(&self.handle.unwrap_or([0; HANDLE_LEN]));
+        match &self.kind {
+            KeyKind::SameProcess => v.extend_from_slice(&[0; HANDLE_LEN]),
+            KeyKind::Legacy(h) => v.extend_from_slice(h),
+            KeyKind::Vmm(r) => {
+                v.extend_from_slice(&r.export_id.to_le_bytes());
+                v.extend_from_slice(&r.phys_offset.to_le_bytes());
+                v.extend_from_slice(&r.token);
+            }
+        }
         v
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<DeviceKey> {
-        if b.len() != KEY_LEN {
-            return Err(Error::new(Status::ConnectionReset, format!("device memory key of {} bytes (expected {KEY_LEN})", b.len())));
+        let Some(&kind) = b.first() else { return Err(bad_key("empty device memory key")) };
+        let want = match kind {
+            KIND_LEGACY_IPC | KIND_SAME_PROCESS => KEY_LEN,
+            KIND_VMM_FD => VMM_KEY_LEN,
+            k => return Err(bad_key(format!("device memory key of unknown kind {k}"))),
+        };
+        if b.len() != want {
+            return Err(bad_key(format!("device memory key of kind {kind} with {} bytes (expected {want})", b.len())));
+        }
+        if b[1..4] != [0; 3] {
+            return Err(bad_key("device memory key with nonzero reserved bytes"));
         }
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
         let pid = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
         let (base, size) = (u64_at(8), u64_at(16));
         if base.checked_add(size).is_none() {
-            return Err(Error::new(Status::ConnectionReset, "device memory key describes a range past the address space"));
+            return Err(bad_key("device memory key describes a range past the address space"));
         }
-        let handle = match b[0] {
-            KIND_LEGACY_IPC => Some(b[24..].try_into().expect("64 bytes")),
-            KIND_SAME_PROCESS => None,
-            k => return Err(Error::new(Status::ConnectionReset, format!("device memory key of unknown kind {k}"))),
+        let kind = match kind {
+            KIND_LEGACY_IPC => KeyKind::Legacy(b[HEADER_LEN..].try_into().expect("64 bytes")),
+            KIND_SAME_PROCESS => KeyKind::SameProcess,
+            _ => {
+                let r = VmmRef {
+                    export_id: u64_at(HEADER_LEN),
+                    phys_offset: u64_at(HEADER_LEN + 8),
+                    token: b[HEADER_LEN + 16..].try_into().expect("token bytes"),
+                };
+                if size == 0 || r.export_id == 0 || r.token == [0; TOKEN_LEN] {
+                    return Err(bad_key("VMM device memory key with an empty mapping, export id or exporter token"));
+                }
+                if r.phys_offset.checked_add(size).is_none() {
+                    return Err(bad_key("VMM device memory key describes a range past its physical allocation"));
+                }
+                KeyKind::Vmm(r)
+            }
         };
-        Ok(DeviceKey { pid, base, size, handle })
+        Ok(DeviceKey { pid, base, size, kind })
     }
 
     /// Where `[addr, addr+len)` of the peer's allocation is, checked to lie inside it.
     pub(crate) fn offset_of(&self, addr: u64, len: usize) -> Result<u64> {
         let end = addr.checked_add(len as u64);
         if addr < self.base || end.is_none_or(|e| e > self.base + self.size) {
-            return Err(Error::new(Status::ConnectionReset, "the peer's buffer lies outside the allocation its key describes"));
+            return Err(bad_key("the peer's buffer lies outside the allocation its key describes"));
         }
         Ok(addr - self.base)
     }
@@ -85,49 +175,126 @@ fn own_pid() -> u32 {
 
 /// The key for the allocation holding `addr` (from `memory::device_ptr`).
 pub(crate) fn export(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
-    static EXPORTED: Mutex<Option<HashMap<u64, DeviceKey>>> = Mutex::new(None);
+    enum Exported {
+        Key(DeviceKey),
+        /// A VMM allocation: `vmm` keeps its own cache.
+        Vmm,
+    }
+    static EXPORTED: Mutex<Option<HashMap<u64, Exported>>> = Mutex::new(None);
     let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
     let map = cache.get_or_insert_with(HashMap::new);
-    if let Some(k) = map.get(&ptr.buffer_id) {
-        return Ok(k.clone());
+    match map.get(&ptr.buffer_id) {
+        Some(Exported::Key(k)) => return Ok(k.clone()),
+        Some(Exported::Vmm) => {
+            drop(cache);
+            return vmm_key(addr, ptr);
+        }
+        None => {}
     }
     // Both calls need a current context, and the proxy thread has none of its own.
-    let _scope = CtxScope::enter(primary_context(ptr.device)?)?;
-    let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: valid out-pointers; `addr` is device memory (the caller asked the driver).
-    check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, addr as cu::CUdeviceptr) }, "cuMemGetAddressRange")?;
-    // SAFETY: zeroed is a valid handle value to be overwritten.
-    let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
-    // SAFETY: `base` is the start of a live allocation; a valid out-pointer.
-    check(unsafe { cu::cuIpcGetMemHandle(&mut h, base) }, "cuIpcGetMemHandle")
-        .map_err(|e| e.context("this GPU buffer cannot be shared by CUDA IPC (VMM allocations are not supported yet)"))?;
-    let handle: [u8; HANDLE_LEN] = h.reserved.map(|c| c as u8);
-    let key = DeviceKey { pid: own_pid(), base, size: size as u64, handle: Some(handle) };
+    let scope = CtxScope::enter(primary_context(ptr.device)?)?;
+    let legacy = || -> Result<DeviceKey> {
+        let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: valid out-pointers; `addr` is device memory (the caller asked the driver).
+        check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, addr as cu::CUdeviceptr) }, "cuMemGetAddressRange")?;
+        // SAFETY: zeroed is a valid handle value to be overwritten.
+        let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: `base` is the start of a live allocation; a valid out-pointer.
+        check(unsafe { cu::cuIpcGetMemHandle(&mut h, base) }, "cuIpcGetMemHandle")?;
+        Ok(DeviceKey { pid: own_pid(), base, size: size as u64, kind: KeyKind::Legacy(h.reserved.map(|c| c as u8)) })
+    };
     // Buffer ids are never reused, so entries of freed buffers are only dead weight: bound it.
     if map.len() >= 4096 {
         map.clear();
     }
-    map.insert(ptr.buffer_id, key.clone());
-    Ok(key)
+    match legacy() {
+        Ok(key) => {
+            map.insert(ptr.buffer_id, Exported::Key(key.clone()));
+            Ok(key)
+        }
+        Err(e) if vmm::is_vmm(addr as u64) => {
+            tracing::debug!(target: "gsc::cuda", legacy = %e, "a VMM allocation: exporting it as a file descriptor");
+            map.insert(ptr.buffer_id, Exported::Vmm);
+            drop((scope, cache));
+            vmm_key(addr, ptr)
+        }
+        Err(e) => Err(e.context("this GPU buffer cannot be shared by CUDA IPC")),
+    }
+}
+
+fn vmm_key(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
+    let x = vmm::export(addr as u64, ptr.buffer_id, ptr.device)
+        .map_err(|e| e.context("this VMM GPU buffer cannot be shared with another process"))?;
+    let r = VmmRef { token: x.socket.token, export_id: x.export_id, phys_offset: x.phys_offset };
+    Ok(DeviceKey { pid: x.socket.pid, base: x.base, size: x.size, kind: KeyKind::Vmm(r) })
 }
 
 /// A key for a buffer the peer reaches in our own address space (two workers of one process).
 pub(crate) fn same_process_key(addr: usize, len: usize) -> DeviceKey {
-    DeviceKey { pid: own_pid(), base: addr as u64, size: len as u64, handle: None }
+    DeviceKey { pid: own_pid(), base: addr as u64, size: len as u64, kind: KeyKind::SameProcess }
+}
+
+/// What identifies the peer allocation a mapping was made from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Ident {
+    Legacy([u8; HANDLE_LEN]),
+    Vmm(VmmRef),
+}
+
+/// What has to be undone to drop a mapping.
+#[derive(Debug)]
+enum Opened {
+    Legacy { device: i32, mapped: u64 },
+    Vmm(vmm::Imported),
 }
 
 struct Mapping {
-    handle: [u8; HANDLE_LEN],
-    mapped: u64,
-    /// The size the driver maps, which the peer's claim in the key is checked against.
+    ident: Ident,
+    /// Our address of the peer's `base`.
+    at: u64,
+    /// The bytes readable from `at`: for legacy mappings the size the driver maps, which the
+    /// peer's claim in the key is checked against; for VMM the mapping size the driver accepted.
     size: u64,
+    opened: Opened,
 }
 
-/// Mappings of peer allocations that were since replaced; never closed yet (see `map_peer`).
-static RETIRED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+/// Mappings of peer allocations that were since replaced; closed by `release_retired`.
+static RETIRED: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
 
-// SAFETY: a device address; usable from any thread.
-unsafe impl Send for Mapping {}
+fn retire(o: Opened) {
+    RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(o);
+}
+
+/// Keep a VMM mapping for `release_retired` (used by `vmm` when a mapping cannot be finished).
+pub(crate) fn retire_vmm(m: vmm::Imported) {
+    retire(Opened::Vmm(m));
+}
+
+/// Close the mappings of replaced peer allocations. Closing synchronizes the device, so call it
+/// only where no stream waits on a gscomm operation (never on the proxy thread). Returns how many
+/// were closed; every one is tried, and the first failure is returned after.
+pub(crate) fn release_retired() -> Result<usize> {
+    let retired = std::mem::take(&mut *RETIRED.lock().unwrap_or_else(|e| e.into_inner()));
+    let (mut done, mut first_err) = (0, None);
+    for o in retired {
+        let r = match &o {
+            Opened::Legacy { device, mapped } => primary_context(*device).and_then(CtxScope::enter).and_then(|_scope| {
+                // SAFETY: a mapping cuIpcOpenMemHandle made in this context, replaced in the
+                // cache, so no copy reads it any more; closed once (it left RETIRED above).
+                check(unsafe { cu::cuIpcCloseMemHandle(*mapped) }, "cuIpcCloseMemHandle")
+            }),
+            Opened::Vmm(m) => vmm::release(m),
+        };
+        match r {
+            Ok(()) => done += 1,
+            Err(e) => {
+                tracing::warn!(target: "gsc::cuda", mapping = ?o, error = %e, "could not close a retired peer mapping");
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    first_err.map_or(Ok(done), Err)
+}
 
 /// The unified address at which the peer's `[addr, addr+len)` can be read from `device`'s
 /// context, opening (and caching) the peer's allocation when needed.
@@ -136,50 +303,79 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     type Mappings = HashMap<(u32, u64, i32), Mapping>;
     static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
     let offset = key.offset_of(addr, len)?;
-    let Some(handle) = key.handle else {
-        if key.pid != own_pid() {
-            return Err(Error::new(Status::ConnectionReset, "a same-process device key from another process"));
-        }
-        return Ok(addr);
-    };
-    if key.pid == own_pid() {
+    let ident = match &key.kind {
+        KeyKind::SameProcess if key.pid != own_pid() => return Err(bad_key("a same-process device key from another process")),
+        KeyKind::SameProcess => return Ok(addr),
         // Our own allocation, described for a peer in another process: use it directly.
-        return Ok(addr);
-    }
+        KeyKind::Legacy(_) if key.pid == own_pid() => return Ok(addr),
+        KeyKind::Legacy(h) => Ident::Legacy(*h),
+        // Ours when it names our own exporter (the pid alone could be another namespace's).
+        KeyKind::Vmm(r) if vmm::own_socket() == Some(r.socket(key.pid)) => return Ok(addr),
+        KeyKind::Vmm(r) => Ident::Vmm(*r),
+    };
+    let is_vmm = matches!(ident, Ident::Vmm(..));
     let mut cache = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
     let map = cache.get_or_insert_with(HashMap::new);
     let slot = (key.pid, key.base, device);
     let within = |m: &Mapping| -> Result<u64> {
         if offset + len as u64 > m.size {
-            return Err(Error::new(Status::ConnectionReset, "the peer's key claims more memory than its allocation has"));
+            return Err(bad_key("the peer's key claims more memory than its allocation has"));
         }
-        Ok(m.mapped + offset)
+        if is_vmm {
+            vmm::count_read();
+        }
+        Ok(m.at + offset)
     };
-    if let Some(m) = map.get(&slot).filter(|m| m.handle == handle) {
+    if let Some(m) = map.get(&slot).filter(|m| m.ident == ident) {
         return within(m);
     }
-    let _scope = CtxScope::enter(primary_context(device)?)?;
     if let Some(old) = map.remove(&slot) {
         // The peer freed that allocation and made a new one at the same address. Closing the
-        // old mapping here is not safe: cuIpcCloseMemHandle synchronizes the device, and this
-        // runs on the proxy while user streams wait on it (measured: it deadlocks). The mapping
-        // is kept (it holds the peer's freed memory until this process exits) until a safe
-        // point to close it exists; see docs/ARCHITECTURE.md.
+        // old mapping here is not safe (module doc): it is retired.
         tracing::debug!(target: "gsc::cuda", pid = key.pid, base = format_args!("{:#x}", key.base), "peer allocation replaced; old mapping retired");
-        RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(old.mapped);
+        retire(old.opened);
     }
-    // SAFETY: zeroed then filled with the peer's bytes.
-    let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
-    h.reserved = handle.map(|b| b as std::ffi::c_char);
-    let mut mapped: cu::CUdeviceptr = 0;
-    let flags = cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-    // SAFETY: a valid out-pointer; the driver validates the handle.
-    check(unsafe { cu::cuIpcOpenMemHandle_v2(&mut mapped, h, flags) }, "cuIpcOpenMemHandle")?;
-    let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: valid out-pointers; `mapped` was just mapped in the current context. A peer
-    // cannot make us copy past the real allocation by claiming a larger one in its key.
-    check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, mapped) }, "cuMemGetAddressRange(mapped)")?;
-    let m = Mapping { handle, mapped, size: size as u64 };
+    // A VMM import fetches the descriptor from the peer's exporter under this lock: bounded by
+    // vmm's fetch timeout, and immediate unless the exporter's process is stuck.
+    let m = match ident {
+        Ident::Vmm(r) => {
+            let x = vmm::VmmExport {
+                socket: r.socket(key.pid),
+                export_id: r.export_id,
+                base: key.base,
+                size: key.size,
+                phys_offset: r.phys_offset,
+            };
+            let imported = vmm::import(&x, device)?;
+            Mapping { ident, at: imported.va, size: key.size, opened: Opened::Vmm(imported) }
+        }
+        Ident::Legacy(handle) => {
+            let _scope = CtxScope::enter(primary_context(device)?)?;
+            // SAFETY: zeroed then filled with the peer's bytes.
+            let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
+            h.reserved = handle.map(|b| b as std::ffi::c_char);
+            let mut mapped: cu::CUdeviceptr = 0;
+            let flags = cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+            // SAFETY: a valid out-pointer; the driver validates the handle.
+            let r = unsafe { cu::cuIpcOpenMemHandle_v2(&mut mapped, h, flags) };
+            if r == cu::CUresult::CUDA_ERROR_ALREADY_MAPPED {
+                // The peer's allocator carved this allocation out of a block this process has
+                // already opened for another (maybe since freed) allocation of the peer: small
+                // cudaMalloc allocations share blocks, and a block opens once per process.
+                // Which of our mappings holds the block's current contents cannot be told, so
+                // this buffer is not read through IPC: the sender pushes it (see `start_read`).
+                return Err(Error::unsupported(
+                    "cuIpcOpenMemHandle: the peer's allocation lies in a memory block this process already mapped",
+                ));
+            }
+            check(r, "cuIpcOpenMemHandle")?;
+            let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: valid out-pointers; `mapped` was just mapped in the current context. A peer
+            // cannot make us copy past the real allocation by claiming a larger one in its key.
+            check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, mapped) }, "cuMemGetAddressRange(mapped)")?;
+            Mapping { ident, at: mapped, size: size as u64, opened: Opened::Legacy { device, mapped } }
+        }
+    };
     let at = within(&m);
     map.insert(slot, m);
     at
@@ -189,26 +385,95 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
 mod tests {
     use super::*;
 
+    fn vmm_key() -> DeviceKey {
+        let r = VmmRef { token: [0x5a; TOKEN_LEN], export_id: 17, phys_offset: 0 };
+        DeviceKey { pid: 4242, base: 0x7f00_0020_0000, size: 2 << 20, kind: KeyKind::Vmm(r) }
+    }
+
     #[test]
     fn keys_round_trip_and_reject_garbage() {
-        let k = DeviceKey { pid: 4242, base: 0x7f00_0000_0000, size: 1 << 30, handle: Some([7; HANDLE_LEN]) };
+        let k = DeviceKey { pid: 4242, base: 0x7f00_0000_0000, size: 1 << 30, kind: KeyKind::Legacy([7; HANDLE_LEN]) };
         let b = k.encode();
         assert_eq!(b.len(), KEY_LEN);
         assert_eq!(DeviceKey::decode(&b).unwrap(), k);
         let same = same_process_key(0x1000, 64);
         assert_eq!(DeviceKey::decode(&same.encode()).unwrap(), same);
         assert!(DeviceKey::decode(&b[..KEY_LEN - 1]).is_err());
+        assert!(DeviceKey::decode(&[]).is_err());
         let mut bad = b.clone();
         bad[0] = 9;
         assert!(DeviceKey::decode(&bad).unwrap_err().message().contains("unknown kind"));
+        let mut reserved = b.clone();
+        reserved[2] = 1;
+        assert!(DeviceKey::decode(&reserved).unwrap_err().message().contains("reserved"));
         let mut wrap = b;
         wrap[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(DeviceKey::decode(&wrap).is_err());
     }
 
     #[test]
+    fn vmm_keys_round_trip() {
+        let k = vmm_key();
+        let b = k.encode();
+        assert_eq!(b.len(), VMM_KEY_LEN);
+        assert_eq!(b[0], KIND_VMM_FD);
+        assert_eq!(DeviceKey::decode(&b).unwrap(), k);
+        let KeyKind::Vmm(r) = k.kind else { unreachable!() };
+        assert_eq!(r.socket(k.pid), SocketName { pid: 4242, token: [0x5a; TOKEN_LEN] });
+        // Every field survives, each at its own place.
+        let r2 = VmmRef { token: core::array::from_fn(|i| i as u8 + 1), export_id: u64::MAX - 1, phys_offset: 4 << 20 };
+        let k2 = DeviceKey { pid: u32::MAX, base: 1 << 40, size: 6 << 20, kind: KeyKind::Vmm(r2) };
+        assert_eq!(DeviceKey::decode(&k2.encode()).unwrap(), k2);
+    }
+
+    #[test]
+    fn malformed_vmm_keys_are_rejected() {
+        let b = vmm_key().encode();
+        let err = |bytes: &[u8]| DeviceKey::decode(bytes).unwrap_err();
+        // Wrong lengths, including a VMM key padded to the legacy length and the reverse.
+        assert!(err(&b[..VMM_KEY_LEN - 1]).message().contains("expected 56"));
+        let mut long = b.clone();
+        long.resize(KEY_LEN, 0);
+        assert!(err(&long).message().contains("expected 56"));
+        let mut legacy_as_vmm = DeviceKey { pid: 1, base: 0, size: 8, kind: KeyKind::Legacy([1; HANDLE_LEN]) }.encode();
+        legacy_as_vmm[0] = KIND_VMM_FD;
+        assert!(err(&legacy_as_vmm).message().contains("expected 56"));
+        let mut vmm_as_legacy = b.clone();
+        vmm_as_legacy[0] = KIND_LEGACY_IPC;
+        assert!(err(&vmm_as_legacy).message().contains("expected 88"));
+        // Empty mapping, export id 0, all-zero token, offset + size past u64.
+        let patch = |at: usize, bytes: &[u8]| {
+            let mut v = b.clone();
+            v[at..at + bytes.len()].copy_from_slice(bytes);
+            v
+        };
+        assert!(err(&patch(16, &0u64.to_le_bytes())).message().contains("empty"));
+        assert!(err(&patch(HEADER_LEN, &0u64.to_le_bytes())).message().contains("export id"));
+        assert!(err(&patch(HEADER_LEN + 16, &[0; TOKEN_LEN])).message().contains("token"));
+        assert!(err(&patch(HEADER_LEN + 8, &u64::MAX.to_le_bytes())).message().contains("physical"));
+        assert!(err(&patch(8, &u64::MAX.to_le_bytes())).message().contains("address space"));
+        assert!(err(&patch(1, &[0, 7, 0])).message().contains("reserved"));
+        for e in [err(&b[..10]), err(&patch(16, &0u64.to_le_bytes()))] {
+            assert_eq!(e.status(), Status::ConnectionReset);
+        }
+    }
+
+    #[test]
+    fn vmm_key_of_a_vanished_exporter_fails_cleanly() {
+        // A key naming an exporter that does not exist: mapping fails with an error (the
+        // receiver then asks for a push), before any CUDA call and without waiting.
+        let k = vmm_key();
+        let t0 = std::time::Instant::now();
+        let e = map_peer(&k, k.base + 100, 100, 0).unwrap_err();
+        assert!(t0.elapsed() < std::time::Duration::from_secs(4), "{:?}", t0.elapsed());
+        assert_eq!(e.status(), Status::PeerFailed, "{e}");
+        // Out-of-range reads are refused before anything else.
+        assert!(map_peer(&k, k.base + k.size - 1, 2, 0).unwrap_err().message().contains("outside"));
+    }
+
+    #[test]
     fn ranges_outside_the_allocation_are_refused() {
-        let k = DeviceKey { pid: 1, base: 1000, size: 100, handle: None };
+        let k = DeviceKey { pid: 1, base: 1000, size: 100, kind: KeyKind::SameProcess };
         assert_eq!(k.offset_of(1000, 100).unwrap(), 0);
         assert_eq!(k.offset_of(1050, 50).unwrap(), 50);
         assert!(k.offset_of(999, 1).is_err());

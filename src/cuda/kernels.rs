@@ -20,13 +20,53 @@ const DEVICE_HEADER: &str = include_str!("../../include/gsc_device.cuh");
 const KERNELS: &str = r#"
 extern "C" __global__ void gsc_trigger_kernel(gsc_device_handle_t *h) { gsc_trigger(h); }
 extern "C" __global__ void gsc_wait_kernel(gsc_device_handle_t *h) { (void)gsc_wait(h); }
+
+/* Several operations at one stream position (a condition group): one thread per handle, so
+ * their reads of pinned epochs and done words go over PCIe together instead of one after
+ * another, and one fence before all the triggers. */
+#define GSC_GROUP_MAX 8
+typedef struct { unsigned long long n; gsc_device_handle_t *h[GSC_GROUP_MAX]; } gsc_handle_group_t;
+
+extern "C" __global__ void gsc_trigger_group_kernel(gsc_handle_group_t g)
+{
+    unsigned i = threadIdx.x;
+    unsigned long long e = 0;
+    if (i < g.n) {
+        volatile unsigned long long *ep = &g.h[i]->epoch;
+        e = *ep + 1;
+        *ep = e;
+    }
+    __syncthreads();
+    if (i == 0) asm volatile("fence.acq_rel.sys;" ::: "memory");
+    __syncthreads();
+    if (i < g.n) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(g.h[i]->trigger), "l"(e) : "memory");
+}
+
+extern "C" __global__ void gsc_wait_group_kernel(gsc_handle_group_t g)
+{
+    if (threadIdx.x < g.n) (void)gsc_wait(g.h[threadIdx.x]);
+    __syncthreads();
+}
 "#;
+
+/// Most handles one group kernel takes (`GSC_GROUP_MAX` above).
+pub(crate) const GROUP_MAX: usize = 8;
+
+/// The kernels' `gsc_handle_group_t`, passed by value.
+#[repr(C)]
+#[derive(Copy, Clone, Default)]
+pub(crate) struct HandleGroup {
+    pub(crate) n: u64,
+    pub(crate) h: [u64; GROUP_MAX],
+}
 
 /// The kernels of one context.
 #[derive(Copy, Clone)]
 pub(crate) struct Kernels {
     pub(crate) trigger: cu::CUfunction,
     pub(crate) wait: cu::CUfunction,
+    pub(crate) trigger_group: cu::CUfunction,
+    pub(crate) wait_group: cu::CUfunction,
 }
 
 // SAFETY: CUfunction handles are plain driver handles, valid from any thread while their module
@@ -48,7 +88,12 @@ impl Kernels {
         let cubin = compile_cached(&source, arch, cache_dir)?;
         let _scope = CtxScope::enter(ctx)?;
         let module = load_module(&cubin)?;
-        let k = Kernels { trigger: function(module, "gsc_trigger_kernel")?, wait: function(module, "gsc_wait_kernel")? };
+        let k = Kernels {
+            trigger: function(module, "gsc_trigger_kernel")?,
+            wait: function(module, "gsc_wait_kernel")?,
+            trigger_group: function(module, "gsc_trigger_group_kernel")?,
+            wait_group: function(module, "gsc_wait_group_kernel")?,
+        };
         loaded.insert(ctx as usize, k);
         Ok(k)
     }

@@ -7,22 +7,28 @@
 //! page-locked mapped memory for trigger/done words (`pinned`), the NVRTC kernel cache
 //! (`kernels`), and a few thin wrappers the tests and gsc-bench use (`api`).
 //!
-//! Also here: memory type detection (`memory`), CUDA IPC keys and mappings (`ipc`) and the
-//! copy engine (`copy`).
+//! Also here: memory type detection (`memory`), CUDA IPC keys and mappings (`ipc`), VMM
+//! allocations shared as POSIX file descriptors (`vmm`) and the copy engine (`copy`).
 //!
 //! Rule kept everywhere: the proxy thread makes no CUDA call that can wait on a user stream.
 //! It arms nothing and launches nothing; the calls it does make (enqueueing a copy on our own
 //! non-blocking copy stream, querying its event, opening an IPC handle, and host-staged copies
-//! that wait on that copy stream only) never wait behind a stream that waits on the proxy.
+//! that wait on that copy stream only) never wait behind a stream that waits on the proxy. It
+//! also imports and maps a peer's VMM allocation (`vmm::import`; that these calls do not wait
+//! either is still to be measured: docs/probes/vmm_block.py); unmapping, which synchronizes, is
+//! left to `ipc::release_retired`.
 
 pub mod api;
 pub(crate) mod copy;
+mod device_handle;
 pub(crate) mod ipc;
 mod kernels;
 pub(crate) mod memory;
 mod pinned;
+pub(crate) mod vmm;
 
-pub(crate) use kernels::Kernels;
+pub(crate) use device_handle::DeviceHandleSlot;
+pub(crate) use kernels::{GROUP_MAX, HandleGroup, Kernels};
 pub(crate) use pinned::PinnedSlot;
 
 use crate::error::{Error, Result, Status};
@@ -58,6 +64,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemcpyHtoD_v2",
+    "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoH_v2",
     "cuModuleLoadData",
     "cuModuleGetFunction",
@@ -84,6 +91,20 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventDestroy_v2",
     "cuMemFreeHost",
+    "cuMemsetD8_v2",
+    // VMM allocations shared as POSIX file descriptors (`vmm`).
+    "cuMemRetainAllocationHandle",
+    "cuMemRelease",
+    "cuMemGetAllocationPropertiesFromHandle",
+    "cuMemGetAllocationGranularity",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemCreate",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
 ];
 
 /// Load the driver, check its symbols and initialize it (once per process).
@@ -295,6 +316,24 @@ pub(crate) fn launch_on_stream(f: cu::CUfunction, stream: usize, arg: u64) -> Re
     // SAFETY: `f` takes exactly one 8-byte parameter; `params` outlives the call (the driver
     // copies the values).
     check(unsafe { cu::cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) }, "cuLaunchKernel")
+}
+
+/// Launch a group kernel (`Kernels::trigger_group` / `wait_group`) for `handles` on `stream`,
+/// one thread per handle (captured into one graph node when the stream is being captured).
+pub(crate) fn launch_group_on_stream(f: cu::CUfunction, stream: usize, handles: &[u64]) -> Result<()> {
+    for chunk in handles.chunks(GROUP_MAX) {
+        let mut g = HandleGroup { n: chunk.len() as u64, ..Default::default() };
+        g.h[..chunk.len()].copy_from_slice(chunk);
+        let mut params = [&mut g as *mut HandleGroup as *mut std::ffi::c_void];
+        let threads = GROUP_MAX as u32;
+        // SAFETY: `f` takes exactly one `gsc_handle_group_t` by value, which `HandleGroup`
+        // mirrors (repr(C)); the driver copies it during the call.
+        check(
+            unsafe { cu::cuLaunchKernel(f, 1, 1, 1, threads, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
+            "cuLaunchKernel",
+        )?;
+    }
+    Ok(())
 }
 
 /// Add a one-thread kernel node taking one pointer argument to `graph`, after `deps`.

@@ -16,6 +16,7 @@
 use crate::condition::Channel;
 use crate::core::worker::{OpStart, Worker, WorkerInner};
 use crate::error::{Error, Result, Status};
+use crate::log::timeline::{self, Event};
 use crate::protocols::ReqId;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Weak};
@@ -186,6 +187,7 @@ impl Engine {
         while i < self.armed.len() {
             if self.armed[i].channel.trigger() >= self.armed[i].seq {
                 let op = self.armed.swap_remove(i);
+                timeline::record(Event::Trigger, op.req as u64);
                 worker.start_armed(op.req, &op.start);
                 self.in_flight.push((op.channel, op.seq));
                 events += 1;
@@ -200,6 +202,7 @@ impl Engine {
             let trigger = p.channel.trigger();
             while p.started < trigger {
                 p.started += 1;
+                timeline::record(Event::Epoch, p.started);
                 worker.start_epoch(&p.template, crate::condition::Signal::new(p.channel.clone(), p.started));
                 self.in_flight.push((p.channel.clone(), p.started));
                 events += 1;

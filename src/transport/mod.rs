@@ -11,7 +11,11 @@
 //! - `shm`: processes on one host; frames through SPSC rings in a shared mapping, memory through
 //!   cross-memory attach (process_vm_readv/writev) when the kernel allows it.
 //! - later: `nvlink` (CUDA IPC), `ucx` (other hosts), `verbs`.
+//!
+//! Beside the lanes: `fd_pass`, a per-process service that hands file descriptors to other
+//! processes of the host over an abstract Unix socket (CUDA VMM allocations are shared that way).
 
+pub(crate) mod fd_pass;
 pub mod loopback;
 pub mod proc_identity;
 pub mod shm;

@@ -6,8 +6,9 @@
 //! that differ from what the peer sent (nccl-tests' column of the same name).
 //!
 //! How each mode starts the operations, all through the proxy:
-//! - stream: receive and send issued on the stream (`no_stream_wait`), then `Condition::wait`:
-//!   per iteration two trigger writes and one wait, enqueued by the host.
+//! - stream: receive and send issued on the stream (`no_stream_wait`), then `Condition::wait`,
+//!   in one condition group: per iteration one batch of a trigger write and a wait, enqueued by
+//!   the host.
 //! - graph: `-G` iterations of the stream sequence captured into one CUDA graph, replayed
 //!   (nccl-tests' `-G`; time is per captured iteration).
 //! - kernel: one kernel runs every iteration, triggering both operations and waiting for them
@@ -148,6 +149,8 @@ fn release(w: &Worker, s: Started) {
 impl Rank {
     /// Issue one exchange of `n` bytes on `cond` (a stream condition, maybe capturing).
     fn issue(&self, cond: &Condition, n: usize) {
+        // One group, like NCCL's group around its send and receive: one trigger and one wait.
+        cond.group_start().unwrap_or_else(|e| die("group_start", e));
         // SAFETY: both buffers live as long as `self`, and every issued operation has completed
         // before `self` is dropped (each run ends with a stream synchronize).
         let r = unsafe { self.w.tag_recv_nbx(self.recv.ptr() as *mut u8, n, TAG, u64::MAX, on(cond)) };
@@ -155,6 +158,7 @@ impl Rank {
         let s = unsafe { self.ep.tag_send_nbx(self.send.ptr() as *const u8, n, TAG, on(cond)) };
         release(&self.w, s.unwrap_or_else(|e| die("tag_send_nbx", e)));
         cond.wait().unwrap_or_else(|e| die("Condition::wait", e));
+        cond.group_end().unwrap_or_else(|e| die("group_end", e));
     }
 
     /// Run `warmup` then `iters` iterations of `mode`; seconds per timed iteration.

@@ -1,0 +1,90 @@
+//! `gsc_device_handle_t`s in GPU memory, for kernels that trigger and wait in a loop.
+//!
+//! A handle says where a channel's trigger and done words are and holds the device's epoch.
+//! The words must be in page-locked host memory (the proxy reads one and writes the other), but
+//! the handle itself need not: kernel-triggered and graph conditions keep it in the GPU's own
+//! memory, so `gsc_trigger` reads and bumps the epoch without a round trip over PCIe (measured
+//! on H200: each such round trip costs about a microsecond, and a trigger/wait pair made four).
+//!
+//! Slots come from blocks allocated per context and never freed (like the pinned words: a
+//! kernel may still hold a handle after its condition is gone). A slot is written once, when its
+//! channel is made, with a copy on a non-blocking stream of our own that is waited for there:
+//! it never orders itself behind a user stream that may be waiting on the proxy.
+//!
+//! Operations captured from a stream keep their handle in the pinned slot: capture forbids the
+//! allocation a refill may need.
+
+use super::{CtxScope, check, cu};
+use crate::error::Result;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+const SLOT: usize = 64;
+const BLOCK: usize = 64 << 10;
+
+struct Pool {
+    /// Free slot addresses.
+    free: Vec<u64>,
+    /// Our stream for the handle writes (CU_STREAM_NON_BLOCKING).
+    stream: usize,
+}
+
+/// Pools by context.
+static POOLS: Mutex<Option<HashMap<usize, Pool>>> = Mutex::new(None);
+
+/// One handle slot in a context's GPU memory; back in its pool when dropped.
+pub(crate) struct DeviceHandleSlot {
+    ctx: usize,
+    addr: u64,
+}
+
+impl DeviceHandleSlot {
+    /// A slot in `ctx`'s memory holding `handle` (trigger, done, epoch), ready for kernels.
+    pub(crate) fn new(ctx: cu::CUcontext, handle: [u64; 3]) -> Result<DeviceHandleSlot> {
+        let _scope = CtxScope::enter(ctx)?;
+        let (addr, stream) = {
+            let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+            let pool = match pools.get_or_insert_with(HashMap::new).entry(ctx as usize) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let mut stream: cu::CUstream = std::ptr::null_mut();
+                    // SAFETY: a valid out-pointer; flag 1 = CU_STREAM_NON_BLOCKING (module doc).
+                    check(unsafe { cu::cuStreamCreate(&mut stream, 1) }, "cuStreamCreate")?;
+                    v.insert(Pool { free: Vec::new(), stream: stream as usize })
+                }
+            };
+            if pool.free.is_empty() {
+                let mut block: cu::CUdeviceptr = 0;
+                // SAFETY: a valid out-pointer; the block is never freed (module doc).
+                check(unsafe { cu::cuMemAlloc_v2(&mut block, BLOCK) }, "cuMemAlloc (device handles)")?;
+                pool.free.extend((0..BLOCK / SLOT).rev().map(|i| block + (i * SLOT) as u64));
+            }
+            (pool.free.pop().expect("refilled above"), pool.stream)
+        };
+        let slot = DeviceHandleSlot { ctx: ctx as usize, addr };
+        let stream = stream as cu::CUstream;
+        // SAFETY: `addr` is a free slot of 64 bytes in this context's memory; `handle` is read by
+        // the copy, which is complete when the synchronize returns (our stream holds nothing else).
+        check(
+            unsafe { cu::cuMemcpyHtoDAsync_v2(addr, handle.as_ptr().cast(), std::mem::size_of_val(&handle), stream) },
+            "cuMemcpyHtoDAsync (device handle)",
+        )?;
+        // SAFETY: our own stream.
+        check(unsafe { cu::cuStreamSynchronize(stream) }, "cuStreamSynchronize (device handle)")?;
+        Ok(slot)
+    }
+
+    /// The handle's device address (what kernels take as `gsc_device_handle_t *`).
+    pub(crate) fn addr(&self) -> u64 {
+        self.addr
+    }
+}
+
+impl Drop for DeviceHandleSlot {
+    fn drop(&mut self) {
+        let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pool) = pools.as_mut().and_then(|p| p.get_mut(&self.ctx)) {
+            pool.free.push(self.addr);
+        }
+    }
+}
