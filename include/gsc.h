@@ -331,7 +331,11 @@ typedef void (*gsc_tag_recv_nbx_callback_t)(void *request, gsc_status_t status,
 /** gsc_request_param_t.flags, with a STREAM or HOST_STREAM condition: the stream does not wait
  *  for this operation to complete (like MPIX_Isend_enqueue); gsc_condition_wait() later makes it
  *  wait for everything issued on the condition so far. Lets a send and a receive on one stream
- *  be in flight together, as a halo exchange needs. */
+ *  be in flight together, as a halo exchange needs. A receive into GPU memory of at most
+ *  GSC_CUDA_STAGE_MAX bytes (4 KiB by default) on a STREAM or GRAPH condition is staged through
+ *  page-locked memory: its bytes reach the buffer in the stream wait that covers it (with this
+ *  flag, the next gsc_condition_wait()), so its request completing on the host means the
+ *  message arrived, not yet that the buffer holds it. */
 #define GSC_OP_ATTR_FLAG_NO_STREAM_WAIT (UINT64_C(1) << 2)
 
 /** What arming an operation on a GRAPH or KERNEL_TRIGGERED condition gives back. */
@@ -600,7 +604,8 @@ gsc_status_t gsc_condition_wait(gsc_condition_h condition);
 /** STREAM / HOST_STREAM: open a group (groups nest). Operations issued on the condition, and
  *  gsc_condition_wait() calls, until the matching gsc_condition_group_end() are put on the stream
  *  together at the end: one trigger write and one wait for all of them (on a captured stream, one
- *  trigger node and one wait node), like ncclGroupStart/ncclGroupEnd around sends and receives.
+ *  kernel node that triggers them all, then waits), like ncclGroupStart/ncclGroupEnd around sends
+ *  and receives.
  *  The group belongs to the condition, not to the calling thread. */
 gsc_status_t gsc_condition_group_start(gsc_condition_h condition);
 /** Close a group; the outermost end enqueues what was issued in it. GSC_ERR_INVALID_PARAM

@@ -242,6 +242,101 @@ fn late_and_reordered(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, chan: &mut
     verdict(&statuses, pinned_u64(&err))
 }
 
+/// Sizes of the grouped exchanges: staged (up to `GSC_CUDA_STAGE_MAX`, 4 KiB by default) and
+/// one byte past it (a copy-engine read).
+const GROUPED_SIZES: &[usize] = &[8, 4096, 4097];
+const GROUPED_ROUNDS: usize = 600;
+const GROUPED_PER_GRAPH: usize = 50;
+
+/// The exchange gsc-bench times, checked: every round fills the send buffer for the round,
+/// issues the receive and the send without stream waits in one group with a `wait`, then
+/// checks what arrived. On a plain stream (`captured` false) or captured into a graph of
+/// GROUPED_PER_GRAPH rounds replayed until GROUPED_ROUNDS.
+fn grouped_rounds(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, captured: bool) -> String {
+    let stream = Stream::new().unwrap();
+    let mut v = String::new();
+    for &n in GROUPED_SIZES {
+        let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
+        let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
+        // Captured: a stream of its own to capture on; the graph is launched on `stream`.
+        let on_stream = Stream::new().unwrap();
+        let cond = Condition::cuda(Category::Stream, on_stream.raw(), None).unwrap();
+        let round_of = |s: &Stream| {
+            k.fill_round.launch(grid(n), 256, s, &[src.ptr(), n as u64, round.device_ptr(), side]).unwrap();
+            cond.group_start().unwrap();
+            let r = unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, n, 90, u64::MAX, on(&cond, false)).unwrap() };
+            let s_ = unsafe { ep.tag_send_nbx(src.ptr() as *const u8, n, 90, on(&cond, false)).unwrap() };
+            cond.wait().unwrap();
+            cond.group_end().unwrap();
+            for st in [r, s_] {
+                if let Started::Pending(h) = st {
+                    w.request_release(h).unwrap();
+                }
+            }
+            k.bump.launch(1, 1, s, &[round.device_ptr()]).unwrap();
+            k.check_round.launch(grid(n), 256, s, &[dst.ptr(), n as u64, round.device_ptr(), 1 - side, err.device_ptr()]).unwrap();
+        };
+        if captured {
+            on_stream.begin_capture().unwrap();
+            (0..GROUPED_PER_GRAPH).for_each(|_| round_of(&on_stream));
+            let exec = on_stream.end_capture().unwrap().instantiate().unwrap();
+            for _ in 0..GROUPED_ROUNDS / GROUPED_PER_GRAPH {
+                exec.launch(&stream).unwrap();
+            }
+            stream.synchronize().unwrap();
+        } else {
+            (0..GROUPED_ROUNDS).for_each(|_| round_of(&on_stream));
+            on_stream.synchronize().unwrap();
+        }
+        let (rounds, errors) = (pinned_u64(&round), pinned_u64(&err));
+        if rounds != GROUPED_ROUNDS as u64 || errors != 0 || cond.query().is_err() {
+            v += &format!(" {n}B: rounds={rounds} errors={errors} query={:?}", cond.query());
+        }
+    }
+    v
+}
+
+/// A staged receive fed by a send that is not staged (no condition: a copy-engine read into the
+/// slot), and a staged send received without a condition (eager frames into a GPU buffer). Both
+/// receive buffers are twice the message: the bytes past it must stay as they were.
+fn mixed_staging(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
+    const N: usize = 1000;
+    let stream = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let (src, dst) = (DeviceBuf::new(N).unwrap(), DeviceBuf::new(2 * N).unwrap());
+    let tail = dst.ptr() + N as u64;
+    k.fill.launch(grid(N), 256, &stream, &[src.ptr(), N as u64, 60 + side]).unwrap();
+    k.fill.launch(grid(N), 256, &stream, &[tail, N as u64, 99]).unwrap();
+    stream.synchronize().unwrap();
+    let (peer_tag, my_tag) = (60 + (1 - side), 60 + side);
+    let mut reqs = Vec::new();
+    if side == 0 {
+        // Plain (unconditioned) send and receive on this side.
+        reqs.push(pending_or_done(unsafe { ep.tag_send_nbx(src.ptr() as *const u8, N, my_tag, RequestParams::default()).unwrap() }));
+        reqs.push(pending_or_done(unsafe {
+            w.tag_recv_nbx(dst.ptr() as *mut u8, 2 * N, peer_tag, u64::MAX, RequestParams::default()).unwrap()
+        }));
+    } else {
+        // Staged receive and send, each with its stream wait.
+        reqs.push(pending_or_done(unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, 2 * N, peer_tag, u64::MAX, on(&cond, true)).unwrap() }));
+        reqs.push(pending_or_done(unsafe { ep.tag_send_nbx(src.ptr() as *const u8, N, my_tag, on(&cond, true)).unwrap() }));
+    }
+    let statuses = wait_all(w, reqs.into_iter().flatten().collect());
+    k.check.launch(grid(N), 256, &stream, &[dst.ptr(), N as u64, peer_tag, 0, err.device_ptr()]).unwrap();
+    k.check.launch(grid(N), 256, &stream, &[tail, N as u64, 99, 0, err.device_ptr()]).unwrap();
+    stream.synchronize().unwrap();
+    verdict(&statuses, pinned_u64(&err))
+}
+
+fn pending_or_done(s: Started) -> Option<u64> {
+    match s {
+        Started::Pending(h) => Some(h),
+        Started::Done(_) => None,
+        other => panic!("{other:?}"),
+    }
+}
+
 /// `GSC_TEST_SYNC_EVERY=k`: synchronize the stream after every k graph launches (0: only at
 /// the end), to tell launch-queue effects from transfer costs.
 fn sync_every() -> usize {
@@ -273,6 +368,9 @@ fn scenarios(
     run("graph", &mut || graph_halo(side, w, ep, k));
     run("kernel", &mut || kernel_triggered(side, w, ep, k));
     run("late_reordered", &mut || late_and_reordered(side, w, ep, k, sync));
+    run("grouped_stream", &mut || grouped_rounds(side, w, ep, k, false));
+    run("grouped_captured", &mut || grouped_rounds(side, w, ep, k, true));
+    run("mixed_staging", &mut || mixed_staging(side, w, ep, k));
     out
 }
 

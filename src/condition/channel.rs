@@ -15,6 +15,7 @@
 //! is then satisfied, so nothing on the GPU hangs behind a failed peer, and the error stays
 //! readable (sticky) through [`Channel::error`].
 
+use super::stage::Stage;
 use super::words::Words;
 use crate::error::{Error, Status};
 use std::collections::BTreeSet;
@@ -27,6 +28,8 @@ pub const DONE_ERROR_BIT: u64 = 1 << 63;
 
 pub(crate) struct Channel {
     pub(crate) words: Words,
+    /// A persistent channel's staged operation (see `stage`): every epoch uses the same slot.
+    pub(crate) stage: Option<Arc<Stage>>,
     tracker: Mutex<Tracker>,
     /// Host-side waiters (host streams, `wait_done`) sleep here; CUDA waiters poll the word.
     advanced: Condvar,
@@ -55,9 +58,10 @@ impl Channel {
 
     /// A channel for one persistent operation, its device handle pointing at its words with the
     /// epoch where counting starts; the handle is in GPU memory of `gpu_ctx` when given.
-    pub(crate) fn persistent(words: Words, gpu_ctx: Option<usize>) -> crate::error::Result<Arc<Channel>> {
+    pub(crate) fn persistent(words: Words, gpu_ctx: Option<usize>, stage: Option<Arc<Stage>>) -> crate::error::Result<Arc<Channel>> {
         let mut c = Channel::continuing(words);
         c.words.init_device_handle(c.base, gpu_ctx)?;
+        c.stage = stage;
         Ok(Arc::new(c))
     }
 
@@ -68,7 +72,7 @@ impl Channel {
         words.trigger().store(base, Ordering::Release);
         words.done().store(base, Ordering::Release);
         let tracker = Tracker { done: base, ..Default::default() };
-        Channel { words, tracker: Mutex::new(tracker), advanced: Condvar::new(), issue: Mutex::new(base), base }
+        Channel { words, stage: None, tracker: Mutex::new(tracker), advanced: Condvar::new(), issue: Mutex::new(base), base }
     }
 
     /// The value the producer last wrote.
@@ -174,16 +178,30 @@ impl Drop for Channel {
 pub(crate) struct Signal {
     channel: Arc<Channel>,
     seq: u64,
+    /// A staged operation of a sequenced channel (persistent ones keep theirs in the channel).
+    stage: Option<Arc<Stage>>,
     fired: bool,
 }
 
 impl Signal {
     pub(crate) fn new(channel: Arc<Channel>, seq: u64) -> Signal {
-        Signal { channel, seq, fired: false }
+        Signal { channel, seq, stage: None, fired: false }
     }
 
-    pub(crate) fn fire(mut self, status: Status) {
+    pub(crate) fn with_stage(mut self, stage: Option<Arc<Stage>>) -> Signal {
+        self.stage = stage;
+        self
+    }
+
+    /// The operation ended with `status`, having received `len` bytes (receives).
+    pub(crate) fn fire(mut self, status: Status, len: usize) {
         self.fired = true;
+        if status == Status::Ok {
+            // The staged receive's length goes before the done word that lets the kernel read it.
+            if let Some(stage) = self.stage.as_ref().or(self.channel.stage.as_ref()) {
+                stage.received(len);
+            }
+        }
         self.channel.complete(self.seq, status);
     }
 }

@@ -16,13 +16,16 @@
 
 mod channel;
 mod host_stream;
+mod stage;
 mod words;
 
 pub use channel::DONE_ERROR_BIT;
 pub(crate) use channel::{Channel, Signal};
 pub use host_stream::HostStream;
+pub(crate) use stage::{Stage, StageDir};
 pub(crate) use words::Words;
 
+use crate::cuda::OpDesc;
 use crate::error::{Error, Result, Status};
 use host_stream::Item;
 use std::sync::{Arc, Mutex, Weak};
@@ -82,6 +85,9 @@ pub(crate) struct CondInner {
     captured_unwaited: Mutex<Vec<Arc<Channel>>>,
     /// An open group (`group_start`): what its end puts on the stream.
     group: Mutex<Group>,
+    /// Staged receives of the sequenced channel (operation number, kernel view) whose bytes the
+    /// next stream wait covering them copies into the user's buffer.
+    pending_in: Mutex<Vec<(u64, OpDesc)>>,
     /// Kernel cache directory (`GSC_KERNEL_CACHE_DIR`) for the replay-safe nodes.
     kernel_cache: Option<std::path::PathBuf>,
 }
@@ -96,6 +102,8 @@ struct Group {
     /// Sequenced: the highest operation number issued in the group, and the highest to wait for.
     trigger: Option<u64>,
     wait: Option<u64>,
+    /// Sequenced: staged sends, copied into their slots before the trigger.
+    out: Vec<OpDesc>,
     /// Captured: channels to trigger, and to wait for, at the end; the graph they belong to.
     captured_triggers: Vec<Arc<Channel>>,
     captured_waits: Vec<Arc<Channel>>,
@@ -169,6 +177,7 @@ impl Condition {
                 keep: Mutex::default(),
                 captured_unwaited: Mutex::default(),
                 group: Mutex::default(),
+                pending_in: Mutex::default(),
                 kernel_cache,
             }),
         }
@@ -213,14 +222,13 @@ impl Condition {
                 // Captured operations have a channel each: wait for each with a kernel node.
                 let kernels = self.kernels(ctx)?;
                 let mut pending = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
-                let handles: Vec<u64> = pending.iter().map(|c| c.words.device_handle().expect("pinned")).collect();
-                crate::cuda::launch_group_on_stream(kernels.wait_group, stream, &handles)?;
+                crate::cuda::launch_ops(&kernels, stream, &[], &descs(&pending, StageDir::Recv))?;
                 pending.clear();
                 return Ok(());
             }
         }
         let issued = channel.issue.lock().unwrap_or_else(|e| e.into_inner());
-        self.enqueue(&channel, None, Some(*issued))
+        self.enqueue(&channel, None, Some(*issued), &[])
     }
 
     /// Open a group (they nest): operations issued on this condition until the matching
@@ -264,15 +272,15 @@ impl Condition {
                 if now != g.graph {
                     return Err(Error::invalid_param("group_end: the stream's capture ended (or began) inside the group"));
                 }
+                // One node: every trigger of the group, then every wait.
                 let kernels = self.kernels(ctx)?;
-                let handles = |cs: &[Arc<Channel>]| cs.iter().map(|c| c.words.device_handle().expect("pinned")).collect::<Vec<u64>>();
-                crate::cuda::launch_group_on_stream(kernels.trigger_group, stream, &handles(&g.captured_triggers))?;
-                crate::cuda::launch_group_on_stream(kernels.wait_group, stream, &handles(&g.captured_waits))?;
+                let (trig, wait) = (descs(&g.captured_triggers, StageDir::Send), descs(&g.captured_waits, StageDir::Recv));
+                crate::cuda::launch_ops(&kernels, stream, &trig, &wait)?;
             }
         }
         match (g.trigger, g.wait) {
             (None, None) => Ok(()),
-            (t, w) => self.enqueue(channel, t, w),
+            (t, w) => self.enqueue(channel, t, w, &g.out),
         }
     }
 
@@ -280,13 +288,27 @@ impl Condition {
         crate::cuda::Kernels::of(crate::cuda::raw(ctx), self.inner.kernel_cache.as_deref())
     }
 
-    /// A fresh channel of its own for one persistent operation, its device handle pointing at
-    /// it: in GPU memory (`handle_in_gpu`, for kernels that loop on it) or in the pinned slot
-    /// (operations captured from a stream, where allocating is not allowed).
-    fn persistent_channel(&self, ctx: usize, handle_in_gpu: bool) -> Result<Arc<Channel>> {
+    /// A fresh channel of its own for one persistent operation, its device handle in GPU memory
+    /// of `ctx` (kernels read and bump its epoch there, not over PCIe; allocating it is allowed
+    /// even while the stream is being captured: `cuda::with_relaxed_capture`).
+    fn persistent_channel(&self, ctx: usize, stage: Option<&Arc<Stage>>) -> Result<Arc<Channel>> {
         let _scope = crate::cuda::CtxScope::enter(crate::cuda::raw(ctx))?;
         let slot = crate::cuda::PinnedSlot::take()?;
-        Channel::persistent(Words::pinned(slot), handle_in_gpu.then_some(ctx))
+        Channel::persistent(Words::pinned(slot), Some(ctx), stage.cloned())
+    }
+
+    /// A staging slot for an operation of this condition on the GPU buffer `addr..addr+len`, if
+    /// it is staged (see `stage`): 1 to `max` bytes, on a stream or graph condition.
+    pub(crate) fn stage_for(&self, dir: StageDir, addr: usize, len: usize, max: usize) -> Result<Option<Arc<Stage>>> {
+        let ctx = match self.inner.producer {
+            Producer::CudaStream { ctx, .. } | Producer::Graph { ctx, .. } => ctx,
+            Producer::KernelTriggered { .. } | Producer::Host(_) => return Ok(None),
+        };
+        if len == 0 || len > max {
+            return Ok(None);
+        }
+        let slot = crate::cuda::StageSlot::take(len, crate::cuda::raw(ctx))?;
+        Ok(Some(Arc::new(Stage::new(slot, dir, addr, len))))
     }
 
     fn sequenced_channel(&self, what: &str) -> Result<Arc<Channel>> {
@@ -299,16 +321,18 @@ impl Condition {
     }
 
     /// Arm one operation: number it and give the producer its trigger (and, unless
-    /// `stream_wait` is false, the wait for its completion). Nothing is changed on error.
-    pub(crate) fn issue(&self, stream_wait: bool) -> Result<Issued> {
+    /// `stream_wait` is false, the wait for its completion), with the copies of its staging
+    /// slot if it has one (`stage_for`). Nothing is changed on error.
+    pub(crate) fn issue(&self, stream_wait: bool, stage: Option<&Arc<Stage>>) -> Result<Issued> {
         match self.inner.producer {
             Producer::CudaStream { stream, ctx } => {
                 if let Some(graph) = crate::cuda::capture_graph(stream)? {
-                    return self.issue_captured(stream, ctx, graph as usize, stream_wait);
+                    return self.issue_captured(stream, ctx, graph as usize, stream_wait, stage);
                 }
             }
-            Producer::Graph { graph, ctx } => return self.issue_graph(graph, ctx),
-            Producer::KernelTriggered { ctx } => return self.issue_kernel_triggered(ctx),
+            Producer::Graph { graph, ctx } => return self.issue_graph(graph, ctx, stage),
+            Producer::KernelTriggered { ctx } if stage.is_none() => return self.issue_kernel_triggered(ctx),
+            Producer::KernelTriggered { .. } => return Err(Error::new(Status::Internal, "kernel-triggered operations are never staged")),
             Producer::Host(_) => {}
         }
         match &self.inner.channel {
@@ -318,14 +342,28 @@ impl Condition {
                     return Err(e.context("the condition failed earlier; no further operation is issued on it"));
                 }
                 let seq = *issued + 1;
+                let out: Vec<OpDesc> = stage.filter(|s| s.dir == StageDir::Send).map(|s| s.desc(0)).into_iter().collect();
+                let staged_in = stage.filter(|s| s.dir == StageDir::Recv).map(|s| (seq, s.desc(0)));
+                // Waits find staged receives here, this operation's own wait included.
+                let pending_in = |add: bool| {
+                    let mut p = self.inner.pending_in.lock().unwrap_or_else(|e| e.into_inner());
+                    match staged_in {
+                        Some(e) if add => p.push(e),
+                        Some((seq, _)) => p.retain(|(s, _)| *s != seq),
+                        None => {}
+                    }
+                };
+                pending_in(true);
                 let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
                 if group.depth > 0 {
                     group.trigger = Some(seq);
+                    group.out.extend(out);
                     if stream_wait {
                         group.wait = Some(seq);
                     }
-                } else {
-                    self.enqueue(channel, Some(seq), stream_wait.then_some(seq))?;
+                } else if let Err(e) = self.enqueue(channel, Some(seq), stream_wait.then_some(seq), &out) {
+                    pending_in(false);
+                    return Err(e);
                 }
                 *issued = seq;
                 Ok(Issued::Sequenced(channel.clone(), seq))
@@ -334,20 +372,34 @@ impl Condition {
         }
     }
 
-    /// Put a trigger write and/or a done wait on the producer.
-    fn enqueue(&self, channel: &Arc<Channel>, trigger: Option<u64>, wait: Option<u64>) -> Result<()> {
+    /// Put a trigger write and/or a done wait on the producer, with the staged sends `out`
+    /// copied before the trigger and the staged receives the wait covers copied after it.
+    fn enqueue(&self, channel: &Arc<Channel>, trigger: Option<u64>, wait: Option<u64>, out: &[OpDesc]) -> Result<()> {
         match &self.inner.producer {
             Producer::Host(stream) => {
                 let items = trigger.map(|k| Item::Trigger(channel.clone(), k)).into_iter();
                 stream.push_all(items.chain(wait.map(|k| Item::Wait(channel.clone(), k))));
                 Ok(())
             }
-            Producer::CudaStream { stream, .. } => {
+            Producer::CudaStream { stream, ctx } => {
                 let (t, d) = channel.words.device.expect("stream channels use mapped words");
-                match trigger {
-                    Some(k) => crate::cuda::enqueue_trigger_wait(*stream, t, k, wait.map(|w| (d, w))),
-                    None => wait.map_or(Ok(()), |w| crate::cuda::enqueue_wait(*stream, d, w)),
+                let inn = wait.map(|w| self.take_pending_in(w)).unwrap_or_default();
+                let result = if out.is_empty() && inn.is_empty() {
+                    // Nothing staged: stream memops, no kernel.
+                    match trigger {
+                        Some(k) => crate::cuda::enqueue_trigger_wait(*stream, t, k, wait.map(|w| (d, w))),
+                        None => wait.map_or(Ok(()), |w| crate::cuda::enqueue_wait(*stream, d, w)),
+                    }
+                } else {
+                    let descs: Vec<OpDesc> = inn.iter().map(|(_, op)| *op).collect();
+                    self.kernels(*ctx)
+                        .and_then(|k| crate::cuda::launch_seq(&k, *stream, trigger.map(|k| (t, k)), wait.map(|w| (d, w)), out, &descs))
+                };
+                if result.is_err() {
+                    // Not enqueued: a later wait must still copy them.
+                    self.inner.pending_in.lock().unwrap_or_else(|e| e.into_inner()).extend(inn);
                 }
+                result
             }
             Producer::Graph { .. } | Producer::KernelTriggered { .. } => {
                 Err(Error::new(Status::Internal, "graph and kernel conditions have no stream to enqueue on"))
@@ -355,12 +407,19 @@ impl Condition {
         }
     }
 
+    /// The staged receives of the sequenced channel numbered up to `upto`, taken for a wait.
+    fn take_pending_in(&self, upto: u64) -> Vec<(u64, OpDesc)> {
+        let mut pending = self.inner.pending_in.lock().unwrap_or_else(|e| e.into_inner());
+        let (covered, later): (Vec<_>, Vec<_>) = pending.drain(..).partition(|(seq, _)| *seq <= upto);
+        *pending = later;
+        covered
+    }
+
     /// An operation issued on a stream under capture: replay-safe kernel nodes (the trigger
     /// kernel bumps the device epoch; the wait kernel waits for that epoch), owned by the graph.
-    fn issue_captured(&self, stream: usize, ctx: usize, graph: usize, stream_wait: bool) -> Result<Issued> {
+    fn issue_captured(&self, stream: usize, ctx: usize, graph: usize, stream_wait: bool, stage: Option<&Arc<Stage>>) -> Result<Issued> {
         let kernels = self.kernels(ctx)?;
-        let channel = self.persistent_channel(ctx, false)?;
-        let handle = channel.words.device_handle().expect("pinned");
+        let channel = self.persistent_channel(ctx, stage)?;
         let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
         if group.depth > 0 {
             if group.graph.is_some_and(|g| g != graph) {
@@ -374,10 +433,10 @@ impl Condition {
                 self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
             }
         } else {
-            crate::cuda::launch_on_stream(kernels.trigger, stream, handle)?;
-            if stream_wait {
-                crate::cuda::launch_on_stream(kernels.wait, stream, handle)?;
-            } else {
+            let one = std::slice::from_ref(&channel);
+            let wait = if stream_wait { descs(one, StageDir::Recv) } else { Vec::new() };
+            crate::cuda::launch_ops(&kernels, stream, &descs(one, StageDir::Send), &wait)?;
+            if !stream_wait {
                 self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
             }
         }
@@ -388,13 +447,13 @@ impl Condition {
     }
 
     /// A graph operation: a trigger node and a done node after it, owned by the graph.
-    fn issue_graph(&self, graph: usize, ctx: usize) -> Result<Issued> {
+    fn issue_graph(&self, graph: usize, ctx: usize, stage: Option<&Arc<Stage>>) -> Result<Issued> {
         let kernels = self.kernels(ctx)?;
-        let channel = self.persistent_channel(ctx, true)?;
-        let handle = channel.words.device_handle().expect("pinned");
+        let channel = self.persistent_channel(ctx, stage)?;
+        let one = std::slice::from_ref(&channel);
         let g = crate::cuda::raw(graph);
-        let start = crate::cuda::add_kernel_node(g, kernels.trigger, handle, &[])?;
-        let done = crate::cuda::add_kernel_node(g, kernels.wait, handle, &[start])?;
+        let (start, start_last) = crate::cuda::add_ops_nodes(&kernels, g, &descs(one, StageDir::Send), &[], &[])?;
+        let (_, done) = crate::cuda::add_ops_nodes(&kernels, g, &[], &descs(one, StageDir::Recv), &[start_last])?;
         crate::cuda::tie_to_graph(g, channel.clone())?;
         self.remember(&channel, false);
         Ok(Issued::Persistent(channel, ArmedOutputs { start_node: start as usize, done_node: done as usize, device_handle: 0 }))
@@ -402,7 +461,7 @@ impl Condition {
 
     /// A kernel-triggered operation: the device handle, kept alive by the condition.
     fn issue_kernel_triggered(&self, ctx: usize) -> Result<Issued> {
-        let channel = self.persistent_channel(ctx, true)?;
+        let channel = self.persistent_channel(ctx, None)?;
         let handle = channel.words.device_handle().expect("pinned");
         self.remember(&channel, true);
         Ok(Issued::Persistent(channel, ArmedOutputs { device_handle: handle, ..Default::default() }))
@@ -416,6 +475,21 @@ impl Condition {
             self.inner.keep.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
         }
     }
+}
+
+/// Persistent operations as the kernels see them at their trigger (`Send`: a staged send's slot
+/// is filled there) or at their wait (`Recv`: a staged receive's slot is emptied there).
+fn descs(channels: &[Arc<Channel>], at: StageDir) -> Vec<OpDesc> {
+    channels
+        .iter()
+        .map(|c| {
+            let handle = c.words.device_handle().expect("persistent channels have a device handle");
+            match &c.stage {
+                Some(s) if s.dir == at => s.desc(handle),
+                _ => OpDesc { handle, ..Default::default() },
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

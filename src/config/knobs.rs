@@ -357,6 +357,23 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.cuda_copy_split as u64),
     },
     Knob {
+        name: "GSC_CUDA_STAGE_MAX",
+        default: "4K",
+        doc: "GPU messages up to this size on stream and graph conditions go through page-locked \
+              slots copied by gscomm's trigger and wait kernels instead of the copy engine; 0: \
+              never (at most 64K)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if n > crate::config::CUDA_STAGE_LIMIT {
+                return Err(format!("at most {} (the largest staging slot)", format_size(crate::config::CUDA_STAGE_LIMIT as u64)));
+            }
+            c.cuda_stage_max = n;
+            Ok(())
+        },
+        show: |c| format_size(c.cuda_stage_max as u64),
+    },
+    Knob {
         name: "GSC_TIMEOUT",
         default: "60s",
         doc: "Bound on every blocking wait; inf: wait forever",

@@ -33,6 +33,9 @@ pub use self::knobs::{Knob, KnobKind};
 use crate::error::{Error, Result, Status};
 use crate::transport::LaneKind;
 
+/// The largest GPU message `GSC_CUDA_STAGE_MAX` can stage (the largest staging slot).
+pub const CUDA_STAGE_LIMIT: usize = 64 << 10;
+
 /// Severity threshold of log messages (`GSC_LOG_LEVEL`), least verbose first.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum LogLevel {
@@ -230,6 +233,8 @@ pub struct Config {
     pub cuda_copy_streams: usize,
     /// `GSC_CUDA_COPY_SPLIT`, bytes, non-zero.
     pub cuda_copy_split: usize,
+    /// `GSC_CUDA_STAGE_MAX`, bytes, at most `CUDA_STAGE_LIMIT`; 0 turns staging off.
+    pub cuda_stage_max: usize,
     /// `GSC_TIMEOUT`: bound on every blocking wait; `None` waits forever.
     pub timeout: Option<Duration>,
     /// `GSC_PEER_CHECK_INTERVAL`, non-zero.
@@ -288,6 +293,7 @@ impl Default for Config {
             cuda_ipc: Tristate::Auto,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,
+            cuda_stage_max: 4 << 10,
             timeout: Some(Duration::from_secs(60)),
             peer_check_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(10),

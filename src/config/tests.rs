@@ -405,3 +405,11 @@ fn from_pairs_later_values_win() {
     let c = with(&[("GSC_TLS", "shm"), ("GSC_TLS", "loopback")]);
     assert_eq!(c.tls, vec![LaneKind::Loopback]);
 }
+
+#[test]
+fn cuda_stage_max_is_bounded_by_the_largest_slot() {
+    assert_eq!(with(&[("GSC_CUDA_STAGE_MAX", "0")]).cuda_stage_max, 0, "0 turns staging off");
+    assert_eq!(with(&[("GSC_CUDA_STAGE_MAX", "64K")]).cuda_stage_max, CUDA_STAGE_LIMIT);
+    rejects("GSC_CUDA_STAGE_MAX", "65537", "at most 64K");
+    rejects("GSC_CUDA_STAGE_MAX", "1M", "at most 64K");
+}

@@ -3,6 +3,7 @@
 use super::memory::{Rkey, check_range, rkey_unpack};
 use super::request::{ReqKind, RequestParams, Started};
 use super::worker::{Completion, OnTimeout, State, Worker, check_buffer, require_host_memory, resolve_memtype};
+use crate::condition::StageDir;
 use crate::error::{Error, Result, Status};
 use crate::protocols::{Action, ConnId, MemType, ProtoId, RecvInfo, UserBuf};
 use crate::transport::LaneKind;
@@ -75,13 +76,19 @@ impl Endpoint {
         check_buffer(buf, len, "tag_send_nbx")?;
         let (key, addr) = (self.key(), buf as usize);
         let mem = resolve_memtype(&params, addr, len)?;
+        // A small GPU buffer of a stream or graph operation is staged: sent from its slot.
+        let stage = self.worker.stage_for(&params, StageDir::Send, addr, len, mem)?;
+        let (addr, mem) = match &stage {
+            Some(s) => (s.host_data(), MemType::Host),
+            None => (addr, mem),
+        };
         // A GPU buffer read by the receiver travels with its IPC key, made here on the caller's
         // thread (with the copy stream) rather than later on the proxy.
         let gpu_key = match mem {
             MemType::Cuda => self.worker.prepare_gpu_send(self.key().conn, addr, len)?,
             MemType::Host => None,
         };
-        self.worker.start_op(ReqKind::Send, Some(self.conn), params, move |st, req, out| {
+        self.worker.start_staged_op(ReqKind::Send, Some(self.conn), params, stage, move |st, req, out| {
             let conn = key.usable(st)?;
             let buf = UserBuf { addr, len, mem };
             let device_key = match st.engine.tag.protocol_for(conn, buf)? {

@@ -25,7 +25,9 @@ pub struct RequestParams {
     /// With a stream or host-stream condition: the producer does *not* wait for this operation's
     /// completion (MPI's `Isend_enqueue` rather than `Send_enqueue`); `Condition::wait` later
     /// makes it wait for everything issued so far. Lets a send and a receive be in flight
-    /// together, as a halo exchange needs.
+    /// together, as a halo exchange needs. A staged receive (GPU memory up to
+    /// `GSC_CUDA_STAGE_MAX` on a stream or graph condition) writes its buffer in the wait that
+    /// covers it, so with this flag at that later `Condition::wait`.
     pub no_stream_wait: bool,
     /// Always return a request, even if the operation completed at once (UCP's
     /// `UCP_OP_ATTR_FLAG_NO_IMM_CMPL`). A request that completes inside the starting call (with

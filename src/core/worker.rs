@@ -11,7 +11,7 @@ use super::context::{Context, random_u128};
 use super::device_mem::{DeviceMem, ReadStart};
 use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
-use crate::condition::{Condition, Issued, Signal};
+use crate::condition::{Condition, Issued, Signal, Stage, StageDir};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
 use crate::protocols::{
@@ -275,12 +275,26 @@ impl Worker {
         &self,
         kind: ReqKind,
         conn: Option<ConnId>,
+        params: RequestParams,
+        start: impl Fn(&mut State, ReqId, &mut Actions) -> Result<()> + Send + Sync + 'static,
+    ) -> Result<Started> {
+        self.start_staged_op(kind, conn, params, None, start)
+    }
+
+    /// `start_op` for an operation that may be staged (`stage`, from `stage_for`; `start` then
+    /// works on the slot's host memory instead of the GPU buffer).
+    pub(crate) fn start_staged_op(
+        &self,
+        kind: ReqKind,
+        conn: Option<ConnId>,
         mut params: RequestParams,
+        stage: Option<Arc<Stage>>,
         start: impl Fn(&mut State, ReqId, &mut Actions) -> Result<()> + Send + Sync + 'static,
     ) -> Result<Started> {
         if let Some(cond) = params.condition.take() {
-            return self.arm(kind, conn, params, cond, Arc::new(start));
+            return self.arm(kind, conn, params, cond, stage, Arc::new(start));
         }
+        debug_assert!(stage.is_none(), "only conditioned operations are staged");
         let RequestParams { callback, no_immediate_completion, .. } = params;
         // Callbacks that will not run are dropped only after the lock is released: a user
         // closure may own objects (an Endpoint) whose Drop takes this worker's lock.
@@ -322,7 +336,15 @@ impl Worker {
     }
 
     /// Arm an operation on `cond`: the proxy starts it when the condition's trigger fires.
-    fn arm(&self, kind: ReqKind, conn: Option<ConnId>, params: RequestParams, cond: Condition, start: OpStart) -> Result<Started> {
+    fn arm(
+        &self,
+        kind: ReqKind,
+        conn: Option<ConnId>,
+        params: RequestParams,
+        cond: Condition,
+        stage: Option<Arc<Stage>>,
+        start: OpStart,
+    ) -> Result<Started> {
         if kind == ReqKind::Close {
             return Err(Error::unsupported("closing an endpoint under a condition is not supported; close it on the host"));
         }
@@ -337,20 +359,22 @@ impl Worker {
             }
         }
         self.ensure_proxy()?;
-        match cond.issue(!params.no_stream_wait)? {
+        match cond.issue(!params.no_stream_wait, stage.as_ref())? {
             Issued::Sequenced(channel, seq) => {
                 let req = {
                     let mut st = self.lock();
                     let req = st.alloc_request(self.inner.id, kind, conn, params.callback);
                     let slot = st.slot_mut(req).expect("just allocated");
-                    slot.signal = Some(Signal::new(channel.clone(), seq));
+                    slot.signal = Some(Signal::new(channel.clone(), seq).with_stage(stage));
                     slot.armed = true;
                     req
                 };
+                timeline::record(Event::Issue, req as u64);
                 self.send_to_proxy(Msg::Arm(ArmedOp { channel, seq, req, start }));
                 Ok(Started::Pending(req))
             }
             Issued::Persistent(channel, outputs) => {
+                timeline::record(Event::Issue, 0);
                 let template = OpTemplate { kind, conn, start };
                 let started = channel.base;
                 self.send_to_proxy(Msg::Persist(PersistentOp { channel, template, started }));
@@ -437,15 +461,46 @@ impl Worker {
     /// canceled), and not accessed by the caller in the meantime.
     pub unsafe fn tag_recv_nbx(&self, buf: *mut u8, len: usize, tag: u64, tag_mask: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_recv_nbx")?;
-        let addr = buf as usize;
-        let mem = resolve_memtype(&params, addr, len)?;
-        if mem == MemType::Cuda {
-            self.lock().device.prepare_for(addr)?;
-        }
-        self.start_op(ReqKind::Recv, None, params, move |st, req, out| {
-            st.engine.tag.recv(out, req, tag, tag_mask, UserBuf { addr, len, mem });
+        let (stage, user) = self.recv_buffer(&params, buf as usize, len)?;
+        self.start_staged_op(ReqKind::Recv, None, params, stage, move |st, req, out| {
+            st.engine.tag.recv(out, req, tag, tag_mask, user);
             Ok(())
         })
+    }
+
+    /// Where a receive into `addr..addr+len` lands: a staging slot (a small GPU buffer of a
+    /// stream or graph operation), or the buffer itself.
+    fn recv_buffer(&self, params: &RequestParams, addr: usize, len: usize) -> Result<(Option<Arc<Stage>>, UserBuf)> {
+        let mem = resolve_memtype(params, addr, len)?;
+        let stage = self.stage_for(params, StageDir::Recv, addr, len, mem)?;
+        Ok(match stage {
+            Some(s) => {
+                let user = UserBuf { addr: s.host_data(), len, mem: MemType::Host };
+                (Some(s), user)
+            }
+            None => {
+                if mem == MemType::Cuda {
+                    self.lock().device.prepare_for(addr)?;
+                }
+                (None, UserBuf { addr, len, mem })
+            }
+        })
+    }
+
+    /// The staging slot of a conditioned operation on GPU memory, when it is staged (see
+    /// `condition::Stage`).
+    pub(crate) fn stage_for(
+        &self,
+        params: &RequestParams,
+        dir: StageDir,
+        addr: usize,
+        len: usize,
+        mem: MemType,
+    ) -> Result<Option<Arc<Stage>>> {
+        match (&params.condition, mem) {
+            (Some(cond), MemType::Cuda) => cond.stage_for(dir, addr, len, self.inner.context.inner.config.cuda_stage_max),
+            _ => Ok(None),
+        }
     }
 
     /// Receive a message taken with `tag_probe(.., remove = true)`.
@@ -454,12 +509,8 @@ impl Worker {
     /// As for `tag_recv_nbx`.
     pub unsafe fn tag_msg_recv_nbx(&self, buf: *mut u8, len: usize, msg: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_msg_recv_nbx")?;
-        let addr = buf as usize;
-        let mem = resolve_memtype(&params, addr, len)?;
-        if mem == MemType::Cuda {
-            self.lock().device.prepare_for(addr)?;
-        }
-        self.start_op(ReqKind::Recv, None, params, move |st, req, out| st.engine.tag.msg_recv(out, req, msg, UserBuf { addr, len, mem }))
+        let (stage, user) = self.recv_buffer(&params, buf as usize, len)?;
+        self.start_staged_op(ReqKind::Recv, None, params, stage, move |st, req, out| st.engine.tag.msg_recv(out, req, msg, user))
     }
 
     /// Blocking receive into `buf` (progresses until done or `GSC_TIMEOUT`).
@@ -1180,7 +1231,7 @@ impl State {
         let slot = self.slot_mut(req).expect("checked above");
         slot.result = Some((status, info));
         if let Some(signal) = slot.signal.take() {
-            signal.fire(status);
+            signal.fire(status, info.length);
             timeline::record(Event::Done, req as u64);
         }
         if let Some(cb) = slot.callback.take() {

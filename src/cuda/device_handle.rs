@@ -11,8 +11,9 @@
 //! channel is made, with a copy on a non-blocking stream of our own that is waited for there:
 //! it never orders itself behind a user stream that may be waiting on the proxy.
 //!
-//! Operations captured from a stream keep their handle in the pinned slot: capture forbids the
-//! allocation a refill may need.
+//! Operations captured from a stream get theirs while the stream is being captured: the
+//! allocation and the copy run with the thread's capture mode relaxed (`with_relaxed_capture`),
+//! on a stream that takes no part in the capture.
 
 use super::{CtxScope, check, cu};
 use crate::error::Result;
@@ -42,6 +43,10 @@ impl DeviceHandleSlot {
     /// A slot in `ctx`'s memory holding `handle` (trigger, done, epoch), ready for kernels.
     pub(crate) fn new(ctx: cu::CUcontext, handle: [u64; 3]) -> Result<DeviceHandleSlot> {
         let _scope = CtxScope::enter(ctx)?;
+        super::with_relaxed_capture(|| DeviceHandleSlot::write_new(ctx, handle))
+    }
+
+    fn write_new(ctx: cu::CUcontext, handle: [u64; 3]) -> Result<DeviceHandleSlot> {
         let (addr, stream) = {
             let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
             let pool = match pools.get_or_insert_with(HashMap::new).entry(ctx as usize) {

@@ -1,8 +1,9 @@
 //! gscomm's own kernels, compiled at run time with NVRTC and cached on disk.
 //!
 //! The source is include/gsc_device.cuh (the same header users compile into their kernels) plus
-//! two one-thread kernels: `gsc_trigger_kernel` and `gsc_wait_kernel`, the replay-safe trigger
-//! and completion nodes of graph and captured-stream conditions. The cubin is kept under
+//! gscomm's two node kernels: `gsc_ops_kernel`, the replay-safe trigger and completion nodes of
+//! graph and captured-stream conditions, and `gsc_seq_kernel`, a plain stream's trigger and wait
+//! when small GPU messages are staged around them (see `stage`). The cubin is kept under
 //! `GSC_KERNEL_CACHE_DIR` as `<hash of source and options>-sm_<arch>.cubin`, so only the first
 //! run on a machine pays for compilation; a damaged cache file is replaced.
 
@@ -18,55 +19,220 @@ use std::sync::{Mutex, OnceLock};
 const DEVICE_HEADER: &str = include_str!("../../include/gsc_device.cuh");
 
 const KERNELS: &str = r#"
-extern "C" __global__ void gsc_trigger_kernel(gsc_device_handle_t *h) { gsc_trigger(h); }
-extern "C" __global__ void gsc_wait_kernel(gsc_device_handle_t *h) { (void)gsc_wait(h); }
-
-/* Several operations at one stream position (a condition group): one thread per handle, so
- * their reads of pinned epochs and done words go over PCIe together instead of one after
- * another, and one fence before all the triggers. */
+/* gscomm's own nodes. One operation as they see it: its device handle (persistent operations;
+ * null for sequenced ones), and for a small GPU message staged through page-locked memory its
+ * slot (word 0: bytes received, written by the proxy; word 16: the stamp this kernel writes once
+ * it is done with the slot; data from word 32 — see src/cuda/stage.rs for why 128 bytes apart),
+ * the user's buffer and its length. */
 #define GSC_GROUP_MAX 8
-typedef struct { unsigned long long n; gsc_device_handle_t *h[GSC_GROUP_MAX]; } gsc_handle_group_t;
+#define GSC_SLOT_STAMP 16
+#define GSC_SLOT_DATA 32
+typedef struct {
+    gsc_device_handle_t *h;
+    unsigned long long *slot;
+    unsigned char *buf;
+    unsigned long long len;
+    unsigned long long stamp;
+} gsc_op_t;
+typedef struct { unsigned long long n; gsc_op_t op[GSC_GROUP_MAX]; } gsc_ops_t;
+/* Persistent operations (graph nodes, stream capture): trigger some, then wait for some. */
+typedef struct { gsc_ops_t trig, wait; } gsc_ops_args_t;
+/* Sequenced operations of a stream: the channel's trigger write and done wait (null: none). */
+typedef struct {
+    unsigned long long *trigger, tval, *done, wval;
+    gsc_ops_t out, in;
+} gsc_seq_args_t;
 
-extern "C" __global__ void gsc_trigger_group_kernel(gsc_handle_group_t g)
+/* A load the host's latest store is visible to (no stale copy from a GPU cache). */
+static __device__ __forceinline__ unsigned long long gsc_ld_sys(const unsigned long long *p)
 {
-    unsigned i = threadIdx.x;
-    unsigned long long e = 0;
-    if (i < g.n) {
-        volatile unsigned long long *ep = &g.h[i]->epoch;
-        e = *ep + 1;
-        *ep = e;
-    }
-    __syncthreads();
-    if (i == 0) asm volatile("fence.acq_rel.sys;" ::: "memory");
-    __syncthreads();
-    if (i < g.n) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(g.h[i]->trigger), "l"(e) : "memory");
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
 }
 
-extern "C" __global__ void gsc_wait_group_kernel(gsc_handle_group_t g)
+/* Sends: copy the user's bytes into their slots, the whole block, 8 bytes a thread a turn. */
+static __device__ void gsc_stage_out(const gsc_ops_t *o)
 {
-    if (threadIdx.x < g.n) (void)gsc_wait(g.h[threadIdx.x]);
+    for (unsigned k = 0; k < o->n; k++) {
+        const gsc_op_t *op = &o->op[k];
+        if (!op->slot) continue;
+        unsigned long long *dst = op->slot + GSC_SLOT_DATA;
+        const unsigned char *src = op->buf;
+        unsigned long long n = op->len, words = (n + 7) / 8;
+        bool aligned = ((unsigned long long)src & 7) == 0;
+        for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
+            unsigned long long v = 0;
+            if (aligned && 8 * w + 8 <= n) {
+                v = ((const unsigned long long *)src)[w];
+            } else {
+                for (unsigned b = 0; b < 8 && 8 * w + b < n; b++) v |= (unsigned long long)src[8 * w + b] << (8 * b);
+            }
+            dst[w] = v;
+        }
+    }
+}
+
+/* Receives: copy what arrived (word 0 says how much) from their slots into the user's buffers;
+ * ok[k] == 0 (the operation failed) copies nothing. The slot is read with system-scope loads
+ * (the proxy rewrote it since the last replay), the length and the data at once: each read
+ * crosses PCIe (about a microsecond), so the whole capacity is read in parallel with the
+ * length instead of after it, and only the bytes that arrived are written. */
+static __device__ void gsc_stage_in(const gsc_ops_t *o, const int *ok)
+{
+    for (unsigned k = 0; k < o->n; k++) {
+        const gsc_op_t *op = &o->op[k];
+        if (!op->slot || !ok[k]) continue;
+        const unsigned long long *src = op->slot;
+        unsigned long long cap = op->len, n = gsc_ld_sys(src);
+        unsigned char *dst = op->buf;
+        unsigned long long words = (cap + 7) / 8;
+        bool aligned = ((unsigned long long)dst & 7) == 0;
+        for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
+            unsigned long long v = gsc_ld_sys(src + GSC_SLOT_DATA + w);
+            if (n > cap) n = cap;
+            if (8 * w >= n) break;
+            if (aligned && 8 * w + 8 <= n) {
+                ((unsigned long long *)dst)[w] = v;
+            } else {
+                for (unsigned b = 0; b < 8 && 8 * w + b < n; b++) dst[8 * w + b] = (unsigned char)(v >> (8 * b));
+            }
+        }
+    }
+}
+
+/* One thread, after a barrier: tell the host these slots may be reused. */
+static __device__ void gsc_release_slots(const gsc_ops_t *o)
+{
+    for (unsigned k = 0; k < o->n; k++)
+        if (o->op[k].slot) ((volatile unsigned long long *)o->op[k].slot)[GSC_SLOT_STAMP] = o->op[k].stamp;
+}
+
+extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
+{
+    __shared__ unsigned long long epoch[GSC_GROUP_MAX];
+    __shared__ int ok[GSC_GROUP_MAX];
+    unsigned t = threadIdx.x;
+    if (a.trig.n) {
+        gsc_stage_out(&a.trig);
+        if (t < a.trig.n) {
+            volatile unsigned long long *ep = &a.trig.op[t].h->epoch;
+            epoch[t] = *ep + 1;
+            *ep = epoch[t];
+        }
+        __syncthreads();
+        /* One fence for the whole group: what the block (and the stream before it) wrote is
+         * visible to the proxy and to peers before any trigger is. */
+        if (t == 0) {
+            gsc_release_slots(&a.trig);
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
+        }
+        __syncthreads();
+        if (t < a.trig.n) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trig.op[t].h->trigger), "l"(epoch[t]) : "memory");
+    }
+    if (a.wait.n) {
+        /* One thread per operation: their polls of page-locked words go over PCIe together. */
+        if (t < a.wait.n) ok[t] = gsc_wait(a.wait.op[t].h) == 0;
+        __syncthreads();
+        gsc_stage_in(&a.wait, ok);
+        __syncthreads();
+        if (t == 0) gsc_release_slots(&a.wait);
+    }
+}
+
+extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
+{
+    __shared__ int ok[GSC_GROUP_MAX];
+    unsigned t = threadIdx.x;
+    gsc_stage_out(&a.out);
     __syncthreads();
+    if (t == 0) {
+        gsc_release_slots(&a.out);
+        if (a.trigger) {
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
+            asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
+        }
+        int good = 1;
+        if (a.done) {
+            unsigned long long d;
+            do {
+                asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(a.done) : "memory");
+            } while (d < a.wval);
+            good = (d & GSC_DEVICE_DONE_ERROR_BIT) == 0;
+        }
+        for (unsigned k = 0; k < GSC_GROUP_MAX; k++) ok[k] = good;
+    }
+    __syncthreads();
+    gsc_stage_in(&a.in, ok);
+    __syncthreads();
+    if (t == 0) gsc_release_slots(&a.in);
 }
 "#;
 
-/// Most handles one group kernel takes (`GSC_GROUP_MAX` above).
+/// Most operations one kernel takes (`GSC_GROUP_MAX` above); more are split over launches.
 pub(crate) const GROUP_MAX: usize = 8;
+/// Threads of gscomm's kernels: enough to copy a staged message in a few turns.
+pub(crate) const THREADS: u32 = 256;
 
-/// The kernels' `gsc_handle_group_t`, passed by value.
+/// One operation as the kernels see it (`gsc_op_t`).
 #[repr(C)]
-#[derive(Copy, Clone, Default)]
-pub(crate) struct HandleGroup {
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct OpDesc {
+    /// Device address of the `gsc_device_handle_t` (persistent operations), else 0.
+    pub(crate) handle: u64,
+    /// Device address of the staging slot, or 0 (not staged).
+    pub(crate) slot: u64,
+    /// The user's GPU buffer and its length (staged operations).
+    pub(crate) buf: u64,
+    pub(crate) len: u64,
+    /// Written to the slot's stamp line when the kernel is done with it.
+    pub(crate) stamp: u64,
+}
+
+/// `gsc_ops_t`: up to `GROUP_MAX` operations.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct OpList {
     pub(crate) n: u64,
-    pub(crate) h: [u64; GROUP_MAX],
+    pub(crate) op: [OpDesc; GROUP_MAX],
+}
+
+impl OpList {
+    pub(crate) fn of(ops: &[OpDesc]) -> OpList {
+        assert!(ops.len() <= GROUP_MAX, "callers split lists into chunks of GROUP_MAX");
+        let mut l = OpList { n: ops.len() as u64, ..Default::default() };
+        l.op[..ops.len()].copy_from_slice(ops);
+        l
+    }
+}
+
+/// `gsc_ops_args_t`: the argument of `gsc_ops_kernel`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct OpsArgs {
+    pub(crate) trig: OpList,
+    pub(crate) wait: OpList,
+}
+
+/// `gsc_seq_args_t`: the argument of `gsc_seq_kernel`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct SeqArgs {
+    pub(crate) trigger: u64,
+    pub(crate) tval: u64,
+    pub(crate) done: u64,
+    pub(crate) wval: u64,
+    pub(crate) out: OpList,
+    pub(crate) inn: OpList,
 }
 
 /// The kernels of one context.
 #[derive(Copy, Clone)]
 pub(crate) struct Kernels {
-    pub(crate) trigger: cu::CUfunction,
-    pub(crate) wait: cu::CUfunction,
-    pub(crate) trigger_group: cu::CUfunction,
-    pub(crate) wait_group: cu::CUfunction,
+    /// `gsc_ops_kernel(OpsArgs)`: trigger and/or wait for persistent operations.
+    pub(crate) ops: cu::CUfunction,
+    /// `gsc_seq_kernel(SeqArgs)`: a stream's trigger and wait with staged copies around them.
+    pub(crate) seq: cu::CUfunction,
 }
 
 // SAFETY: CUfunction handles are plain driver handles, valid from any thread while their module
@@ -88,12 +254,7 @@ impl Kernels {
         let cubin = compile_cached(&source, arch, cache_dir)?;
         let _scope = CtxScope::enter(ctx)?;
         let module = load_module(&cubin)?;
-        let k = Kernels {
-            trigger: function(module, "gsc_trigger_kernel")?,
-            wait: function(module, "gsc_wait_kernel")?,
-            trigger_group: function(module, "gsc_trigger_group_kernel")?,
-            wait_group: function(module, "gsc_wait_group_kernel")?,
-        };
+        let k = Kernels { ops: function(module, "gsc_ops_kernel")?, seq: function(module, "gsc_seq_kernel")? };
         loaded.insert(ctx as usize, k);
         Ok(k)
     }

@@ -25,11 +25,13 @@ pub(crate) mod ipc;
 mod kernels;
 pub(crate) mod memory;
 mod pinned;
+mod stage;
 pub(crate) mod vmm;
 
 pub(crate) use device_handle::DeviceHandleSlot;
-pub(crate) use kernels::{GROUP_MAX, HandleGroup, Kernels};
+pub(crate) use kernels::{GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, SeqArgs, THREADS};
 pub(crate) use pinned::PinnedSlot;
+pub(crate) use stage::StageSlot;
 
 use crate::error::{Error, Result, Status};
 use cudarc::driver::sys as cu;
@@ -92,6 +94,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuMemFreeHost",
     "cuMemsetD8_v2",
+    "cuThreadExchangeStreamCaptureMode",
     // VMM allocations shared as POSIX file descriptors (`vmm`).
     "cuMemRetainAllocationHandle",
     "cuMemRelease",
@@ -233,6 +236,19 @@ pub(crate) fn capture_graph(stream: usize) -> Result<Option<cu::CUgraph>> {
     })
 }
 
+/// Run `f` (an allocation of page-locked memory) with this thread's stream-capture mode relaxed:
+/// under a capture in the default global mode, such "potentially unsafe" calls would invalidate
+/// the capture, and operations issued on a capturing stream take their slots while it runs.
+pub(crate) fn with_relaxed_capture<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let mut mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: a valid in/out pointer; the previous mode comes back in `mode`.
+    check(unsafe { cu::cuThreadExchangeStreamCaptureMode(&mut mode) }, "cuThreadExchangeStreamCaptureMode")?;
+    let r = f();
+    // SAFETY: as above; restores the thread's previous mode.
+    unsafe { cu::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    r
+}
+
 /// Enqueue on `stream`, as one batch: write `value` to the trigger word, then (if given) wait
 /// until the done word is `>=` its value. The write carries the default system-wide fence, so
 /// whatever the stream wrote before is visible to the proxy and to peers first.
@@ -308,46 +324,150 @@ pub(crate) fn context_arch(ctx: cu::CUcontext) -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// Launch a one-thread kernel taking one pointer argument on `stream` (captured into a graph
-/// node when the stream is being captured).
-pub(crate) fn launch_on_stream(f: cu::CUfunction, stream: usize, arg: u64) -> Result<()> {
-    let mut a = arg;
-    let mut params = [&mut a as *mut u64 as *mut std::ffi::c_void];
-    // SAFETY: `f` takes exactly one 8-byte parameter; `params` outlives the call (the driver
-    // copies the values).
-    check(unsafe { cu::cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) }, "cuLaunchKernel")
-}
-
-/// Launch a group kernel (`Kernels::trigger_group` / `wait_group`) for `handles` on `stream`,
-/// one thread per handle (captured into one graph node when the stream is being captured).
-pub(crate) fn launch_group_on_stream(f: cu::CUfunction, stream: usize, handles: &[u64]) -> Result<()> {
-    for chunk in handles.chunks(GROUP_MAX) {
-        let mut g = HandleGroup { n: chunk.len() as u64, ..Default::default() };
-        g.h[..chunk.len()].copy_from_slice(chunk);
-        let mut params = [&mut g as *mut HandleGroup as *mut std::ffi::c_void];
-        let threads = GROUP_MAX as u32;
-        // SAFETY: `f` takes exactly one `gsc_handle_group_t` by value, which `HandleGroup`
-        // mirrors (repr(C)); the driver copies it during the call.
-        check(
-            unsafe { cu::cuLaunchKernel(f, 1, 1, 1, threads, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
-            "cuLaunchKernel",
-        )?;
+/// Launch `gsc_ops_kernel` on `stream` (captured into graph nodes when the stream is being
+/// captured): trigger `trig`, then wait for `wait`. Lists longer than `GROUP_MAX` take several
+/// launches, every trigger before any wait.
+pub(crate) fn launch_ops(k: &Kernels, stream: usize, trig: &[OpDesc], wait: &[OpDesc]) -> Result<()> {
+    for args in ops_chunks(trig, wait) {
+        launch_struct(k.ops, stream, &args)?;
     }
     Ok(())
 }
 
-/// Add a one-thread kernel node taking one pointer argument to `graph`, after `deps`.
-pub(crate) fn add_kernel_node(graph: cu::CUgraph, f: cu::CUfunction, arg: u64, deps: &[cu::CUgraphNode]) -> Result<cu::CUgraphNode> {
-    let mut a = arg;
-    let mut params = [&mut a as *mut u64 as *mut std::ffi::c_void];
-    // SAFETY: zero is a valid value for every field (null pointers, no extra).
-    let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-    p.func = f;
-    (p.gridDimX, p.gridDimY, p.gridDimZ) = (1, 1, 1);
-    (p.blockDimX, p.blockDimY, p.blockDimZ) = (1, 1, 1);
-    p.kernelParams = params.as_mut_ptr();
-    let mut node: cu::CUgraphNode = std::ptr::null_mut();
-    // SAFETY: the user's live graph, `deps` nodes of it, and parameters copied by the driver.
-    check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, deps.as_ptr(), deps.len(), &p) }, "cuGraphAddKernelNode")?;
-    Ok(node)
+/// Add `gsc_ops_kernel` nodes for (`trig`, `wait`) to `graph` after `deps`, in a chain; returns
+/// the first and the last node.
+pub(crate) fn add_ops_nodes(
+    k: &Kernels,
+    graph: cu::CUgraph,
+    trig: &[OpDesc],
+    wait: &[OpDesc],
+    deps: &[cu::CUgraphNode],
+) -> Result<(cu::CUgraphNode, cu::CUgraphNode)> {
+    let mut first: Option<cu::CUgraphNode> = None;
+    let mut last: Option<cu::CUgraphNode> = None;
+    for mut args in ops_chunks(trig, wait) {
+        let mut params = [&mut args as *mut OpsArgs as *mut std::ffi::c_void];
+        // SAFETY: zero is a valid value for every field (null pointers, no extra).
+        let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+        p.func = k.ops;
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (1, 1, 1);
+        (p.blockDimX, p.blockDimY, p.blockDimZ) = (THREADS, 1, 1);
+        p.kernelParams = params.as_mut_ptr();
+        let after: Vec<cu::CUgraphNode> = last.map_or_else(|| deps.to_vec(), |n| vec![n]);
+        let mut node: cu::CUgraphNode = std::ptr::null_mut();
+        // SAFETY: the user's live graph, `after` nodes of it, and parameters the driver copies
+        // (`args` matches the kernel's one by-value parameter).
+        check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, after.as_ptr(), after.len(), &p) }, "cuGraphAddKernelNode")?;
+        first.get_or_insert(node);
+        last = Some(node);
+    }
+    match (first, last) {
+        (Some(f), Some(l)) => Ok((f, l)),
+        _ => Err(Error::new(Status::Internal, "a graph node pair with nothing to trigger or wait for")),
+    }
+}
+
+/// (`trig`, `wait`) cut into kernel arguments of at most `GROUP_MAX` each: all-in-one when both
+/// fit, else the triggers' chunks first, then the waits'.
+fn ops_chunks(trig: &[OpDesc], wait: &[OpDesc]) -> Vec<OpsArgs> {
+    if trig.len() <= GROUP_MAX && wait.len() <= GROUP_MAX {
+        return vec![OpsArgs { trig: OpList::of(trig), wait: OpList::of(wait) }];
+    }
+    let t = trig.chunks(GROUP_MAX).map(|c| OpsArgs { trig: OpList::of(c), ..Default::default() });
+    t.chain(wait.chunks(GROUP_MAX).map(|c| OpsArgs { wait: OpList::of(c), ..Default::default() })).collect()
+}
+
+/// Launch `gsc_seq_kernel` on `stream`: copy the staged sends `out` into their slots, write
+/// `trigger` (word, value), wait for `wait` (word, value), copy the staged receives `inn` out of
+/// their slots. Longer lists than `GROUP_MAX` take extra launches: copies before the trigger,
+/// copies after the wait.
+pub(crate) fn launch_seq(
+    k: &Kernels,
+    stream: usize,
+    trigger: Option<(u64, u64)>,
+    wait: Option<(u64, u64)>,
+    out: &[OpDesc],
+    inn: &[OpDesc],
+) -> Result<()> {
+    for args in seq_chunks(trigger, wait, out, inn) {
+        launch_struct(k.seq, stream, &args)?;
+    }
+    Ok(())
+}
+
+fn seq_chunks(trigger: Option<(u64, u64)>, wait: Option<(u64, u64)>, out: &[OpDesc], inn: &[OpDesc]) -> Vec<SeqArgs> {
+    let (tail_out, head_out) = split_last_chunk(out);
+    let (head_in, tail_in) = split_first_chunk(inn);
+    let mut v: Vec<SeqArgs> = head_out.chunks(GROUP_MAX).map(|c| SeqArgs { out: OpList::of(c), ..Default::default() }).collect();
+    let (trigger, tval) = trigger.unwrap_or((0, 0));
+    let (done, wval) = wait.unwrap_or((0, 0));
+    v.push(SeqArgs { trigger, tval, done, wval, out: OpList::of(tail_out), inn: OpList::of(head_in) });
+    v.extend(tail_in.chunks(GROUP_MAX).map(|c| SeqArgs { inn: OpList::of(c), ..Default::default() }));
+    v
+}
+
+/// (the last chunk of at most GROUP_MAX, what comes before it)
+fn split_last_chunk(ops: &[OpDesc]) -> (&[OpDesc], &[OpDesc]) {
+    let cut = ops.len().saturating_sub(GROUP_MAX);
+    (&ops[cut..], &ops[..cut])
+}
+
+/// (the first chunk of at most GROUP_MAX, what comes after it)
+fn split_first_chunk(ops: &[OpDesc]) -> (&[OpDesc], &[OpDesc]) {
+    ops.split_at(ops.len().min(GROUP_MAX))
+}
+
+/// Launch one of our kernels, one block of `THREADS`, with `args` as its one by-value parameter.
+fn launch_struct<T>(f: cu::CUfunction, stream: usize, args: &T) -> Result<()> {
+    let mut params = [args as *const T as *mut std::ffi::c_void];
+    // SAFETY: `f` takes exactly one parameter laid out as `T` (repr(C) mirrors of the kernels'
+    // structs); the driver copies it from `args` during the call.
+    check(
+        unsafe { cu::cuLaunchKernel(f, 1, 1, 1, THREADS, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
+        "cuLaunchKernel",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ops(n: usize) -> Vec<OpDesc> {
+        (0..n).map(|i| OpDesc { handle: i as u64 + 1, ..Default::default() }).collect()
+    }
+
+    #[test]
+    fn kernel_arguments_match_the_cuda_structs() {
+        // gsc_op_t: 5 x 8 bytes; gsc_ops_t: n + 8 ops; the kernels take them by value.
+        assert_eq!(std::mem::size_of::<OpDesc>(), 40);
+        assert_eq!(std::mem::size_of::<OpList>(), 8 + 40 * GROUP_MAX);
+        assert_eq!(std::mem::size_of::<OpsArgs>(), 2 * std::mem::size_of::<OpList>());
+        assert_eq!(std::mem::size_of::<SeqArgs>(), 32 + 2 * std::mem::size_of::<OpList>());
+        assert!(std::mem::size_of::<SeqArgs>() < 4096, "kernel parameters are limited to 4 KiB");
+    }
+
+    #[test]
+    fn ops_fit_one_launch_or_split_triggers_before_waits() {
+        let one = ops_chunks(&ops(3), &ops(8));
+        assert_eq!(one.len(), 1);
+        assert_eq!((one[0].trig.n, one[0].wait.n), (3, 8));
+        let many = ops_chunks(&ops(9), &ops(2));
+        let shape: Vec<(u64, u64)> = many.iter().map(|a| (a.trig.n, a.wait.n)).collect();
+        assert_eq!(shape, vec![(8, 0), (1, 0), (0, 2)]);
+    }
+
+    #[test]
+    fn seq_copies_out_before_the_trigger_and_in_after_the_wait() {
+        let one = seq_chunks(Some((100, 5)), Some((200, 5)), &ops(2), &ops(1));
+        assert_eq!(one.len(), 1);
+        assert_eq!((one[0].trigger, one[0].tval, one[0].done, one[0].wval), (100, 5, 200, 5));
+        let many = seq_chunks(Some((100, 5)), Some((200, 7)), &ops(10), &ops(17));
+        let shape: Vec<(u64, u64, u64, u64)> = many.iter().map(|a| (a.trigger, a.done, a.out.n, a.inn.n)).collect();
+        // 10 sends: 2 copied by a first launch, 8 by the triggering one; 17 receives: 8 copied by
+        // the waiting launch, then 8 and 1 after it.
+        assert_eq!(shape, vec![(0, 0, 2, 0), (100, 200, 8, 8), (0, 0, 0, 8), (0, 0, 0, 1)]);
+        assert_eq!(many[1].out.op[0].handle, 3, "the triggering launch copies the last sends");
+        let none = seq_chunks(None, Some((200, 7)), &[], &ops(1));
+        assert_eq!((none[0].trigger, none[0].done, none[0].inn.n), (0, 200, 1));
+    }
 }

@@ -46,18 +46,8 @@ impl PinnedSlot {
     pub(crate) fn take() -> Result<PinnedSlot> {
         let mut free = FREE.lock().unwrap_or_else(|e| e.into_inner());
         if free.slots.is_empty() {
-            let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-            let flags = cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVICEMAP;
-            // SAFETY: a valid out-pointer; the block is never freed (see the module note).
-            check(unsafe { cu::cuMemHostAlloc(&mut host, BLOCK, flags) }, "cuMemHostAlloc")?;
-            // SAFETY: fresh, writable, BLOCK bytes.
-            unsafe { std::ptr::write_bytes(host as *mut u8, 0, BLOCK) };
-            let mut dev: cu::CUdeviceptr = 0;
-            // SAFETY: `host` was allocated with DEVICEMAP just above.
-            check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }, "cuMemHostGetDevicePointer")?;
-            for i in (0..BLOCK / SLOT).rev() {
-                free.slots.push((host as usize + i * SLOT, dev + (i * SLOT) as u64));
-            }
+            let block = allocate_block()?;
+            free.slots.extend(block);
         }
         let (host, device) = free.slots.pop().expect("refilled above");
         Ok(PinnedSlot { host, device, poisoned: false })
@@ -93,6 +83,29 @@ impl PinnedSlot {
     pub(crate) fn poison(&mut self) {
         self.poisoned = true;
     }
+}
+
+/// A new block cut into slots: (host, device) addresses, the first last.
+fn allocate_block() -> Result<Vec<(usize, u64)>> {
+    let (host, dev) = alloc_mapped(BLOCK)?;
+    Ok((0..BLOCK / SLOT).rev().map(|i| (host + i * SLOT, dev + (i * SLOT) as u64)).collect())
+}
+
+/// `bytes` of zeroed page-locked memory mapped into every context, never freed: its (host,
+/// device) addresses. Allowed while the calling thread's stream is being captured.
+pub(super) fn alloc_mapped(bytes: usize) -> Result<(usize, u64)> {
+    super::with_relaxed_capture(|| {
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        let flags = cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: a valid out-pointer; the block is never freed (see the module note).
+        check(unsafe { cu::cuMemHostAlloc(&mut host, bytes, flags) }, "cuMemHostAlloc")?;
+        // SAFETY: fresh, writable, `bytes` long.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
+        let mut dev: cu::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP just above.
+        check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }, "cuMemHostGetDevicePointer")?;
+        Ok((host as usize, dev))
+    })
 }
 
 impl Drop for PinnedSlot {

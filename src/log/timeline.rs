@@ -24,6 +24,9 @@ const CAPACITY: usize = 1 << 20;
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Event {
+    /// A conditioned operation was issued on the host: armed, not yet triggered (arg: request,
+    /// or 0 for a persistent operation).
+    Issue,
     /// The proxy saw an armed operation's trigger word reach it (arg: request).
     Trigger,
     /// The proxy saw a persistent operation's trigger advance and started an epoch (arg: epoch).
@@ -45,6 +48,7 @@ pub enum Event {
 impl Event {
     fn name(self) -> &'static str {
         match self {
+            Event::Issue => "issue",
             Event::Trigger => "trigger",
             Event::Epoch => "epoch",
             Event::FrameOut => "frame-out",
