@@ -415,8 +415,9 @@ impl Condition {
         covered
     }
 
-    /// An operation issued on a stream under capture: replay-safe kernel nodes (the trigger
-    /// kernel bumps the device epoch; the wait kernel waits for that epoch), owned by the graph.
+    /// An operation issued on a stream under capture: a replay-safe `gsc_ops_kernel` node that
+    /// bumps the device epoch and fires the trigger, then (with a stream wait) waits for that
+    /// epoch; in a group, the group's one node at `group_end` does both for all its operations.
     fn issue_captured(&self, stream: usize, ctx: usize, graph: usize, stream_wait: bool, stage: Option<&Arc<Stage>>) -> Result<Issued> {
         let kernels = self.kernels(ctx)?;
         let channel = self.persistent_channel(ctx, stage)?;
