@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use gscomm::condition::{Condition, HostStream};
-use gscomm::{Context, Status, Worker};
+use gscomm::{Context, RequestParams, Status, Worker};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -120,6 +120,21 @@ fn roles(role: &str, chan: &dyn Chan, ctx: Context) {
                 .map(|(b, t)| pending(unsafe { ep.tag_send_nbx(b.as_ptr(), b.len(), t, on(&cond, false)).unwrap() }))
                 .collect();
             cond.wait().unwrap();
+            let st = wait_all(&w, reqs);
+            stream.synchronize(Some(T)).unwrap();
+            assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
+            chan.put("sent", &[]);
+        }
+        // Eight messages with one tag, in one group: the proxy sees them triggered together.
+        "same_tag" => {
+            let stream = HostStream::new().unwrap();
+            let cond = Condition::host_stream(&stream);
+            let bufs: Vec<Vec<u8>> = (0..SAME_TAG_SENDS).map(|k| pattern(100 + k, 64 + k as usize)).collect();
+            cond.group_start().unwrap();
+            let reqs =
+                bufs.iter().map(|b| pending(unsafe { ep.tag_send_nbx(b.as_ptr(), b.len(), 5, on(&cond, false)).unwrap() })).collect();
+            cond.wait().unwrap();
+            cond.group_end().unwrap();
             let st = wait_all(&w, reqs);
             stream.synchronize(Some(T)).unwrap();
             assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
@@ -269,6 +284,34 @@ fn late_receives_in_reverse_tag_order_shm() {
         stream.synchronize(Some(T)).unwrap();
         for (b, t) in bufs.iter().zip(1u64..) {
             assert_same(&b.0.lock().unwrap(), &pattern(t, 1000 * t as usize), &format!("tag {t}"));
+        }
+        p.get_progress("sent", T, &s.w);
+        s.finish(p, ep);
+    });
+}
+
+const SAME_TAG_SENDS: u64 = 8;
+
+/// MPI's non-overtaking rule through the proxy: sends with one tag to one peer, armed in one
+/// group (started together when its trigger fires), are received in the order they were issued.
+#[test]
+fn same_tag_sends_of_one_group_arrive_in_issue_order_shm() {
+    child_or(|| {
+        let s = Setup::new(Lane::Shm, "same_tag_sends_of_one_group_arrive_in_issue_order_shm");
+        let (mut p, ep) = s.peer("same_tag");
+        let bufs: Vec<Buf> = (0..SAME_TAG_SENDS).map(|_| Buf::new(64 + SAME_TAG_SENDS as usize)).collect();
+        let reqs: Vec<u64> = bufs
+            .iter()
+            .map(|b| {
+                let params = RequestParams { no_immediate_completion: true, ..Default::default() };
+                pending(unsafe { s.w.tag_recv_nbx(b.ptr(), b.len(), 5, u64::MAX, params).unwrap() })
+            })
+            .collect();
+        let st = wait_all(&s.w, reqs);
+        assert!(st.iter().all(|x| *x == Status::Ok), "{st:?}");
+        for (k, b) in (0..SAME_TAG_SENDS).zip(&bufs) {
+            let want = pattern(100 + k, 64 + k as usize);
+            assert_same(&b.0.lock().unwrap()[..want.len()], &want, &format!("receive {k} holds message {k}"));
         }
         p.get_progress("sent", T, &s.w);
         s.finish(p, ep);

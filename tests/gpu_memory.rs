@@ -109,7 +109,8 @@ fn verdict(statuses: &[Status], errors: u64) -> String {
 }
 
 const IPC_SIZES: &[usize] = &[0, 1, 8, 4096, 65_535, 65_536, 1 << 20, 16 << 20, 256 << 20, 1 << 30];
-const STAGED_SIZES: &[usize] = &[1, 8, 129, 65_536, 4 << 20];
+/// The host-staged pair also stages messages up to 64 KiB through kernel slots.
+const STAGED_SIZES: &[usize] = &[1, 8, 129, 65_536, 65_537, 4 << 20];
 const GRAPH_ROUNDS: usize = 10_000;
 const KERNEL_ROUNDS: u64 = 500;
 const ROUND_BYTES: usize = 4096;
@@ -329,6 +330,66 @@ fn mixed_staging(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     verdict(&statuses, pinned_u64(&err))
 }
 
+/// Staged messages of awkward shapes: sizes around the kernels' 32-byte head and 16-byte loads,
+/// buffers at odd offsets, receives 16 bytes longer than the message (those bytes must stay as
+/// they were). Each size once with its own stream waits (one `gsc_seq_kernel` per operation),
+/// then all of them in one group (receive lists longer than one kernel takes).
+fn staged_shapes(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize]) -> String {
+    const SLACK: usize = 16;
+    let stream = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let mut statuses = Vec::new();
+    for grouped in [false, true] {
+        // (source buffer, its offset, destination buffer, its offset) per size.
+        let bufs: Vec<(DeviceBuf, u64, DeviceBuf, u64)> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let (so, dof) = if i % 2 == 0 { (0, 0) } else { (1, 5) };
+                (DeviceBuf::new(n + 8).unwrap(), so, DeviceBuf::new(n + SLACK + 8).unwrap(), dof)
+            })
+            .collect();
+        let seed = |i: usize, from: u64| 500 + 10 * i as u64 + from + if grouped { 5000 } else { 0 };
+        for (i, (&n, (src, so, dst, dof))) in sizes.iter().zip(&bufs).enumerate() {
+            k.fill.launch(grid(n), 256, &stream, &[src.ptr() + so, n as u64, seed(i, side)]).unwrap();
+            k.fill.launch(1, 256, &stream, &[dst.ptr() + dof + n as u64, SLACK as u64, 7]).unwrap();
+        }
+        let mut reqs = Vec::new();
+        if grouped {
+            cond.group_start().unwrap();
+        }
+        for (i, (&n, (src, so, dst, dof))) in sizes.iter().zip(&bufs).enumerate() {
+            let t = 400 + i as u64 + if grouped { 100 } else { 0 };
+            let (rbuf, sbuf) = ((dst.ptr() + dof) as *mut u8, (src.ptr() + so) as *const u8);
+            // Side 0 sends first, side 1 receives first: with stream waits each operation holds
+            // the stream until it completes, and a rendezvous send completes only once received.
+            let recv = || pending(unsafe { w.tag_recv_nbx(rbuf, n + SLACK, t, u64::MAX, on(&cond, !grouped)).unwrap() });
+            let send = || pending(unsafe { ep.tag_send_nbx(sbuf, n, t, on(&cond, !grouped)).unwrap() });
+            if side == 0 {
+                reqs.extend([send(), recv()]);
+            } else {
+                reqs.extend([recv(), send()]);
+            }
+        }
+        if grouped {
+            cond.wait().unwrap();
+            cond.group_end().unwrap();
+        }
+        for (i, (&n, (_, _, dst, dof))) in sizes.iter().zip(&bufs).enumerate() {
+            k.check.launch(grid(n), 256, &stream, &[dst.ptr() + dof, n as u64, seed(i, 1 - side), 0, err.device_ptr()]).unwrap();
+            k.check.launch(1, 256, &stream, &[dst.ptr() + dof + n as u64, SLACK as u64, 7, 0, err.device_ptr()]).unwrap();
+        }
+        statuses.extend(wait_all(w, reqs));
+        stream.synchronize().unwrap();
+    }
+    verdict(&statuses, pinned_u64(&err))
+}
+
+/// Sizes for `staged_shapes`: with the default `GSC_CUDA_STAGE_MAX` (4K) and with 64K.
+const SHAPES: &[usize] = &[1, 7, 31, 32, 33, 47, 48, 100, 1000, 4079, 4080, 4095];
+const SHAPES_64K: &[usize] = &[1, 33, 4095, 16_000, 16_384, 40_000, 65_519, 65_520];
+
 fn pending_or_done(s: Started) -> Option<u64> {
     match s {
         Started::Pending(h) => Some(h),
@@ -371,6 +432,8 @@ fn scenarios(
     run("grouped_stream", &mut || grouped_rounds(side, w, ep, k, false));
     run("grouped_captured", &mut || grouped_rounds(side, w, ep, k, true));
     run("mixed_staging", &mut || mixed_staging(side, w, ep, k));
+    run("staged_shapes", &mut || staged_shapes(side, w, ep, k, SHAPES));
+    run("staged_shapes_64k", &mut || staged_shapes(side, staged.0, staged.1, k, SHAPES_64K));
     out
 }
 
@@ -380,7 +443,7 @@ fn two_roles(role: &str, chan: &dyn Chan, ctx: Context) {
     let k = kernels();
     let w = ctx.create_worker().unwrap();
     let ep = w.connect(&chan.get("addr")).unwrap();
-    let staged_ctx = child_ctx_plus(&[("GSC_CUDA_IPC", "off")]);
+    let staged_ctx = child_ctx_plus(&[("GSC_CUDA_IPC", "off"), ("GSC_CUDA_STAGE_MAX", "64K")]);
     let w2 = staged_ctx.create_worker().unwrap();
     let ep2 = w2.connect(&chan.get("addr2")).unwrap();
     chan.put("ready", w.address());
@@ -424,7 +487,7 @@ fn gpu_buffers_between_two_gpus_ipc_and_staged() {
     let dir = ShmDir::new("gpu_memory");
     let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "300s"), ("GSC_CUDA_IPC", "on")];
     let w = ctx_with(&cfg).create_worker().unwrap();
-    let staged_cfg = [cfg[0], cfg[1], cfg[2], ("GSC_CUDA_IPC", "off")];
+    let staged_cfg = [cfg[0], cfg[1], cfg[2], ("GSC_CUDA_IPC", "off"), ("GSC_CUDA_STAGE_MAX", "64K")];
     let w2 = ctx_with(&staged_cfg).create_worker().unwrap();
     let mut p = start_peer(Lane::Shm, "gpu_buffers_between_two_gpus_ipc_and_staged", "peer", &cfg, two_roles);
     p.put("addr", w.address());

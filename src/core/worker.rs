@@ -61,8 +61,10 @@ pub(crate) struct WorkerInner {
     pub(crate) context: Context,
     address: Vec<u8>,
     state: Mutex<State>,
-    /// Started with the first conditioned operation.
-    proxy: Mutex<Option<Proxy>>,
+    /// Started by the first conditioned operation; read without a lock on every later one.
+    proxy: OnceLock<Proxy>,
+    /// Held while the proxy is being started (two first operations at once start one).
+    proxy_start: Mutex<()>,
 }
 
 pub(crate) struct Conn {
@@ -205,7 +207,15 @@ impl Worker {
             failed_copies: Vec::new(),
         };
         let id = register_worker_id()?;
-        let inner = Arc::new(WorkerInner { id, uuid, context, address, state: Mutex::new(state), proxy: Mutex::new(None) });
+        let inner = Arc::new(WorkerInner {
+            id,
+            uuid,
+            context,
+            address,
+            state: Mutex::new(state),
+            proxy: OnceLock::new(),
+            proxy_start: Mutex::new(()),
+        });
         workers().lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::downgrade(&inner));
         tracing::debug!(target: "gsc::core", worker = id, "worker created");
         Ok(Worker { inner })
@@ -384,10 +394,15 @@ impl Worker {
     }
 
     fn ensure_proxy(&self) -> Result<()> {
-        let mut proxy = self.inner.proxy.lock().unwrap_or_else(|e| e.into_inner());
-        if proxy.is_none() {
+        if self.inner.proxy.get().is_some() {
+            return Ok(());
+        }
+        let _starting = self.inner.proxy_start.lock().unwrap_or_else(|e| e.into_inner());
+        if self.inner.proxy.get().is_none() {
             let cfg = &self.inner.context.inner.config;
-            *proxy = Some(Proxy::spawn(Arc::downgrade(&self.inner), cfg.proxy_spin, cfg.proxy_poll)?);
+            let proxy = Proxy::spawn(Arc::downgrade(&self.inner), cfg.proxy_spin, cfg.proxy_poll)?;
+            // Under `proxy_start` nobody else sets it: this is the one proxy.
+            let _ = self.inner.proxy.set(proxy);
         }
         Ok(())
     }
@@ -395,8 +410,7 @@ impl Worker {
     /// The proxy runs for the worker's whole life once started; a send can only fail if its
     /// thread died (a bug), and then the operation's signal reports it canceled when dropped.
     fn send_to_proxy(&self, msg: Msg) {
-        let proxy = self.inner.proxy.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = proxy.as_ref().map_or(Err(Error::new(Status::Internal, "no proxy")), |p| p.send(msg)) {
+        if let Err(e) = self.inner.proxy.get().map_or(Err(Error::new(Status::Internal, "no proxy")), |p| p.send(msg)) {
             tracing::error!(target: "gsc::proxy", error = %e, "could not hand an armed operation to the proxy");
         }
     }
@@ -719,7 +733,7 @@ pub struct WorkerStats {
 impl Drop for WorkerInner {
     fn drop(&mut self) {
         // Stop the proxy first: it fails the operations still armed, releasing their producers.
-        drop(self.proxy.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+        drop(self.proxy.take());
         workers().lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         for (_, c) in st.conns.iter_mut() {

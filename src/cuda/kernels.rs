@@ -43,14 +43,6 @@ typedef struct {
     gsc_ops_t out, in;
 } gsc_seq_args_t;
 
-/* A load the host's latest store is visible to (no stale copy from a GPU cache). */
-static __device__ __forceinline__ unsigned long long gsc_ld_sys(const unsigned long long *p)
-{
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
 /* Sends: copy the user's bytes into their slots, the whole block, 8 bytes a thread a turn. */
 static __device__ void gsc_stage_out(const gsc_ops_t *o)
 {
@@ -73,29 +65,70 @@ static __device__ void gsc_stage_out(const gsc_ops_t *o)
     }
 }
 
-/* Receives: copy what arrived (word 0 says how much) from their slots into the user's buffers;
- * ok[k] == 0 (the operation failed) copies nothing. The slot is read with system-scope loads
- * (the proxy rewrote it since the last replay), the length and the data at once: each read
- * crosses PCIe (about a microsecond), so the whole capacity is read in parallel with the
- * length instead of after it, and only the bytes that arrived are written. */
-static __device__ void gsc_stage_in(const gsc_ops_t *o, const int *ok)
+/* Receives: what arrived in a slot goes into the user's buffer. Every read of a slot crosses
+ * PCIe (about a microsecond), a warp issues its instructions in order (a load whose value is
+ * used at once costs the whole round trip), and reads of one line by several warps queue behind
+ * each other (8 warps reading the length cost 6 µs: docs/probes/slot_read.cu). So no slot line is
+ * read twice and every load is issued before any value is used, in two steps:
+ *  - gsc_stage_head: the lane that saw the operation's done word reads the length and the first
+ *    32 bytes in one go (no barrier between the poll and the reads), writes them, and returns the
+ *    length;
+ *  - gsc_stage_rest: after a barrier, the block copies the rest, 16 bytes a load, four loads in
+ *    flight per thread. */
+#define GSC_HEAD_BYTES 32
+
+/* Bytes [off, off + 8) of a message of n bytes into dst (those below n). */
+static __device__ __forceinline__ void gsc_put8(unsigned char *dst, unsigned long long off, unsigned long long v, unsigned long long n)
+{
+    if (off >= n) return;
+    if (off + 8 <= n && ((unsigned long long)(dst + off) & 7) == 0) {
+        *(unsigned long long *)(dst + off) = v;
+        return;
+    }
+    for (unsigned b = 0; b < 8 && off + b < n; b++) dst[off + b] = (unsigned char)(v >> (8 * b));
+}
+
+/* A slot holds at least 256 bytes of data, so the head's 32 are always inside it. */
+static __device__ unsigned long long gsc_stage_head(const gsc_op_t *op)
+{
+    const unsigned long long *s = op->slot;
+    unsigned long long n, w0, w1, w2, w3;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%5];\n\t"
+                 "ld.relaxed.sys.global.v2.u64 {%1, %2}, [%6];\n\t"
+                 "ld.relaxed.sys.global.v2.u64 {%3, %4}, [%6+16];"
+                 : "=l"(n), "=l"(w0), "=l"(w1), "=l"(w2), "=l"(w3)
+                 : "l"(s), "l"(s + GSC_SLOT_DATA)
+                 : "memory");
+    if (n > op->len) n = op->len;
+    gsc_put8(op->buf, 0, w0, n);
+    gsc_put8(op->buf, 8, w1, n);
+    gsc_put8(op->buf, 16, w2, n);
+    gsc_put8(op->buf, 24, w3, n);
+    return n;
+}
+
+/* got[k]: bytes of operation k that arrived (0: failed, or not staged). */
+static __device__ void gsc_stage_rest(const gsc_ops_t *o, const unsigned long long *got)
 {
     for (unsigned k = 0; k < o->n; k++) {
         const gsc_op_t *op = &o->op[k];
-        if (!op->slot || !ok[k]) continue;
-        const unsigned long long *src = op->slot;
-        unsigned long long cap = op->len, n = gsc_ld_sys(src);
-        unsigned char *dst = op->buf;
-        unsigned long long words = (cap + 7) / 8;
-        bool aligned = ((unsigned long long)dst & 7) == 0;
-        for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
-            unsigned long long v = gsc_ld_sys(src + GSC_SLOT_DATA + w);
-            if (n > cap) n = cap;
-            if (8 * w >= n) break;
-            if (aligned && 8 * w + 8 <= n) {
-                ((unsigned long long *)dst)[w] = v;
-            } else {
-                for (unsigned b = 0; b < 8 && 8 * w + b < n; b++) dst[8 * w + b] = (unsigned char)(v >> (8 * b));
+        unsigned long long n = got[k];
+        if (!op->slot || n <= GSC_HEAD_BYTES) continue;
+        const unsigned long long *src = op->slot + GSC_SLOT_DATA;
+        unsigned long long chunks = (n + 15) / 16;
+        for (unsigned long long c0 = GSC_HEAD_BYTES / 16 + threadIdx.x; c0 < chunks; c0 += 4 * blockDim.x) {
+            unsigned long long v[4][2] = {};
+#pragma unroll
+            for (unsigned j = 0; j < 4; j++) {
+                unsigned long long c = c0 + j * blockDim.x;
+                if (c < chunks)
+                    asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(v[j][0]), "=l"(v[j][1]) : "l"(src + 2 * c) : "memory");
+            }
+#pragma unroll
+            for (unsigned j = 0; j < 4; j++) {
+                unsigned long long c = c0 + j * blockDim.x;
+                gsc_put8(op->buf, 16 * c, v[j][0], n);
+                gsc_put8(op->buf, 16 * c + 8, v[j][1], n);
             }
         }
     }
@@ -110,8 +143,7 @@ static __device__ void gsc_release_slots(const gsc_ops_t *o)
 
 extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
 {
-    __shared__ unsigned long long epoch[GSC_GROUP_MAX];
-    __shared__ int ok[GSC_GROUP_MAX];
+    __shared__ unsigned long long epoch[GSC_GROUP_MAX], got[GSC_GROUP_MAX];
     unsigned t = threadIdx.x;
     if (a.trig.n) {
         gsc_stage_out(&a.trig);
@@ -131,10 +163,14 @@ extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
         if (t < a.trig.n) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trig.op[t].h->trigger), "l"(epoch[t]) : "memory");
     }
     if (a.wait.n) {
-        /* One thread per operation: their polls of page-locked words go over PCIe together. */
-        if (t < a.wait.n) ok[t] = gsc_wait(a.wait.op[t].h) == 0;
+        /* One lane per operation: their polls of page-locked words go over PCIe together. */
+        if (t < a.wait.n) {
+            const gsc_op_t *op = &a.wait.op[t];
+            int good = gsc_wait(op->h) == 0;
+            got[t] = good && op->slot ? gsc_stage_head(op) : 0;
+        }
         __syncthreads();
-        gsc_stage_in(&a.wait, ok);
+        gsc_stage_rest(&a.wait, got);
         __syncthreads();
         if (t == 0) gsc_release_slots(&a.wait);
     }
@@ -142,33 +178,37 @@ extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
 
 extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
 {
-    __shared__ int ok[GSC_GROUP_MAX];
+    __shared__ unsigned long long got[GSC_GROUP_MAX];
+    __shared__ int good;
     unsigned t = threadIdx.x;
     gsc_stage_out(&a.out);
     __syncthreads();
-    if (t == 0) {
-        gsc_release_slots(&a.out);
-        if (a.trigger) {
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
-            asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
+    if (t < 32) {
+        if (t == 0) {
+            gsc_release_slots(&a.out);
+            if (a.trigger) {
+                asm volatile("fence.acq_rel.sys;" ::: "memory");
+                asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
+            }
+            good = 1;
+            if (a.done) {
+                unsigned long long d;
+                do {
+                    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(a.done) : "memory");
+                } while (d < a.wval);
+                good = (d & GSC_DEVICE_DONE_ERROR_BIT) == 0;
+            }
         }
-        int good = 1;
-        if (a.done) {
-            unsigned long long d;
-            do {
-                asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(a.done) : "memory");
-            } while (d < a.wval);
-            good = (d & GSC_DEVICE_DONE_ERROR_BIT) == 0;
-        }
-        for (unsigned k = 0; k < GSC_GROUP_MAX; k++) ok[k] = good;
+        /* The lanes of warp 0 read the heads of the receives right after the poll. */
+        __syncwarp();
+        if (t < a.in.n) got[t] = good && a.in.op[t].slot ? gsc_stage_head(&a.in.op[t]) : 0;
     }
     __syncthreads();
-    gsc_stage_in(&a.in, ok);
+    gsc_stage_rest(&a.in, got);
     __syncthreads();
     if (t == 0) gsc_release_slots(&a.in);
 }
 "#;
-
 /// Most operations one kernel takes (`GSC_GROUP_MAX` above); more are split over launches.
 pub(crate) const GROUP_MAX: usize = 8;
 /// Threads of gscomm's kernels: enough to copy a staged message in a few turns.

@@ -66,21 +66,12 @@ pub(crate) fn process_has_cuda() -> bool {
     loaded
 }
 
-/// One pointer attribute of `addr` as a `T`.
-///
-/// # Safety
-/// `T` must have the width the driver writes for `which` (u32 for MEMORY_TYPE and IS_MANAGED,
-/// i32 for DEVICE_ORDINAL, u64 for BUFFER_ID).
-unsafe fn attribute<T: Default>(addr: usize, which: cu::CUpointer_attribute) -> (cu::CUresult, T) {
-    let mut v = T::default();
-    // SAFETY: `v` is an out-value of the width the driver writes for `which` (the caller's
-    // promise); the driver only looks the address up.
-    let r = unsafe { cu::cuPointerGetAttribute(&mut v as *mut T as *mut _, which, addr as cu::CUdeviceptr) };
-    (r, v)
-}
-
 /// `Some` for CUDA device memory, `None` for anything the CPU can address (pageable, pinned,
 /// managed) and for addresses the driver does not know.
+///
+/// Asked for every send and receive on memory of unknown type, so the four attributes come
+/// from one `cuPointerGetAttributes` call (four `cuPointerGetAttribute` calls cost ~0.25 µs per
+/// operation on the H200 machines, docs/PERF.md).
 pub(crate) fn device_ptr(addr: usize) -> Result<Option<DevicePtr>> {
     use cu::CUpointer_attribute::{
         CU_POINTER_ATTRIBUTE_BUFFER_ID as BUFFER_ID, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as DEVICE_ORDINAL,
@@ -90,20 +81,23 @@ pub(crate) fn device_ptr(addr: usize) -> Result<Option<DevicePtr>> {
     if !process_has_cuda() || init().is_err() {
         return Ok(None);
     }
-    // Memory the driver never saw (plain malloc) is reported as an invalid value.
-    // SAFETY (all four): each attribute is read with the type the driver writes for it.
-    let (r, mem_type) = unsafe { attribute::<u32>(addr, MEMORY_TYPE) };
-    if r != cu::CUresult::CUDA_SUCCESS || mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+    let (mut mem_type, mut managed, mut device, mut buffer_id) = (0u32, 0u32, -1i32, 0u64);
+    let mut which = [MEMORY_TYPE, IS_MANAGED, DEVICE_ORDINAL, BUFFER_ID];
+    let mut out: [*mut std::ffi::c_void; 4] = [
+        &mut mem_type as *mut u32 as *mut _,
+        &mut managed as *mut u32 as *mut _,
+        &mut device as *mut i32 as *mut _,
+        &mut buffer_id as *mut u64 as *mut _,
+    ];
+    // SAFETY: four attributes, each with an out-value of the width the driver writes for it
+    // (u32 for MEMORY_TYPE and IS_MANAGED, i32 for DEVICE_ORDINAL, u64 for BUFFER_ID); the driver
+    // only looks the address up. Memory the driver never saw (plain malloc) is not an error
+    // here: MEMORY_TYPE stays 0.
+    let r = unsafe { cu::cuPointerGetAttributes(which.len() as u32, which.as_mut_ptr(), out.as_mut_ptr(), addr as cu::CUdeviceptr) };
+    check(r, "cuPointerGetAttributes")?;
+    if mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || managed != 0 {
         return Ok(None);
     }
-    let (r, managed) = unsafe { attribute::<u32>(addr, IS_MANAGED) };
-    if r == cu::CUresult::CUDA_SUCCESS && managed != 0 {
-        return Ok(None);
-    }
-    let (r, device) = unsafe { attribute::<i32>(addr, DEVICE_ORDINAL) };
-    check(r, "cuPointerGetAttribute(DEVICE_ORDINAL)")?;
-    let (r, buffer_id) = unsafe { attribute::<u64>(addr, BUFFER_ID) };
-    check(r, "cuPointerGetAttribute(BUFFER_ID)")?;
     Ok(Some(DevicePtr { device, buffer_id }))
 }
 

@@ -83,6 +83,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuStreamBeginCapture_v2",
     "cuStreamEndCapture",
     "cuPointerGetAttribute",
+    "cuPointerGetAttributes",
     "cuMemGetAddressRange_v2",
     "cuIpcGetMemHandle",
     "cuIpcOpenMemHandle_v2",

@@ -2,8 +2,9 @@
 //! stream, a graph, a kernel, a host stream) satisfies by writing a trigger word.
 //!
 //! It watches the trigger words of armed operations, starts each operation on the worker when its
-//! word reaches it, progresses the worker while anything it started is in flight, and leaves the
-//! done words to the operations' completion signals (`condition::Signal`). It never calls CUDA:
+//! word reaches it (in the order they were armed), progresses the worker on every pass (so a
+//! message for a receive about to trigger is already here when it does), and leaves the done
+//! words to the operations' completion signals (`condition::Signal`). It never calls CUDA:
 //! everything it touches is host memory, so it cannot block behind a stream that waits on it.
 //!
 //! Idle behaviour: with nothing armed it sleeps on its channel and wakes when an operation is
@@ -19,6 +20,7 @@ use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
 use crate::protocols::ReqId;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -82,10 +84,18 @@ impl Drop for Proxy {
     }
 }
 
+/// The armed operations of one channel, oldest first.
+struct ArmedQueue {
+    channel: Arc<Channel>,
+    ops: VecDeque<ArmedOp>,
+}
+
 struct Engine {
     worker: Weak<WorkerInner>,
     rx: Receiver<Msg>,
-    armed: Vec<ArmedOp>,
+    /// One-shot operations waiting for their trigger, one queue per channel in issue (= seq)
+    /// order: a pass looks at each queue's head only, however far ahead the producer issued.
+    armed: Vec<ArmedQueue>,
     persistent: Vec<PersistentOp>,
     /// Started operations not yet complete: (channel, seq).
     in_flight: Vec<(Arc<Channel>, u64)>,
@@ -175,7 +185,15 @@ impl Engine {
     fn take(&mut self, msg: Msg) {
         self.last_activity = Instant::now();
         match msg {
-            Msg::Arm(op) => self.armed.push(op),
+            Msg::Arm(op) => match self.armed.iter_mut().find(|q| Arc::ptr_eq(&q.channel, &op.channel)) {
+                Some(q) => {
+                    // Two threads issuing on one condition may hand their operations over in
+                    // the other order than they were numbered: keep the queue in seq order.
+                    let at = q.ops.iter().rposition(|o| o.seq <= op.seq).map_or(0, |i| i + 1);
+                    q.ops.insert(at, op)
+                }
+                None => self.armed.push(ArmedQueue { channel: op.channel.clone(), ops: VecDeque::from([op]) }),
+            },
             Msg::Persist(op) => self.persistent.push(op),
         }
     }
@@ -183,18 +201,19 @@ impl Engine {
     /// Start whatever was triggered, progress what is in flight. Returns the number of events.
     fn pass(&mut self, worker: &Worker) -> usize {
         let mut events = 0;
-        let mut i = 0;
-        while i < self.armed.len() {
-            if self.armed[i].channel.trigger() >= self.armed[i].seq {
-                let op = self.armed.swap_remove(i);
+        // In the order they were armed: sends with one tag to one peer that trigger together
+        // (a group) must go out in issue order (MPI's non-overtaking rule).
+        for q in &mut self.armed {
+            let trigger = q.channel.trigger();
+            while q.ops.front().is_some_and(|op| op.seq <= trigger) {
+                let op = q.ops.pop_front().expect("checked");
                 timeline::record(Event::Trigger, op.req as u64);
                 worker.start_armed(op.req, &op.start);
                 self.in_flight.push((op.channel, op.seq));
                 events += 1;
-            } else {
-                i += 1;
             }
         }
+        self.armed.retain(|q| !q.ops.is_empty());
         // A persistent operation nobody else refers to any more (its graphs were destroyed, its
         // condition released) can never trigger again: stop watching it.
         self.persistent.retain(|p| Arc::strong_count(&p.channel) > 1);
@@ -208,10 +227,16 @@ impl Engine {
                 events += 1;
             }
         }
-        if !self.in_flight.is_empty() {
-            events += worker.progress();
-            self.in_flight.retain(|(c, seq)| c.done_word() < *seq);
+        // Progress on every pass, not only with operations in flight: a message for a receive
+        // that is about to trigger (a one-shot op armed, or a graph's next epoch) is then
+        // already here, unexpected, when it does, and completes the receive at once. Only the
+        // proxy's own operations count as activity (keep it spinning); traffic of the
+        // application's host operations does not.
+        let progressed = worker.progress();
+        if !self.in_flight.is_empty() || !self.armed.is_empty() {
+            events += progressed;
         }
+        self.in_flight.retain(|(c, seq)| c.done_word() < *seq);
         events
     }
 
@@ -219,7 +244,7 @@ impl Engine {
     /// so their producers are released with an error instead of waiting forever.
     fn shutdown(&mut self) {
         let gone = || Error::new(Status::Canceled, "the worker was destroyed before the operation's condition was met");
-        for op in self.armed.drain(..) {
+        for op in self.armed.drain(..).flat_map(|q| q.ops) {
             op.channel.fail(gone());
         }
         for p in self.persistent.drain(..) {
