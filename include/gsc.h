@@ -18,7 +18,9 @@
  *   GSC_ERR_INVALID_HANDLE.
  * - No call lets a Rust panic escape: an internal failure is reported as GSC_ERR_INTERNAL.
  * - All objects may be used from any thread (like UCS_THREAD_MODE_MULTI); completion callbacks
- *   run inside whichever thread calls gsc_worker_progress() (or a call that progresses).
+ *   run inside whichever thread calls gsc_worker_progress() (or a call that progresses). Once a
+ *   worker has armed its first conditioned operation, its proxy thread progresses it too, so
+ *   callbacks may then also run on that thread.
  * - Buffers are contiguous bytes: every `count` is a number of bytes.
  * - The C API needs 64-bit pointers (request handles use 64 bits).
  *

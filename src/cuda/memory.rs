@@ -9,7 +9,7 @@
 //! Page-locked host memory (cudaHostAlloc) and managed memory are host memory here: the CPU can
 //! read them, so the host protocols move them correctly.
 
-use super::{check, cu, init};
+use super::{cu, init};
 use crate::error::{Error, Result, Status};
 use crate::protocols::MemType;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -92,10 +92,10 @@ pub(crate) fn device_ptr(addr: usize) -> Result<Option<DevicePtr>> {
     // SAFETY: four attributes, each with an out-value of the width the driver writes for it
     // (u32 for MEMORY_TYPE and IS_MANAGED, i32 for DEVICE_ORDINAL, u64 for BUFFER_ID); the driver
     // only looks the address up. Memory the driver never saw (plain malloc) is not an error
-    // here: MEMORY_TYPE stays 0.
+    // here: MEMORY_TYPE stays 0. A failed query counts as host memory, as a failed
+    // MEMORY_TYPE query always did.
     let r = unsafe { cu::cuPointerGetAttributes(which.len() as u32, which.as_mut_ptr(), out.as_mut_ptr(), addr as cu::CUdeviceptr) };
-    check(r, "cuPointerGetAttributes")?;
-    if mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || managed != 0 {
+    if r != cu::CUresult::CUDA_SUCCESS || mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || managed != 0 {
         return Ok(None);
     }
     Ok(Some(DevicePtr { device, buffer_id }))
