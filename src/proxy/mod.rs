@@ -198,7 +198,8 @@ impl Engine {
         }
     }
 
-    /// Start whatever was triggered, progress what is in flight. Returns the number of events.
+    /// Start whatever was triggered, progress the worker. Returns the number of events (the
+    /// proxy's own: they keep it spinning).
     fn pass(&mut self, worker: &Worker) -> usize {
         let mut events = 0;
         // In the order they were armed: sends with one tag to one peer that trigger together
