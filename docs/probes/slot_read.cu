@@ -5,6 +5,7 @@
 //   proxy:  spin on the trigger word; write the message of round r
 //   nvcc -O2 -arch=native -Xcompiler -mclflushopt -o /tmp/slot_read docs/probes/slot_read.cu
 //   /tmp/slot_read [rounds] [1: only the 8-byte graph-node cases]
+// Part 3 (last): the send side of a node — a page-locked data store, the system fence, the stamp.
 // Part 1, one kernel looping over the rounds (round trip per round on the host clock; "done ->
 // data" on the GPU's global timer). Modes (what the proxy writes, how the kernel learns it):
 //   sep:    len + 8 B data in a slot 8 KiB away from the done word; done := r; kernel polls
@@ -139,6 +140,25 @@ __global__ void node(unsigned long long *w, int how, unsigned long long words, u
 }
 
 static unsigned long long g_words = 1;
+/* Part 3: what the send side of a node costs. Thread 0 (bit 0 of `what`) writes 8 bytes of
+ * "send data" to page-locked memory, (bit 1) fences at system scope, stores the trigger, polls
+ * the done word and reads length + data right after (as gscomm's kernels do now), and (bit 2)
+ * stores a stamp to page-locked memory at the end. */
+__global__ void send_node(unsigned long long *w, int what, unsigned long long *c) {
+    if (threadIdx.x != 0) return;
+    unsigned long long r = c[0] + 1;
+    c[0] = r;
+    if (what & 1) ((volatile unsigned long long *)w)[LLW + 64] = r;
+    if (what & 2) asm volatile("fence.acq_rel.sys;" ::: "memory");
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(w + TRIG), "l"(r) : "memory");
+    while (ld_acq(w + DONE) < r) {}
+    unsigned long long len, v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%2];\n\tld.relaxed.sys.global.u64 %1, [%3];"
+                 : "=l"(len), "=l"(v) : "l"(w + SLOT), "l"(w + SLOT + 32) : "memory");
+    if (len != 8 || v != r * 0x9E3779B97F4A7C15ULL) c[2]++;
+    if (what & 4) ((volatile unsigned long long *)w)[SLOT + 16] = r;
+}
+
 
 static void proxy(volatile unsigned long long *w, int mode, unsigned long long n) {
     for (unsigned long long r = 1; r <= n; r++) {
@@ -254,6 +274,54 @@ int main(int argc, char **argv) {
             CK(cudaFreeHost(w));
         }
       }
+    }
+    // Part 3: send-side costs, one-thread nodes (the other 255 threads exit at once).
+    printf("%-28s %12s %6s\n", "send side", "round(us)", "bad");
+    static const char *whats[] = {"-", "data", "fence", "data+fence", "stamp", "data+stamp", "fence+stamp", "data+fence+stamp"};
+    for (int what : {0, 2, 3, 1, 7, 5}) {
+        g_words = 1;
+        unsigned long long *w, *c;
+        CK(cudaHostAlloc((void **)&w, 1 << 20, cudaHostAllocMapped | cudaHostAllocPortable));
+        memset(w, 0, 1 << 20);
+        CK(cudaMalloc(&c, 64 * 8));
+        CK(cudaMemset(c, 0, 64 * 8));
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < 100; i++) send_node<<<1, 256, 0, s>>>(w, what, c);
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        unsigned long long launches = n / 100, warm = 10;
+        std::thread t(proxy, (volatile unsigned long long *)w, SEP, (launches + warm) * 100);
+        for (unsigned long long i = 0; i < warm; i++) CK(cudaGraphLaunch(ge, s));
+        CK(cudaStreamSynchronize(s));
+        auto t0 = std::chrono::steady_clock::now();
+        for (unsigned long long i = 0; i < launches; i++) CK(cudaGraphLaunch(ge, s));
+        CK(cudaStreamSynchronize(s));
+        double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / (launches * 100);
+        t.join();
+        unsigned long long h[3];
+        CK(cudaMemcpy(h, c, sizeof h, cudaMemcpyDeviceToHost));
+        printf("%-28s %12.2f %6llu\n", whats[what], us, h[2]);
+        if (what == 7 || what == 0) {
+            // The same node launched on its own each round (a plain stream; the host runs ahead).
+            CK(cudaMemset(c, 0, 64 * 8));
+            memset(w, 0, 1 << 20);
+            unsigned long long rounds = n;
+            std::thread t2(proxy, (volatile unsigned long long *)w, SEP, rounds);
+            auto t1 = std::chrono::steady_clock::now();
+            for (unsigned long long i = 0; i < rounds; i++) send_node<<<1, 256, 0, s>>>(w, what, c);
+            double host = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t1).count() / rounds;
+            CK(cudaStreamSynchronize(s));
+            double us2 = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t1).count() / rounds;
+            t2.join();
+            CK(cudaMemcpy(h, c, sizeof h, cudaMemcpyDeviceToHost));
+            printf("%-28s %12.2f %6llu   (stream launches; host %.2f us per launch)\n", whats[what], us2, h[2], host);
+        }
+        CK(cudaGraphExecDestroy(ge));
+        CK(cudaGraphDestroy(g));
+        CK(cudaFree(c));
+        CK(cudaFreeHost(w));
     }
     return 0;
 }

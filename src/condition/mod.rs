@@ -22,7 +22,7 @@ mod words;
 pub use channel::DONE_ERROR_BIT;
 pub(crate) use channel::{Channel, Signal};
 pub use host_stream::HostStream;
-pub(crate) use stage::{Stage, StageDir};
+pub(crate) use stage::{LATE_LIMIT, Stage, StageDir};
 pub(crate) use words::Words;
 
 use crate::cuda::OpDesc;
@@ -304,10 +304,12 @@ impl Condition {
             Producer::CudaStream { ctx, .. } | Producer::Graph { ctx, .. } => ctx,
             Producer::KernelTriggered { .. } | Producer::Host(_) => return Ok(None),
         };
-        if len == 0 || len > max {
+        let room = Stage::room(dir, len);
+        if len == 0 || len > max || room > crate::config::CUDA_STAGE_LIMIT {
             return Ok(None);
         }
-        let slot = crate::cuda::StageSlot::take(len, crate::cuda::raw(ctx))?;
+        let zero = room - len;
+        let slot = crate::cuda::StageSlot::take(room, zero, crate::cuda::raw(ctx))?;
         Ok(Some(Arc::new(Stage::new(slot, dir, addr, len))))
     }
 

@@ -6,11 +6,20 @@
 //! under capture) or a graph condition, where gscomm owns the nodes around the operation.
 //! Kernel-triggered operations are not: the user's kernel triggers and waits itself.
 //!
+//! A staged send of up to `cuda::stage::LL_MAX` bytes goes as LL words that race its trigger
+//! across PCIe (no fence between them): the proxy starts it only once `send_ready` has seen them
+//! all, and fails it if they are not there `LATE_LIMIT` after the trigger.
+//!
 //! A staged receive writes the user's buffer in the wait that covers it: its own stream wait,
 //! the condition's next `wait` for one issued with `no_stream_wait`, or its graph done node. Its
 //! request completing on the host means the message arrived, not that the buffer holds it yet.
 
-use crate::cuda::{OpDesc, StageSlot};
+use crate::cuda::{LL_MAX, OpDesc, StageSlot, ll_bytes, ll_flag};
+use crate::error::{Error, Status};
+
+/// How long after its trigger a staged send's bytes may still be arriving: they are written
+/// before the trigger and only race it across PCIe (microseconds), so this bounds a fault.
+pub(crate) const LATE_LIMIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum StageDir {
@@ -29,13 +38,48 @@ pub(crate) struct Stage {
 }
 
 impl Stage {
+    /// Slot room a staged operation of `len` bytes needs: a receive its bytes; a send its LL
+    /// words (what the kernel writes) and the bytes unpacked from them (what the protocols send).
+    pub(crate) fn room(dir: StageDir, len: usize) -> usize {
+        if Stage::is_ll(dir, len) { ll_bytes(len) + len } else { len }
+    }
+
+    /// A send small enough to go as LL words (`cuda::stage::LL_MAX`); larger ones and receives
+    /// are plain bytes.
+    fn is_ll(dir: StageDir, len: usize) -> bool {
+        dir == StageDir::Send && len <= LL_MAX
+    }
+
+    /// `slot` has `room(dir, len)` bytes; a send's LL words were zeroed when it was taken.
     pub(crate) fn new(slot: StageSlot, dir: StageDir, gpu_buf: usize, len: usize) -> Stage {
         Stage { slot, dir, gpu_buf: gpu_buf as u64, len }
     }
 
-    /// Where the protocols send from or receive into (host memory).
+    /// Where the protocols send from or receive into (host memory): a receive's bytes, a send's
+    /// unpacked bytes.
     pub(crate) fn host_data(&self) -> usize {
-        self.slot.host_data()
+        if Stage::is_ll(self.dir, self.len) { self.slot.host_data() + ll_bytes(self.len) } else { self.slot.host_data() }
+    }
+
+    /// Proxy side, before a staged send starts: true once the kernel's bytes for this use
+    /// (`epoch`: 0 for a sequenced operation, the epoch of a persistent one) have all arrived,
+    /// unpacked to `host_data()`. Receives and plain-byte sends are always ready.
+    pub(crate) fn send_ready(&self, epoch: u64) -> bool {
+        if !Stage::is_ll(self.dir, self.len) {
+            return true;
+        }
+        // SAFETY: the unpacked area is `len` bytes of our slot after its LL words (`room`), and
+        // only the proxy thread touches it, before the send that reads it starts.
+        let out = unsafe { std::slice::from_raw_parts_mut(self.host_data() as *mut u8, self.len) };
+        self.slot.unpack_ll(self.len, ll_flag(epoch), out)
+    }
+
+    /// The error of a staged send whose bytes never arrived after its trigger.
+    pub(crate) fn late_error(&self) -> Error {
+        Error::new(
+            Status::DeviceError,
+            format!("the {} staged bytes of a triggered send did not arrive within {LATE_LIMIT:?} of the trigger", self.len),
+        )
     }
 
     /// The operation as the kernels see it, with its device handle (0 for sequenced ones).

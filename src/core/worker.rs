@@ -375,12 +375,13 @@ impl Worker {
                     let mut st = self.lock();
                     let req = st.alloc_request(self.inner.id, kind, conn, params.callback);
                     let slot = st.slot_mut(req).expect("just allocated");
-                    slot.signal = Some(Signal::new(channel.clone(), seq).with_stage(stage));
+                    slot.signal = Some(Signal::new(channel.clone(), seq).with_stage(stage.clone()));
                     slot.armed = true;
                     req
                 };
                 timeline::record(Event::Issue, req as u64);
-                self.send_to_proxy(Msg::Arm(ArmedOp { channel, seq, req, start }));
+                let stage = stage.filter(|s| s.dir == StageDir::Send);
+                self.send_to_proxy(Msg::Arm(ArmedOp { channel, seq, req, start, stage }));
                 Ok(Started::Pending(req))
             }
             Issued::Persistent(channel, outputs) => {
@@ -432,6 +433,40 @@ impl Worker {
                     st.execute(&self.inner.context, actions);
                 }
             }
+            std::mem::take(&mut st.ready)
+        };
+        fire(ready);
+    }
+
+    /// Proxy side: the condition of armed request `req` was met but it cannot start (`why`).
+    pub(crate) fn fail_armed(&self, req: ReqId, why: Error) {
+        let ready = {
+            let mut st = self.lock();
+            match st.slot_mut(req) {
+                Some(slot) if slot.armed => slot.armed = false,
+                _ => return,
+            }
+            tracing::debug!(target: "gsc::proxy", req, error = %why, "armed operation failed to start");
+            let mut actions = st.take_actions();
+            actions.push(Action::Complete { req, status: why.status(), info: RecvInfo::default() });
+            st.execute(&self.inner.context, actions);
+            std::mem::take(&mut st.ready)
+        };
+        fire(ready);
+    }
+
+    /// Proxy side: a persistent operation's epoch cannot run (`why`); it completes failed.
+    pub(crate) fn fail_epoch(&self, template: &OpTemplate, signal: Signal, why: Error) {
+        let ready = {
+            let mut st = self.lock();
+            let req = st.alloc_request(self.inner.id, template.kind, template.conn, None);
+            let slot = st.slot_mut(req).expect("just allocated");
+            slot.released = true;
+            slot.signal = Some(signal);
+            tracing::debug!(target: "gsc::proxy", error = %why, "persistent operation failed to start");
+            let mut actions = st.take_actions();
+            actions.push(Action::Complete { req, status: why.status(), info: RecvInfo::default() });
+            st.execute(&self.inner.context, actions);
             std::mem::take(&mut st.ready)
         };
         fire(ready);

@@ -22,7 +22,7 @@ const KERNELS: &str = r#"
 /* gscomm's own nodes. One operation as they see it: its device handle (persistent operations;
  * null for sequenced ones), and for a small GPU message staged through page-locked memory its
  * slot (word 0: bytes received, written by the proxy; word 16: the stamp this kernel writes once
- * it is done with the slot; data from word 32 — see src/cuda/stage.rs for why 128 bytes apart),
+ * it is done with the slot; data from word 32, a send's as LL words — see src/cuda/stage.rs),
  * the user's buffer and its length. */
 #define GSC_GROUP_MAX 8
 #define GSC_SLOT_STAMP 16
@@ -43,24 +43,47 @@ typedef struct {
     gsc_ops_t out, in;
 } gsc_seq_args_t;
 
-/* Sends: copy the user's bytes into their slots, the whole block, 8 bytes a thread a turn. */
-static __device__ void gsc_stage_out(const gsc_ops_t *o)
+/* Sends: the user's bytes go into their slots in NCCL's LL format, 8-byte words of
+ * (flag << 32 | 4 data bytes), written with system-scope stores. Each word is atomic, so the
+ * proxy knows a word arrived when its flag is this use's (1 + epoch % (2^32 - 1), never 0, the
+ * epoch 0 for a sequenced operation), and no system fence is needed before the trigger: the fence after
+ * page-locked stores cost ~1.5 µs a node (docs/probes/slot_read.cu, part 3). flag[k] is
+ * operation k's flag (null: 1 for all). */
+static __device__ void gsc_stage_out(const gsc_ops_t *o, const unsigned long long *flag)
 {
     for (unsigned k = 0; k < o->n; k++) {
         const gsc_op_t *op = &o->op[k];
         if (!op->slot) continue;
         unsigned long long *dst = op->slot + GSC_SLOT_DATA;
+        if (op->len > GSC_LL_MAX) {
+            /* Larger sends are plain bytes (LL words would double what crosses PCIe and what the
+             * proxy reads back); the kernel fences before its triggers for them. */
+            const unsigned char *src = op->buf;
+            unsigned long long n = op->len, words = (n + 7) / 8;
+            bool aligned = ((unsigned long long)src & 7) == 0;
+            for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
+                unsigned long long v = 0;
+                if (aligned && 8 * w + 8 <= n) {
+                    v = ((const unsigned long long *)src)[w];
+                } else {
+                    for (unsigned b = 0; b < 8 && 8 * w + b < n; b++) v |= (unsigned long long)src[8 * w + b] << (8 * b);
+                }
+                dst[w] = v;
+            }
+            continue;
+        }
+        unsigned long long f = (1ULL + (flag ? flag[k] % 0xFFFFFFFFULL : 0ULL)) << 32; /* ll_flag() */
         const unsigned char *src = op->buf;
-        unsigned long long n = op->len, words = (n + 7) / 8;
-        bool aligned = ((unsigned long long)src & 7) == 0;
+        unsigned long long n = op->len, words = (n + 3) / 4;
+        bool aligned = ((unsigned long long)src & 3) == 0;
         for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
             unsigned long long v = 0;
-            if (aligned && 8 * w + 8 <= n) {
-                v = ((const unsigned long long *)src)[w];
+            if (aligned && 4 * w + 4 <= n) {
+                v = ((const unsigned int *)src)[w];
             } else {
-                for (unsigned b = 0; b < 8 && 8 * w + b < n; b++) v |= (unsigned long long)src[8 * w + b] << (8 * b);
+                for (unsigned b = 0; b < 4 && 4 * w + b < n; b++) v |= (unsigned long long)src[4 * w + b] << (8 * b);
             }
-            dst[w] = v;
+            asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(dst + w), "l"(f | v) : "memory");
         }
     }
 }
@@ -70,12 +93,12 @@ static __device__ void gsc_stage_out(const gsc_ops_t *o)
  * used at once costs the whole round trip), and reads of one line by several warps queue behind
  * each other (8 warps reading the length cost 6 µs: docs/probes/slot_read.cu). So no slot line is
  * read twice and every load is issued before any value is used, in two steps:
- *  - gsc_stage_head: the lane that saw the operation's done word reads the length and the first
- *    32 bytes in one go (no barrier between the poll and the reads), writes them, and returns the
- *    length;
+ *  - gsc_stage_head: the warp whose lane 0 saw the operation's done word reads the length and
+ *    the first 512 bytes at once, 16 bytes a lane (a __syncwarp, no block barrier, between the
+ *    poll and the reads), writes them, and returns the length;
  *  - gsc_stage_rest: after a barrier, the block copies the rest, 16 bytes a load, four loads in
  *    flight per thread. */
-#define GSC_HEAD_BYTES 32
+#define GSC_HEAD_BYTES 512
 
 /* Bytes [off, off + 8) of a message of n bytes into dst (those below n). */
 static __device__ __forceinline__ void gsc_put8(unsigned char *dst, unsigned long long off, unsigned long long v, unsigned long long n)
@@ -88,22 +111,21 @@ static __device__ __forceinline__ void gsc_put8(unsigned char *dst, unsigned lon
     for (unsigned b = 0; b < 8 && off + b < n; b++) dst[off + b] = (unsigned char)(v >> (8 * b));
 }
 
-/* A slot holds at least 256 bytes of data, so the head's 32 are always inside it. */
-static __device__ unsigned long long gsc_stage_head(const gsc_op_t *op)
+/* All 32 lanes of a warp, after the done word was seen (and a __syncwarp): lane i reads bytes
+ * [16i, 16i + 16) of the slot when they are within the receive's length (a slot's room is a
+ * multiple of 16, so the reads stay in the slot), lane 0 the length too, all issued before any
+ * is used. Returns the bytes that arrived (every lane). */
+static __device__ unsigned long long gsc_stage_head(const gsc_op_t *op, unsigned lane)
 {
     const unsigned long long *s = op->slot;
-    unsigned long long n, w0, w1, w2, w3;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%5];\n\t"
-                 "ld.relaxed.sys.global.v2.u64 {%1, %2}, [%6];\n\t"
-                 "ld.relaxed.sys.global.v2.u64 {%3, %4}, [%6+16];"
-                 : "=l"(n), "=l"(w0), "=l"(w1), "=l"(w2), "=l"(w3)
-                 : "l"(s), "l"(s + GSC_SLOT_DATA)
-                 : "memory");
+    unsigned long long n = 0, w0 = 0, w1 = 0;
+    if (16 * lane < op->len)
+        asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(s + GSC_SLOT_DATA + 2 * lane) : "memory");
+    if (lane == 0) asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(n) : "l"(s) : "memory");
+    n = __shfl_sync(0xffffffffu, n, 0);
     if (n > op->len) n = op->len;
-    gsc_put8(op->buf, 0, w0, n);
-    gsc_put8(op->buf, 8, w1, n);
-    gsc_put8(op->buf, 16, w2, n);
-    gsc_put8(op->buf, 24, w3, n);
+    gsc_put8(op->buf, 16 * lane, w0, n);
+    gsc_put8(op->buf, 16 * lane + 8, w1, n);
     return n;
 }
 
@@ -134,6 +156,15 @@ static __device__ void gsc_stage_rest(const gsc_ops_t *o, const unsigned long lo
     }
 }
 
+/* Whether a list stages a send as plain bytes (a system fence must order them before the
+ * trigger). */
+static __device__ bool gsc_plain_out(const gsc_ops_t *o)
+{
+    for (unsigned k = 0; k < o->n; k++)
+        if (o->op[k].slot && o->op[k].len > GSC_LL_MAX) return true;
+    return false;
+}
+
 /* One thread, after a barrier: tell the host these slots may be reused. */
 static __device__ void gsc_release_slots(const gsc_ops_t *o)
 {
@@ -146,28 +177,35 @@ extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
     __shared__ unsigned long long epoch[GSC_GROUP_MAX], got[GSC_GROUP_MAX];
     unsigned t = threadIdx.x;
     if (a.trig.n) {
-        gsc_stage_out(&a.trig);
         if (t < a.trig.n) {
             volatile unsigned long long *ep = &a.trig.op[t].h->epoch;
             epoch[t] = *ep + 1;
             *ep = epoch[t];
         }
         __syncthreads();
-        /* One fence for the whole group: what the block (and the stream before it) wrote is
-         * visible to the proxy and to peers before any trigger is. */
+        gsc_stage_out(&a.trig, epoch);
+        /* No fence before the triggers unless a send was staged as plain bytes: LL words carry
+         * their own flags, and what the stream's earlier kernels wrote is visible once they
+         * ended. */
+        __syncthreads();
         if (t == 0) {
             gsc_release_slots(&a.trig);
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
+            if (gsc_plain_out(&a.trig)) asm volatile("fence.acq_rel.sys;" ::: "memory");
         }
         __syncthreads();
         if (t < a.trig.n) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trig.op[t].h->trigger), "l"(epoch[t]) : "memory");
     }
     if (a.wait.n) {
-        /* One lane per operation: their polls of page-locked words go over PCIe together. */
-        if (t < a.wait.n) {
-            const gsc_op_t *op = &a.wait.op[t];
-            int good = gsc_wait(op->h) == 0;
-            got[t] = good && op->slot ? gsc_stage_head(op) : 0;
+        /* One warp per operation: lane 0 polls (the warps' polls of page-locked words go over
+         * PCIe together), then the warp reads the head of a staged receive. */
+        unsigned w = t / 32, lane = t % 32;
+        if (w < a.wait.n) {
+            const gsc_op_t *op = &a.wait.op[w];
+            int good = 0;
+            if (lane == 0) good = gsc_wait(op->h) == 0;
+            good = __shfl_sync(0xffffffffu, good, 0);
+            unsigned long long n = good && op->slot ? gsc_stage_head(op, lane) : 0;
+            if (lane == 0) got[w] = n;
         }
         __syncthreads();
         gsc_stage_rest(&a.wait, got);
@@ -181,13 +219,13 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
     __shared__ unsigned long long got[GSC_GROUP_MAX];
     __shared__ int good;
     unsigned t = threadIdx.x;
-    gsc_stage_out(&a.out);
+    gsc_stage_out(&a.out, 0);
     __syncthreads();
     if (t < 32) {
         if (t == 0) {
             gsc_release_slots(&a.out);
             if (a.trigger) {
-                asm volatile("fence.acq_rel.sys;" ::: "memory");
+                if (gsc_plain_out(&a.out)) asm volatile("fence.acq_rel.sys;" ::: "memory");
                 asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
             }
             good = 1;
@@ -199,9 +237,13 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
                 good = (d & GSC_DEVICE_DONE_ERROR_BIT) == 0;
             }
         }
-        /* The lanes of warp 0 read the heads of the receives right after the poll. */
-        __syncwarp();
-        if (t < a.in.n) got[t] = good && a.in.op[t].slot ? gsc_stage_head(&a.in.op[t]) : 0;
+    }
+    __syncthreads();
+    /* Warp k reads the head of receive k right after the poll. */
+    unsigned w = t / 32;
+    if (w < a.in.n) {
+        unsigned long long n = good && a.in.op[w].slot ? gsc_stage_head(&a.in.op[w], t % 32) : 0;
+        if (t % 32 == 0) got[w] = n;
     }
     __syncthreads();
     gsc_stage_rest(&a.in, got);
@@ -290,7 +332,7 @@ impl Kernels {
             return Ok(*k);
         }
         let arch = context_arch(ctx)?;
-        let source = format!("{DEVICE_HEADER}\n{KERNELS}");
+        let source = format!("{DEVICE_HEADER}\n#define GSC_LL_MAX {}\n{KERNELS}", super::stage::LL_MAX);
         let cubin = compile_cached(&source, arch, cache_dir)?;
         let _scope = CtxScope::enter(ctx)?;
         let module = load_module(&cubin)?;

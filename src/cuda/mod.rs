@@ -31,7 +31,7 @@ pub(crate) mod vmm;
 pub(crate) use device_handle::DeviceHandleSlot;
 pub(crate) use kernels::{GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, SeqArgs, THREADS};
 pub(crate) use pinned::PinnedSlot;
-pub(crate) use stage::StageSlot;
+pub(crate) use stage::{LL_MAX, StageSlot, ll_bytes, ll_flag};
 
 use crate::error::{Error, Result, Status};
 use cudarc::driver::sys as cu;

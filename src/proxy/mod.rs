@@ -14,7 +14,7 @@
 //! polls every `GSC_PROXY_POLL`. A persistent operation is dropped once only the proxy refers
 //! to its channel (its graphs were destroyed, or its kernel-triggered condition released).
 
-use crate::condition::Channel;
+use crate::condition::{Channel, LATE_LIMIT, Stage};
 use crate::core::worker::{OpStart, Worker, WorkerInner};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
@@ -31,6 +31,8 @@ pub(crate) struct ArmedOp {
     pub(crate) seq: u64,
     pub(crate) req: ReqId,
     pub(crate) start: OpStart,
+    /// A staged send: its bytes must have arrived before it starts (`Stage::send_ready`).
+    pub(crate) stage: Option<Arc<Stage>>,
 }
 
 /// A persistent operation: start a fresh request for every epoch the trigger word advances by.
@@ -39,6 +41,33 @@ pub(crate) struct PersistentOp {
     pub(crate) template: crate::core::worker::OpTemplate,
     /// Epochs started so far.
     pub(crate) started: u64,
+}
+
+/// Whether a triggered operation may start: a staged send waits for its bytes (they race the
+/// trigger across PCIe), at most `LATE_LIMIT` from when the trigger was first seen (`since`).
+enum Readiness {
+    Ready,
+    NotYet,
+    Late(Error),
+}
+
+fn readiness(stage: Option<&Arc<Stage>>, epoch: u64, since: &mut Option<Instant>) -> Readiness {
+    match stage {
+        None => Readiness::Ready,
+        Some(s) if s.send_ready(epoch) => {
+            *since = None;
+            Readiness::Ready
+        }
+        Some(s) => {
+            let first = *since.get_or_insert_with(Instant::now);
+            if first.elapsed() > LATE_LIMIT {
+                *since = None;
+                Readiness::Late(s.late_error())
+            } else {
+                Readiness::NotYet
+            }
+        }
+    }
 }
 
 pub(crate) enum Msg {
@@ -88,6 +117,8 @@ impl Drop for Proxy {
 struct ArmedQueue {
     channel: Arc<Channel>,
     ops: VecDeque<ArmedOp>,
+    /// When the head was first seen triggered but not ready (a staged send's bytes).
+    head_since: Option<Instant>,
 }
 
 struct Engine {
@@ -96,7 +127,8 @@ struct Engine {
     /// One-shot operations waiting for their trigger, one queue per channel in issue (= seq)
     /// order: a pass looks at each queue's head only, however far ahead the producer issued.
     armed: Vec<ArmedQueue>,
-    persistent: Vec<PersistentOp>,
+    /// With when its next epoch was first seen triggered but not ready.
+    persistent: Vec<(PersistentOp, Option<Instant>)>,
     /// Started operations not yet complete: (channel, seq).
     in_flight: Vec<(Arc<Channel>, u64)>,
     spin: Duration,
@@ -192,9 +224,9 @@ impl Engine {
                     let at = q.ops.iter().rposition(|o| o.seq <= op.seq).map_or(0, |i| i + 1);
                     q.ops.insert(at, op)
                 }
-                None => self.armed.push(ArmedQueue { channel: op.channel.clone(), ops: VecDeque::from([op]) }),
+                None => self.armed.push(ArmedQueue { channel: op.channel.clone(), ops: VecDeque::from([op]), head_since: None }),
             },
-            Msg::Persist(op) => self.persistent.push(op),
+            Msg::Persist(op) => self.persistent.push((op, None)),
         }
     }
 
@@ -206,10 +238,18 @@ impl Engine {
         // (a group) must go out in issue order (MPI's non-overtaking rule).
         for q in &mut self.armed {
             let trigger = q.channel.trigger();
-            while q.ops.front().is_some_and(|op| op.seq <= trigger) {
+            while let Some(op) = q.ops.front().filter(|op| op.seq <= trigger) {
+                let late = match readiness(op.stage.as_ref(), 0, &mut q.head_since) {
+                    Readiness::NotYet => break,
+                    Readiness::Ready => None,
+                    Readiness::Late(e) => Some(e),
+                };
                 let op = q.ops.pop_front().expect("checked");
                 timeline::record(Event::Trigger, op.req as u64);
-                worker.start_armed(op.req, &op.start);
+                match late {
+                    None => worker.start_armed(op.req, &op.start),
+                    Some(e) => worker.fail_armed(op.req, e),
+                }
                 self.in_flight.push((op.channel, op.seq));
                 events += 1;
             }
@@ -217,14 +257,24 @@ impl Engine {
         self.armed.retain(|q| !q.ops.is_empty());
         // A persistent operation nobody else refers to any more (its graphs were destroyed, its
         // condition released) can never trigger again: stop watching it.
-        self.persistent.retain(|p| Arc::strong_count(&p.channel) > 1);
-        for p in &mut self.persistent {
+        self.persistent.retain(|(p, _)| Arc::strong_count(&p.channel) > 1);
+        for (p, since) in &mut self.persistent {
             let trigger = p.channel.trigger();
             while p.started < trigger {
-                p.started += 1;
-                timeline::record(Event::Epoch, p.started);
-                worker.start_epoch(&p.template, crate::condition::Signal::new(p.channel.clone(), p.started));
-                self.in_flight.push((p.channel.clone(), p.started));
+                let epoch = p.started + 1;
+                let late = match readiness(p.channel.stage.as_ref(), epoch, since) {
+                    Readiness::NotYet => break,
+                    Readiness::Ready => None,
+                    Readiness::Late(e) => Some(e),
+                };
+                p.started = epoch;
+                timeline::record(Event::Epoch, epoch);
+                let signal = crate::condition::Signal::new(p.channel.clone(), epoch);
+                match late {
+                    None => worker.start_epoch(&p.template, signal),
+                    Some(e) => worker.fail_epoch(&p.template, signal, e),
+                }
+                self.in_flight.push((p.channel.clone(), epoch));
                 events += 1;
             }
         }
@@ -248,7 +298,7 @@ impl Engine {
         for op in self.armed.drain(..).flat_map(|q| q.ops) {
             op.channel.fail(gone());
         }
-        for p in self.persistent.drain(..) {
+        for (p, _) in self.persistent.drain(..) {
             p.channel.fail(gone());
         }
         tracing::debug!(target: "gsc::proxy", "proxy thread exited");
