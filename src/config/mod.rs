@@ -317,6 +317,10 @@ impl fmt::Debug for Config {
     }
 }
 
+/// Variables of the test harness (`GSC_TEST_GPU`, `GSC_TEST_CHILD`, ...), set next to knobs on the
+/// device machines and in multi-process tests; never knobs themselves.
+const TEST_PREFIX: &str = "GSC_TEST_";
+
 /// A variable that looks like a knob (`GSC_` prefix) but is not one, with the closest knob name
 /// when it is a plausible typo.
 pub type UnknownVar = (String, Option<&'static str>);
@@ -415,7 +419,8 @@ impl Config {
     }
 
     /// Build a configuration from `(variable, value)` pairs as the environment would hold them:
-    /// names are exact (`GSC_TLS`), names without the `GSC_` prefix are ignored, a later pair
+    /// names are exact (`GSC_TLS`), names without the `GSC_` prefix are ignored, and so are the
+    /// test harness's `GSC_TEST_*` switches (not knobs: no warning for them); a later pair
     /// overrides an earlier one. Pure: no environment, no logging.
     ///
     /// Values are applied in table order and every bad value is reported (joined with `; `),
@@ -431,7 +436,7 @@ impl Config {
         let names = knob_names();
         for (name, value) in pairs {
             let name = name.as_ref();
-            if !name.starts_with("GSC_") {
+            if !name.starts_with("GSC_") || name.starts_with(TEST_PREFIX) {
                 continue;
             }
             match KNOBS.iter().position(|k| k.name == name) {

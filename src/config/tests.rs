@@ -307,6 +307,9 @@ fn unknown_variables_are_reported_with_suggestions() {
         ("GSC_FOO", "2"),
         ("PATH", "/usr/bin"),
         ("gsc_tls", "shm"),
+        // The test harness's switches are not knobs and not typos of one.
+        ("GSC_TEST_GPU", "1"),
+        ("GSC_TEST_CHILD", "peer"),
     ])
     .unwrap();
     assert_eq!(

@@ -121,6 +121,16 @@ struct ArmedQueue {
     head_since: Option<Instant>,
 }
 
+/// Put `item` into `q` (ordered by `key`) after every item whose key is not larger: two threads
+/// issuing on one condition may hand their operations over in the other order than they were
+/// numbered, and operations of one number (a group) keep their issue order. From the back: the
+/// new one is almost always the last.
+fn insert_in_order<T>(q: &mut VecDeque<T>, item: T, key: impl Fn(&T) -> u64) {
+    let k = key(&item);
+    let at = q.iter().rposition(|o| key(o) <= k).map_or(0, |i| i + 1);
+    q.insert(at, item);
+}
+
 struct Engine {
     worker: Weak<WorkerInner>,
     rx: Receiver<Msg>,
@@ -218,12 +228,7 @@ impl Engine {
         self.last_activity = Instant::now();
         match msg {
             Msg::Arm(op) => match self.armed.iter_mut().find(|q| Arc::ptr_eq(&q.channel, &op.channel)) {
-                Some(q) => {
-                    // Two threads issuing on one condition may hand their operations over in
-                    // the other order than they were numbered: keep the queue in seq order.
-                    let at = q.ops.iter().rposition(|o| o.seq <= op.seq).map_or(0, |i| i + 1);
-                    q.ops.insert(at, op)
-                }
+                Some(q) => insert_in_order(&mut q.ops, op, |o| o.seq),
                 None => self.armed.push(ArmedQueue { channel: op.channel.clone(), ops: VecDeque::from([op]), head_since: None }),
             },
             Msg::Persist(op) => self.persistent.push((op, None)),
@@ -302,5 +307,20 @@ impl Engine {
             p.channel.fail(gone());
         }
         tracing::debug!(target: "gsc::proxy", "proxy thread exited");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn armed_operations_queue_by_sequence_keeping_issue_order_within_one() {
+        let mut q: VecDeque<(u64, char)> = VecDeque::new();
+        for item in [(5, 'a'), (7, 'b'), (6, 'c'), (7, 'd'), (4, 'e'), (6, 'f')] {
+            insert_in_order(&mut q, item, |&(seq, _)| seq);
+        }
+        let order: String = q.iter().map(|&(_, c)| c).collect();
+        assert_eq!(order, "eacfbd");
     }
 }
