@@ -30,6 +30,9 @@ pub(crate) struct Channel {
     pub(crate) words: Words,
     /// A persistent channel's staged operation (see `stage`): every epoch uses the same slot.
     pub(crate) stage: Option<Arc<Stage>>,
+    /// A persistent channel's operation needs a system fence before its trigger
+    /// (`Condition::issue`'s `orders`).
+    pub(crate) orders: bool,
     tracker: Mutex<Tracker>,
     /// Host-side waiters (host streams, `wait_done`) sleep here; CUDA waiters poll the word.
     advanced: Condvar,
@@ -58,10 +61,16 @@ impl Channel {
 
     /// A channel for one persistent operation, its device handle pointing at its words with the
     /// epoch where counting starts; the handle is in GPU memory of `gpu_ctx` when given.
-    pub(crate) fn persistent(words: Words, gpu_ctx: Option<usize>, stage: Option<Arc<Stage>>) -> crate::error::Result<Arc<Channel>> {
+    pub(crate) fn persistent(
+        words: Words,
+        gpu_ctx: Option<usize>,
+        stage: Option<Arc<Stage>>,
+        orders: bool,
+    ) -> crate::error::Result<Arc<Channel>> {
         let mut c = Channel::continuing(words);
         c.words.init_device_handle(c.base, gpu_ctx)?;
         c.stage = stage;
+        c.orders = orders;
         Ok(Arc::new(c))
     }
 
@@ -72,7 +81,7 @@ impl Channel {
         words.trigger().store(base, Ordering::Release);
         words.done().store(base, Ordering::Release);
         let tracker = Tracker { done: base, ..Default::default() };
-        Channel { words, stage: None, tracker: Mutex::new(tracker), advanced: Condvar::new(), issue: Mutex::new(base), base }
+        Channel { words, stage: None, orders: false, tracker: Mutex::new(tracker), advanced: Condvar::new(), issue: Mutex::new(base), base }
     }
 
     /// The value the producer last wrote.

@@ -104,6 +104,9 @@ struct Group {
     wait: Option<u64>,
     /// Sequenced: staged sends, copied into their slots before the trigger.
     out: Vec<OpDesc>,
+    /// Sequenced: an operation of the group sends data with no flags of its own (`issue`'s
+    /// `orders`): the kernel fences before the trigger.
+    fence: bool,
     /// Captured: channels to trigger, and to wait for, at the end; the graph they belong to.
     captured_triggers: Vec<Arc<Channel>>,
     captured_waits: Vec<Arc<Channel>>,
@@ -222,13 +225,13 @@ impl Condition {
                 // Captured operations have a channel each: wait for each with a kernel node.
                 let kernels = self.kernels(ctx)?;
                 let mut pending = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
-                crate::cuda::launch_ops(&kernels, stream, &[], &descs(&pending, StageDir::Recv))?;
+                crate::cuda::launch_ops(&kernels, stream, &[], &descs(&pending, StageDir::Recv), false)?;
                 pending.clear();
                 return Ok(());
             }
         }
         let issued = channel.issue.lock().unwrap_or_else(|e| e.into_inner());
-        self.enqueue(&channel, None, Some(*issued), &[])
+        self.enqueue(&channel, None, Some(*issued), &[], false)
     }
 
     /// Open a group (they nest): operations issued on this condition until the matching
@@ -275,12 +278,13 @@ impl Condition {
                 // One node: every trigger of the group, then every wait.
                 let kernels = self.kernels(ctx)?;
                 let (trig, wait) = (descs(&g.captured_triggers, StageDir::Send), descs(&g.captured_waits, StageDir::Recv));
-                crate::cuda::launch_ops(&kernels, stream, &trig, &wait)?;
+                let fence = g.captured_triggers.iter().any(|c| c.orders);
+                crate::cuda::launch_ops(&kernels, stream, &trig, &wait, fence)?;
             }
         }
         match (g.trigger, g.wait) {
             (None, None) => Ok(()),
-            (t, w) => self.enqueue(channel, t, w, &g.out),
+            (t, w) => self.enqueue(channel, t, w, &g.out, g.fence),
         }
     }
 
@@ -291,10 +295,10 @@ impl Condition {
     /// A fresh channel of its own for one persistent operation, its device handle in GPU memory
     /// of `ctx` (kernels read and bump its epoch there, not over PCIe; allocating it is allowed
     /// even while the stream is being captured: `cuda::with_relaxed_capture`).
-    fn persistent_channel(&self, ctx: usize, stage: Option<&Arc<Stage>>) -> Result<Arc<Channel>> {
+    fn persistent_channel(&self, ctx: usize, stage: Option<&Arc<Stage>>, orders: bool) -> Result<Arc<Channel>> {
         let _scope = crate::cuda::CtxScope::enter(crate::cuda::raw(ctx))?;
         let slot = crate::cuda::PinnedSlot::take()?;
-        Channel::persistent(Words::pinned(slot), Some(ctx), stage.cloned())
+        Channel::persistent(Words::pinned(slot), Some(ctx), stage.cloned(), orders)
     }
 
     /// A staging slot for an operation of this condition on the GPU buffer `addr..addr+len`, if
@@ -325,14 +329,19 @@ impl Condition {
     /// Arm one operation: number it and give the producer its trigger (and, unless
     /// `stream_wait` is false, the wait for its completion), with the copies of its staging
     /// slot if it has one (`stage_for`). Nothing is changed on error.
-    pub(crate) fn issue(&self, stream_wait: bool, stage: Option<&Arc<Stage>>) -> Result<Issued> {
+    ///
+    /// `orders`: the operation sends data from memory the producer's earlier work may have
+    /// written and that carries no flags of its own (a send or put that is not staged): a
+    /// kernel of ours that triggers it fences at system scope first. (Stream memops order
+    /// themselves; staged sends are ordered by their kernel.)
+    pub(crate) fn issue(&self, stream_wait: bool, stage: Option<&Arc<Stage>>, orders: bool) -> Result<Issued> {
         match self.inner.producer {
             Producer::CudaStream { stream, ctx } => {
                 if let Some(graph) = crate::cuda::capture_graph(stream)? {
-                    return self.issue_captured(stream, ctx, graph as usize, stream_wait, stage);
+                    return self.issue_captured(stream, ctx, graph as usize, stream_wait, stage, orders);
                 }
             }
-            Producer::Graph { graph, ctx } => return self.issue_graph(graph, ctx, stage),
+            Producer::Graph { graph, ctx } => return self.issue_graph(graph, ctx, stage, orders),
             Producer::KernelTriggered { ctx } if stage.is_none() => return self.issue_kernel_triggered(ctx),
             Producer::KernelTriggered { .. } => return Err(Error::new(Status::Internal, "kernel-triggered operations are never staged")),
             Producer::Host(_) => {}
@@ -360,10 +369,11 @@ impl Condition {
                 if group.depth > 0 {
                     group.trigger = Some(seq);
                     group.out.extend(out);
+                    group.fence |= orders;
                     if stream_wait {
                         group.wait = Some(seq);
                     }
-                } else if let Err(e) = self.enqueue(channel, Some(seq), stream_wait.then_some(seq), &out) {
+                } else if let Err(e) = self.enqueue(channel, Some(seq), stream_wait.then_some(seq), &out, orders) {
                     pending_in(false);
                     return Err(e);
                 }
@@ -375,8 +385,9 @@ impl Condition {
     }
 
     /// Put a trigger write and/or a done wait on the producer, with the staged sends `out`
-    /// copied before the trigger and the staged receives the wait covers copied after it.
-    fn enqueue(&self, channel: &Arc<Channel>, trigger: Option<u64>, wait: Option<u64>, out: &[OpDesc]) -> Result<()> {
+    /// copied before the trigger and the staged receives the wait covers copied after it
+    /// (`fence`: see `issue`'s `orders`).
+    fn enqueue(&self, channel: &Arc<Channel>, trigger: Option<u64>, wait: Option<u64>, out: &[OpDesc], fence: bool) -> Result<()> {
         match &self.inner.producer {
             Producer::Host(stream) => {
                 let items = trigger.map(|k| Item::Trigger(channel.clone(), k)).into_iter();
@@ -394,8 +405,9 @@ impl Condition {
                     }
                 } else {
                     let descs: Vec<OpDesc> = inn.iter().map(|(_, op)| *op).collect();
-                    self.kernels(*ctx)
-                        .and_then(|k| crate::cuda::launch_seq(&k, *stream, trigger.map(|k| (t, k)), wait.map(|w| (d, w)), out, &descs))
+                    self.kernels(*ctx).and_then(|k| {
+                        crate::cuda::launch_seq(&k, *stream, trigger.map(|k| (t, k)), wait.map(|w| (d, w)), out, &descs, fence)
+                    })
                 };
                 if result.is_err() {
                     // Not enqueued: a later wait must still copy them.
@@ -420,9 +432,17 @@ impl Condition {
     /// An operation issued on a stream under capture: a replay-safe `gsc_ops_kernel` node that
     /// bumps the device epoch and fires the trigger, then (with a stream wait) waits for that
     /// epoch; in a group, the group's one node at `group_end` does both for all its operations.
-    fn issue_captured(&self, stream: usize, ctx: usize, graph: usize, stream_wait: bool, stage: Option<&Arc<Stage>>) -> Result<Issued> {
+    fn issue_captured(
+        &self,
+        stream: usize,
+        ctx: usize,
+        graph: usize,
+        stream_wait: bool,
+        stage: Option<&Arc<Stage>>,
+        orders: bool,
+    ) -> Result<Issued> {
         let kernels = self.kernels(ctx)?;
-        let channel = self.persistent_channel(ctx, stage)?;
+        let channel = self.persistent_channel(ctx, stage, orders)?;
         let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
         if group.depth > 0 {
             if group.graph.is_some_and(|g| g != graph) {
@@ -438,7 +458,7 @@ impl Condition {
         } else {
             let one = std::slice::from_ref(&channel);
             let wait = if stream_wait { descs(one, StageDir::Recv) } else { Vec::new() };
-            crate::cuda::launch_ops(&kernels, stream, &descs(one, StageDir::Send), &wait)?;
+            crate::cuda::launch_ops(&kernels, stream, &descs(one, StageDir::Send), &wait, orders)?;
             if !stream_wait {
                 self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner()).push(channel.clone());
             }
@@ -450,13 +470,13 @@ impl Condition {
     }
 
     /// A graph operation: a trigger node and a done node after it, owned by the graph.
-    fn issue_graph(&self, graph: usize, ctx: usize, stage: Option<&Arc<Stage>>) -> Result<Issued> {
+    fn issue_graph(&self, graph: usize, ctx: usize, stage: Option<&Arc<Stage>>, orders: bool) -> Result<Issued> {
         let kernels = self.kernels(ctx)?;
-        let channel = self.persistent_channel(ctx, stage)?;
+        let channel = self.persistent_channel(ctx, stage, orders)?;
         let one = std::slice::from_ref(&channel);
         let g = crate::cuda::raw(graph);
-        let (start, start_last) = crate::cuda::add_ops_nodes(&kernels, g, &descs(one, StageDir::Send), &[], &[])?;
-        let (_, done) = crate::cuda::add_ops_nodes(&kernels, g, &[], &descs(one, StageDir::Recv), &[start_last])?;
+        let (start, start_last) = crate::cuda::add_ops_nodes(&kernels, g, &descs(one, StageDir::Send), &[], &[], orders)?;
+        let (_, done) = crate::cuda::add_ops_nodes(&kernels, g, &[], &descs(one, StageDir::Recv), &[start_last], false)?;
         crate::cuda::tie_to_graph(g, channel.clone())?;
         self.remember(&channel, false);
         Ok(Issued::Persistent(channel, ArmedOutputs { start_node: start as usize, done_node: done as usize, device_handle: 0 }))
@@ -464,7 +484,8 @@ impl Condition {
 
     /// A kernel-triggered operation: the device handle, kept alive by the condition.
     fn issue_kernel_triggered(&self, ctx: usize) -> Result<Issued> {
-        let channel = self.persistent_channel(ctx, None)?;
+        // The user's kernel triggers it: ordering its data is the user's `gsc_trigger`'s job.
+        let channel = self.persistent_channel(ctx, None, false)?;
         let handle = channel.words.device_handle().expect("pinned");
         self.remember(&channel, true);
         Ok(Issued::Persistent(channel, ArmedOutputs { device_handle: handle, ..Default::default() }))

@@ -14,7 +14,7 @@
 //! the condition's next `wait` for one issued with `no_stream_wait`, or its graph done node. Its
 //! request completing on the host means the message arrived, not that the buffer holds it yet.
 
-use crate::cuda::{LL_MAX, OpDesc, StageSlot, ll_bytes, ll_flag};
+use crate::cuda::{LL_MAX, OpDesc, StageSlot, ll_area, ll_flag};
 use crate::error::{Error, Status};
 
 /// How long after its trigger a staged send's bytes may still be arriving: they are written
@@ -41,7 +41,7 @@ impl Stage {
     /// Slot room a staged operation of `len` bytes needs: a receive its bytes; a send its LL
     /// words (what the kernel writes) and the bytes unpacked from them (what the protocols send).
     pub(crate) fn room(dir: StageDir, len: usize) -> usize {
-        if Stage::is_ll(dir, len) { ll_bytes(len) + len } else { len }
+        if Stage::is_ll(dir, len) { ll_area(len) + len } else { len }
     }
 
     /// A send small enough to go as LL words (`cuda::stage::LL_MAX`); larger ones and receives
@@ -58,20 +58,21 @@ impl Stage {
     /// Where the protocols send from or receive into (host memory): a receive's bytes, a send's
     /// unpacked bytes.
     pub(crate) fn host_data(&self) -> usize {
-        if Stage::is_ll(self.dir, self.len) { self.slot.host_data() + ll_bytes(self.len) } else { self.slot.host_data() }
+        if Stage::is_ll(self.dir, self.len) { self.slot.host_data() + ll_area(self.len) } else { self.slot.host_data() }
     }
 
     /// Proxy side, before a staged send starts: true once the kernel's bytes for this use
-    /// (`epoch`: 0 for a sequenced operation, the epoch of a persistent one) have all arrived,
-    /// unpacked to `host_data()`. Receives and plain-byte sends are always ready.
-    pub(crate) fn send_ready(&self, epoch: u64) -> bool {
+    /// (`epoch`: a persistent operation's epoch; `None` for a sequenced one, whose flag comes from
+    /// its slot's stamp) have all arrived, unpacked to `host_data()`. Receives and plain-byte sends
+    /// are always ready.
+    pub(crate) fn send_ready(&self, epoch: Option<u64>) -> bool {
         if !Stage::is_ll(self.dir, self.len) {
             return true;
         }
         // SAFETY: the unpacked area is `len` bytes of our slot after its LL words (`room`), and
         // only the proxy thread touches it, before the send that reads it starts.
         let out = unsafe { std::slice::from_raw_parts_mut(self.host_data() as *mut u8, self.len) };
-        self.slot.unpack_ll(self.len, ll_flag(epoch), out)
+        self.slot.unpack_ll(self.len, ll_flag(epoch.unwrap_or(self.slot.stamp())), out)
     }
 
     /// The error of a staged send whose bytes never arrived after its trigger.

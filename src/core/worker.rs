@@ -369,7 +369,10 @@ impl Worker {
             }
         }
         self.ensure_proxy()?;
-        match cond.issue(!params.no_stream_wait, stage.as_ref())? {
+        // Data our kernels do not stage themselves, read by the proxy or a peer after the
+        // trigger: a fence in our trigger kernel orders the producer's writes of it first.
+        let orders = matches!(kind, ReqKind::Send | ReqKind::Put) && stage.is_none();
+        match cond.issue(!params.no_stream_wait, stage.as_ref(), orders)? {
             Issued::Sequenced(channel, seq) => {
                 let req = {
                     let mut st = self.lock();

@@ -35,21 +35,24 @@ typedef struct {
     unsigned long long stamp;
 } gsc_op_t;
 typedef struct { unsigned long long n; gsc_op_t op[GSC_GROUP_MAX]; } gsc_ops_t;
-/* Persistent operations (graph nodes, stream capture): trigger some, then wait for some. */
-typedef struct { gsc_ops_t trig, wait; } gsc_ops_args_t;
+/* Persistent operations (graph nodes, stream capture): trigger some, then wait for some.
+ * fence: a triggered operation sends data the stream wrote that carries no flags of its own
+ * (a send or put that is not staged): a system fence goes before the triggers. */
+typedef struct { gsc_ops_t trig, wait; unsigned long long fence; } gsc_ops_args_t;
 /* Sequenced operations of a stream: the channel's trigger write and done wait (null: none). */
 typedef struct {
-    unsigned long long *trigger, tval, *done, wval;
+    unsigned long long *trigger, tval, *done, wval, fence;
     gsc_ops_t out, in;
 } gsc_seq_args_t;
 
 /* Sends: the user's bytes go into their slots in NCCL's LL format, 8-byte words of
  * (flag << 32 | 4 data bytes), written with system-scope stores. Each word is atomic, so the
- * proxy knows a word arrived when its flag is this use's (1 + epoch % (2^32 - 1), never 0, the
- * epoch 0 for a sequenced operation), and no system fence is needed before the trigger: the fence after
- * page-locked stores cost ~1.5 µs a node (docs/probes/slot_read.cu, part 3). flag[k] is
- * operation k's flag (null: 1 for all). */
-static __device__ void gsc_stage_out(const gsc_ops_t *o, const unsigned long long *flag)
+ * proxy knows a word arrived when its flag is this use's (1 + e % (2^32 - 1), never 0), and no
+ * system fence is needed before the trigger: the fence after
+ * page-locked stores cost ~1.5 µs a node (docs/probes/slot_read.cu, part 3). The flag is
+ * ll_flag(epoch[k]) for a persistent operation, ll_flag(its slot's stamp, unique per use) for a
+ * sequenced one (epoch null). */
+static __device__ void gsc_stage_out(const gsc_ops_t *o, const unsigned long long *epoch)
 {
     for (unsigned k = 0; k < o->n; k++) {
         const gsc_op_t *op = &o->op[k];
@@ -72,7 +75,8 @@ static __device__ void gsc_stage_out(const gsc_ops_t *o, const unsigned long lon
             }
             continue;
         }
-        unsigned long long f = (1ULL + (flag ? flag[k] % 0xFFFFFFFFULL : 0ULL)) << 32; /* ll_flag() */
+        unsigned long long e = epoch ? epoch[k] : op->stamp; /* a sequenced use: its slot's stamp */
+        unsigned long long f = (1ULL + e % 0xFFFFFFFFULL) << 32;   /* ll_flag(e) */
         const unsigned char *src = op->buf;
         unsigned long long n = op->len, words = (n + 3) / 4;
         bool aligned = ((unsigned long long)src & 3) == 0;
@@ -184,13 +188,12 @@ extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
         }
         __syncthreads();
         gsc_stage_out(&a.trig, epoch);
-        /* No fence before the triggers unless a send was staged as plain bytes: LL words carry
-         * their own flags, and what the stream's earlier kernels wrote is visible once they
-         * ended. */
+        /* No fence before the triggers unless a send was staged as plain bytes or one is not
+         * staged (`fence`): LL words carry their own flags. */
         __syncthreads();
         if (t == 0) {
             gsc_release_slots(&a.trig);
-            if (gsc_plain_out(&a.trig)) asm volatile("fence.acq_rel.sys;" ::: "memory");
+            if (a.fence || gsc_plain_out(&a.trig)) asm volatile("fence.acq_rel.sys;" ::: "memory");
         }
         __syncthreads();
         if (t < a.trig.n) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trig.op[t].h->trigger), "l"(epoch[t]) : "memory");
@@ -204,6 +207,7 @@ extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
             int good = 0;
             if (lane == 0) good = gsc_wait(op->h) == 0;
             good = __shfl_sync(0xffffffffu, good, 0);
+            __syncwarp(); /* orders lane 0's acquire of the done word before the lanes' reads */
             unsigned long long n = good && op->slot ? gsc_stage_head(op, lane) : 0;
             if (lane == 0) got[w] = n;
         }
@@ -224,8 +228,10 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
     if (t < 32) {
         if (t == 0) {
             gsc_release_slots(&a.out);
+            /* Also without a trigger: a launch that only copies plain bytes out comes before
+             * the one that triggers (lists longer than GSC_GROUP_MAX). */
+            if (a.fence || gsc_plain_out(&a.out)) asm volatile("fence.acq_rel.sys;" ::: "memory");
             if (a.trigger) {
-                if (gsc_plain_out(&a.out)) asm volatile("fence.acq_rel.sys;" ::: "memory");
                 asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
             }
             good = 1;
@@ -253,8 +259,10 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
 "#;
 /// Most operations one kernel takes (`GSC_GROUP_MAX` above); more are split over launches.
 pub(crate) const GROUP_MAX: usize = 8;
-/// Threads of gscomm's kernels: enough to copy a staged message in a few turns.
+/// Threads of gscomm's kernels: enough to copy a staged message in a few turns, and a warp per
+/// operation a kernel waits for (the receive heads).
 pub(crate) const THREADS: u32 = 256;
+const _: () = assert!(THREADS as usize / 32 >= GROUP_MAX, "a warp per waited operation");
 
 /// One operation as the kernels see it (`gsc_op_t`).
 #[repr(C)]
@@ -294,6 +302,8 @@ impl OpList {
 pub(crate) struct OpsArgs {
     pub(crate) trig: OpList,
     pub(crate) wait: OpList,
+    /// Nonzero: fence at system scope before the triggers (see `gsc_ops_args_t`).
+    pub(crate) fence: u64,
 }
 
 /// `gsc_seq_args_t`: the argument of `gsc_seq_kernel`.
@@ -304,6 +314,8 @@ pub(crate) struct SeqArgs {
     pub(crate) tval: u64,
     pub(crate) done: u64,
     pub(crate) wval: u64,
+    /// Nonzero: fence at system scope before the trigger (see `gsc_ops_args_t`).
+    pub(crate) fence: u64,
     pub(crate) out: OpList,
     pub(crate) inn: OpList,
 }

@@ -31,7 +31,7 @@ pub(crate) mod vmm;
 pub(crate) use device_handle::DeviceHandleSlot;
 pub(crate) use kernels::{GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, SeqArgs, THREADS};
 pub(crate) use pinned::PinnedSlot;
-pub(crate) use stage::{LL_MAX, StageSlot, ll_bytes, ll_flag};
+pub(crate) use stage::{LL_MAX, StageSlot, ll_area, ll_flag};
 
 use crate::error::{Error, Result, Status};
 use cudarc::driver::sys as cu;
@@ -327,26 +327,28 @@ pub(crate) fn context_arch(ctx: cu::CUcontext) -> Result<(i32, i32)> {
 
 /// Launch `gsc_ops_kernel` on `stream` (captured into graph nodes when the stream is being
 /// captured): trigger `trig`, then wait for `wait`. Lists longer than `GROUP_MAX` take several
-/// launches, every trigger before any wait.
-pub(crate) fn launch_ops(k: &Kernels, stream: usize, trig: &[OpDesc], wait: &[OpDesc]) -> Result<()> {
-    for args in ops_chunks(trig, wait) {
+/// launches, every trigger before any wait. `fence`: a system fence before the triggers (one of
+/// them sends data that carries no flags of its own, see `gsc_ops_args_t`).
+pub(crate) fn launch_ops(k: &Kernels, stream: usize, trig: &[OpDesc], wait: &[OpDesc], fence: bool) -> Result<()> {
+    for args in ops_chunks(trig, wait, fence) {
         launch_struct(k.ops, stream, &args)?;
     }
     Ok(())
 }
 
 /// Add `gsc_ops_kernel` nodes for (`trig`, `wait`) to `graph` after `deps`, in a chain; returns
-/// the first and the last node.
+/// the first and the last node. `fence` as for `launch_ops`.
 pub(crate) fn add_ops_nodes(
     k: &Kernels,
     graph: cu::CUgraph,
     trig: &[OpDesc],
     wait: &[OpDesc],
     deps: &[cu::CUgraphNode],
+    fence: bool,
 ) -> Result<(cu::CUgraphNode, cu::CUgraphNode)> {
     let mut first: Option<cu::CUgraphNode> = None;
     let mut last: Option<cu::CUgraphNode> = None;
-    for mut args in ops_chunks(trig, wait) {
+    for mut args in ops_chunks(trig, wait, fence) {
         let mut params = [&mut args as *mut OpsArgs as *mut std::ffi::c_void];
         // SAFETY: zero is a valid value for every field (null pointers, no extra).
         let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -370,18 +372,19 @@ pub(crate) fn add_ops_nodes(
 
 /// (`trig`, `wait`) cut into kernel arguments of at most `GROUP_MAX` each: all-in-one when both
 /// fit, else the triggers' chunks first, then the waits'.
-fn ops_chunks(trig: &[OpDesc], wait: &[OpDesc]) -> Vec<OpsArgs> {
+fn ops_chunks(trig: &[OpDesc], wait: &[OpDesc], fence: bool) -> Vec<OpsArgs> {
+    let fence = u64::from(fence && !trig.is_empty());
     if trig.len() <= GROUP_MAX && wait.len() <= GROUP_MAX {
-        return vec![OpsArgs { trig: OpList::of(trig), wait: OpList::of(wait) }];
+        return vec![OpsArgs { trig: OpList::of(trig), wait: OpList::of(wait), fence }];
     }
-    let t = trig.chunks(GROUP_MAX).map(|c| OpsArgs { trig: OpList::of(c), ..Default::default() });
+    let t = trig.chunks(GROUP_MAX).map(|c| OpsArgs { trig: OpList::of(c), fence, ..Default::default() });
     t.chain(wait.chunks(GROUP_MAX).map(|c| OpsArgs { wait: OpList::of(c), ..Default::default() })).collect()
 }
 
 /// Launch `gsc_seq_kernel` on `stream`: copy the staged sends `out` into their slots, write
 /// `trigger` (word, value), wait for `wait` (word, value), copy the staged receives `inn` out of
 /// their slots. Longer lists than `GROUP_MAX` take extra launches: copies before the trigger,
-/// copies after the wait.
+/// copies after the wait. `fence` as for `launch_ops`.
 pub(crate) fn launch_seq(
     k: &Kernels,
     stream: usize,
@@ -389,20 +392,22 @@ pub(crate) fn launch_seq(
     wait: Option<(u64, u64)>,
     out: &[OpDesc],
     inn: &[OpDesc],
+    fence: bool,
 ) -> Result<()> {
-    for args in seq_chunks(trigger, wait, out, inn) {
+    for args in seq_chunks(trigger, wait, out, inn, fence) {
         launch_struct(k.seq, stream, &args)?;
     }
     Ok(())
 }
 
-fn seq_chunks(trigger: Option<(u64, u64)>, wait: Option<(u64, u64)>, out: &[OpDesc], inn: &[OpDesc]) -> Vec<SeqArgs> {
+fn seq_chunks(trigger: Option<(u64, u64)>, wait: Option<(u64, u64)>, out: &[OpDesc], inn: &[OpDesc], fence: bool) -> Vec<SeqArgs> {
     let (tail_out, head_out) = split_last_chunk(out);
     let (head_in, tail_in) = split_first_chunk(inn);
     let mut v: Vec<SeqArgs> = head_out.chunks(GROUP_MAX).map(|c| SeqArgs { out: OpList::of(c), ..Default::default() }).collect();
     let (trigger, tval) = trigger.unwrap_or((0, 0));
     let (done, wval) = wait.unwrap_or((0, 0));
-    v.push(SeqArgs { trigger, tval, done, wval, out: OpList::of(tail_out), inn: OpList::of(head_in) });
+    let fence = u64::from(fence && trigger != 0);
+    v.push(SeqArgs { trigger, tval, done, wval, fence, out: OpList::of(tail_out), inn: OpList::of(head_in) });
     v.extend(tail_in.chunks(GROUP_MAX).map(|c| SeqArgs { inn: OpList::of(c), ..Default::default() }));
     v
 }
@@ -442,33 +447,37 @@ mod tests {
         // gsc_op_t: 5 x 8 bytes; gsc_ops_t: n + 8 ops; the kernels take them by value.
         assert_eq!(std::mem::size_of::<OpDesc>(), 40);
         assert_eq!(std::mem::size_of::<OpList>(), 8 + 40 * GROUP_MAX);
-        assert_eq!(std::mem::size_of::<OpsArgs>(), 2 * std::mem::size_of::<OpList>());
-        assert_eq!(std::mem::size_of::<SeqArgs>(), 32 + 2 * std::mem::size_of::<OpList>());
+        assert_eq!(std::mem::size_of::<OpsArgs>(), 2 * std::mem::size_of::<OpList>() + 8);
+        assert_eq!(std::mem::size_of::<SeqArgs>(), 40 + 2 * std::mem::size_of::<OpList>());
+        assert_eq!(std::mem::offset_of!(SeqArgs, out), 40, "fence follows wval");
+        assert_eq!(std::mem::offset_of!(OpsArgs, fence), 2 * std::mem::size_of::<OpList>());
         assert!(std::mem::size_of::<SeqArgs>() < 4096, "kernel parameters are limited to 4 KiB");
     }
 
     #[test]
     fn ops_fit_one_launch_or_split_triggers_before_waits() {
-        let one = ops_chunks(&ops(3), &ops(8));
+        let one = ops_chunks(&ops(3), &ops(8), true);
         assert_eq!(one.len(), 1);
-        assert_eq!((one[0].trig.n, one[0].wait.n), (3, 8));
-        let many = ops_chunks(&ops(9), &ops(2));
-        let shape: Vec<(u64, u64)> = many.iter().map(|a| (a.trig.n, a.wait.n)).collect();
-        assert_eq!(shape, vec![(8, 0), (1, 0), (0, 2)]);
+        assert_eq!((one[0].trig.n, one[0].wait.n, one[0].fence), (3, 8, 1));
+        let many = ops_chunks(&ops(9), &ops(2), true);
+        let shape: Vec<(u64, u64, u64)> = many.iter().map(|a| (a.trig.n, a.wait.n, a.fence)).collect();
+        assert_eq!(shape, vec![(8, 0, 1), (1, 0, 1), (0, 2, 0)], "every triggering launch fences, waits do not");
+        assert_eq!(ops_chunks(&[], &ops(1), true)[0].fence, 0, "nothing to trigger, nothing to order");
     }
 
     #[test]
     fn seq_copies_out_before_the_trigger_and_in_after_the_wait() {
-        let one = seq_chunks(Some((100, 5)), Some((200, 5)), &ops(2), &ops(1));
+        let one = seq_chunks(Some((100, 5)), Some((200, 5)), &ops(2), &ops(1), true);
         assert_eq!(one.len(), 1);
-        assert_eq!((one[0].trigger, one[0].tval, one[0].done, one[0].wval), (100, 5, 200, 5));
-        let many = seq_chunks(Some((100, 5)), Some((200, 7)), &ops(10), &ops(17));
+        assert_eq!((one[0].trigger, one[0].tval, one[0].done, one[0].wval, one[0].fence), (100, 5, 200, 5, 1));
+        let many = seq_chunks(Some((100, 5)), Some((200, 7)), &ops(10), &ops(17), false);
         let shape: Vec<(u64, u64, u64, u64)> = many.iter().map(|a| (a.trigger, a.done, a.out.n, a.inn.n)).collect();
         // 10 sends: 2 copied by a first launch, 8 by the triggering one; 17 receives: 8 copied by
         // the waiting launch, then 8 and 1 after it.
         assert_eq!(shape, vec![(0, 0, 2, 0), (100, 200, 8, 8), (0, 0, 0, 8), (0, 0, 0, 1)]);
         assert_eq!(many[1].out.op[0].handle, 3, "the triggering launch copies the last sends");
-        let none = seq_chunks(None, Some((200, 7)), &[], &ops(1));
+        let none = seq_chunks(None, Some((200, 7)), &[], &ops(1), true);
+        assert_eq!(none[0].fence, 0, "a wait alone orders nothing");
         assert_eq!((none[0].trigger, none[0].done, none[0].inn.n), (0, 200, 1));
     }
 }

@@ -9,8 +9,9 @@
 //!
 //! Slot layout: bytes 0..8 hold the bytes received (written by the proxy before the done word),
 //! bytes 128..136 the stamp of the last kernel that finished with the slot, data from byte 256:
-//! a receive's bytes; for a send, its bytes as LL words (`ll_words`: 4 data bytes and a flag
-//! each, zeroed when the slot is taken) and after them the bytes the proxy unpacks from them
+//! a receive's bytes; for a send of up to `LL_MAX` bytes, its bytes as LL words (`ll_words`: 4
+//! data bytes and a flag each, zeroed when the slot is taken; `ll_area`) and after them the bytes
+//! the proxy unpacks from them
 //! (`unpack_ll`) once every flag says this use. The flags let the kernel trigger without a
 //! system fence after its page-locked stores (~1.5 µs a node, docs/probes/slot_read.cu).
 //! What the GPU writes and what the proxy writes never share a 128-byte line (the GPU's cache
@@ -167,9 +168,9 @@ fn unpack_ll(words: &[AtomicU64], len: usize, flag: u32, out: &mut [u8]) -> bool
 /// back (docs/PERF.md).
 pub(crate) const LL_MAX: usize = 512;
 
-/// The flag of a staged send's LL words for `epoch` (0 for a sequenced operation, used once):
-/// never 0 (a slot's LL words are zeroed when it is taken), different for consecutive epochs.
-/// `gsc_stage_out` computes the same.
+/// The flag of a staged send's LL words for `epoch` (a persistent operation's epoch, or for a
+/// sequenced one its slot's stamp, unique per use): never 0 (a slot's LL words are zeroed when it
+/// is taken), different for consecutive epochs. `gsc_stage_out` computes the same.
 pub(crate) fn ll_flag(epoch: u64) -> u32 {
     1 + (epoch % 0xFFFF_FFFF) as u32
 }
@@ -182,6 +183,12 @@ pub(crate) fn ll_words(len: usize) -> usize {
 /// Bytes of the LL words of a `len`-byte message.
 pub(crate) fn ll_bytes(len: usize) -> usize {
     8 * ll_words(len)
+}
+
+/// Room of the LL words in a slot: whole 128-byte lines, so the bytes the proxy unpacks after
+/// them never share a line with what the GPU writes.
+pub(crate) fn ll_area(len: usize) -> usize {
+    ll_bytes(len).next_multiple_of(128)
 }
 
 impl Drop for StageSlot {
@@ -249,6 +256,7 @@ mod tests {
             assert!(!unpack_ll(&fresh, 13, ll_flag(e), &mut out), "epoch {e}");
             assert_ne!(ll_flag(e), ll_flag(e + 1), "epochs {e} and the next share a flag");
         }
-        assert_eq!(ll_flag(0), 1, "sequenced operations");
+        assert_eq!(ll_flag(0), 1);
+        assert_eq!((ll_area(1), ll_area(64), ll_area(65), ll_area(512)), (128, 128, 256, 1024));
     }
 }

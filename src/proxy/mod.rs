@@ -51,7 +51,7 @@ enum Readiness {
     Late(Error),
 }
 
-fn readiness(stage: Option<&Arc<Stage>>, epoch: u64, since: &mut Option<Instant>) -> Readiness {
+fn readiness(stage: Option<&Arc<Stage>>, epoch: Option<u64>, since: &mut Option<Instant>) -> Readiness {
     match stage {
         None => Readiness::Ready,
         Some(s) if s.send_ready(epoch) => {
@@ -123,8 +123,8 @@ struct ArmedQueue {
 
 /// Put `item` into `q` (ordered by `key`) after every item whose key is not larger: two threads
 /// issuing on one condition may hand their operations over in the other order than they were
-/// numbered, and operations of one number (a group) keep their issue order. From the back: the
-/// new one is almost always the last.
+/// numbered, and items with equal keys keep the order they came in. From the back: the new one
+/// is almost always the last.
 fn insert_in_order<T>(q: &mut VecDeque<T>, item: T, key: impl Fn(&T) -> u64) {
     let k = key(&item);
     let at = q.iter().rposition(|o| key(o) <= k).map_or(0, |i| i + 1);
@@ -244,7 +244,7 @@ impl Engine {
         for q in &mut self.armed {
             let trigger = q.channel.trigger();
             while let Some(op) = q.ops.front().filter(|op| op.seq <= trigger) {
-                let late = match readiness(op.stage.as_ref(), 0, &mut q.head_since) {
+                let late = match readiness(op.stage.as_ref(), None, &mut q.head_since) {
                     Readiness::NotYet => break,
                     Readiness::Ready => None,
                     Readiness::Late(e) => Some(e),
@@ -267,7 +267,7 @@ impl Engine {
             let trigger = p.channel.trigger();
             while p.started < trigger {
                 let epoch = p.started + 1;
-                let late = match readiness(p.channel.stage.as_ref(), epoch, since) {
+                let late = match readiness(p.channel.stage.as_ref(), Some(epoch), since) {
                     Readiness::NotYet => break,
                     Readiness::Ready => None,
                     Readiness::Late(e) => Some(e),
