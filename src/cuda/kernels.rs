@@ -45,13 +45,13 @@ typedef struct {
     gsc_ops_t out, in;
 } gsc_seq_args_t;
 
-/* Sends: the user's bytes go into their slots in NCCL's LL format, 8-byte words of
- * (flag << 32 | 4 data bytes), written with system-scope stores. Each word is atomic, so the
- * proxy knows a word arrived when its flag is this use's (1 + e % (2^32 - 1), never 0), and no
- * system fence is needed before the trigger: the fence after
- * page-locked stores cost ~1.5 µs a node (docs/probes/slot_read.cu, part 3). The flag is
- * ll_flag(epoch[k]) for a persistent operation, ll_flag(its slot's stamp, unique per use) for a
- * sequenced one (epoch null). */
+/* Sends of up to GSC_LL_MAX bytes: the user's bytes go into their slots in NCCL's LL format,
+ * 8-byte words of (flag << 32 | 4 data bytes), written with system-scope stores. Each word is
+ * atomic, so the proxy knows a word arrived when its flag is this use's, and no system fence is
+ * needed before the trigger (a fence after page-locked stores costs ~1.5 µs a node:
+ * docs/probes/slot_read.cu, part 3). The flag is ll_flag(e) = 1 + e % (2^32 - 1), never 0, of
+ * epoch[k] for a persistent operation and of its slot's stamp (unique per use) for a sequenced
+ * one (epoch null). */
 static __device__ void gsc_stage_out(const gsc_ops_t *o, const unsigned long long *epoch)
 {
     for (unsigned k = 0; k < o->n; k++) {
