@@ -262,6 +262,24 @@ impl ChildProc {
         assert_eq!(rc, 0, "kill({}, {sig})", self.pid);
     }
 
+    /// SIGSTOP, and return once the child is stopped. kill(2) returns before the child stops:
+    /// the signal takes effect when the child next enters the kernel, and until then (long, on a
+    /// loaded VM) it keeps running and may still act on what is sent to it afterwards.
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            // /proc/<pid>/stat: "pid (comm) S ...", the state after the last ')'.
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+            if matches!(state, Some('T') | Some('t')) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "child {} did not stop (state {state:?})", self.pid);
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
     /// SIGKILL and reap.
     pub fn kill(&mut self) {
         let _ = self.proc.kill();
