@@ -27,11 +27,13 @@ pub(crate) struct DevicePtr {
 /// True once libcuda is loaded in this process.
 ///
 /// Asked on every send and receive, so the "not loaded" answer is cached per thread and the
-/// loader is asked again only every 256th call: a few nanoseconds per message in a host-only
-/// process (a clock-based re-check slowed the 8-byte shm ping-pong of `gsc-bench tag-lat` from
-/// ~0.83 to ~0.9-1.0 us on the 2-core dev VM, 2026-11-21; this one measured 0.81-0.86 us). An application that loads CUDA after creating its context and posts a GPU buffer
-/// within those calls without declaring `memory_type` would have it taken for host memory; the
-/// docs ask for a declaration in that case.
+/// loader's list is walked again only every 256th call: a few nanoseconds per message in a
+/// host-only process (`gsc-bench tag-lat`, 8-byte shm ping-pong on the 2-core dev VM,
+/// 2026-11-21: a clock-based re-check took it from ~0.83 to ~0.9-1.0 µs; asking `dlopen` with
+/// RTLD_NOLOAD every 256th call cost ~0.23 µs a message, 0.81-0.83 → 0.58-0.61 with
+/// `libcuda_loaded`). An application that loads CUDA after creating its context and posts a
+/// GPU buffer within those calls without declaring `memory_type` would have it taken for host
+/// memory; the docs ask for a declaration in that case.
 pub(crate) fn process_has_cuda() -> bool {
     static SEEN: AtomicBool = AtomicBool::new(false);
     thread_local! {
@@ -48,30 +50,56 @@ pub(crate) fn process_has_cuda() -> bool {
     if !n.is_multiple_of(256) {
         return false;
     }
-    let loaded = ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
-        let c = std::ffi::CString::new(*name).expect("no NUL in a literal");
-        // SAFETY: RTLD_NOLOAD only looks the library up; it loads and runs nothing. The handle
-        // (a reference count) is released at once.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-        if h.is_null() {
-            return false;
-        }
-        // SAFETY: the handle dlopen just returned.
-        unsafe { libc::dlclose(h) };
-        true
-    });
+    let loaded = libcuda_loaded();
     if loaded {
         SEEN.store(true, Ordering::Relaxed);
     }
     loaded
 }
 
+/// Whether a libcuda is among the objects loaded into the process. `dl_iterate_phdr` walks the
+/// loader's list in memory; `dlopen(RTLD_NOLOAD)` by name, used before, searched the library
+/// path with `openat` calls each time (~8% of the samples of an 8-byte shm ping-pong, perf,
+/// 2026-11-21).
+fn libcuda_loaded() -> bool {
+    loaded_object(is_libcuda)
+}
+
+/// Whether a loaded object's path satisfies `pred`.
+fn loaded_object(pred: fn(&[u8]) -> bool) -> bool {
+    struct Walk {
+        pred: fn(&[u8]) -> bool,
+        found: bool,
+    }
+    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, walk: *mut std::ffi::c_void) -> std::ffi::c_int {
+        // SAFETY: `walk` is the `Walk` passed below, alive and not otherwise borrowed for the
+        // whole walk; the loader passes a valid entry, whose name is null or a C string.
+        let (walk, name) = unsafe { (&mut *(walk as *mut Walk), (*info).dlpi_name) };
+        // SAFETY: a non-null name is a NUL-terminated string owned by the loader.
+        if !name.is_null() && (walk.pred)(unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes()) {
+            walk.found = true;
+            return 1; // stop the walk
+        }
+        0
+    }
+    let mut walk = Walk { pred, found: false };
+    // SAFETY: `visit` matches the callback type and only touches `walk`, which outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(visit), &mut walk as *mut Walk as *mut std::ffi::c_void) };
+    walk.found
+}
+
+/// A loaded object's path names the CUDA driver library (not libcudart and friends).
+fn is_libcuda(path: &[u8]) -> bool {
+    let file = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
+    file == b"libcuda.so" || file.starts_with(b"libcuda.so.")
+}
+
 /// `Some` for CUDA device memory, `None` for anything the CPU can address (pageable, pinned,
 /// managed) and for addresses the driver does not know.
 ///
 /// Asked for every send and receive on memory of unknown type, so the four attributes come
-/// from one `cuPointerGetAttributes` call (four `cuPointerGetAttribute` calls cost ~0.25 µs per
-/// operation on the H200 machines, docs/PERF.md).
+/// from one `cuPointerGetAttributes` call (four `cuPointerGetAttribute` calls took ~0.23 µs per
+/// operation on the H200 machines, one ~0.1–0.16; temporary counters, 2026-11-21).
 pub(crate) fn device_ptr(addr: usize) -> Result<Option<DevicePtr>> {
     use cu::CUpointer_attribute::{
         CU_POINTER_ATTRIBUTE_BUFFER_ID as BUFFER_ID, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as DEVICE_ORDINAL,
@@ -119,5 +147,23 @@ pub(crate) fn check_declared(addr: usize, len: usize, declared: MemType) -> Resu
         (MemType::Cuda, None) => Err(Error::invalid_param("the buffer is declared CUDA memory but the driver says it is host memory")),
         (MemType::Host, Some(_)) => Err(Error::invalid_param("the buffer is declared host memory but it is CUDA device memory")),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_driver_library_counts_as_libcuda() {
+        for yes in ["libcuda.so", "libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05"] {
+            assert!(is_libcuda(yes.as_bytes()), "{yes}");
+        }
+        for no in ["", "libcudart.so.13", "/opt/libcuda_stub.so", "libcuda.so1", "/usr/lib/libcuda.so/x.so"] {
+            assert!(!is_libcuda(no.as_bytes()), "{no}");
+        }
+        // The walk sees what is loaded: this process runs on glibc.
+        assert!(loaded_object(|p| p.rsplit(|&b| b == b'/').next().is_some_and(|f| f.starts_with(b"libc.so"))));
+        assert!(!loaded_object(|_| false));
     }
 }
