@@ -35,7 +35,6 @@ pub(crate) struct DevicePtr {
 /// GPU buffer within those calls without declaring `memory_type` would have it taken for host
 /// memory; the docs ask for a declaration in that case.
 pub(crate) fn process_has_cuda() -> bool {
-    static SEEN: AtomicBool = AtomicBool::new(false);
     thread_local! {
         static CALLS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     }
@@ -55,6 +54,14 @@ pub(crate) fn process_has_cuda() -> bool {
         SEEN.store(true, Ordering::Relaxed);
     }
     loaded
+}
+
+/// Set once libcuda is known to be loaded in this process.
+static SEEN: AtomicBool = AtomicBool::new(false);
+
+/// `cuda::init` loaded the driver.
+pub(crate) fn note_cuda_loaded() {
+    SEEN.store(true, Ordering::Relaxed);
 }
 
 /// Whether a libcuda is among the objects loaded into the process. `dl_iterate_phdr` walks the

@@ -124,6 +124,8 @@ pub fn init() -> Result<()> {
         }
         // SAFETY: the library is present (checked above); `get` only looks symbols up.
         let lib = unsafe { cu::culib() };
+        // Loaded now, by us: memory-type detection need not find it among the loaded objects.
+        memory::note_cuda_loaded();
         for name in DRIVER_SYMBOLS {
             // SAFETY: a lookup; the pointer is not called here.
             if unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err() {
