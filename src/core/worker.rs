@@ -419,8 +419,9 @@ impl Worker {
         }
     }
 
-    /// Proxy side: the condition of armed request `req` was met; start it now.
-    pub(crate) fn start_armed(&self, req: ReqId, start: &OpStart) {
+    /// Proxy side: the condition of armed request `req` was met; start it now, or, when it
+    /// cannot start (`failed`: a staged send's bytes never arrived), complete it with that error.
+    pub(crate) fn start_armed(&self, req: ReqId, start: &OpStart, failed: Option<Error>) {
         let ready = {
             let mut st = self.lock();
             match st.slot_mut(req) {
@@ -428,55 +429,23 @@ impl Worker {
                 _ => return,
             }
             let mut actions = st.take_actions();
-            match start(&mut st, req, &mut actions) {
-                Ok(()) => st.execute(&self.inner.context, actions),
-                Err(e) => {
-                    tracing::debug!(target: "gsc::proxy", req, error = %e, "armed operation failed to start");
-                    actions.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
-                    st.execute(&self.inner.context, actions);
-                }
+            let started = match failed {
+                Some(e) => Err(e),
+                None => start(&mut st, req, &mut actions),
+            };
+            if let Err(e) = started {
+                tracing::debug!(target: "gsc::proxy", req, error = %e, "armed operation failed to start");
+                actions.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
             }
-            std::mem::take(&mut st.ready)
-        };
-        fire(ready);
-    }
-
-    /// Proxy side: the condition of armed request `req` was met but it cannot start (`why`).
-    pub(crate) fn fail_armed(&self, req: ReqId, why: Error) {
-        let ready = {
-            let mut st = self.lock();
-            match st.slot_mut(req) {
-                Some(slot) if slot.armed => slot.armed = false,
-                _ => return,
-            }
-            tracing::debug!(target: "gsc::proxy", req, error = %why, "armed operation failed to start");
-            let mut actions = st.take_actions();
-            actions.push(Action::Complete { req, status: why.status(), info: RecvInfo::default() });
             st.execute(&self.inner.context, actions);
             std::mem::take(&mut st.ready)
         };
         fire(ready);
     }
 
-    /// Proxy side: a persistent operation's epoch cannot run (`why`); it completes failed.
-    pub(crate) fn fail_epoch(&self, template: &OpTemplate, signal: Signal, why: Error) {
-        let ready = {
-            let mut st = self.lock();
-            let req = st.alloc_request(self.inner.id, template.kind, template.conn, None);
-            let slot = st.slot_mut(req).expect("just allocated");
-            slot.released = true;
-            slot.signal = Some(signal);
-            tracing::debug!(target: "gsc::proxy", error = %why, "persistent operation failed to start");
-            let mut actions = st.take_actions();
-            actions.push(Action::Complete { req, status: why.status(), info: RecvInfo::default() });
-            st.execute(&self.inner.context, actions);
-            std::mem::take(&mut st.ready)
-        };
-        fire(ready);
-    }
-
-    /// Proxy side: a persistent operation's trigger advanced; run one more instance of it.
-    pub(crate) fn start_epoch(&self, template: &OpTemplate, signal: Signal) {
+    /// Proxy side: a persistent operation's trigger advanced; run one more instance of it (or
+    /// complete that instance with `failed`, as for `start_armed`).
+    pub(crate) fn start_epoch(&self, template: &OpTemplate, signal: Signal, failed: Option<Error>) {
         let ready = {
             let mut st = self.lock();
             let req = st.alloc_request(self.inner.id, template.kind, template.conn, None);
@@ -484,7 +453,11 @@ impl Worker {
             slot.released = true;
             slot.signal = Some(signal);
             let mut actions = st.take_actions();
-            if let Err(e) = (template.start)(&mut st, req, &mut actions) {
+            let started = match failed {
+                Some(e) => Err(e),
+                None => (template.start)(&mut st, req, &mut actions),
+            };
+            if let Err(e) = started {
                 tracing::debug!(target: "gsc::proxy", error = %e, "persistent operation failed to start");
                 actions.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
             }

@@ -251,10 +251,7 @@ impl Engine {
                 };
                 let op = q.ops.pop_front().expect("checked");
                 timeline::record(Event::Trigger, op.req as u64);
-                match late {
-                    None => worker.start_armed(op.req, &op.start),
-                    Some(e) => worker.fail_armed(op.req, e),
-                }
+                worker.start_armed(op.req, &op.start, late);
                 self.in_flight.push((op.channel, op.seq));
                 events += 1;
             }
@@ -275,10 +272,7 @@ impl Engine {
                 p.started = epoch;
                 timeline::record(Event::Epoch, epoch);
                 let signal = crate::condition::Signal::new(p.channel.clone(), epoch);
-                match late {
-                    None => worker.start_epoch(&p.template, signal),
-                    Some(e) => worker.fail_epoch(&p.template, signal, e),
-                }
+                worker.start_epoch(&p.template, signal, late);
                 self.in_flight.push((p.channel.clone(), epoch));
                 events += 1;
             }
