@@ -1199,6 +1199,25 @@ impl State {
                         };
                         self.engine.tag.remote_read_done(&mut next, req, result);
                     }
+                    Action::WriteRemote { conn, src, remote, len, req, then } => {
+                        let result = match self.conns.get(conn) {
+                            Some(c) if c.failed.is_none() => {
+                                // SAFETY: `src..src+len` is inside the prepared send's host
+                                // buffer, which its owner keeps valid while a round is in
+                                // flight; the kernel (CMA) or the loopback lane checks `remote`,
+                                // the receive buffer the peer announced for direct writes.
+                                unsafe { c.link.write_remote(src as *const u8, remote, len) }
+                            }
+                            _ => Err(Error::new(Status::NotConnected, "connection gone before a prepared write")),
+                        };
+                        match result {
+                            Ok(()) => self.queue_frame(conn, then.0, &mut next),
+                            Err(e) => {
+                                tracing::debug!(target: "gsc::core", req, error = %e, "prepared direct write failed");
+                                self.engine.prepared.write_failed(&mut next, req, e.status());
+                            }
+                        }
+                    }
                     Action::Complete { req, status, info } => self.complete(req, status, info, &mut next),
                 }
             }

@@ -8,6 +8,7 @@
 
 pub mod idmap;
 pub mod matching;
+pub mod prepared;
 pub mod rma;
 pub mod select;
 pub mod tag;
@@ -25,17 +26,24 @@ use wire::Header;
 pub struct Engine {
     pub tag: tag::TagEngine,
     pub rma: rma::RmaEngine,
+    pub prepared: prepared::PreparedEngine,
     links: IdMap<ConnId, LaneProps>,
 }
 
 impl Engine {
     pub fn new(cfg: ProtoConfig) -> Engine {
-        Engine { tag: tag::TagEngine::new(cfg), rma: rma::RmaEngine::default(), links: IdMap::default() }
+        Engine {
+            tag: tag::TagEngine::new(cfg),
+            rma: rma::RmaEngine::default(),
+            prepared: prepared::PreparedEngine::new(cfg),
+            links: IdMap::default(),
+        }
     }
 
     pub fn add_conn(&mut self, conn: ConnId, props: LaneProps) {
         self.links.insert(conn, props);
         self.tag.add_conn(conn, props);
+        self.prepared.add_conn(conn, props);
     }
 
     pub fn conn_props(&self, conn: ConnId) -> Option<LaneProps> {
@@ -43,7 +51,7 @@ impl Engine {
     }
 
     pub fn in_flight(&self) -> usize {
-        self.tag.in_flight() + self.rma.in_flight()
+        self.tag.in_flight() + self.rma.in_flight() + self.prepared.in_flight()
     }
 
     /// Dispatch one received frame by kind.
@@ -55,6 +63,9 @@ impl Engine {
                 let max_frame = self.links.get(&conn).map(|p| p.max_frame).unwrap_or(4096);
                 self.rma.on_frame(out, conn, header, payload, max_frame, regions)?;
             }
+            Header::PrepHello { .. } | Header::PrepReady { .. } | Header::PrepData { .. } | Header::PrepBye { .. } => {
+                self.prepared.on_frame(out, conn, header, payload)?;
+            }
             Header::Close => return Ok(FrameOutcome::PeerClosed),
             _ => self.tag.on_frame(out, conn, frame)?,
         }
@@ -64,11 +75,13 @@ impl Engine {
     pub fn frame_sent(&mut self, out: &mut Actions, req: ReqId) {
         self.tag.frame_sent(out, req);
         self.rma.frame_sent(out, req);
+        self.prepared.frame_sent(out, req);
     }
 
     pub fn conn_failed(&mut self, out: &mut Actions, conn: ConnId, status: Status) {
         self.tag.conn_failed(out, conn, status);
         self.rma.conn_failed(out, conn, status);
+        self.prepared.conn_failed(out, conn, status);
         self.links.remove(&conn);
     }
 }

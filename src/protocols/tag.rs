@@ -33,7 +33,7 @@ impl UserBuf {
     }
 
     /// The payload for `self[offset..offset + len]`.
-    fn payload(self, offset: usize, len: usize) -> Payload {
+    pub(crate) fn payload(self, offset: usize, len: usize) -> Payload {
         let addr = self.addr + offset;
         match self.mem {
             MemType::Host => Payload::User { addr, len },
@@ -126,6 +126,16 @@ pub enum Action {
         len: usize,
         req: ReqId,
         device_key: Option<Vec<u8>>,
+    },
+    /// Write `len` bytes at `src` (host memory) into the peer's memory at `remote`, then
+    /// transmit `then`; if the write fails, report `prepared.write_failed(req)` instead.
+    WriteRemote {
+        conn: ConnId,
+        src: usize,
+        remote: u64,
+        len: usize,
+        req: ReqId,
+        then: OutFrameEq,
     },
     Complete {
         req: ReqId,

@@ -71,6 +71,8 @@ struct Pair {
     refuse_device_reads: bool,
     /// Device keys that reached a receiver's ReadRemote.
     keys_seen: Vec<Vec<u8>>,
+    /// Fail direct writes of prepared transfers with this status.
+    fail_writes: Option<Status>,
 }
 
 impl Pair {
@@ -90,6 +92,7 @@ impl Pair {
             next_req: 1,
             refuse_device_reads: false,
             keys_seen: Vec::new(),
+            fail_writes: None,
         }
     }
 
@@ -138,6 +141,18 @@ impl Pair {
                     let result = result.map(|data| self.sides[s].mem.write(dst.addr, &data));
                     let mut out = Actions::new();
                     self.sides[s].engine.tag.remote_read_done(&mut out, req, result);
+                    followups.push(out);
+                }
+                Action::WriteRemote { src, remote, len, req, then, .. } => {
+                    let mut out = Actions::new();
+                    match self.fail_writes {
+                        Some(status) => self.sides[s].engine.prepared.write_failed(&mut out, req, status),
+                        None => {
+                            let data = self.sides[s].mem.read(src, len);
+                            self.sides[1 - s].mem.write(remote as usize, &data);
+                            out.push(Action::Transmit { conn: 0, frame: then });
+                        }
+                    }
                     followups.push(out);
                 }
                 Action::Complete { req, status, info } => {
@@ -530,4 +545,270 @@ fn host_rts_into_a_gpu_buffer_is_pushed() {
     assert_eq!(p.sides[1].done[&rreq].0, Status::Ok);
     assert_eq!(p.sides[0].done[&sreq].0, Status::Ok);
     assert_eq!(p.sides[1].mem.get(raddr), &data);
+}
+
+// ---- prepared transfers -------------------------------------------------------------------
+
+use prepared::{PrepDir, PrepId, PrepSpec};
+
+impl Pair {
+    /// Prepare on side `s` a transfer of `len` bytes (buffer filled with 0xEE plus a 64-byte
+    /// guard); returns (id, buffer address).
+    fn prepare(&mut self, s: usize, dir: PrepDir, len: usize, tag: u64, partitions: Option<usize>) -> (PrepId, usize) {
+        let addr = self.sides[s].mem.alloc(vec![0xEE; len + 64]);
+        let mut out = Actions::new();
+        let spec = PrepSpec { dir, conn: 0, tag, buf: UserBuf::host(addr, len), partitions };
+        let id = self.sides[s].engine.prepared.prepare(&mut out, spec).unwrap();
+        self.run(s, out, None);
+        (id, addr)
+    }
+
+    fn pstart(&mut self, s: usize, id: PrepId) -> ReqId {
+        let req = self.req();
+        let mut out = Actions::new();
+        self.sides[s].engine.prepared.start(&mut out, id, req, false).unwrap();
+        self.run(s, out, None);
+        req
+    }
+
+    fn pready(&mut self, id: PrepId, part: usize) {
+        let mut out = Actions::new();
+        self.sides[0].engine.prepared.pready(&mut out, id, part).unwrap();
+        self.run(0, out, None);
+    }
+
+    fn frames_in_flight(&self) -> usize {
+        self.wire[0].len() + self.wire[1].len()
+    }
+}
+
+#[test]
+fn prepared_rounds_move_new_data_every_round_by_frames_and_by_direct_writes() {
+    for remote_memory in [true, false] {
+        for size in [0, 1, 1000, 4096, 100_000] {
+            for recv_prepares_first in [true, false] {
+                let ctx = format!("size {size} remote {remote_memory} recv first {recv_prepares_first}");
+                let mut p = Pair::new(cfg(), remote_memory, 1024);
+                let (recv, (send, saddr)) = if recv_prepares_first {
+                    let r = p.prepare(1, PrepDir::Recv, size, 7, None);
+                    (r, p.prepare(0, PrepDir::Send, size, 7, None))
+                } else {
+                    let s = p.prepare(0, PrepDir::Send, size, 7, None);
+                    (p.prepare(1, PrepDir::Recv, size, 7, None), s)
+                };
+                p.pump();
+                for round in 0..5u8 {
+                    let data = pattern(size, round);
+                    p.sides[0].mem.write(saddr, &data);
+                    // Alternate who starts first: the data waits for readiness, never the reverse.
+                    let (r, s) = if round % 2 == 0 {
+                        let r = p.pstart(1, recv.0);
+                        (r, p.pstart(0, send))
+                    } else {
+                        let s = p.pstart(0, send);
+                        p.pump();
+                        assert!(!p.sides[0].done.contains_key(&s), "{ctx}: sent before the receiver was ready");
+                        (p.pstart(1, recv.0), s)
+                    };
+                    p.pump();
+                    assert_eq!(p.sides[0].done.get(&s), Some(&(Status::Ok, RecvInfo { tag: 7, length: size })), "{ctx} round {round}");
+                    assert_eq!(p.sides[1].done.get(&r), Some(&(Status::Ok, RecvInfo { tag: 7, length: size })), "{ctx} round {round}");
+                    let got = p.sides[1].mem.get(recv.1);
+                    assert_eq!(&got[..size], &data[..], "{ctx} round {round}");
+                    assert!(got[size..].iter().all(|b| *b == 0xEE), "{ctx}: guard bytes written");
+                }
+                assert_eq!(p.sides[0].engine.in_flight() + p.sides[1].engine.in_flight(), 0, "{ctx}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_prepared_round_is_ready_plus_data_only() {
+    // After pairing, one round of 100 bytes is exactly: ready (receiver -> sender) and one data
+    // frame; a 64 KiB round on a lane with remote memory is ready + one frame after the write.
+    for (remote_memory, size) in [(false, 100), (true, 65536)] {
+        let mut p = Pair::new(cfg(), remote_memory, 1 << 20);
+        let (send, _) = p.prepare(0, PrepDir::Send, size, 1, None);
+        let (recv, _) = p.prepare(1, PrepDir::Recv, size, 1, None);
+        p.pump();
+        let r = p.pstart(1, recv);
+        assert_eq!(p.wire[1].len(), 1, "one ready frame");
+        p.pump();
+        let s = p.pstart(0, send);
+        assert_eq!(p.wire[0].len(), 1, "one data frame");
+        let (h, payload) = wire::Header::decode(&p.wire[0][0]).unwrap();
+        assert!(matches!(h, wire::Header::PrepData { .. }));
+        assert_eq!(payload.len(), if remote_memory { 0 } else { size }, "direct writes carry no payload");
+        p.pump();
+        assert_eq!(p.sides[0].done[&s].0, Status::Ok);
+        assert_eq!(p.sides[1].done[&r].0, Status::Ok);
+    }
+}
+
+#[test]
+fn partitions_readied_out_of_order_arrive_and_are_reported_per_partition() {
+    for remote_memory in [true, false] {
+        // Sender in 4 partitions of 2048 bytes, receiver in 2 of 4096: each receive partition
+        // arrives when both sender partitions inside it did.
+        let mut p = Pair::new(cfg(), remote_memory, 1024);
+        let (send, saddr) = p.prepare(0, PrepDir::Send, 8192, 3, Some(4));
+        let (recv, raddr) = p.prepare(1, PrepDir::Recv, 8192, 3, Some(2));
+        p.pump();
+        for round in 0..3u8 {
+            let data = pattern(8192, round);
+            p.sides[0].mem.write(saddr, &data);
+            let r = p.pstart(1, recv);
+            let s = p.pstart(0, send);
+            p.pump();
+            let arrived = |p: &mut Pair, q| p.sides[1].engine.prepared.parrived(recv, q).unwrap();
+            assert!(!arrived(&mut p, 0) && !arrived(&mut p, 1), "nothing before pready");
+            p.pready(send, 3);
+            p.pump();
+            assert!(!arrived(&mut p, 1), "half of receive partition 1");
+            p.pready(send, 0);
+            p.pready(send, 2);
+            p.pump();
+            assert!(arrived(&mut p, 1) && !arrived(&mut p, 0));
+            assert!(!p.sides[1].done.contains_key(&r) && !p.sides[0].done.contains_key(&s));
+            p.pready(send, 1);
+            p.pump();
+            assert_eq!(p.sides[1].done[&r].0, Status::Ok);
+            assert_eq!(p.sides[0].done[&s].0, Status::Ok);
+            assert!(arrived(&mut p, 0) && arrived(&mut p, 1), "after the round every partition has arrived");
+            assert_eq!(&p.sides[1].mem.get(raddr)[..8192], &data[..]);
+        }
+        // Misuse is refused and changes nothing.
+        let e = p.sides[0].engine.prepared.pready(&mut Actions::new(), send, 4).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfRange);
+        p.pready(send, 1);
+        let e = p.sides[0].engine.prepared.pready(&mut Actions::new(), send, 1).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidParam, "{e}");
+        let e = p.sides[1].engine.prepared.pready(&mut Actions::new(), recv, 0).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidParam);
+        let e = p.sides[0].engine.prepared.parrived(send, 0).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidParam);
+    }
+}
+
+#[test]
+fn prepared_pairs_follow_creation_order_per_tag_even_across_a_release_before_pairing() {
+    let mut p = Pair::new(cfg(), false, 1024);
+    let (s1, _) = p.prepare(0, PrepDir::Send, 8, 5, None);
+    let (s2, s2addr) = p.prepare(0, PrepDir::Send, 8, 5, None);
+    let (other, _) = p.prepare(0, PrepDir::Send, 8, 6, None);
+    // Released before the receiver's hello arrived: it still consumes the first receive.
+    let mut out = Actions::new();
+    p.sides[0].engine.prepared.release(&mut out, s1).unwrap();
+    p.run(0, out, None);
+    let (r6, _) = p.prepare(1, PrepDir::Recv, 8, 6, None);
+    let (r1, _) = p.prepare(1, PrepDir::Recv, 8, 5, None);
+    let (r2, r2addr) = p.prepare(1, PrepDir::Recv, 8, 5, None);
+    p.pump();
+    p.sides[0].mem.write(s2addr, b"second!!");
+    let rr = p.pstart(1, r2);
+    let ss = p.pstart(0, s2);
+    p.pump();
+    assert_eq!(p.sides[0].done[&ss].0, Status::Ok);
+    assert_eq!(p.sides[1].done[&rr].0, Status::Ok);
+    assert_eq!(&p.sides[1].mem.get(r2addr)[..8], b"second!!");
+    // The receive that paired with the released send fails clearly.
+    let e = p.sides[1].engine.prepared.start(&mut Actions::new(), r1, 99, false).unwrap_err();
+    assert_eq!(e.status(), Status::NotConnected, "{e}");
+    let e = p.sides[0].engine.prepared.start(&mut Actions::new(), s1, 99, false).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidHandle);
+    let _ = (other, r6);
+}
+
+#[test]
+fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
+    // A send larger than its receive: both sides' rounds fail with MessageTruncated.
+    let mut p = Pair::new(cfg(), false, 1024);
+    let (send, _) = p.prepare(0, PrepDir::Send, 100, 1, None);
+    let (recv, _) = p.prepare(1, PrepDir::Recv, 50, 1, None);
+    p.pump();
+    for (s, id) in [(0, send), (1, recv)] {
+        let e = p.sides[s].engine.prepared.start(&mut Actions::new(), id, 77, false).unwrap_err();
+        assert_eq!(e.status(), Status::MessageTruncated, "{e}");
+    }
+    // Unequal partitions are refused at prepare time.
+    let spec = PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf::host(0x1000, 10), partitions: Some(3) };
+    assert_eq!(p.sides[0].engine.prepared.prepare(&mut Actions::new(), spec).unwrap_err().status(), Status::InvalidParam);
+
+    // Busy: a second host start and a release while a round is in flight change nothing.
+    let mut p = Pair::new(cfg(), false, 1024);
+    let (send, _) = p.prepare(0, PrepDir::Send, 16, 2, None);
+    let (recv, _) = p.prepare(1, PrepDir::Recv, 16, 2, None);
+    p.pump();
+    let r = p.pstart(1, recv);
+    let mut out = Actions::new();
+    assert_eq!(p.sides[1].engine.prepared.start(&mut out, recv, 99, false).unwrap_err().status(), Status::Busy);
+    assert_eq!(p.sides[1].engine.prepared.release(&mut out, recv).unwrap_err().status(), Status::Busy);
+    assert!(out.is_empty());
+    let s = p.pstart(0, send);
+    p.pump();
+    assert_eq!((p.sides[0].done[&s].0, p.sides[1].done[&r].0), (Status::Ok, Status::Ok));
+    // Released on one side: the other side's next round fails instead of waiting forever.
+    let r = p.pstart(1, recv);
+    let mut out = Actions::new();
+    p.sides[0].engine.prepared.release(&mut out, send).unwrap();
+    p.run(0, out, None);
+    p.pump();
+    assert_eq!(p.sides[1].done[&r].0, Status::NotConnected);
+    assert_eq!(p.frames_in_flight(), 0);
+
+    // A failed direct write fails both rounds.
+    let mut p = Pair::new(cfg(), true, 1 << 20);
+    p.fail_writes = Some(Status::IoError);
+    let (send, _) = p.prepare(0, PrepDir::Send, 1 << 16, 3, None);
+    let (recv, _) = p.prepare(1, PrepDir::Recv, 1 << 16, 3, None);
+    p.pump();
+    let r = p.pstart(1, recv);
+    let s = p.pstart(0, send);
+    p.pump();
+    assert_eq!((p.sides[0].done[&s].0, p.sides[1].done[&r].0), (Status::IoError, Status::IoError));
+
+    // A dead link fails the rounds in flight and breaks the preparation.
+    let mut p = Pair::new(cfg(), false, 1024);
+    let (send, _) = p.prepare(0, PrepDir::Send, 16, 4, None);
+    let (recv, _) = p.prepare(1, PrepDir::Recv, 16, 4, None);
+    p.pump();
+    let r = p.pstart(1, recv);
+    let mut out = Actions::new();
+    p.sides[1].engine.conn_failed(&mut out, 0, Status::PeerFailed);
+    p.run(1, out, None);
+    assert_eq!(p.sides[1].done[&r].0, Status::PeerFailed);
+    let _ = send;
+}
+
+#[test]
+fn hostile_prepared_frames_are_protocol_errors() {
+    let mut p = Pair::new(cfg(), false, 1024);
+    let (_send, _) = p.prepare(0, PrepDir::Send, 16, 1, None);
+    let (recv, _) = p.prepare(1, PrepDir::Recv, 16, 1, None);
+    p.pump();
+    let peer_id = recv; // the id side 0 names in its frames
+    // (Data before the receiver is ready is covered by the "no round is ready" check: no start.)
+    let mut out = Actions::new();
+    let early = wire::Header::PrepData { id: peer_id, round: 1, offset: 0, len: 0, flags: wire::PREP_LAST, status: 0 };
+    let e = p.sides[1].engine.on_frame(&mut out, 0, early.encode().as_bytes(), &p.sides[1].regions).unwrap_err();
+    assert_eq!(e.status(), Status::ConnectionReset, "{e}");
+    let frames = [
+        // The round's last partition ends with bytes missing.
+        wire::Header::PrepData { id: peer_id, round: 1, offset: 0, len: 0, flags: wire::PREP_LAST, status: 0 },
+        // Past the buffer.
+        wire::Header::PrepData { id: peer_id, round: 1, offset: 8, len: 16, flags: 0, status: 0 },
+        // Data for an id that does not exist.
+        wire::Header::PrepData { id: 12345, round: 1, offset: 0, len: 0, flags: 0, status: 0 },
+        // Readiness for a round out of order, addressed to a receive.
+        wire::Header::PrepReady { id: recv, round: 3 },
+    ];
+    let _r = p.pstart(1, recv);
+    p.wire[1].clear();
+    for (i, h) in frames.iter().enumerate() {
+        let mut out = Actions::new();
+        let bytes = h.encode().as_bytes().to_vec();
+        let e = p.sides[1].engine.on_frame(&mut out, 0, &bytes, &p.sides[1].regions);
+        assert_eq!(e.unwrap_err().status(), Status::ConnectionReset, "frame {i}: {h:?}");
+    }
 }

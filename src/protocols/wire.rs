@@ -8,7 +8,7 @@
 use std::fmt;
 
 /// Largest header we ever encode; headers are built on the stack in a buffer of this size.
-pub const MAX_HEADER: usize = 48;
+pub const MAX_HEADER: usize = 56;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Header {
@@ -81,7 +81,45 @@ pub enum Header {
     },
     /// The sending side closed its endpoint; no more frames follow.
     Close,
+    /// A prepared transfer announces itself (sent once, at prepare time): the peer pairs it
+    /// with its own preparation of the opposite direction and the same tag, in creation order.
+    /// `addr` is a receive buffer the peer may write directly (`PREP_DIRECT`).
+    PrepHello {
+        tag: u64,
+        id: u64,
+        len: u64,
+        partitions: u64,
+        addr: u64,
+        flags: u32,
+    },
+    /// The receiver of prepared transfer `id` (the frame's addressee's id) is ready for `round`.
+    PrepReady {
+        id: u64,
+        round: u64,
+    },
+    /// Bytes `offset..offset + len` of `round` for prepared receive `id`: in the payload, or
+    /// already written into the receive buffer (`PREP_DIRECT`). `PREP_LAST` ends one of the
+    /// sender's partitions; a nonzero `status` fails the round.
+    PrepData {
+        id: u64,
+        round: u64,
+        offset: u64,
+        len: u64,
+        flags: u32,
+        status: i32,
+    },
+    /// The peer released its side of prepared transfer `id`.
+    PrepBye {
+        id: u64,
+    },
 }
+
+/// PrepHello flag: the announcing side receives.
+pub const PREP_RECV: u32 = 1;
+/// PrepHello: `addr` may be written directly. PrepData: the bytes were written directly.
+pub const PREP_DIRECT: u32 = 2;
+/// PrepData: the last frame of one of the sender's partitions.
+pub const PREP_LAST: u32 = 4;
 
 /// RTS flag: `remote_addr` may be read directly (the lane has remote memory access).
 pub const RTS_REMOTE_MEMORY: u32 = 1;
@@ -120,6 +158,10 @@ mod kind {
     pub const FLUSH_REQ: u8 = 11;
     pub const FLUSH_ACK: u8 = 12;
     pub const CLOSE: u8 = 13;
+    pub const PREP_HELLO: u8 = 14;
+    pub const PREP_READY: u8 = 15;
+    pub const PREP_DATA: u8 = 16;
+    pub const PREP_BYE: u8 = 17;
 }
 
 /// An encoded header: a small inline buffer, so building a frame never allocates.
@@ -199,6 +241,10 @@ impl Header {
             Header::FlushReq { .. } => kind::FLUSH_REQ,
             Header::FlushAck { .. } => kind::FLUSH_ACK,
             Header::Close => kind::CLOSE,
+            Header::PrepHello { .. } => kind::PREP_HELLO,
+            Header::PrepReady { .. } => kind::PREP_READY,
+            Header::PrepData { .. } => kind::PREP_DATA,
+            Header::PrepBye { .. } => kind::PREP_BYE,
         }
     }
 
@@ -218,6 +264,10 @@ impl Header {
             kind::FLUSH_REQ => 1,
             kind::FLUSH_ACK => 2,
             kind::CLOSE => 0,
+            kind::PREP_HELLO => 6,
+            kind::PREP_READY => 2,
+            kind::PREP_DATA => 5,
+            kind::PREP_BYE => 1,
             _ => return None,
         })
     }
@@ -243,6 +293,15 @@ impl Header {
             Header::FlushReq { id } => w.u64(id),
             Header::FlushAck { id, status } => w.u64(id).i32(status),
             Header::Close => w,
+            Header::PrepHello { tag, id, len, partitions, addr, flags } => {
+                w.u64(tag).u64(id).u64(len).u64(partitions).u64(addr).u64(flags as u64)
+            }
+            Header::PrepReady { id, round } => w.u64(id).u64(round),
+            // Flags in the low half of one word, status in the high half.
+            Header::PrepData { id, round, offset, len, flags, status } => {
+                w.u64(id).u64(round).u64(offset).u64(len).u64(flags as u64 | (status as u32 as u64) << 32)
+            }
+            Header::PrepBye { id } => w.u64(id),
         }
         .done()
     }
@@ -272,6 +331,15 @@ impl Header {
             kind::FLUSH_REQ => Header::FlushReq { id: r.u64() },
             kind::FLUSH_ACK => Header::FlushAck { id: r.u64(), status: r.i32() },
             kind::CLOSE => Header::Close,
+            kind::PREP_HELLO => {
+                Header::PrepHello { tag: r.u64(), id: r.u64(), len: r.u64(), partitions: r.u64(), addr: r.u64(), flags: r.u64() as u32 }
+            }
+            kind::PREP_READY => Header::PrepReady { id: r.u64(), round: r.u64() },
+            kind::PREP_DATA => {
+                let (id, round, offset, len, word) = (r.u64(), r.u64(), r.u64(), r.u64(), r.u64());
+                Header::PrepData { id, round, offset, len, flags: word as u32, status: (word >> 32) as u32 as i32 }
+            }
+            kind::PREP_BYE => Header::PrepBye { id: r.u64() },
             _ => unreachable!("kind validated by Header::fields"),
         };
         Ok((h, &frame[need..]))
@@ -305,6 +373,10 @@ mod tests {
             Header::FlushReq { id: 77 },
             Header::FlushAck { id: 77, status: -6 },
             Header::Close,
+            Header::PrepHello { tag: 5, id: 6, len: 7, partitions: 8, addr: 0xfeed, flags: PREP_RECV | PREP_DIRECT },
+            Header::PrepReady { id: 6, round: 1 << 40 },
+            Header::PrepData { id: 6, round: 2, offset: 3, len: 4, flags: PREP_LAST, status: -43 },
+            Header::PrepBye { id: 6 },
         ]
     }
 

@@ -1,0 +1,638 @@
+//! Prepared transfers: persistent and partitioned send/receive pairs whose matching and protocol
+//! are resolved once, so that every later round is only "receiver ready" plus the data written
+//! into the receive buffer plus an arrival count.
+//!
+//! Life of a pair (both sides run this engine):
+//! 1. *Prepare*: each side announces its preparation with a `PrepHello` (direction, tag, length,
+//!    partitions, and for a receive the buffer's address). The k-th send preparation with tag
+//!    `T` on a link pairs with the k-th receive preparation with tag `T` on the same link, in
+//!    creation order, so both sides reach the same pairing without a reply. Pairing fixes the
+//!    peer's id (frames name it instead of a tag: no matching per round) and the protocol: data
+//!    frames, or direct writes into the receive buffer where the selection table would read a
+//!    message of a partition's size directly (`rndv_get` on the lane).
+//! 2. *Round* `k`: the receiver's start sends `PrepReady(k)`. The sender's start (or, for a
+//!    partitioned send, each `pready`) writes a partition as soon as `PrepReady(k)` arrived:
+//!    `PrepData` frames carrying the bytes, or a direct write followed by one `PrepData` that
+//!    says the range is there. A receive round completes when every sender partition ended
+//!    (`PREP_LAST`); a send round when its last frame is in the link.
+//! 3. *Release*: refused while a round is in flight; otherwise the peer is told (`PrepBye`) and
+//!    its later rounds fail with `NotConnected` instead of waiting forever.
+//!
+//! Like the rest of src/protocols/, nothing here does I/O: events in, `Action`s out.
+
+use super::idmap::IdMap;
+use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
+use super::tag::{Action, Actions, ConnId, OutFrame, OutFrameEq, Payload, RecvInfo, ReqId, UserBuf};
+use super::wire::{Header, PREP_DIRECT, PREP_LAST, PREP_RECV};
+use crate::error::{Error, Result, Status};
+use std::collections::VecDeque;
+
+pub type PrepId = u64;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PrepDir {
+    Send,
+    Recv,
+}
+
+/// What a preparation is: direction, link, tag, buffer, and how it is split.
+#[derive(Copy, Clone, Debug)]
+pub struct PrepSpec {
+    pub dir: PrepDir,
+    pub conn: ConnId,
+    pub tag: u64,
+    pub buf: UserBuf,
+    /// `None`: a persistent operation (a start moves the whole buffer). `Some(n)`: partitioned
+    /// into `n` equal parts, each sent once `pready` marks it (send side) and reported by
+    /// `parrived` (receive side).
+    pub partitions: Option<usize>,
+}
+
+impl PrepSpec {
+    fn parts(&self) -> usize {
+        self.partitions.unwrap_or(1)
+    }
+}
+
+/// The peer's preparation, as its `PrepHello` described it.
+#[derive(Copy, Clone, Debug)]
+struct Peer {
+    id: PrepId,
+    len: usize,
+    partitions: usize,
+    /// The receive buffer (when the peer receives and allows direct writes).
+    addr: Option<u64>,
+}
+
+struct Prep {
+    spec: PrepSpec,
+    peer: Option<Peer>,
+    /// Send side, fixed at pairing: partitions are written into the receive buffer directly.
+    direct: bool,
+    /// Pairing showed the two sides cannot work together, or the peer released: every round
+    /// fails with this.
+    broken: Option<Error>,
+    /// Released by the user before the peer's hello arrived: kept only to consume that hello
+    /// (so later preparations pair as the peer paired them) and answer it with a bye.
+    released: bool,
+    /// Rounds begun on this side; the current (or last) round's number.
+    round: u64,
+    /// The request of the round in progress.
+    active: Option<ReqId>,
+    /// Rounds started (by conditions) while one was in progress, in start order.
+    queued: VecDeque<ReqId>,
+    /// Send side: the receiver is ready for every round up to this one.
+    ready_round: u64,
+    /// Send side: partitions marked ready for the current (or, with none active, the next)
+    /// round, and those already written in the current round.
+    readied: Vec<bool>,
+    written: Vec<bool>,
+    /// Send side: frames of the current round not yet in the link.
+    unsent: usize,
+    /// Receive side: bytes of the current round arrived per receive partition, and sender
+    /// partitions not yet ended.
+    arrived: Vec<usize>,
+    received: usize,
+    parts_left: usize,
+    round_error: Option<Status>,
+}
+
+impl Prep {
+    fn part_len(&self) -> usize {
+        self.spec.buf.len / self.spec.parts()
+    }
+
+    fn in_flight(&self) -> bool {
+        self.active.is_some() || !self.queued.is_empty()
+    }
+}
+
+/// A hello no local preparation has claimed yet.
+#[derive(Copy, Clone, Debug)]
+struct Hello {
+    recv: bool,
+    tag: u64,
+    peer: Peer,
+    direct_ok: bool,
+}
+
+pub struct PreparedEngine {
+    cfg: ProtoConfig,
+    links: IdMap<ConnId, LaneProps>,
+    preps: IdMap<PrepId, Prep>,
+    /// Ids are never reused, so a frame or handle naming a released preparation is recognized
+    /// as stale instead of reaching a newer one.
+    next_id: PrepId,
+    hellos: IdMap<ConnId, VecDeque<Hello>>,
+    /// Send rounds in progress: request -> preparation (frames report `frame_sent(req)`).
+    sending: IdMap<ReqId, PrepId>,
+}
+
+fn bad(what: &str) -> Error {
+    Error::new(Status::ConnectionReset, format!("protocol violation by peer (prepared transfer): {what}"))
+}
+
+fn transmit(out: &mut Actions, conn: ConnId, header: Header, payload: Payload, on_sent: Option<ReqId>) {
+    out.push(Action::Transmit { conn, frame: OutFrameEq(OutFrame { header: header.encode(), payload, on_sent, copy_if_queued: false }) });
+}
+
+/// Bytes of `[a0, a1)` inside `[b0, b1)`.
+fn overlap(a0: usize, a1: usize, b0: usize, b1: usize) -> usize {
+    a1.min(b1).saturating_sub(a0.max(b0))
+}
+
+impl PreparedEngine {
+    pub fn new(cfg: ProtoConfig) -> PreparedEngine {
+        PreparedEngine {
+            cfg,
+            links: IdMap::default(),
+            preps: IdMap::default(),
+            next_id: 1,
+            hellos: IdMap::default(),
+            sending: IdMap::default(),
+        }
+    }
+
+    pub fn add_conn(&mut self, conn: ConnId, props: LaneProps) {
+        self.links.insert(conn, props);
+    }
+
+    /// Rounds in progress or queued.
+    pub fn in_flight(&self) -> usize {
+        self.preps.values().map(|p| p.active.is_some() as usize + p.queued.len()).sum()
+    }
+
+    /// Create a preparation and announce it to the peer. Checks everything before acting.
+    pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec) -> Result<PrepId> {
+        if !self.links.contains_key(&spec.conn) {
+            return Err(Error::new(Status::NotConnected, "prepare on a connection the protocol layer does not know"));
+        }
+        if let Some(n) = spec.partitions {
+            if n == 0 {
+                return Err(Error::invalid_param("a partitioned transfer needs at least one partition"));
+            }
+            if spec.buf.len % n != 0 {
+                return Err(Error::invalid_param(format!("buffer of {} bytes does not split into {n} equal partitions", spec.buf.len)));
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let parts = spec.parts();
+        let recv = spec.dir == PrepDir::Recv;
+        // Only a host receive buffer may be written by the peer (cross-memory attach, or a copy
+        // within one process).
+        let direct_ok = recv && spec.buf.mem == MemType::Host;
+        let hello = Header::PrepHello {
+            tag: spec.tag,
+            id,
+            len: spec.buf.len as u64,
+            partitions: parts as u64,
+            addr: if recv { spec.buf.addr as u64 } else { 0 },
+            flags: if recv { PREP_RECV } else { 0 } | if direct_ok { PREP_DIRECT } else { 0 },
+        };
+        transmit(out, spec.conn, hello, Payload::None, None);
+        self.preps.insert(
+            id,
+            Prep {
+                spec,
+                peer: None,
+                direct: false,
+                broken: None,
+                released: false,
+                round: 0,
+                active: None,
+                queued: VecDeque::new(),
+                ready_round: 0,
+                readied: vec![false; parts],
+                written: vec![false; parts],
+                unsent: 0,
+                arrived: vec![0; parts],
+                received: 0,
+                parts_left: 0,
+                round_error: None,
+            },
+        );
+        // The peer's hello may have come first.
+        let queue = self.hellos.entry(spec.conn).or_default();
+        if let Some(i) = queue.iter().position(|h| h.recv != recv && h.tag == spec.tag) {
+            let h = queue.remove(i).expect("position found");
+            self.pair(out, id, h);
+        }
+        Ok(id)
+    }
+
+    /// The preparation's spec, if `id` is live (not released).
+    pub fn spec(&self, id: PrepId) -> Option<PrepSpec> {
+        self.preps.get(&id).filter(|p| !p.released).map(|p| p.spec)
+    }
+
+    /// Start a round. `queue`: when a round is in progress, begin this one after it (a
+    /// condition started it) rather than refuse (`Busy`, a host start).
+    pub fn start(&mut self, out: &mut Actions, id: PrepId, req: ReqId, queue: bool) -> Result<()> {
+        let p = self.live(id)?;
+        if let Some(e) = &p.broken {
+            return Err(e.clone());
+        }
+        if p.in_flight() {
+            if !queue {
+                return Err(Error::new(Status::Busy, "prepared transfer already started; wait for that round's request first"));
+            }
+            p.queued.push_back(req);
+            return Ok(());
+        }
+        self.begin_round(out, id, req);
+        Ok(())
+    }
+
+    /// Mark partition `part` of a partitioned send ready (for the round in progress, or the
+    /// next one when none is).
+    pub fn pready(&mut self, out: &mut Actions, id: PrepId, part: usize) -> Result<()> {
+        let p = self.live(id)?;
+        if p.spec.dir != PrepDir::Send || p.spec.partitions.is_none() {
+            return Err(Error::invalid_param("pready needs a partitioned send"));
+        }
+        if part >= p.readied.len() {
+            return Err(Error::new(Status::OutOfRange, format!("partition {part} of {}", p.readied.len())));
+        }
+        if p.readied[part] {
+            return Err(Error::invalid_param(format!("partition {part} is already ready in this round")));
+        }
+        p.readied[part] = true;
+        if p.active.is_some() {
+            self.write_ready(out, id);
+        }
+        Ok(())
+    }
+
+    /// Whether partition `part` of a receive arrived in the round in progress (with no round in
+    /// progress: whether a round has completed).
+    pub fn parrived(&mut self, id: PrepId, part: usize) -> Result<bool> {
+        let p = self.live(id)?;
+        if p.spec.dir != PrepDir::Recv {
+            return Err(Error::invalid_param("parrived needs a receive"));
+        }
+        let parts = p.arrived.len();
+        if part >= parts {
+            return Err(Error::new(Status::OutOfRange, format!("partition {part} of {parts}")));
+        }
+        if p.active.is_none() {
+            return Ok(p.round > 0);
+        }
+        let Some(peer) = p.peer else { return Ok(false) };
+        let pl = p.part_len();
+        let expect = overlap(part * pl, (part + 1) * pl, 0, peer.len);
+        Ok(p.arrived[part] >= expect && (expect > 0 || p.parts_left == 0))
+    }
+
+    /// Release a preparation. Refused while a round is in flight.
+    pub fn release(&mut self, out: &mut Actions, id: PrepId) -> Result<()> {
+        let p = self.live(id)?;
+        if p.in_flight() {
+            return Err(Error::new(Status::Busy, "a round of this prepared transfer is in flight; wait for it before releasing"));
+        }
+        match p.peer {
+            Some(peer) => {
+                if p.broken.is_none() {
+                    transmit(out, p.spec.conn, Header::PrepBye { id: peer.id }, Payload::None, None);
+                }
+                self.preps.remove(&id);
+            }
+            // Keep a tombstone until the peer's hello comes, so pairing stays aligned.
+            None if p.broken.is_none() => p.released = true,
+            None => {
+                self.preps.remove(&id);
+            }
+        }
+        Ok(())
+    }
+
+    fn live(&mut self, id: PrepId) -> Result<&mut Prep> {
+        self.preps
+            .get_mut(&id)
+            .filter(|p| !p.released)
+            .ok_or_else(|| Error::new(Status::InvalidHandle, "stale or released prepared transfer"))
+    }
+
+    fn pair(&mut self, out: &mut Actions, id: PrepId, h: Hello) {
+        let links = &self.links;
+        let cfg = &self.cfg;
+        let p = self.preps.get_mut(&id).expect("pairing a live preparation");
+        p.peer = Some(h.peer);
+        if p.released {
+            transmit(out, p.spec.conn, Header::PrepBye { id: h.peer.id }, Payload::None, None);
+            self.preps.remove(&id);
+            return;
+        }
+        let (send_len, recv_len) = match p.spec.dir {
+            PrepDir::Send => (p.spec.buf.len, h.peer.len),
+            PrepDir::Recv => (h.peer.len, p.spec.buf.len),
+        };
+        if send_len > recv_len {
+            p.broken = Some(Error::new(
+                Status::MessageTruncated,
+                format!("prepared send of {send_len} bytes paired with a receive of {recv_len} (tag {:#x})", p.spec.tag),
+            ));
+        }
+        if p.spec.dir == PrepDir::Send {
+            // The protocol, chosen once: a direct write where the table would have the receiver
+            // read a message of one partition's size directly.
+            let part = UserBuf { len: p.part_len(), ..p.spec.buf };
+            p.direct = h.direct_ok
+                && part.mem == MemType::Host
+                && links.get(&p.spec.conn).is_some_and(|props| {
+                    props.remote_memory && matches!(select::select(cfg, part.mem, props, part.len), Ok(ProtoId::RndvGet))
+                });
+        }
+        tracing::debug!(target: "gsc::proto", id, peer = h.peer.id, dir = ?p.spec.dir, direct = p.direct, "prepared transfer paired");
+        if let Some(req) = p.active {
+            // A round started before pairing: announce readiness or fail it now.
+            if let Some(e) = p.broken.clone() {
+                self.fail_rounds(out, id, e.status());
+            } else {
+                self.round_began(out, id, req);
+            }
+        }
+    }
+
+    fn begin_round(&mut self, out: &mut Actions, id: PrepId, req: ReqId) {
+        let p = self.preps.get_mut(&id).expect("live");
+        p.round += 1;
+        p.active = Some(req);
+        p.round_error = None;
+        p.written.iter_mut().for_each(|w| *w = false);
+        p.arrived.iter_mut().for_each(|a| *a = 0);
+        p.received = 0;
+        p.unsent = 0;
+        if p.spec.partitions.is_none() {
+            p.readied[0] = true;
+        }
+        if p.peer.is_some() {
+            self.round_began(out, id, req);
+        }
+    }
+
+    /// The round in progress can act now that the peer is known.
+    fn round_began(&mut self, out: &mut Actions, id: PrepId, req: ReqId) {
+        let p = self.preps.get_mut(&id).expect("live");
+        let peer = p.peer.expect("paired");
+        match p.spec.dir {
+            PrepDir::Recv => {
+                p.parts_left = peer.partitions;
+                transmit(out, p.spec.conn, Header::PrepReady { id: peer.id, round: p.round }, Payload::None, None);
+            }
+            PrepDir::Send => {
+                self.sending.insert(req, id);
+                self.write_ready(out, id);
+            }
+        }
+    }
+
+    /// Send side: write every readied, unwritten partition if the receiver is ready.
+    fn write_ready(&mut self, out: &mut Actions, id: PrepId) {
+        let Some(props) = self.preps.get(&id).and_then(|p| self.links.get(&p.spec.conn)).copied() else { return };
+        let p = self.preps.get_mut(&id).expect("live");
+        let (Some(req), Some(peer)) = (p.active, p.peer) else { return };
+        if p.ready_round < p.round {
+            return;
+        }
+        let pl = p.part_len();
+        for part in 0..p.written.len() {
+            if !p.readied[part] || p.written[part] {
+                continue;
+            }
+            p.written[part] = true;
+            let offset = part * pl;
+            if p.direct {
+                let remote = peer.addr.expect("direct writes only to an announced buffer") + offset as u64;
+                let header = Header::PrepData {
+                    id: peer.id,
+                    round: p.round,
+                    offset: offset as u64,
+                    len: pl as u64,
+                    flags: PREP_DIRECT | PREP_LAST,
+                    status: 0,
+                };
+                p.unsent += 1;
+                out.push(Action::WriteRemote {
+                    conn: p.spec.conn,
+                    src: p.spec.buf.addr + offset,
+                    remote,
+                    len: pl,
+                    req,
+                    then: OutFrameEq(OutFrame {
+                        header: header.encode(),
+                        payload: Payload::None,
+                        on_sent: Some(req),
+                        copy_if_queued: false,
+                    }),
+                });
+                continue;
+            }
+            let probe = Header::PrepData { id: 0, round: 0, offset: 0, len: 0, flags: 0, status: 0 };
+            let room = props.max_frame.saturating_sub(probe.encoded_len()).max(1);
+            let mut at = 0;
+            loop {
+                let n = room.min(pl - at);
+                let last = at + n == pl;
+                let header = Header::PrepData {
+                    id: peer.id,
+                    round: p.round,
+                    offset: (offset + at) as u64,
+                    len: n as u64,
+                    flags: if last { PREP_LAST } else { 0 },
+                    status: 0,
+                };
+                let payload = if n == 0 { Payload::None } else { p.spec.buf.payload(offset + at, n) };
+                p.unsent += 1;
+                transmit(out, p.spec.conn, header, payload, Some(req));
+                at += n;
+                if last {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// A frame of a send round is in the link.
+    pub fn frame_sent(&mut self, out: &mut Actions, req: ReqId) {
+        let Some(&id) = self.sending.get(&req) else { return };
+        let p = self.preps.get_mut(&id).expect("sending rounds belong to live preparations");
+        p.unsent = p.unsent.saturating_sub(1);
+        self.maybe_finish_send(out, id);
+    }
+
+    /// A direct write of a send round failed: the round fails, and instead of the frame that
+    /// would have announced the bytes (counted in `unsent` already) the receiver is told.
+    pub fn write_failed(&mut self, out: &mut Actions, req: ReqId, status: Status) {
+        let Some(&id) = self.sending.get(&req) else { return };
+        let p = self.preps.get_mut(&id).expect("live");
+        let Some(peer) = p.peer else { return };
+        p.round_error.get_or_insert(status);
+        let h = Header::PrepData { id: peer.id, round: p.round, offset: 0, len: 0, flags: PREP_LAST, status: status.code() };
+        transmit(out, p.spec.conn, h, Payload::None, Some(req));
+    }
+
+    fn maybe_finish_send(&mut self, out: &mut Actions, id: PrepId) {
+        let p = self.preps.get_mut(&id).expect("live");
+        if p.active.is_none() || p.unsent > 0 || !p.written.iter().all(|w| *w) {
+            return;
+        }
+        let req = p.active.take().expect("checked");
+        let status = p.round_error.take().unwrap_or(Status::Ok);
+        self.sending.remove(&req);
+        p.readied.iter_mut().for_each(|r| *r = false);
+        let info = RecvInfo { tag: p.spec.tag, length: p.spec.buf.len };
+        out.push(Action::Complete { req, status, info });
+        self.next_round(out, id);
+    }
+
+    fn next_round(&mut self, out: &mut Actions, id: PrepId) {
+        let p = self.preps.get_mut(&id).expect("live");
+        if let Some(req) = p.queued.pop_front() {
+            match p.broken.clone() {
+                Some(e) => {
+                    out.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
+                    self.next_round(out, id);
+                }
+                None => self.begin_round(out, id, req),
+            }
+        }
+    }
+
+    /// Handle a prepared-transfer frame. Errors are protocol violations by the peer.
+    pub fn on_frame(&mut self, out: &mut Actions, conn: ConnId, header: Header, payload: &[u8]) -> Result<()> {
+        match header {
+            Header::PrepHello { tag, id, len, partitions, addr, flags } => {
+                let len = usize::try_from(len).map_err(|_| bad("length overflows"))?;
+                let partitions = usize::try_from(partitions).ok().filter(|n| *n > 0).ok_or_else(|| bad("zero partitions"))?;
+                let recv = flags & PREP_RECV != 0;
+                let direct_ok = recv && flags & PREP_DIRECT != 0;
+                let h = Hello { recv, tag, peer: Peer { id, len, partitions, addr: direct_ok.then_some(addr) }, direct_ok };
+                // The oldest unpaired local preparation of the other direction with this tag.
+                let mine = self
+                    .preps
+                    .iter()
+                    .filter(|(_, p)| p.spec.conn == conn && p.peer.is_none() && (p.spec.dir == PrepDir::Recv) != recv && p.spec.tag == tag)
+                    .map(|(k, _)| *k)
+                    .min();
+                match mine {
+                    Some(mine) => self.pair(out, mine, h),
+                    None => self.hellos.entry(conn).or_default().push_back(h),
+                }
+            }
+            Header::PrepReady { id, round } => {
+                // A stale id (released here) is ignored: the peer learns it from our bye.
+                let Some(p) = self.preps.get_mut(&id) else { return Ok(()) };
+                if p.spec.conn != conn || p.spec.dir != PrepDir::Send {
+                    return Err(bad("ready for a preparation that is not a send on this link"));
+                }
+                if round != p.ready_round + 1 {
+                    return Err(bad(&format!("ready for round {round} after round {}", p.ready_round)));
+                }
+                p.ready_round = round;
+                self.write_ready(out, id);
+            }
+            Header::PrepData { id, round, offset, len, flags, status } => {
+                self.on_data(out, conn, id, round, offset, len, flags, status, payload)?
+            }
+            Header::PrepBye { id } => {
+                let Some(p) = self.preps.get_mut(&id) else { return Ok(()) };
+                if p.spec.conn != conn {
+                    return Err(bad("bye on the wrong link"));
+                }
+                p.broken.get_or_insert_with(|| Error::new(Status::NotConnected, "the peer released its side of the prepared transfer"));
+                self.fail_rounds(out, id, Status::NotConnected);
+            }
+            other => return Err(bad(&format!("{other:?} is not a prepared-transfer frame"))),
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_data(
+        &mut self,
+        out: &mut Actions,
+        conn: ConnId,
+        id: PrepId,
+        round: u64,
+        offset: u64,
+        len: u64,
+        flags: u32,
+        status: i32,
+        payload: &[u8],
+    ) -> Result<()> {
+        let Some(p) = self.preps.get_mut(&id) else { return Err(bad("data for an unknown preparation")) };
+        if p.spec.conn != conn || p.spec.dir != PrepDir::Recv {
+            return Err(bad("data for a preparation that is not a receive on this link"));
+        }
+        let (Some(req), Some(peer)) = (p.active, p.peer) else { return Err(bad("data while no round is ready")) };
+        if round != p.round {
+            return Err(bad(&format!("data for round {round} during round {}", p.round)));
+        }
+        let (offset, len) = (offset as usize, len as usize);
+        if offset.checked_add(len).is_none_or(|end| end > peer.len.min(p.spec.buf.len)) {
+            return Err(bad("data past the buffer"));
+        }
+        let direct = flags & PREP_DIRECT != 0;
+        if !direct && payload.len() != len {
+            return Err(bad("data frame length disagrees with its header"));
+        }
+        if status != 0 {
+            let s = Status::from_code(status).filter(|s| s.is_error()).unwrap_or(Status::Internal);
+            p.round_error.get_or_insert(s);
+        } else if !direct && len > 0 {
+            out.push(Action::CopyFromFrame { dst: p.spec.buf.addr + offset, mem: p.spec.buf.mem, src_offset: 0, len });
+        }
+        p.received += len;
+        let pl = p.part_len();
+        if pl > 0 && status == 0 {
+            for part in offset / pl..=((offset + len).saturating_sub(1) / pl).min(p.arrived.len() - 1) {
+                p.arrived[part] += overlap(offset, offset + len, part * pl, (part + 1) * pl);
+            }
+        }
+        if flags & PREP_LAST != 0 {
+            if p.parts_left == 0 {
+                return Err(bad("more partitions than announced"));
+            }
+            p.parts_left -= 1;
+            if p.parts_left == 0 {
+                if p.round_error.is_none() && p.received != peer.len {
+                    return Err(bad(&format!("round ended with {} of {} bytes", p.received, peer.len)));
+                }
+                p.active = None;
+                let status = p.round_error.take().unwrap_or(Status::Ok);
+                out.push(Action::Complete { req, status, info: RecvInfo { tag: p.spec.tag, length: peer.len } });
+                self.next_round(out, id);
+            }
+        }
+        Ok(())
+    }
+
+    /// End the round in progress and every queued one with `status`.
+    fn fail_rounds(&mut self, out: &mut Actions, id: PrepId, status: Status) {
+        let Some(p) = self.preps.get_mut(&id) else { return };
+        let reqs: Vec<ReqId> = p.active.take().into_iter().chain(p.queued.drain(..)).collect();
+        p.readied.iter_mut().for_each(|r| *r = false);
+        for req in reqs {
+            self.sending.remove(&req);
+            out.push(Action::Complete { req, status, info: RecvInfo::default() });
+        }
+    }
+
+    /// The link is dead: every preparation on it is broken, its rounds fail.
+    pub fn conn_failed(&mut self, out: &mut Actions, conn: ConnId, status: Status) {
+        let mut ids: Vec<PrepId> = self.preps.iter().filter(|(_, p)| p.spec.conn == conn).map(|(k, _)| *k).collect();
+        ids.sort_unstable();
+        for id in ids {
+            let p = self.preps.get_mut(&id).expect("listed");
+            if p.released {
+                self.preps.remove(&id);
+                continue;
+            }
+            p.broken.get_or_insert_with(|| Error::new(status, "the connection of this prepared transfer failed"));
+            self.fail_rounds(out, id, status);
+        }
+        self.hellos.remove(&conn);
+        self.links.remove(&conn);
+    }
+}
