@@ -26,13 +26,13 @@ pub enum CloseMode {
 /// What an operation needs to find its connection again when it starts, possibly later on the
 /// proxy thread (an armed operation): the connection and the generation it must still have.
 #[derive(Copy, Clone)]
-struct EpKey {
+pub(super) struct EpKey {
     conn: ConnId,
     generation: u32,
 }
 
 impl EpKey {
-    fn usable(self, st: &State) -> Result<ConnId> {
+    pub(super) fn usable(self, st: &State) -> Result<ConnId> {
         match st.conns.get(self.conn) {
             Some(c) if c.generation == self.generation => match &c.failed {
                 Some(e) => Err(e.clone().context("endpoint unusable")),
@@ -63,7 +63,7 @@ impl Endpoint {
         self.key().usable(st)
     }
 
-    fn key(&self) -> EpKey {
+    pub(super) fn key(&self) -> EpKey {
         EpKey { conn: self.conn, generation: self.generation }
     }
 

@@ -7,6 +7,7 @@ pub mod context;
 mod device_mem;
 pub mod endpoint;
 pub mod memory;
+pub mod prepared;
 pub mod request;
 pub mod worker;
 
@@ -14,5 +15,6 @@ pub use address::WorkerAddress;
 pub use context::Context;
 pub use endpoint::{CloseMode, Endpoint};
 pub use memory::{MapRequest, MemHandle, Rkey};
+pub use prepared::{Direction, PrepareParams, Prepared};
 pub use request::{Callback, RequestParams, Started};
 pub use worker::{Completion, Worker, WorkerStats, worker_of_request};

@@ -260,7 +260,7 @@ impl Worker {
             ));
         };
         let mut st = self.lock();
-        let (conn, generation) = st.add_conn(link, Some(peer.process), true);
+        let (conn, generation) = st.add_conn(link, peer.uuid, Some(peer.process), true);
         tracing::debug!(target: "gsc::core", conn, lane = st.conns[conn].props.lane.name(), "endpoint created");
         drop(st);
         Ok(Endpoint::new(self.clone(), conn, generation))
@@ -276,6 +276,20 @@ impl Worker {
         };
         fire(ready);
         n
+    }
+
+    /// Run `f` under the lock with an action list, execute what it emitted (also on error: the
+    /// engines emit nothing before their checks pass), then fire the callbacks that became due.
+    pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut State, &mut Actions) -> Result<R>) -> Result<R> {
+        let (result, ready) = {
+            let mut st = self.lock();
+            let mut actions = st.take_actions();
+            let result = f(&mut st, &mut actions);
+            st.execute(&self.inner.context, actions);
+            (result, std::mem::take(&mut st.ready))
+        };
+        fire(ready);
+        result
     }
 
     /// Start an operation under the lock: allocate its request, run `start`, execute what it
@@ -813,7 +827,13 @@ impl Conn {
 }
 
 impl State {
-    pub(crate) fn add_conn(&mut self, link: Box<dyn Link>, peer_process: Option<ProcessIdentity>, has_user_ep: bool) -> (ConnId, u32) {
+    pub(crate) fn add_conn(
+        &mut self,
+        link: Box<dyn Link>,
+        peer_worker: u128,
+        peer_process: Option<ProcessIdentity>,
+        has_user_ep: bool,
+    ) -> (ConnId, u32) {
         let props = LaneProps {
             lane: link.lane(),
             max_frame: link.max_frame(),
@@ -832,7 +852,7 @@ impl State {
             has_user_ep,
             closing: None,
         });
-        self.engine.add_conn(conn, props);
+        self.engine.add_conn(conn, props, peer_worker);
         (conn, generation)
     }
 
@@ -943,7 +963,7 @@ impl State {
         for l in &mut self.listeners {
             loop {
                 match l.accept() {
-                    Ok(Some((_peer_uuid, link))) => accepted.push(link),
+                    Ok(Some((peer_uuid, link))) => accepted.push((peer_uuid, link)),
                     Ok(None) => break,
                     Err(e) => {
                         tracing::warn!(target: "gsc::core", lane = l.lane().name(), error = %e, "refused an incoming connection");
@@ -953,8 +973,8 @@ impl State {
             }
         }
         let n = accepted.len();
-        for link in accepted {
-            let (conn, _) = self.add_conn(link, None, false);
+        for (peer_uuid, link) in accepted {
+            let (conn, _) = self.add_conn(link, peer_uuid, None, false);
             tracing::debug!(target: "gsc::core", conn, "accepted a connection");
         }
         n

@@ -40,10 +40,11 @@ impl Engine {
         }
     }
 
-    pub fn add_conn(&mut self, conn: ConnId, props: LaneProps) {
+    /// A new link to worker `peer` (its uuid).
+    pub fn add_conn(&mut self, conn: ConnId, props: LaneProps, peer: u128) {
         self.links.insert(conn, props);
         self.tag.add_conn(conn, props);
-        self.prepared.add_conn(conn, props);
+        self.prepared.add_conn(conn, props, peer);
     }
 
     pub fn conn_props(&self, conn: ConnId) -> Option<LaneProps> {

@@ -62,6 +62,9 @@ struct Peer {
     partitions: usize,
     /// The receive buffer (when the peer receives and allows direct writes).
     addr: Option<u64>,
+    /// The link the peer's frames for this pair arrive on (its hello's): not necessarily
+    /// ours, since each side sends on its own endpoint.
+    conn: ConnId,
 }
 
 struct Prep {
@@ -72,6 +75,8 @@ struct Prep {
     /// Pairing showed the two sides cannot work together, or the peer released: every round
     /// fails with this.
     broken: Option<Error>,
+    /// Dropped by its owner while a round was in flight: released when the rounds end.
+    release_when_idle: bool,
     /// Released by the user before the peer's hello arrived: kept only to consume that hello
     /// (so later preparations pair as the peer paired them) and answer it with a bye.
     released: bool,
@@ -110,20 +115,31 @@ impl Prep {
 /// A hello no local preparation has claimed yet.
 #[derive(Copy, Clone, Debug)]
 struct Hello {
+    worker: u128,
     recv: bool,
     tag: u64,
     peer: Peer,
     direct_ok: bool,
 }
 
+/// A link as this engine sees it.
+#[derive(Copy, Clone, Debug)]
+struct LinkInfo {
+    props: LaneProps,
+    /// The worker at the other end. Pairing is per peer worker, not per link: two workers that
+    /// each connected to the other have two links, and each side prepares on its own endpoint.
+    worker: u128,
+}
+
 pub struct PreparedEngine {
     cfg: ProtoConfig,
-    links: IdMap<ConnId, LaneProps>,
+    links: IdMap<ConnId, LinkInfo>,
     preps: IdMap<PrepId, Prep>,
     /// Ids are never reused, so a frame or handle naming a released preparation is recognized
     /// as stale instead of reaching a newer one.
     next_id: PrepId,
-    hellos: IdMap<ConnId, VecDeque<Hello>>,
+    /// In arrival order (per peer worker, links deliver in order).
+    hellos: VecDeque<Hello>,
     /// Send rounds in progress: request -> preparation (frames report `frame_sent(req)`).
     sending: IdMap<ReqId, PrepId>,
 }
@@ -148,13 +164,18 @@ impl PreparedEngine {
             links: IdMap::default(),
             preps: IdMap::default(),
             next_id: 1,
-            hellos: IdMap::default(),
+            hellos: VecDeque::new(),
             sending: IdMap::default(),
         }
     }
 
-    pub fn add_conn(&mut self, conn: ConnId, props: LaneProps) {
-        self.links.insert(conn, props);
+    /// A new link to worker `worker` (its uuid).
+    pub fn add_conn(&mut self, conn: ConnId, props: LaneProps, worker: u128) {
+        self.links.insert(conn, LinkInfo { props, worker });
+    }
+
+    fn worker_of(&self, conn: ConnId) -> Option<u128> {
+        self.links.get(&conn).map(|l| l.worker)
     }
 
     /// Rounds in progress or queued.
@@ -164,9 +185,9 @@ impl PreparedEngine {
 
     /// Create a preparation and announce it to the peer. Checks everything before acting.
     pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec) -> Result<PrepId> {
-        if !self.links.contains_key(&spec.conn) {
+        let Some(worker) = self.worker_of(spec.conn) else {
             return Err(Error::new(Status::NotConnected, "prepare on a connection the protocol layer does not know"));
-        }
+        };
         if let Some(n) = spec.partitions {
             if n == 0 {
                 return Err(Error::invalid_param("a partitioned transfer needs at least one partition"));
@@ -199,6 +220,7 @@ impl PreparedEngine {
                 direct: false,
                 broken: None,
                 released: false,
+                release_when_idle: false,
                 round: 0,
                 active: None,
                 queued: VecDeque::new(),
@@ -213,9 +235,8 @@ impl PreparedEngine {
             },
         );
         // The peer's hello may have come first.
-        let queue = self.hellos.entry(spec.conn).or_default();
-        if let Some(i) = queue.iter().position(|h| h.recv != recv && h.tag == spec.tag) {
-            let h = queue.remove(i).expect("position found");
+        if let Some(i) = self.hellos.iter().position(|h| h.worker == worker && h.recv != recv && h.tag == spec.tag) {
+            let h = self.hellos.remove(i).expect("position found");
             self.pair(out, id, h);
         }
         Ok(id)
@@ -306,6 +327,13 @@ impl PreparedEngine {
         Ok(())
     }
 
+    /// Release once no round is in flight any more (the owner dropped its handle).
+    pub fn release_when_idle(&mut self, id: PrepId) {
+        if let Some(p) = self.preps.get_mut(&id) {
+            p.release_when_idle = true;
+        }
+    }
+
     fn live(&mut self, id: PrepId) -> Result<&mut Prep> {
         self.preps
             .get_mut(&id)
@@ -339,8 +367,8 @@ impl PreparedEngine {
             let part = UserBuf { len: p.part_len(), ..p.spec.buf };
             p.direct = h.direct_ok
                 && part.mem == MemType::Host
-                && links.get(&p.spec.conn).is_some_and(|props| {
-                    props.remote_memory && matches!(select::select(cfg, part.mem, props, part.len), Ok(ProtoId::RndvGet))
+                && links.get(&p.spec.conn).is_some_and(|l| {
+                    l.props.remote_memory && matches!(select::select(cfg, part.mem, &l.props, part.len), Ok(ProtoId::RndvGet))
                 });
         }
         tracing::debug!(target: "gsc::proto", id, peer = h.peer.id, dir = ?p.spec.dir, direct = p.direct, "prepared transfer paired");
@@ -389,7 +417,7 @@ impl PreparedEngine {
 
     /// Send side: write every readied, unwritten partition if the receiver is ready.
     fn write_ready(&mut self, out: &mut Actions, id: PrepId) {
-        let Some(props) = self.preps.get(&id).and_then(|p| self.links.get(&p.spec.conn)).copied() else { return };
+        let Some(props) = self.preps.get(&id).and_then(|p| self.links.get(&p.spec.conn)).map(|l| l.props) else { return };
         let p = self.preps.get_mut(&id).expect("live");
         let (Some(req), Some(peer)) = (p.active, p.peer) else { return };
         if p.ready_round < p.round {
@@ -488,14 +516,18 @@ impl PreparedEngine {
 
     fn next_round(&mut self, out: &mut Actions, id: PrepId) {
         let p = self.preps.get_mut(&id).expect("live");
-        if let Some(req) = p.queued.pop_front() {
-            match p.broken.clone() {
+        match p.queued.pop_front() {
+            Some(req) => match p.broken.clone() {
                 Some(e) => {
                     out.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
                     self.next_round(out, id);
                 }
                 None => self.begin_round(out, id, req),
+            },
+            None if p.release_when_idle && p.active.is_none() => {
+                let _ = self.release(out, id);
             }
+            None => {}
         }
     }
 
@@ -507,23 +539,32 @@ impl PreparedEngine {
                 let partitions = usize::try_from(partitions).ok().filter(|n| *n > 0).ok_or_else(|| bad("zero partitions"))?;
                 let recv = flags & PREP_RECV != 0;
                 let direct_ok = recv && flags & PREP_DIRECT != 0;
-                let h = Hello { recv, tag, peer: Peer { id, len, partitions, addr: direct_ok.then_some(addr) }, direct_ok };
-                // The oldest unpaired local preparation of the other direction with this tag.
+                let worker = self.worker_of(conn).ok_or_else(|| bad("hello on an unknown link"))?;
+                let peer = Peer { id, len, partitions, addr: direct_ok.then_some(addr), conn };
+                let h = Hello { worker, recv, tag, peer, direct_ok };
+                // The oldest unpaired local preparation with that worker, of the other
+                // direction, with this tag.
+                let links = &self.links;
                 let mine = self
                     .preps
                     .iter()
-                    .filter(|(_, p)| p.spec.conn == conn && p.peer.is_none() && (p.spec.dir == PrepDir::Recv) != recv && p.spec.tag == tag)
+                    .filter(|(_, p)| {
+                        p.peer.is_none()
+                            && (p.spec.dir == PrepDir::Recv) != recv
+                            && p.spec.tag == tag
+                            && links.get(&p.spec.conn).is_some_and(|l| l.worker == worker)
+                    })
                     .map(|(k, _)| *k)
                     .min();
                 match mine {
                     Some(mine) => self.pair(out, mine, h),
-                    None => self.hellos.entry(conn).or_default().push_back(h),
+                    None => self.hellos.push_back(h),
                 }
             }
             Header::PrepReady { id, round } => {
                 // A stale id (released here) is ignored: the peer learns it from our bye.
                 let Some(p) = self.preps.get_mut(&id) else { return Ok(()) };
-                if p.spec.conn != conn || p.spec.dir != PrepDir::Send {
+                if p.peer.is_none_or(|peer| peer.conn != conn) || p.spec.dir != PrepDir::Send {
                     return Err(bad("ready for a preparation that is not a send on this link"));
                 }
                 if round != p.ready_round + 1 {
@@ -537,7 +578,7 @@ impl PreparedEngine {
             }
             Header::PrepBye { id } => {
                 let Some(p) = self.preps.get_mut(&id) else { return Ok(()) };
-                if p.spec.conn != conn {
+                if p.peer.is_none_or(|peer| peer.conn != conn) {
                     return Err(bad("bye on the wrong link"));
                 }
                 p.broken.get_or_insert_with(|| Error::new(Status::NotConnected, "the peer released its side of the prepared transfer"));
@@ -562,7 +603,7 @@ impl PreparedEngine {
         payload: &[u8],
     ) -> Result<()> {
         let Some(p) = self.preps.get_mut(&id) else { return Err(bad("data for an unknown preparation")) };
-        if p.spec.conn != conn || p.spec.dir != PrepDir::Recv {
+        if p.peer.is_none_or(|peer| peer.conn != conn) || p.spec.dir != PrepDir::Recv {
             return Err(bad("data for a preparation that is not a receive on this link"));
         }
         let (Some(req), Some(peer)) = (p.active, p.peer) else { return Err(bad("data while no round is ready")) };
@@ -617,11 +658,18 @@ impl PreparedEngine {
             self.sending.remove(&req);
             out.push(Action::Complete { req, status, info: RecvInfo::default() });
         }
+        self.next_round(out, id);
     }
 
-    /// The link is dead: every preparation on it is broken, its rounds fail.
+    /// The link is dead: every preparation that sends on it or hears its peer on it is broken,
+    /// its rounds fail.
     pub fn conn_failed(&mut self, out: &mut Actions, conn: ConnId, status: Status) {
-        let mut ids: Vec<PrepId> = self.preps.iter().filter(|(_, p)| p.spec.conn == conn).map(|(k, _)| *k).collect();
+        let mut ids: Vec<PrepId> = self
+            .preps
+            .iter()
+            .filter(|(_, p)| p.spec.conn == conn || p.peer.is_some_and(|peer| peer.conn == conn))
+            .map(|(k, _)| *k)
+            .collect();
         ids.sort_unstable();
         for id in ids {
             let p = self.preps.get_mut(&id).expect("listed");
@@ -632,7 +680,7 @@ impl PreparedEngine {
             p.broken.get_or_insert_with(|| Error::new(status, "the connection of this prepared transfer failed"));
             self.fail_rounds(out, id, status);
         }
-        self.hellos.remove(&conn);
+        self.hellos.retain(|h| h.peer.conn != conn);
         self.links.remove(&conn);
     }
 }

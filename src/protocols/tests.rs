@@ -83,7 +83,7 @@ impl Pair {
         let props = LaneProps { lane, max_frame, remote_memory, device_ipc: false };
         let mk = || {
             let mut engine = Engine::new(cfg);
-            engine.add_conn(0, props);
+            engine.add_conn(0, props, 0);
             Side { engine, mem: Mem::default(), regions: Regions::default(), done: HashMap::new() }
         };
         Pair {
@@ -405,7 +405,7 @@ fn emulated_put_get_and_flush_check_the_target_region() {
 #[test]
 fn protocol_violations_are_errors_not_panics() {
     let mut e = Engine::new(cfg());
-    e.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: false });
+    e.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: false }, 0);
     let regions = Regions::default();
     let mut out = Actions::new();
     let frames: Vec<Vec<u8>> = vec![
@@ -501,7 +501,7 @@ fn device_rendezvous_reads_through_the_key_or_falls_back_to_a_push() {
         for len in [1usize, 8, 5000, 70_000] {
             let mut p = Pair::new(cfg(), false, 1024);
             for side in &mut p.sides {
-                side.engine.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: true });
+                side.engine.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: true }, 0);
             }
             p.refuse_device_reads = refuse;
             let data = pattern(len, 3);

@@ -1,0 +1,127 @@
+//! Prepared transfers as users see them: a persistent or partitioned send or receive on an
+//! endpoint, prepared once and started any number of times (MPI's `Send_init`/`Recv_init`,
+//! `Psend_init`/`Precv_init` + `Pready`/`Parrived`; the design's `gsc_prepare_transfers`).
+//! The protocol is in protocols/prepared.rs; this module checks arguments, holds the handle and
+//! routes each call through the worker.
+
+use super::endpoint::Endpoint;
+use super::request::{ReqKind, RequestParams, Started};
+use super::worker::{Worker, check_buffer, resolve_memtype};
+use crate::error::{Error, Result, Status};
+use crate::protocols::prepared::{PrepDir, PrepId, PrepSpec};
+use crate::protocols::{ConnId, MemType, UserBuf};
+
+pub use crate::protocols::prepared::PrepDir as Direction;
+
+/// What to prepare besides the buffer.
+#[derive(Copy, Clone, Debug)]
+pub struct PrepareParams {
+    pub dir: Direction,
+    pub tag: u64,
+    /// `None`: persistent (each start moves the whole buffer). `Some(n)`: partitioned into `n`
+    /// equal parts; a send's parts go once `pready` marks them, a receive reports them through
+    /// `parrived`. The two sides may split differently; the send may be shorter than the
+    /// receive, never longer.
+    pub partitions: Option<usize>,
+    /// Declared memory type of the buffer (`None`: detected).
+    pub memory_type: Option<MemType>,
+}
+
+/// A prepared transfer. Each `start` is one round and returns its own request, like any
+/// non-blocking operation. Dropping it releases it; with a round in flight the release happens
+/// when that round ends (the buffer must stay valid until then).
+pub struct Prepared {
+    worker: Worker,
+    id: PrepId,
+    conn: ConnId,
+    dir: Direction,
+}
+
+impl Endpoint {
+    /// Prepare a transfer of `len` bytes at `buf` with the peer: announce it, pair it with the
+    /// peer's preparation of the other direction and the same tag (the k-th with the k-th, in
+    /// creation order), and fix the protocol once.
+    ///
+    /// # Safety
+    /// `buf` must stay valid for `len` bytes (reads for a send, writes for a receive, which
+    /// the peer may perform directly) until the `Prepared` is released, and must not be
+    /// touched by the caller while a round is in flight.
+    pub unsafe fn prepare(&self, buf: *mut u8, len: usize, params: PrepareParams) -> Result<Prepared> {
+        check_buffer(buf, len, "prepare")?;
+        let addr = buf as usize;
+        let declared = RequestParams { memory_type: params.memory_type, ..Default::default() };
+        let mem = resolve_memtype(&declared, addr, len)?;
+        let key = self.key();
+        let worker = self.worker().clone();
+        let (id, conn) = worker.with_state(|st, out| {
+            let conn = key.usable(st)?;
+            if mem == MemType::Cuda {
+                st.device.prepare_for(addr)?;
+            }
+            let spec = PrepSpec { dir: params.dir, conn, tag: params.tag, buf: UserBuf { addr, len, mem }, partitions: params.partitions };
+            Ok((st.engine.prepared.prepare(out, spec)?, conn))
+        })?;
+        Ok(Prepared { worker, id, conn, dir: params.dir })
+    }
+}
+
+impl Prepared {
+    pub fn direction(&self) -> Direction {
+        self.dir
+    }
+
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// Start one round. Without a condition a round must not be in flight (`Busy`); with one,
+    /// rounds triggered while another is in flight run after it, in order.
+    pub fn start(&self, params: RequestParams) -> Result<Started> {
+        let id = self.id;
+        let queue = params.condition.is_some();
+        let kind = match self.dir {
+            PrepDir::Send => ReqKind::Send,
+            PrepDir::Recv => ReqKind::Recv,
+        };
+        self.worker.start_op(kind, Some(self.conn), params, move |st, req, out| st.engine.prepared.start(out, id, req, queue))
+    }
+
+    /// Mark partition `part` of a partitioned send ready: it goes as soon as the receiver is.
+    pub fn pready(&self, part: usize) -> Result<()> {
+        self.worker.with_state(|st, out| st.engine.prepared.pready(out, self.id, part))
+    }
+
+    /// Whether partition `part` of a partitioned receive has arrived in the round in progress
+    /// (progresses the worker first).
+    pub fn parrived(&self, part: usize) -> Result<bool> {
+        self.worker.progress();
+        self.worker.with_state(|st, _| st.engine.prepared.parrived(self.id, part))
+    }
+
+    /// Release now. `Busy` (and nothing changes) while a round is in flight.
+    pub fn release(self) -> std::result::Result<(), (Prepared, Error)> {
+        match self.worker.with_state(|st, out| st.engine.prepared.release(out, self.id)) {
+            Ok(()) => {
+                std::mem::forget(self);
+                Ok(())
+            }
+            Err(e) => Err((self, e)),
+        }
+    }
+}
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        let id = self.id;
+        let result = self.worker.with_state(|st, out| match st.engine.prepared.release(out, id) {
+            Err(e) if e.status() == Status::Busy => {
+                st.engine.prepared.release_when_idle(id);
+                Ok(())
+            }
+            other => other,
+        });
+        if let Err(e) = result {
+            tracing::debug!(target: "gsc::core", id, error = %e, "releasing a dropped prepared transfer");
+        }
+    }
+}
