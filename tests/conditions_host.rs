@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use gscomm::condition::{Condition, HostStream};
-use gscomm::{Context, RequestParams, Status, Worker};
+use gscomm::{Context, Direction, PrepareParams, RequestParams, Status, Worker};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -46,10 +46,19 @@ fn halo_byte(iter: u8, side: u8) -> u8 {
 
 /// One side of the halo exchange: every iteration refills its buffer on the stream, sends and
 /// receives with no stream wait, waits for both, and checks what arrived, all on the stream.
-fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8) -> Result<(), String> {
+/// With `prepared`, the exchange runs on a prepared send and receive started on the stream.
+fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8, prepared: bool) -> Result<(), String> {
     let stream = HostStream::new().unwrap();
     let cond = Condition::host_stream(&stream);
     let (src, dst) = (Buf::new(HALO_SIZE), Buf::new(HALO_SIZE));
+    let preps = prepared.then(|| {
+        let p = |dir| PrepareParams { dir, tag: 7, partitions: None, memory_type: None };
+        // SAFETY: both buffers outlive the preparations (dropped at the end of this function,
+        // after every round completed); stream order keeps rounds and stream work apart.
+        unsafe {
+            (ep.prepare(src.ptr(), HALO_SIZE, p(Direction::Send)).unwrap(), ep.prepare(dst.ptr(), HALO_SIZE, p(Direction::Recv)).unwrap())
+        }
+    });
     let bad = Arc::new(Mutex::new(None::<String>));
     let mut reqs = Vec::new();
     for iter in 0..HALO_ITERS {
@@ -60,8 +69,16 @@ fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8) -> Result<(), String> 
         if grouped {
             cond.group_start().unwrap();
         }
-        reqs.push(pending(unsafe { w.tag_recv_nbx(dst.ptr(), HALO_SIZE, iter as u64, u64::MAX, on(&cond, false)).unwrap() }));
-        reqs.push(pending(unsafe { ep.tag_send_nbx(src.ptr(), HALO_SIZE, iter as u64, on(&cond, false)).unwrap() }));
+        match &preps {
+            Some((tx, rx)) => {
+                reqs.push(pending(rx.start(on(&cond, false)).unwrap()));
+                reqs.push(pending(tx.start(on(&cond, false)).unwrap()));
+            }
+            None => {
+                reqs.push(pending(unsafe { w.tag_recv_nbx(dst.ptr(), HALO_SIZE, iter as u64, u64::MAX, on(&cond, false)).unwrap() }));
+                reqs.push(pending(unsafe { ep.tag_send_nbx(src.ptr(), HALO_SIZE, iter as u64, on(&cond, false)).unwrap() }));
+            }
+        }
         cond.wait().unwrap();
         if grouped {
             cond.group_end().unwrap();
@@ -105,8 +122,8 @@ fn roles(role: &str, chan: &dyn Chan, ctx: Context) {
             assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
             chan.put("echoed", &[]);
         }
-        "halo" => {
-            let r = halo_side(&w, &ep, 1);
+        "halo" | "phalo" => {
+            let r = halo_side(&w, &ep, 1, role == "phalo");
             chan.put("halo", r.err().unwrap_or_default().as_bytes());
         }
         // Send tags 1..=8 in order at once (the receiver takes them in reverse, late).
@@ -250,15 +267,28 @@ fn stream_ordered_echo_all_sizes_loopback() {
 /// 200 rounds of a two-sided halo exchange issued ahead on the stream, new data every round.
 #[test]
 fn halo_exchange_rounds_with_new_data_shm() {
-    child_or(|| {
-        let s = Setup::new(Lane::Shm, "halo_exchange_rounds_with_new_data_shm");
-        let (mut p, ep) = s.peer("halo");
-        let mine = halo_side(&s.w, &ep, 0);
-        let theirs = String::from_utf8(p.get_progress("halo", T, &s.w)).unwrap();
-        assert_eq!(mine, Ok(()));
-        assert!(theirs.is_empty(), "peer: {theirs}");
-        s.finish(p, ep);
-    });
+    child_or(|| halo(Lane::Shm, "halo_exchange_rounds_with_new_data_shm", false));
+}
+
+/// The same with prepared transfers started on the stream: matching resolved once.
+#[test]
+fn prepared_halo_exchange_rounds_with_new_data_shm() {
+    child_or(|| halo(Lane::Shm, "prepared_halo_exchange_rounds_with_new_data_shm", true));
+}
+
+#[test]
+fn prepared_halo_exchange_rounds_with_new_data_loopback() {
+    child_or(|| halo(Lane::Loopback, "prepared_halo_exchange_rounds_with_new_data_loopback", true));
+}
+
+fn halo(lane: Lane, test: &'static str, prepared: bool) {
+    let s = Setup::new(lane, test);
+    let (mut p, ep) = s.peer(if prepared { "phalo" } else { "halo" });
+    let mine = halo_side(&s.w, &ep, 0, prepared);
+    let theirs = String::from_utf8(p.get_progress("halo", T, &s.w)).unwrap();
+    assert_eq!(mine, Ok(()));
+    assert!(theirs.is_empty(), "peer: {theirs}");
+    s.finish(p, ep);
 }
 
 /// Receives posted in reverse tag order, long after the sends, behind slow stream work.
