@@ -493,6 +493,94 @@ gsc_status_ptr_t gsc_get_nbx(gsc_ep_h ep, void *buffer, size_t count, uint64_t r
                              gsc_rkey_h rkey, const gsc_request_param_t *param);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Prepared transfers: persistent and partitioned send/receive                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/**
+ * A prepared transfer: one side of a persistent (MPI_Send_init/Recv_init) or partitioned
+ * (MPI_Psend_init/Precv_init) send/receive pair. Matching and protocol are resolved once, when
+ * both sides have prepared: the k-th send prepared with tag T towards a worker pairs with the
+ * k-th receive prepared with tag T from that worker, in creation order (each side prepares on
+ * its own endpoint to the other; a prepared send only pairs with a prepared receive). Every
+ * round (gsc_prepared_start) is then: the receiver says its buffer is ready, the sender writes
+ * the data into it (in frames, or directly where the lane allows), the receiver counts its
+ * arrival; no tag matching, no rendezvous handshake, no allocation.
+ */
+typedef struct gsc_prepared *gsc_prepared_h;
+
+/** gsc_buffer_param_t.direction */
+typedef enum {
+    GSC_PREPARE_SEND = 0, /**< This side sends the buffer. */
+    GSC_PREPARE_RECV = 1  /**< This side receives into the buffer. */
+} gsc_prepare_direction_t;
+
+/** gsc_buffer_param_t.field_mask: `partitions` is set (a partitioned transfer). */
+#define GSC_BUFFER_PARAM_FIELD_PARTITIONS  (UINT64_C(1) << 0)
+/** gsc_buffer_param_t.field_mask: `memory_type` is set (otherwise: detected). */
+#define GSC_BUFFER_PARAM_FIELD_MEMORY_TYPE (UINT64_C(1) << 1)
+
+/** What gsc_prepare_transfers() prepares. `direction`, `buffer`, `length` and `tag` are always
+ *  read; the rest only when their bit is set in field_mask. */
+typedef struct gsc_buffer_param {
+    uint64_t field_mask;               /**< GSC_BUFFER_PARAM_FIELD_* bits. */
+    gsc_prepare_direction_t direction; /**< Send or receive. */
+    void *buffer;                      /**< The whole buffer; valid until released. */
+    size_t length;                     /**< Its length in bytes; a send may be shorter than
+                                            the receive it pairs with, never longer
+                                            (GSC_ERR_MESSAGE_TRUNCATED on both sides). */
+    uint64_t tag;                      /**< Pairs the two sides. */
+    size_t partitions;                 /**< Split into this many equal parts (length must be
+                                            a multiple). A send's parts go once
+                                            gsc_prepared_pready() marks them; a receive reports
+                                            them through gsc_prepared_parrived(). The two
+                                            sides may split differently. Without this field
+                                            a start moves the whole buffer. */
+    gsc_memory_type_t memory_type;     /**< Where the buffer lives. */
+} gsc_buffer_param_t;
+
+/**
+ * Prepare a transfer of param->buffer on `ep` and announce it to the peer.
+ * `prepared_memh` points to a gsc_prepared_h that receives the handle. The buffer must stay
+ * valid until the handle is released, and must not be touched while a round is in flight (a
+ * prepared receive's buffer may be written by the peer directly during its rounds).
+ */
+gsc_status_t gsc_prepare_transfers(gsc_ep_h ep, void *prepared_memh, const gsc_buffer_param_t *param);
+
+/** Release a prepared transfer made on `ep` (`prepared_memh` is its gsc_prepared_h): the peer
+ *  is told (its later rounds fail with GSC_ERR_NOT_CONNECTED) and the handle goes stale.
+ *  GSC_ERR_BUSY, changing nothing, while a round is in flight. Destroying the endpoint
+ *  releases its prepared transfers (a round in flight first ends). */
+gsc_status_t gsc_release_preparations(gsc_ep_h ep, void *prepared_memh);
+
+/** MPI_Send_init-like: a persistent send of `count` bytes with `tag` (gsc_prepare_transfers
+ *  with GSC_PREPARE_SEND). Released with gsc_release_preparations(). */
+gsc_status_t gsc_tag_send_init(gsc_ep_h ep, const void *buffer, size_t count, uint64_t tag,
+                               gsc_prepared_h *prepared_p);
+
+/** MPI_Recv_init-like: a persistent receive of `count` bytes with `tag` from the worker `ep`
+ *  leads to. */
+gsc_status_t gsc_tag_recv_init(gsc_ep_h ep, void *buffer, size_t count, uint64_t tag,
+                               gsc_prepared_h *prepared_p);
+
+/**
+ * Start one round. Returns like gsc_tag_send_nbx()/gsc_tag_recv_nbx() (NULL when the round
+ * completed at once, an error, or a request to test, wait on and free); param's callback,
+ * flags and condition apply as for those (its memory type is ignored: preparing fixed it).
+ * Without a condition a round must not be in flight (GSC_ERR_BUSY); on a condition, rounds
+ * triggered while one is in flight run after it, in order.
+ */
+gsc_status_ptr_t gsc_prepared_start(gsc_prepared_h prepared, const gsc_request_param_t *param);
+
+/** Mark `partition` of a partitioned send ready for the round in flight (or, with none in
+ *  flight, the next one): it is written as soon as the receiver is ready. Marking one twice
+ *  in a round is GSC_ERR_INVALID_PARAM; a partition past the last, GSC_ERR_OUT_OF_RANGE. */
+gsc_status_t gsc_prepared_pready(gsc_prepared_h prepared, size_t partition);
+
+/** Set *flag to 1 if `partition` of a partitioned receive has arrived in the round in flight
+ *  (with no round in flight: if a round has completed), else 0. Progresses the worker. */
+gsc_status_t gsc_prepared_parrived(gsc_prepared_h prepared, size_t partition, int *flag);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Bootstrap: how the processes of a job find each other (out of band, over TCP)              */
 /* ------------------------------------------------------------------------------------------ */
 

@@ -676,6 +676,86 @@ static void host_stream_conditions(gsc_ep_h ep)
     EXPECT_STATUS(gsc_host_stream_synchronize(sa, 0), GSC_ERR_INVALID_HANDLE, "gsc_host_stream_h");
 }
 
+/* Prepared transfers between wa (send, 4 partitions) and wb (receive, 2 partitions), each on
+ * its own endpoint; partitions readied out of order, new data every round, and misuse. */
+static void prepared(gsc_ep_h ep)
+{
+    gsc_ep_h back;
+    gsc_ep_params_t ep_params;
+    gsc_buffer_param_t bp;
+    gsc_prepared_h tx = NULL, rx = NULL, other = NULL;
+    gsc_status_ptr_t s, r;
+    void *addr;
+    size_t len;
+    static unsigned char src[4096], dst[4096];
+    int round, part, flag, i, wrong = 0;
+
+    EXPECT(gsc_worker_get_address(wa, &addr, &len) == GSC_OK);
+    memset(&ep_params, 0, sizeof(ep_params));
+    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS;
+    ep_params.address = addr;
+    EXPECT(gsc_ep_create(wb, &ep_params, &back) == GSC_OK);
+    EXPECT(gsc_worker_release_address(wa, addr) == GSC_OK);
+
+    memset(&bp, 0, sizeof(bp));
+    bp.field_mask = GSC_BUFFER_PARAM_FIELD_PARTITIONS;
+    bp.direction = GSC_PREPARE_SEND;
+    bp.buffer = src;
+    bp.length = sizeof(src);
+    bp.tag = 0xBEEF;
+    bp.partitions = 3;
+    EXPECT_STATUS(gsc_prepare_transfers(ep, &tx, &bp), GSC_ERR_INVALID_PARAM, "equal partitions");
+    bp.partitions = 4;
+    EXPECT_STATUS(gsc_prepare_transfers(ep, NULL, &bp), GSC_ERR_INVALID_PARAM, "NULL");
+    EXPECT_STATUS(gsc_prepare_transfers(ep, &tx, NULL), GSC_ERR_INVALID_PARAM, "NULL");
+    bp.direction = (gsc_prepare_direction_t)5;
+    EXPECT_STATUS(gsc_prepare_transfers(ep, &tx, &bp), GSC_ERR_INVALID_PARAM, "direction");
+    bp.direction = GSC_PREPARE_SEND;
+    EXPECT(gsc_prepare_transfers(ep, &tx, &bp) == GSC_OK);
+    bp.direction = GSC_PREPARE_RECV;
+    bp.buffer = dst;
+    bp.partitions = 2;
+    EXPECT(gsc_prepare_transfers(back, &rx, &bp) == GSC_OK);
+
+    for (round = 0; round < 20; round++) {
+        for (i = 0; i < (int)sizeof(src); i++) {
+            src[i] = (unsigned char)(i * 7 + round);
+        }
+        r = gsc_prepared_start(rx, NULL);
+        s = gsc_prepared_start(tx, NULL);
+        EXPECT(GSC_PTR_IS_PTR(r) && GSC_PTR_IS_PTR(s));
+        EXPECT_PTR_STATUS(gsc_prepared_start(tx, NULL), GSC_ERR_BUSY, "already started");
+        EXPECT_STATUS(gsc_release_preparations(ep, tx), GSC_ERR_BUSY, "in flight");
+        for (part = 3; part >= 0; part--) {
+            EXPECT(gsc_prepared_pready(tx, (size_t)part) == GSC_OK);
+        }
+        EXPECT_STATUS(gsc_prepared_pready(tx, 0), GSC_ERR_INVALID_PARAM, "already ready");
+        EXPECT_STATUS(gsc_prepared_pready(tx, 4), GSC_ERR_OUT_OF_RANGE, "partition 4");
+        EXPECT(finish2(s, NULL) == GSC_OK);
+        EXPECT(finish2(r, NULL) == GSC_OK);
+        EXPECT(gsc_prepared_parrived(rx, 1, &flag) == GSC_OK && flag == 1);
+        wrong += memcmp(src, dst, sizeof(src)) != 0;
+    }
+    EXPECT(wrong == 0);
+    EXPECT_STATUS(gsc_prepared_parrived(rx, 2, &flag), GSC_ERR_OUT_OF_RANGE, "partition 2");
+    EXPECT_STATUS(gsc_prepared_parrived(rx, 0, NULL), GSC_ERR_INVALID_PARAM, "flag");
+    EXPECT_STATUS(gsc_prepared_pready(rx, 0), GSC_ERR_INVALID_PARAM, "partitioned send");
+
+    /* A persistent pair the MPI way; released on the wrong endpoint is refused. */
+    EXPECT(gsc_tag_send_init(ep, src, 100, 1, &other) == GSC_OK);
+    EXPECT_STATUS(gsc_release_preparations(back, other), GSC_ERR_INVALID_PARAM, "this endpoint");
+    EXPECT(gsc_release_preparations(ep, other) == GSC_OK);
+    EXPECT_STATUS(gsc_release_preparations(ep, other), GSC_ERR_INVALID_HANDLE, "gsc_prepared_h");
+    EXPECT_PTR_STATUS(gsc_prepared_start(other, NULL), GSC_ERR_INVALID_HANDLE, "gsc_prepared_h");
+
+    EXPECT(gsc_release_preparations(ep, tx) == GSC_OK);
+    /* The peer released: the receive's next round fails instead of waiting. */
+    r = gsc_prepared_start(rx, NULL);
+    EXPECT_STATUS(finish2(r, NULL), GSC_ERR_NOT_CONNECTED, "");
+    EXPECT(gsc_release_preparations(back, rx) == GSC_OK);
+    EXPECT(finish2(gsc_ep_close_nbx(back, NULL), NULL) == GSC_OK);
+}
+
 /* Destroying a worker with an open endpoint releases the endpoint; its handle goes stale. */
 static void lifetimes(gsc_context_h ctx)
 {
@@ -739,6 +819,7 @@ int main(void)
     truncation(ep, 64 * 1024, 1);
     truncation(ep, 64 * 1024, 0);
     requests(ep);
+    prepared(ep);
     memory(ctx, ep);
     lifetimes(ctx);
     bootstrap();

@@ -20,7 +20,7 @@
 use super::panic::set_last_error;
 use crate::bootstrap::Bootstrap;
 use crate::condition::{Condition, HostStream};
-use crate::core::{Context, Endpoint, MemHandle, Rkey, Worker};
+use crate::core::{Context, Endpoint, MemHandle, Prepared, Rkey, Worker};
 use crate::error::{Error, Result, Status};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -65,6 +65,10 @@ impl Kind for MemObj {
 impl Kind for Rkey {
     const MAGIC: u64 = u64::from_le_bytes(*b"gscRKY01");
     const NAME: &'static str = "gsc_rkey_h";
+}
+impl Kind for Arc<Prepared> {
+    const MAGIC: u64 = u64::from_le_bytes(*b"gscPREP1");
+    const NAME: &'static str = "gsc_prepared_h";
 }
 impl Kind for Arc<Bootstrap> {
     const MAGIC: u64 = u64::from_le_bytes(*b"gscBOOT1");
@@ -150,6 +154,7 @@ fn name_of(magic: u64) -> &'static str {
         m if m == <Arc<Bootstrap>>::MAGIC => <Arc<Bootstrap>>::NAME,
         m if m == Condition::MAGIC => Condition::NAME,
         m if m == HostStream::MAGIC => HostStream::NAME,
+        m if m == <Arc<Prepared>>::MAGIC => <Arc<Prepared>>::NAME,
         _ => "unknown handle",
     }
 }
@@ -211,6 +216,8 @@ fn release(addr: usize, magic: u64) {
         m if m == Context::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Context>) }),
         m if m == Worker::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Worker>) }),
         m if m == <Arc<Endpoint>>::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Arc<Endpoint>>) }),
+        // Dropping releases it (at once, or when its round in flight ends).
+        m if m == <Arc<Prepared>>::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Arc<Prepared>>) }),
         m if m == MemObj::MAGIC => {
             let h = unsafe { Box::from_raw(addr as *mut Handle<MemObj>) };
             let MemObj { context, mem } = h.value;

@@ -23,6 +23,7 @@ mod handles;
 mod ops;
 mod panic;
 mod params;
+mod prepared;
 mod worker;
 
 #[cfg(test)]

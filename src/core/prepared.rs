@@ -7,9 +7,10 @@
 use super::endpoint::Endpoint;
 use super::request::{ReqKind, RequestParams, Started};
 use super::worker::{Worker, check_buffer, resolve_memtype};
-use crate::error::{Error, Result, Status};
+use crate::error::{Result, Status};
 use crate::protocols::prepared::{PrepDir, PrepId, PrepSpec};
 use crate::protocols::{ConnId, MemType, UserBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use crate::protocols::prepared::PrepDir as Direction;
 
@@ -35,6 +36,8 @@ pub struct Prepared {
     id: PrepId,
     conn: ConnId,
     dir: Direction,
+    /// `release` succeeded: dropping does nothing more.
+    released: AtomicBool,
 }
 
 impl Endpoint {
@@ -61,7 +64,7 @@ impl Endpoint {
             let spec = PrepSpec { dir: params.dir, conn, tag: params.tag, buf: UserBuf { addr, len, mem }, partitions: params.partitions };
             Ok((st.engine.prepared.prepare(out, spec)?, conn))
         })?;
-        Ok(Prepared { worker, id, conn, dir: params.dir })
+        Ok(Prepared { worker, id, conn, dir: params.dir, released: AtomicBool::new(false) })
     }
 }
 
@@ -98,20 +101,20 @@ impl Prepared {
         self.worker.with_state(|st, _| st.engine.prepared.parrived(self.id, part))
     }
 
-    /// Release now. `Busy` (and nothing changes) while a round is in flight.
-    pub fn release(self) -> std::result::Result<(), (Prepared, Error)> {
-        match self.worker.with_state(|st, out| st.engine.prepared.release(out, self.id)) {
-            Ok(()) => {
-                std::mem::forget(self);
-                Ok(())
-            }
-            Err(e) => Err((self, e)),
-        }
+    /// Release now: the peer is told, and every later call on this object is an
+    /// `InvalidHandle` error. `Busy` (and nothing changes) while a round is in flight.
+    pub fn release(&self) -> Result<()> {
+        self.worker.with_state(|st, out| st.engine.prepared.release(out, self.id))?;
+        self.released.store(true, Ordering::Release);
+        Ok(())
     }
 }
 
 impl Drop for Prepared {
     fn drop(&mut self) {
+        if self.released.load(Ordering::Acquire) {
+            return;
+        }
         let id = self.id;
         let result = self.worker.with_state(|st, out| match st.engine.prepared.release(out, id) {
             Err(e) if e.status() == Status::Busy => {
