@@ -15,7 +15,7 @@ use gscomm::cuda::api::{
     DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, ipc_export_kind,
     release_retired_peer_mappings, set_device, vmm_counters,
 };
-use gscomm::{Context, Endpoint, RequestParams, Started, Status, Worker};
+use gscomm::{Context, Direction, Endpoint, PrepareParams, RequestParams, Started, Status, Worker};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(300);
@@ -114,6 +114,8 @@ const STAGED_SIZES: &[usize] = &[1, 8, 129, 65_536, 65_537, 4 << 20];
 const GRAPH_ROUNDS: usize = 10_000;
 const KERNEL_ROUNDS: u64 = 500;
 const ROUND_BYTES: usize = 4096;
+const PREPARED_ROUNDS: u64 = 100;
+const PREPARED_SIZES: &[usize] = &[8, 4096, 65_536, 1 << 20, 16 << 20];
 
 /// Stream-ordered echo: side 0 fills on the GPU, sends, receives the echo and checks it on the
 /// GPU; side 1 receives, transforms (xor) on the GPU and sends it back. One buffer pair at a time
@@ -390,6 +392,96 @@ fn staged_shapes(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize]
 const SHAPES: &[usize] = &[1, 7, 31, 32, 33, 47, 48, 100, 1000, 4079, 4080, 4095];
 const SHAPES_64K: &[usize] = &[1, 33, 4095, 16_000, 16_384, 40_000, 65_519, 65_520];
 
+/// Prepared transfers on GPU buffers, started on a CUDA stream: each side prepares a send and a
+/// receive once per size, then PREPARED_ROUNDS rounds move new data (side 0 fills and checks,
+/// side 1 transforms and echoes).
+fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize]) -> String {
+    let stream = Stream::new().unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let mut statuses = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let (a, b) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
+        let pp = |dir| PrepareParams { dir, tag: 100 + i as u64, partitions: None, memory_type: None };
+        // SAFETY: the buffers outlive the preparations (dropped first, at the end of the size,
+        // after the stream finished every round).
+        let (tx, rx) = unsafe {
+            if side == 0 {
+                (
+                    ep.prepare(a.ptr() as *mut u8, n, pp(Direction::Send)).unwrap(),
+                    ep.prepare(b.ptr() as *mut u8, n, pp(Direction::Recv)).unwrap(),
+                )
+            } else {
+                (
+                    ep.prepare(a.ptr() as *mut u8, n, pp(Direction::Send)).unwrap(),
+                    ep.prepare(a.ptr() as *mut u8, n, pp(Direction::Recv)).unwrap(),
+                )
+            }
+        };
+        let mut reqs = Vec::new();
+        for r in 0..PREPARED_ROUNDS {
+            let seed = 1000 * r + i as u64;
+            if side == 0 {
+                k.fill.launch(grid(n), 256, &stream, &[a.ptr(), n as u64, seed]).unwrap();
+                reqs.push(pending(tx.start(on(&cond, true)).unwrap()));
+                reqs.push(pending(rx.start(on(&cond, true)).unwrap()));
+                k.check.launch(grid(n), 256, &stream, &[b.ptr(), n as u64, seed, 0x5A, err.device_ptr()]).unwrap();
+            } else {
+                reqs.push(pending(rx.start(on(&cond, true)).unwrap()));
+                k.xor5a.launch(grid(n), 256, &stream, &[a.ptr(), n as u64]).unwrap();
+                reqs.push(pending(tx.start(on(&cond, true)).unwrap()));
+            }
+        }
+        statuses.extend(wait_all(w, reqs));
+        stream.synchronize().unwrap();
+        drop((tx, rx));
+    }
+    verdict(&statuses, pinned_u64(&err))
+}
+
+/// `graph_halo` with prepared transfers: armed once on the graph, GRAPH_ROUNDS replays.
+fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
+    let stream = Stream::new().unwrap();
+    let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
+    let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
+    let n = ROUND_BYTES as u64;
+    let pp = |dir| PrepareParams { dir, tag: 9, partitions: None, memory_type: None };
+    // SAFETY: the buffers outlive the preparations (dropped at the end, after the last replay).
+    let (tx, rx) = unsafe {
+        (
+            ep.prepare(src.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Send)).unwrap(),
+            ep.prepare(dst.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Recv)).unwrap(),
+        )
+    };
+    let g = Graph::new().unwrap();
+    let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
+    let fill = g.add_kernel(k.fill_round, grid(ROUND_BYTES), 256, &[src.ptr(), n, round.device_ptr(), side], &[]).unwrap();
+    let s = armed(tx.start(on(&gc, true)).unwrap());
+    let r = armed(rx.start(on(&gc, true)).unwrap());
+    g.add_dependency(fill, s.start_node).unwrap();
+    let bump = g.add_kernel(k.bump, 1, 1, &[round.device_ptr()], &[s.done_node, r.done_node]).unwrap();
+    g.add_kernel(k.check_round, grid(ROUND_BYTES), 256, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[bump]).unwrap();
+    let exec = g.instantiate().unwrap();
+    let t0 = Instant::now();
+    for _ in 0..GRAPH_ROUNDS {
+        exec.launch(&stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let dt = t0.elapsed();
+    eprintln!(
+        "side {side}: {GRAPH_ROUNDS} prepared graph replays in {dt:?} ({:.1} us/replay)",
+        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+    );
+    let _ = w;
+    let rounds = pinned_u64(&round);
+    let mut v = verdict(&[], pinned_u64(&err));
+    if rounds != GRAPH_ROUNDS as u64 || gc.query().is_err() {
+        v += &format!(" rounds={rounds} query={:?}", gc.query());
+    }
+    drop((tx, rx));
+    v
+}
+
 fn pending_or_done(s: Started) -> Option<u64> {
     match s {
         Started::Pending(h) => Some(h),
@@ -434,6 +526,9 @@ fn scenarios(
     run("mixed_staging", &mut || mixed_staging(side, w, ep, k));
     run("staged_shapes", &mut || staged_shapes(side, w, ep, k, SHAPES));
     run("staged_shapes_64k", &mut || staged_shapes(side, staged.0, staged.1, k, SHAPES_64K));
+    run("prepared_stream_ipc", &mut || prepared_stream(side, w, ep, k, PREPARED_SIZES));
+    run("prepared_stream_staged", &mut || prepared_stream(side, staged.0, staged.1, k, PREPARED_SIZES));
+    run("prepared_graph", &mut || prepared_graph(side, w, ep, k));
     out
 }
 

@@ -71,6 +71,8 @@ fn header_bits_equal_the_rust_constants() {
         ("GSC_OP_ATTR_FLAG_NO_STREAM_WAIT", OP_ATTR_FLAG_NO_STREAM_WAIT),
         ("GSC_CONDITION_PARAM_FIELD_CATEGORY", super::condition::CONDITION_PARAM_FIELD_CATEGORY),
         ("GSC_CONDITION_PARAM_FIELD_CONTEXT", super::condition::CONDITION_PARAM_FIELD_CONTEXT),
+        ("GSC_BUFFER_PARAM_FIELD_PARTITIONS", super::prepared::BUFFER_PARAM_FIELD_PARTITIONS),
+        ("GSC_BUFFER_PARAM_FIELD_MEMORY_TYPE", super::prepared::BUFFER_PARAM_FIELD_MEMORY_TYPE),
     ];
     for (name, v) in expect {
         assert_eq!(bits.get(name), Some(&v), "{name}");
@@ -80,6 +82,8 @@ fn header_bits_equal_the_rust_constants() {
     assert!(HEADER.contains(&format!("#define GSC_UNIQUE_ID_BYTES {}\n", crate::bootstrap::UNIQUE_ID_BYTES)));
     assert!(HEADER.contains(&format!("#define GSC_UNIQUE_ID_STRING_LEN {}\n", super::bootstrap::UNIQUE_ID_STRING_LEN)));
     assert!(HEADER.contains("GSC_MEMORY_TYPE_CUDA = 1") && MEMORY_TYPE_CUDA == 1);
+    assert!(HEADER.contains("GSC_PREPARE_SEND = 0") && super::prepared::PREPARE_SEND == 0);
+    assert!(HEADER.contains("GSC_PREPARE_RECV = 1") && super::prepared::PREPARE_RECV == 1);
     for (i, name) in ["STREAM", "GRAPH", "KERNEL_TRIGGERED", "HOST_STREAM"].iter().enumerate() {
         assert!(HEADER.contains(&format!("GSC_CONDITION_CATEGORY_{name} = {i}")), "{name}");
     }
@@ -117,6 +121,9 @@ int main(void) {
     S(gsc_ep_params_t); O(gsc_ep_params_t, address); O(gsc_ep_params_t, address_length);
     S(gsc_mem_map_params_t); O(gsc_mem_map_params_t, address); O(gsc_mem_map_params_t, length);
     O(gsc_mem_map_params_t, flags);
+    S(gsc_buffer_param_t); O(gsc_buffer_param_t, direction); O(gsc_buffer_param_t, buffer);
+    O(gsc_buffer_param_t, length); O(gsc_buffer_param_t, tag); O(gsc_buffer_param_t, partitions);
+    O(gsc_buffer_param_t, memory_type);
     S(gsc_status_t); S(gsc_memory_type_t); S(gsc_unique_id_t);
     return 0;
 }
@@ -166,6 +173,13 @@ int main(void) {
         ("gsc_mem_map_params_t.address", offset_of!(MemMapParams, address)),
         ("gsc_mem_map_params_t.length", offset_of!(MemMapParams, length)),
         ("gsc_mem_map_params_t.flags", offset_of!(MemMapParams, flags)),
+        ("gsc_buffer_param_t", size_of::<super::prepared::BufferParam>()),
+        ("gsc_buffer_param_t.direction", offset_of!(super::prepared::BufferParam, direction)),
+        ("gsc_buffer_param_t.buffer", offset_of!(super::prepared::BufferParam, buffer)),
+        ("gsc_buffer_param_t.length", offset_of!(super::prepared::BufferParam, length)),
+        ("gsc_buffer_param_t.tag", offset_of!(super::prepared::BufferParam, tag)),
+        ("gsc_buffer_param_t.partitions", offset_of!(super::prepared::BufferParam, partitions)),
+        ("gsc_buffer_param_t.memory_type", offset_of!(super::prepared::BufferParam, memory_type)),
         ("gsc_status_t", size_of::<i32>()),
         ("gsc_memory_type_t", size_of::<u32>()),
         ("gsc_unique_id_t", size_of::<super::bootstrap::CUniqueId>()),

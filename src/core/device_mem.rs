@@ -13,7 +13,7 @@ use crate::cuda::copy::{Copier, CopyTicket};
 use crate::cuda::{ipc, memory};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
-use crate::protocols::{MemType, RecvInfo, ReqId, UserBuf};
+use crate::protocols::{ConnId, MemType, OutFrame, RecvInfo, ReqId, UserBuf};
 use crate::transport::LaneKind;
 
 pub(crate) struct DeviceMem {
@@ -23,12 +23,22 @@ pub(crate) struct DeviceMem {
     copy_streams: usize,
     copy_split: usize,
     reads: Vec<(CopyTicket, ReqId)>,
+    /// Prepared transfers' writes into peers' GPU buffers, with the frame that announces each
+    /// once it is done.
+    writes: Vec<(CopyTicket, PendingWrite)>,
     /// Completions that arrived (a link failure) while the request's read was still copying
     /// into its buffer: held until the copy is done, so the buffer is the user's again only then.
     held: Vec<(ReqId, Status, RecvInfo)>,
     /// `GSC_CUDA_IPC`: off never reads through IPC; on makes a failed IPC read an error
     /// rather than a fall back to the sender pushing through host memory.
     pub(crate) ipc: Tristate,
+}
+
+/// A write into a peer's GPU buffer in flight: what to do when it is done.
+pub(crate) struct PendingWrite {
+    pub(crate) req: ReqId,
+    pub(crate) conn: ConnId,
+    pub(crate) then: OutFrame,
 }
 
 /// What became of a rendezvous read this side was asked to do.
@@ -47,6 +57,7 @@ impl DeviceMem {
             copy_streams: cfg.cuda_copy_streams,
             copy_split: cfg.cuda_copy_split,
             reads: Vec::new(),
+            writes: Vec::new(),
             held: Vec::new(),
             ipc: cfg.cuda_ipc,
         }
@@ -142,6 +153,36 @@ impl DeviceMem {
                 ReadStart::Started
             }
             Err(e) => ReadStart::Failed(e),
+        }
+    }
+
+    /// Start writing `len` bytes of our GPU memory at `src` into the peer's GPU memory at
+    /// `remote`, opened by `key` (a prepared transfer's round). `poll_writes` reports it.
+    pub(crate) fn start_write(&mut self, src: usize, remote: u64, len: usize, key: &[u8], write: PendingWrite) -> Result<()> {
+        let key = ipc::DeviceKey::decode(key)?;
+        let device = device_of(src)?;
+        let dst = ipc::map_peer(&key, remote, len, device).map_err(|e| e.context("opening the peer's prepared GPU buffer"))?;
+        // SAFETY: `src` is the prepared send's buffer, which stays valid while its round is in
+        // flight (the round completes only after this copy); `dst` is the peer's receive buffer,
+        // mapped, and ready for this round (its readiness frame came before).
+        let ticket = unsafe { self.copier().start(device, dst, src as u64, len) }?;
+        self.writes.push((ticket, write));
+        Ok(())
+    }
+
+    pub(crate) fn writes_in_flight(&self) -> usize {
+        self.writes.len()
+    }
+
+    /// Writes that finished since the last call, with their results.
+    pub(crate) fn poll_writes(&mut self, done: &mut Vec<(PendingWrite, Result<()>)>) {
+        let Some(copier) = self.copier.as_mut() else { return };
+        let mut i = 0;
+        while i < self.writes.len() {
+            match copier.poll(&self.writes[i].0) {
+                None => i += 1,
+                Some(r) => done.push((self.writes.swap_remove(i).1, r)),
+            }
         }
     }
 

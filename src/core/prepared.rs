@@ -4,6 +4,7 @@
 //! The protocol is in protocols/prepared.rs; this module checks arguments, holds the handle and
 //! routes each call through the worker.
 
+use super::device_mem::DeviceMem;
 use super::endpoint::Endpoint;
 use super::request::{ReqKind, RequestParams, Started};
 use super::worker::{Worker, check_buffer, resolve_memtype};
@@ -58,11 +59,18 @@ impl Endpoint {
         let worker = self.worker().clone();
         let (id, conn) = worker.with_state(|st, out| {
             let conn = key.usable(st)?;
+            let mut device_key = None;
             if mem == MemType::Cuda {
                 st.device.prepare_for(addr)?;
+                // A GPU receive buffer is opened to the peer once, here, so each round's data
+                // can be written into it by the sender's copy engine.
+                if params.dir == PrepDir::Recv {
+                    let lane = st.conns[conn].props.lane;
+                    device_key = DeviceMem::send_key(st.device.ipc, lane, addr, len);
+                }
             }
             let spec = PrepSpec { dir: params.dir, conn, tag: params.tag, buf: UserBuf { addr, len, mem }, partitions: params.partitions };
-            Ok((st.engine.prepared.prepare(out, spec)?, conn))
+            Ok((st.engine.prepared.prepare(out, spec, device_key)?, conn))
         })?;
         Ok(Prepared { worker, id, conn, dir: params.dir, released: AtomicBool::new(false) })
     }

@@ -8,7 +8,7 @@
 
 use super::address::WorkerAddress;
 use super::context::{Context, random_u128};
-use super::device_mem::{DeviceMem, ReadStart};
+use super::device_mem::{DeviceMem, PendingWrite, ReadStart};
 use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
 use crate::condition::{Condition, Issued, Signal, Stage, StageDir};
@@ -934,6 +934,17 @@ impl State {
             }
             self.reads_done = done;
         }
+        if self.device.writes_in_flight() > 0 {
+            let mut done = Vec::new();
+            self.device.poll_writes(&mut done);
+            events += done.len();
+            for (write, result) in done {
+                match result {
+                    Ok(()) => self.queue_frame(write.conn, write.then, &mut actions),
+                    Err(e) => self.engine.prepared.write_failed(&mut actions, write.req, e.status()),
+                }
+            }
+        }
         if self.polls % 64 == 0 && self.last_peer_check.elapsed() >= self.peer_check_interval {
             self.last_peer_check = Instant::now();
             self.check_peers(&mut actions);
@@ -1219,7 +1230,14 @@ impl State {
                         };
                         self.engine.tag.remote_read_done(&mut next, req, result);
                     }
-                    Action::WriteRemote { conn, src, remote, len, req, then } => {
+                    Action::WriteRemote { conn, src, remote, len, req, device_key: Some(key), then } => {
+                        let write = PendingWrite { req, conn, then: then.0 };
+                        if let Err(e) = self.device.start_write(src, remote, len, &key, write) {
+                            tracing::debug!(target: "gsc::cuda", req, error = %e, "prepared GPU write failed to start");
+                            self.engine.prepared.write_failed(&mut next, req, e.status());
+                        }
+                    }
+                    Action::WriteRemote { conn, src, remote, len, req, device_key: None, then } => {
                         let result = match self.conns.get(conn) {
                             Some(c) if c.failed.is_none() => {
                                 // SAFETY: `src..src+len` is inside the prepared send's host

@@ -23,9 +23,10 @@
 use super::idmap::IdMap;
 use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
 use super::tag::{Action, Actions, ConnId, OutFrame, OutFrameEq, Payload, RecvInfo, ReqId, UserBuf};
-use super::wire::{Header, PREP_DIRECT, PREP_LAST, PREP_RECV};
+use super::wire::{Header, PREP_DEVICE, PREP_DIRECT, PREP_LAST, PREP_RECV};
 use crate::error::{Error, Result, Status};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 pub type PrepId = u64;
 
@@ -70,6 +71,8 @@ struct Peer {
 struct Prep {
     spec: PrepSpec,
     peer: Option<Peer>,
+    /// The peer's receive buffer is GPU memory this key opens.
+    peer_key: Option<Arc<[u8]>>,
     /// Send side, fixed at pairing: partitions are written into the receive buffer directly.
     direct: bool,
     /// Pairing showed the two sides cannot work together, or the peer released: every round
@@ -113,9 +116,10 @@ impl Prep {
 }
 
 /// A hello no local preparation has claimed yet.
-#[derive(Copy, Clone, Debug)]
+#[derive(Clone, Debug)]
 struct Hello {
     worker: u128,
+    key: Option<Arc<[u8]>>,
     recv: bool,
     tag: u64,
     peer: Peer,
@@ -184,7 +188,9 @@ impl PreparedEngine {
     }
 
     /// Create a preparation and announce it to the peer. Checks everything before acting.
-    pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec) -> Result<PrepId> {
+    /// `device_key`: for a receive into GPU memory, the key that opens it to the peer (none:
+    /// the peer sends frames).
+    pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec, device_key: Option<Vec<u8>>) -> Result<PrepId> {
         let Some(worker) = self.worker_of(spec.conn) else {
             return Err(Error::new(Status::NotConnected, "prepare on a connection the protocol layer does not know"));
         };
@@ -203,20 +209,25 @@ impl PreparedEngine {
         // Only a host receive buffer may be written by the peer (cross-memory attach, or a copy
         // within one process).
         let direct_ok = recv && spec.buf.mem == MemType::Host;
+        let own_key: Option<Arc<[u8]>> = device_key.filter(|_| recv && spec.buf.mem == MemType::Cuda).map(Arc::from);
         let hello = Header::PrepHello {
             tag: spec.tag,
             id,
             len: spec.buf.len as u64,
             partitions: parts as u64,
             addr: if recv { spec.buf.addr as u64 } else { 0 },
-            flags: if recv { PREP_RECV } else { 0 } | if direct_ok { PREP_DIRECT } else { 0 },
+            flags: if recv { PREP_RECV } else { 0 }
+                | if direct_ok { PREP_DIRECT } else { 0 }
+                | if own_key.is_some() { PREP_DEVICE } else { 0 },
         };
-        transmit(out, spec.conn, hello, Payload::None, None);
+        let key_payload = own_key.as_ref().map_or(Payload::None, |k| Payload::Owned(k.to_vec()));
+        transmit(out, spec.conn, hello, key_payload, None);
         self.preps.insert(
             id,
             Prep {
                 spec,
                 peer: None,
+                peer_key: None,
                 direct: false,
                 broken: None,
                 released: false,
@@ -346,6 +357,7 @@ impl PreparedEngine {
         let cfg = &self.cfg;
         let p = self.preps.get_mut(&id).expect("pairing a live preparation");
         p.peer = Some(h.peer);
+        p.peer_key = h.key.clone();
         if p.released {
             transmit(out, p.spec.conn, Header::PrepBye { id: h.peer.id }, Payload::None, None);
             self.preps.remove(&id);
@@ -365,11 +377,17 @@ impl PreparedEngine {
             // The protocol, chosen once: a direct write where the table would have the receiver
             // read a message of one partition's size directly.
             let part = UserBuf { len: p.part_len(), ..p.spec.buf };
-            p.direct = h.direct_ok
-                && part.mem == MemType::Host
-                && links.get(&p.spec.conn).is_some_and(|l| {
-                    l.props.remote_memory && matches!(select::select(cfg, part.mem, &l.props, part.len), Ok(ProtoId::RndvGet))
-                });
+            p.direct = match part.mem {
+                MemType::Host => {
+                    h.direct_ok
+                        && links.get(&p.spec.conn).is_some_and(|l| {
+                            l.props.remote_memory && matches!(select::select(cfg, part.mem, &l.props, part.len), Ok(ProtoId::RndvGet))
+                        })
+                }
+                // GPU to GPU through the receiver's key, at every size: a copy-engine write
+                // instead of staging through host memory frame by frame.
+                MemType::Cuda => h.key.is_some() && links.get(&p.spec.conn).is_some_and(|l| l.props.device_ipc),
+            };
         }
         tracing::debug!(target: "gsc::proto", id, peer = h.peer.id, dir = ?p.spec.dir, direct = p.direct, "prepared transfer paired");
         if let Some(req) = p.active {
@@ -430,8 +448,9 @@ impl PreparedEngine {
             }
             p.written[part] = true;
             let offset = part * pl;
-            if p.direct {
+            if p.direct && pl > 0 {
                 let remote = peer.addr.expect("direct writes only to an announced buffer") + offset as u64;
+                let device_key = p.peer_key.clone();
                 let header = Header::PrepData {
                     id: peer.id,
                     round: p.round,
@@ -447,6 +466,7 @@ impl PreparedEngine {
                     remote,
                     len: pl,
                     req,
+                    device_key,
                     then: OutFrameEq(OutFrame {
                         header: header.encode(),
                         payload: Payload::None,
@@ -538,10 +558,11 @@ impl PreparedEngine {
                 let len = usize::try_from(len).map_err(|_| bad("length overflows"))?;
                 let partitions = usize::try_from(partitions).ok().filter(|n| *n > 0).ok_or_else(|| bad("zero partitions"))?;
                 let recv = flags & PREP_RECV != 0;
+                let key: Option<Arc<[u8]>> = (recv && flags & PREP_DEVICE != 0 && !payload.is_empty()).then(|| Arc::from(payload));
                 let direct_ok = recv && flags & PREP_DIRECT != 0;
                 let worker = self.worker_of(conn).ok_or_else(|| bad("hello on an unknown link"))?;
-                let peer = Peer { id, len, partitions, addr: direct_ok.then_some(addr), conn };
-                let h = Hello { worker, recv, tag, peer, direct_ok };
+                let peer = Peer { id, len, partitions, addr: (direct_ok || key.is_some()).then_some(addr), conn };
+                let h = Hello { worker, key, recv, tag, peer, direct_ok };
                 // The oldest unpaired local preparation with that worker, of the other
                 // direction, with this tag.
                 let links = &self.links;

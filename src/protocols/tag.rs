@@ -127,14 +127,17 @@ pub enum Action {
         req: ReqId,
         device_key: Option<Vec<u8>>,
     },
-    /// Write `len` bytes at `src` (host memory) into the peer's memory at `remote`, then
-    /// transmit `then`; if the write fails, report `prepared.write_failed(req)` instead.
+    /// Write `len` bytes at `src` into the peer's memory at `remote`, then transmit `then`;
+    /// if the write fails, report `prepared.write_failed(req)` instead. Without `device_key`
+    /// both sides are host memory (cross-memory attach, or one address space); with it both
+    /// are GPU memory, `remote` opened by the (receiver's) key and written by the copy engine.
     WriteRemote {
         conn: ConnId,
         src: usize,
         remote: u64,
         len: usize,
         req: ReqId,
+        device_key: Option<std::sync::Arc<[u8]>>,
         then: OutFrameEq,
     },
     Complete {

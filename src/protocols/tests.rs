@@ -143,7 +143,8 @@ impl Pair {
                     self.sides[s].engine.tag.remote_read_done(&mut out, req, result);
                     followups.push(out);
                 }
-                Action::WriteRemote { src, remote, len, req, then, .. } => {
+                Action::WriteRemote { src, remote, len, req, then, device_key, .. } => {
+                    self.keys_seen.extend(device_key.map(|k| k.to_vec()));
                     let mut out = Actions::new();
                     match self.fail_writes {
                         Some(status) => self.sides[s].engine.prepared.write_failed(&mut out, req, status),
@@ -558,7 +559,7 @@ impl Pair {
         let addr = self.sides[s].mem.alloc(vec![0xEE; len + 64]);
         let mut out = Actions::new();
         let spec = PrepSpec { dir, conn: 0, tag, buf: UserBuf::host(addr, len), partitions };
-        let id = self.sides[s].engine.prepared.prepare(&mut out, spec).unwrap();
+        let id = self.sides[s].engine.prepared.prepare(&mut out, spec, None).unwrap();
         self.run(s, out, None);
         (id, addr)
     }
@@ -733,7 +734,7 @@ fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
     }
     // Unequal partitions are refused at prepare time.
     let spec = PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf::host(0x1000, 10), partitions: Some(3) };
-    assert_eq!(p.sides[0].engine.prepared.prepare(&mut Actions::new(), spec).unwrap_err().status(), Status::InvalidParam);
+    assert_eq!(p.sides[0].engine.prepared.prepare(&mut Actions::new(), spec, None).unwrap_err().status(), Status::InvalidParam);
 
     // Busy: a second host start and a release while a round is in flight change nothing.
     let mut p = Pair::new(cfg(), false, 1024);
@@ -810,5 +811,39 @@ fn hostile_prepared_frames_are_protocol_errors() {
         let bytes = h.encode().as_bytes().to_vec();
         let e = p.sides[1].engine.on_frame(&mut out, 0, &bytes, &p.sides[1].regions);
         assert_eq!(e.unwrap_err().status(), Status::ConnectionReset, "frame {i}: {h:?}");
+    }
+}
+
+#[test]
+fn prepared_gpu_receive_is_written_through_its_key_and_without_one_in_frames() {
+    for with_key in [true, false] {
+        let mut p = Pair::new(cfg(), false, 1024);
+        for side in &mut p.sides {
+            side.engine.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: true }, 0);
+        }
+        let size = 3000;
+        // Simulated GPU memory on both sides (plain memory here; the worker does the real thing).
+        let saddr = p.sides[0].mem.alloc(vec![0; size]);
+        let spec =
+            PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf { addr: saddr, len: size, mem: MemType::Cuda }, partitions: None };
+        let mut out = Actions::new();
+        let send = p.sides[0].engine.prepared.prepare(&mut out, spec, None).unwrap();
+        p.run(0, out, None);
+        let raddr = p.sides[1].mem.alloc(vec![0xEE; size]);
+        let spec =
+            PrepSpec { dir: PrepDir::Recv, conn: 0, tag: 1, buf: UserBuf { addr: raddr, len: size, mem: MemType::Cuda }, partitions: None };
+        let mut out = Actions::new();
+        let key = with_key.then(|| b"device key".to_vec());
+        let recv = p.sides[1].engine.prepared.prepare(&mut out, spec, key).unwrap();
+        p.run(1, out, None);
+        p.pump();
+        let data = pattern(size, 9);
+        p.sides[0].mem.write(saddr, &data);
+        let r = p.pstart(1, recv);
+        let s = p.pstart(0, send);
+        p.pump();
+        assert_eq!((p.sides[0].done[&s].0, p.sides[1].done[&r].0), (Status::Ok, Status::Ok));
+        assert_eq!(p.sides[1].mem.get(raddr), &data);
+        assert_eq!(p.keys_seen.len(), with_key as usize, "the key travels to the sender's writes only when there is one");
     }
 }

@@ -120,6 +120,9 @@ pub const PREP_RECV: u32 = 1;
 pub const PREP_DIRECT: u32 = 2;
 /// PrepData: the last frame of one of the sender's partitions.
 pub const PREP_LAST: u32 = 4;
+/// PrepHello: `addr` is GPU memory and the payload is the key that opens it (see cuda/ipc.rs);
+/// the sender writes it with its copy engine.
+pub const PREP_DEVICE: u32 = 8;
 
 /// RTS flag: `remote_addr` may be read directly (the lane has remote memory access).
 pub const RTS_REMOTE_MEMORY: u32 = 1;

@@ -13,6 +13,9 @@
 //!   (nccl-tests' `-G`; time is per captured iteration).
 //! - kernel: one kernel runs every iteration, triggering both operations and waiting for them
 //!   from the device (`gsc_trigger` / `gsc_wait`).
+//! - pstream, pgraph: stream and graph with prepared transfers (a send and a receive prepared
+//!   once per size; each iteration is one round of each: receiver ready, then data written
+//!   into the receive buffer, by the copy engine for GPU buffers).
 //! - nccl (`--nccl`): ncclSend + ncclRecv in a group per iteration on a stream, and the same
 //!   captured `-G` per graph.
 
@@ -28,6 +31,9 @@ enum Mode {
     Stream,
     Graph,
     Kernel,
+    /// `Stream` and `Graph` with prepared transfers (matching and protocol resolved once).
+    PStream,
+    PGraph,
     Nccl,
     NcclGraph,
 }
@@ -38,6 +44,8 @@ impl Mode {
             Mode::Stream => "stream",
             Mode::Graph => "graph",
             Mode::Kernel => "kernel",
+            Mode::PStream => "pstream",
+            Mode::PGraph => "pgraph",
             Mode::Nccl => "nccl",
             Mode::NcclGraph => "nccl-graph",
         }
@@ -76,6 +84,8 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
                         "stream" => Some(Mode::Stream),
                         "graph" => Some(Mode::Graph),
                         "kernel" => Some(Mode::Kernel),
+                        "pstream" => Some(Mode::PStream),
+                        "pgraph" => Some(Mode::PGraph),
                         _ => None,
                     })
                     .collect::<Option<Vec<_>>>()?
@@ -101,7 +111,7 @@ fn iterations(o: &Opts, size: usize, mode: Mode) -> (usize, usize) {
     let n = o.sweep.iters.min(budget);
     let w = o.sweep.warmup.min(n);
     match mode {
-        Mode::Graph | Mode::NcclGraph => {
+        Mode::Graph | Mode::NcclGraph | Mode::PGraph => {
             let g = o.graph_iters.min(n);
             (n.div_ceil(g) * g, w.div_ceil(g).max(1) * g)
         }
@@ -161,9 +171,33 @@ impl Rank {
         cond.group_end().unwrap_or_else(|e| die("group_end", e));
     }
 
+    /// `issue` with a prepared pair: one round of each.
+    fn issue_prepared(&self, cond: &Condition, tx: &gscomm::Prepared, rx: &gscomm::Prepared) {
+        cond.group_start().unwrap_or_else(|e| die("group_start", e));
+        release(&self.w, rx.start(on(cond)).unwrap_or_else(|e| die("prepared start", e)));
+        release(&self.w, tx.start(on(cond)).unwrap_or_else(|e| die("prepared start", e)));
+        cond.wait().unwrap_or_else(|e| die("Condition::wait", e));
+        cond.group_end().unwrap_or_else(|e| die("group_end", e));
+    }
+
+    /// A prepared send of our send buffer and receive into our receive buffer, `n` bytes.
+    fn prepare(&self, n: usize) -> (gscomm::Prepared, gscomm::Prepared) {
+        use gscomm::{Direction, PrepareParams};
+        let p = |dir| PrepareParams { dir, tag: TAG + 1, partitions: None, memory_type: None };
+        // SAFETY: both buffers live as long as `self`; each run drops its preparations after
+        // its last round completed (a stream synchronize).
+        unsafe {
+            (
+                self.ep.prepare(self.send.ptr() as *mut u8, n, p(Direction::Send)).unwrap_or_else(|e| die("prepare", e)),
+                self.ep.prepare(self.recv.ptr() as *mut u8, n, p(Direction::Recv)).unwrap_or_else(|e| die("prepare", e)),
+            )
+        }
+    }
+
     /// Run `warmup` then `iters` iterations of `mode`; seconds per timed iteration.
     fn run(&self, ctl: &mut Control, nccl: Option<&Comm>, mode: Mode, n: usize, o: &Opts) -> f64 {
         let (iters, warmup) = iterations(o, n, mode);
+        let prepared = matches!(mode, Mode::PStream | Mode::PGraph).then(|| self.prepare(n));
         let peer = 1 - self.rank;
         let sync = || self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
         let nccl_step = |stream: &Stream| {
@@ -173,9 +207,13 @@ impl Rank {
             unsafe { c.sendrecv(self.send.ptr(), self.recv.ptr(), n, peer, stream.raw()) }.unwrap_or_else(|e| die("nccl", e));
         };
         match mode {
-            Mode::Stream | Mode::Nccl => {
+            Mode::Stream | Mode::Nccl | Mode::PStream => {
                 let cond = Condition::cuda(Category::Stream, self.stream.raw(), None).unwrap_or_else(|e| die("condition", e));
-                let step = || if mode == Mode::Stream { self.issue(&cond, n) } else { nccl_step(&self.stream) };
+                let step = || match (mode, &prepared) {
+                    (Mode::Stream, _) => self.issue(&cond, n),
+                    (Mode::PStream, Some((tx, rx))) => self.issue_prepared(&cond, tx, rx),
+                    _ => nccl_step(&self.stream),
+                };
                 (0..warmup).for_each(|_| step());
                 sync();
                 ctl.barrier();
@@ -184,13 +222,17 @@ impl Rank {
                 sync();
                 t0.elapsed().as_secs_f64() / iters as f64
             }
-            Mode::Graph | Mode::NcclGraph => {
+            Mode::Graph | Mode::NcclGraph | Mode::PGraph => {
                 let g = o.graph_iters.min(iters);
                 let cap = Stream::new().unwrap_or_else(|e| die("stream", e));
                 let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap_or_else(|e| die("condition", e));
                 cap.begin_capture().unwrap_or_else(|e| die("begin capture", e));
                 for _ in 0..g {
-                    if mode == Mode::Graph { self.issue(&cond, n) } else { nccl_step(&cap) }
+                    match (mode, &prepared) {
+                        (Mode::Graph, _) => self.issue(&cond, n),
+                        (Mode::PGraph, Some((tx, rx))) => self.issue_prepared(&cond, tx, rx),
+                        _ => nccl_step(&cap),
+                    }
                 }
                 let graph = cap.end_capture().unwrap_or_else(|e| die("end capture", e));
                 let exec = graph.instantiate().unwrap_or_else(|e| die("instantiate", e));

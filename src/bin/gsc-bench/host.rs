@@ -19,6 +19,8 @@ pub(crate) struct Opts {
     window: usize,
     ucx: bool,
     pin: bool,
+    /// tag-lat: also time a prepared (persistent) ping-pong of each size, in the same run.
+    prepared: bool,
 }
 
 const TAG_DATA: u64 = 1;
@@ -42,6 +44,7 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
         window: 32,
         ucx: false,
         pin: true,
+        prepared: false,
     };
     let mut it = args[1..].iter();
     while let Some(a) = it.next() {
@@ -53,6 +56,7 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
             "-W" => o.window = parse_size(&val()?).max(1),
             "--ucx" => o.ucx = true,
             "--no-pin" => o.pin = false,
+            "--prepared" if test == Test::Lat => o.prepared = true,
             _ => return None,
         }
     }
@@ -105,6 +109,43 @@ fn recv_nb(w: &Worker, buf: &mut [u8], tag: u64) -> Started {
 fn send_nb(ep: &Endpoint, buf: &[u8], tag: u64) -> Started {
     // SAFETY: as for recv_nb.
     unsafe { ep.tag_send_nbx(buf.as_ptr(), buf.len(), tag, RequestParams::default()) }.unwrap_or_else(|e| die("tag_send_nbx", e))
+}
+
+/// The prepared ping-pong of one size: each side prepares a send and a receive once, then
+/// every iteration is one round of each. Returns seconds for `iters` iterations.
+fn run_prepared(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) -> f64 {
+    use gscomm::{Direction, PrepareParams};
+    let (mut sbuf, mut rbuf) = (vec![0x5Au8; size], vec![0u8; size]);
+    let (out_tag, in_tag) = if client { (11, 12) } else { (12, 11) };
+    let p = |dir, tag| PrepareParams { dir, tag, partitions: None, memory_type: None };
+    // SAFETY: both buffers outlive the preparations (dropped at the end of this function, after
+    // the last round was waited for).
+    let (tx, rx) = unsafe {
+        (
+            ep.prepare(sbuf.as_mut_ptr(), size, p(Direction::Send, out_tag)).unwrap_or_else(|e| die("prepare", e)),
+            ep.prepare(rbuf.as_mut_ptr(), size, p(Direction::Recv, in_tag)).unwrap_or_else(|e| die("prepare", e)),
+        )
+    };
+    let start_round = |x: &gscomm::Prepared| x.start(RequestParams::default()).unwrap_or_else(|e| die("prepared start", e));
+    let mut start = Instant::now();
+    for i in 0..o.sweep.warmup + o.sweep.iters {
+        if i == o.sweep.warmup {
+            start = Instant::now();
+        }
+        if client {
+            let r = start_round(&rx);
+            wait(w, start_round(&tx));
+            wait(w, r);
+        } else {
+            let r = start_round(&rx);
+            wait(w, r);
+            wait(w, start_round(&tx));
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    // The peer may still need our progress to finish its last round before both release.
+    drop((tx, rx));
+    secs
 }
 
 /// One measured size. Returns seconds for `iters` iterations (client side).
@@ -173,6 +214,9 @@ pub(crate) fn server(o: &Opts) {
     let ep = w.connect(&unhex(&peer)).unwrap_or_else(|e| die("connect", e));
     for size in o.sweep.sizes() {
         run_size(o, &w, &ep, size, false);
+        if o.prepared {
+            run_prepared(o, &w, &ep, size, false);
+        }
     }
     let _ = ep.close();
 }
@@ -239,15 +283,19 @@ pub(crate) fn client(o: &Opts, args: &[String]) {
         if o.test == Test::Bw { format!(", window {}", o.window) } else { String::new() }
     );
     let mut results = Vec::new();
+    let mut prepared = Vec::new();
     for size in o.sweep.sizes() {
         let secs = run_size(&o, &w, &ep, size, true);
         results.push((size, secs));
+        if o.prepared {
+            prepared.push(run_prepared(&o, &w, &ep, size, true) / o.sweep.iters as f64 / 2.0 * 1e6);
+        }
     }
     let _ = ep.close();
     let _ = child.wait();
     let ucx: Vec<Option<(f64, f64)>> = if o.ucx { o.sweep.sizes().iter().map(|s| ucx_perftest(&o, *s)).collect() } else { vec![] };
     match o.test {
-        Test::Lat => println!("{:>12} {:>14} {:>14} {:>8}", "size(B)", "gscomm(us)", "ucx(us)", "ratio"),
+        Test::Lat => println!("{:>12} {:>14} {:>14} {:>8} {:>14}", "size(B)", "gscomm(us)", "ucx(us)", "ratio", "prepared(us)"),
         Test::Bw => println!("{:>12} {:>14} {:>14} {:>8}", "size(B)", "gscomm(GB/s)", "ucx(GB/s)", "ratio"),
     }
     for (i, (size, secs)) in results.iter().enumerate() {
@@ -266,7 +314,10 @@ pub(crate) fn client(o: &Opts, args: &[String]) {
             None => ("".into(), "".into()),
         };
         match o.test {
-            Test::Lat => println!("{size:>12} {ours:>14.3} {t:>14} {ratio:>8}"),
+            Test::Lat => {
+                let p = prepared.get(i).map(|p| format!("{p:.3}")).unwrap_or_default();
+                println!("{size:>12} {ours:>14.3} {t:>14} {ratio:>8} {p:>14}")
+            }
             Test::Bw => println!("{size:>12} {ours:>14.2} {t:>14} {ratio:>8}"),
         }
     }
