@@ -400,6 +400,7 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
     let err = PinnedBuf::new(8).unwrap();
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
     let mut statuses = Vec::new();
+    let mut failure: Option<String> = None;
     for (i, &n) in sizes.iter().enumerate() {
         let (a, b) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
         let pp = |dir| PrepareParams { dir, tag: 100 + i as u64, partitions: None, memory_type: None };
@@ -419,24 +420,42 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
             }
         };
         let mut reqs = Vec::new();
+        // A start that fails ends the scenario with its error (not a panic: the rounds already
+        // issued are still waited for, so nothing is freed under the GPU).
+        let mut start = |p: &gscomm::Prepared, what: &str, r: u64| match p.start(on(&cond, true)) {
+            Ok(s) => {
+                reqs.push(pending(s));
+                true
+            }
+            Err(e) => {
+                failure.get_or_insert(format!("size {n} round {r}: {what} start: {e}"));
+                false
+            }
+        };
         for r in 0..PREPARED_ROUNDS {
             let seed = 1000 * r + i as u64;
-            if side == 0 {
+            let ok = if side == 0 {
                 k.fill.launch(grid(n), 256, &stream, &[a.ptr(), n as u64, seed]).unwrap();
-                reqs.push(pending(tx.start(on(&cond, true)).unwrap()));
-                reqs.push(pending(rx.start(on(&cond, true)).unwrap()));
+                let ok = start(&tx, "send", r) && start(&rx, "receive", r);
                 k.check.launch(grid(n), 256, &stream, &[b.ptr(), n as u64, seed, 0x5A, err.device_ptr()]).unwrap();
+                ok
             } else {
-                reqs.push(pending(rx.start(on(&cond, true)).unwrap()));
+                let ok = start(&rx, "receive", r);
                 k.xor5a.launch(grid(n), 256, &stream, &[a.ptr(), n as u64]).unwrap();
-                reqs.push(pending(tx.start(on(&cond, true)).unwrap()));
+                ok && start(&tx, "send", r)
+            };
+            if !ok {
+                break;
             }
         }
         statuses.extend(wait_all(w, reqs));
         stream.synchronize().unwrap();
         drop((tx, rx));
+        if failure.is_some() {
+            break;
+        }
     }
-    verdict(&statuses, pinned_u64(&err))
+    failure.unwrap_or_default() + &verdict(&statuses, pinned_u64(&err))
 }
 
 /// `graph_halo` with prepared transfers: armed once on the graph, GRAPH_ROUNDS replays.

@@ -1233,8 +1233,9 @@ impl State {
                     Action::WriteRemote { conn, src, remote, len, req, device_key: Some(key), then } => {
                         let write = PendingWrite { req, conn, then: then.0 };
                         if let Err(e) = self.device.start_write(src, remote, len, &key, write) {
-                            tracing::debug!(target: "gsc::cuda", req, error = %e, "prepared GPU write failed to start");
-                            self.engine.prepared.write_failed(&mut next, req, e.status());
+                            // Like a refused rendezvous read: the data goes in frames instead.
+                            tracing::debug!(target: "gsc::cuda", req, error = %e, "prepared GPU write refused");
+                            self.engine.prepared.direct_refused(&mut next, req, src, len);
                         }
                     }
                     Action::WriteRemote { conn, src, remote, len, req, device_key: None, then } => {

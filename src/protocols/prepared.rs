@@ -156,6 +156,33 @@ fn transmit(out: &mut Actions, conn: ConnId, header: Header, payload: Payload, o
     out.push(Action::Transmit { conn, frame: OutFrameEq(OutFrame { header: header.encode(), payload, on_sent, copy_if_queued: false }) });
 }
 
+/// Send bytes `offset..offset + len` of `p`'s buffer (one sender partition) in data frames, the
+/// last one ending the partition.
+fn send_frames(out: &mut Actions, p: &mut Prep, peer_id: PrepId, req: ReqId, max_frame: usize, offset: usize, len: usize) {
+    let probe = Header::PrepData { id: 0, round: 0, offset: 0, len: 0, flags: 0, status: 0 };
+    let room = max_frame.saturating_sub(probe.encoded_len()).max(1);
+    let mut at = 0;
+    loop {
+        let n = room.min(len - at);
+        let last = at + n == len;
+        let header = Header::PrepData {
+            id: peer_id,
+            round: p.round,
+            offset: (offset + at) as u64,
+            len: n as u64,
+            flags: if last { PREP_LAST } else { 0 },
+            status: 0,
+        };
+        let payload = if n == 0 { Payload::None } else { p.spec.buf.payload(offset + at, n) };
+        p.unsent += 1;
+        transmit(out, p.spec.conn, header, payload, Some(req));
+        at += n;
+        if last {
+            break;
+        }
+    }
+}
+
 /// Bytes of `[a0, a1)` inside `[b0, b1)`.
 fn overlap(a0: usize, a1: usize, b0: usize, b1: usize) -> usize {
     a1.min(b1).saturating_sub(a0.max(b0))
@@ -198,7 +225,7 @@ impl PreparedEngine {
             if n == 0 {
                 return Err(Error::invalid_param("a partitioned transfer needs at least one partition"));
             }
-            if spec.buf.len % n != 0 {
+            if !spec.buf.len.is_multiple_of(n) {
                 return Err(Error::invalid_param(format!("buffer of {} bytes does not split into {n} equal partitions", spec.buf.len)));
             }
         }
@@ -435,7 +462,7 @@ impl PreparedEngine {
 
     /// Send side: write every readied, unwritten partition if the receiver is ready.
     fn write_ready(&mut self, out: &mut Actions, id: PrepId) {
-        let Some(props) = self.preps.get(&id).and_then(|p| self.links.get(&p.spec.conn)).map(|l| l.props) else { return };
+        let Some(max_frame) = self.preps.get(&id).and_then(|p| self.links.get(&p.spec.conn)).map(|l| l.props.max_frame) else { return };
         let p = self.preps.get_mut(&id).expect("live");
         let (Some(req), Some(peer)) = (p.active, p.peer) else { return };
         if p.ready_round < p.round {
@@ -476,29 +503,23 @@ impl PreparedEngine {
                 });
                 continue;
             }
-            let probe = Header::PrepData { id: 0, round: 0, offset: 0, len: 0, flags: 0, status: 0 };
-            let room = props.max_frame.saturating_sub(probe.encoded_len()).max(1);
-            let mut at = 0;
-            loop {
-                let n = room.min(pl - at);
-                let last = at + n == pl;
-                let header = Header::PrepData {
-                    id: peer.id,
-                    round: p.round,
-                    offset: (offset + at) as u64,
-                    len: n as u64,
-                    flags: if last { PREP_LAST } else { 0 },
-                    status: 0,
-                };
-                let payload = if n == 0 { Payload::None } else { p.spec.buf.payload(offset + at, n) };
-                p.unsent += 1;
-                transmit(out, p.spec.conn, header, payload, Some(req));
-                at += n;
-                if last {
-                    break;
-                }
-            }
+            send_frames(out, p, peer.id, req, max_frame, offset, pl);
         }
+    }
+
+    /// A direct write could not start (the peer's buffer cannot be opened here, e.g. a GPU
+    /// allocation in a block this process already opened for another buffer): this pair falls
+    /// back to frames for good, starting with the range `src..src+len` of the round in progress
+    /// (whose announcing frame, counted in `unsent`, is replaced by the data frames).
+    pub fn direct_refused(&mut self, out: &mut Actions, req: ReqId, src: usize, len: usize) {
+        let Some(&id) = self.sending.get(&req) else { return };
+        let Some(max_frame) = self.preps.get(&id).and_then(|p| self.links.get(&p.spec.conn)).map(|l| l.props.max_frame) else { return };
+        let p = self.preps.get_mut(&id).expect("live");
+        let Some(peer) = p.peer else { return };
+        tracing::debug!(target: "gsc::proto", id, "prepared transfer: direct writes refused; sending frames from now on");
+        p.direct = false;
+        p.unsent = p.unsent.saturating_sub(1);
+        send_frames(out, p, peer.id, req, max_frame, src - p.spec.buf.addr, len);
     }
 
     /// A frame of a send round is in the link.

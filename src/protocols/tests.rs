@@ -147,6 +147,7 @@ impl Pair {
                     self.keys_seen.extend(device_key.map(|k| k.to_vec()));
                     let mut out = Actions::new();
                     match self.fail_writes {
+                        Some(Status::Unsupported) => self.sides[s].engine.prepared.direct_refused(&mut out, req, src, len),
                         Some(status) => self.sides[s].engine.prepared.write_failed(&mut out, req, status),
                         None => {
                             let data = self.sides[s].mem.read(src, len);
@@ -768,6 +769,22 @@ fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
     let s = p.pstart(0, send);
     p.pump();
     assert_eq!((p.sides[0].done[&s].0, p.sides[1].done[&r].0), (Status::IoError, Status::IoError));
+
+    // A direct write that cannot start falls back to frames: the round succeeds.
+    let mut p = Pair::new(cfg(), true, 1 << 12);
+    p.fail_writes = Some(Status::Unsupported);
+    let (send, saddr) = p.prepare(0, PrepDir::Send, 1 << 16, 3, Some(2));
+    let (recv, raddr) = p.prepare(1, PrepDir::Recv, 1 << 16, 3, None);
+    p.pump();
+    let data = pattern(1 << 16, 4);
+    p.sides[0].mem.write(saddr, &data);
+    let r = p.pstart(1, recv);
+    let s = p.pstart(0, send);
+    p.pready(send, 1);
+    p.pready(send, 0);
+    p.pump();
+    assert_eq!((p.sides[0].done[&s].0, p.sides[1].done[&r].0), (Status::Ok, Status::Ok));
+    assert_eq!(&p.sides[1].mem.get(raddr)[..1 << 16], &data[..]);
 
     // A dead link fails the rounds in flight and breaks the preparation.
     let mut p = Pair::new(cfg(), false, 1024);
