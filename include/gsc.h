@@ -518,6 +518,18 @@ typedef enum {
 #define GSC_BUFFER_PARAM_FIELD_PARTITIONS  (UINT64_C(1) << 0)
 /** gsc_buffer_param_t.field_mask: `memory_type` is set (otherwise: detected). */
 #define GSC_BUFFER_PARAM_FIELD_MEMORY_TYPE (UINT64_C(1) << 1)
+/** gsc_buffer_param_t.field_mask: `flags` is set. */
+#define GSC_BUFFER_PARAM_FIELD_FLAGS       (UINT64_C(1) << 2)
+
+/** gsc_buffer_param_t.flags: run the rounds on the GPU, without the proxy: each round is one
+ *  kernel on the stream it is started on (a graph node under capture) that writes the data into
+ *  the peer's buffer over NVLink and raises a flag there. For GPU buffers of two processes on
+ *  one host with CUDA IPC; both sides must set it; not for partitioned transfers; rounds start
+ *  only on a STREAM condition. A send's kernel waits on its stream until the receiver is ready,
+ *  so start a receive before a send on one stream. gsc_prepared_start() returns NULL (no
+ *  request: the stream orders the round); a round whose peer does not answer within
+ *  GSC_TIMEOUT gives up and is reported by gsc_prepared_gpu_error(). */
+#define GSC_PREPARE_FLAG_GPU_ROUNDS        (UINT64_C(1) << 0)
 
 /** What gsc_prepare_transfers() prepares. `direction`, `buffer`, `length` and `tag` are always
  *  read; the rest only when their bit is set in field_mask. */
@@ -536,6 +548,7 @@ typedef struct gsc_buffer_param {
                                             sides may split differently. Without this field
                                             a start moves the whole buffer. */
     gsc_memory_type_t memory_type;     /**< Where the buffer lives. */
+    uint64_t flags;                    /**< GSC_PREPARE_FLAG_* bits. */
 } gsc_buffer_param_t;
 
 /**
@@ -579,6 +592,11 @@ gsc_status_t gsc_prepared_pready(gsc_prepared_h prepared, size_t partition);
 /** Set *flag to 1 if `partition` of a partitioned receive has arrived in the round in flight
  *  (with no round in flight: if a round has completed), else 0. Progresses the worker. */
 gsc_status_t gsc_prepared_parrived(gsc_prepared_h prepared, size_t partition, int *flag);
+
+/** With GSC_PREPARE_FLAG_GPU_ROUNDS: set *round to 0, or to the round a kernel of this side gave
+ *  up on because the peer did not answer within GSC_TIMEOUT (the pair is unusable then). Reads
+ *  GPU memory synchronously. */
+gsc_status_t gsc_prepared_gpu_error(gsc_prepared_h prepared, uint64_t *round);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Bootstrap: how the processes of a job find each other (out of band, over TCP)              */

@@ -52,7 +52,7 @@ fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8, prepared: bool) -> Res
     let cond = Condition::host_stream(&stream);
     let (src, dst) = (Buf::new(HALO_SIZE), Buf::new(HALO_SIZE));
     let preps = prepared.then(|| {
-        let p = |dir| PrepareParams { dir, tag: 7, partitions: None, memory_type: None };
+        let p = |dir| PrepareParams { dir, tag: 7, partitions: None, memory_type: None, gpu_rounds: false };
         // SAFETY: both buffers outlive the preparations (dropped at the end of this function,
         // after every round completed); stream order keeps rounds and stream work apart.
         unsafe {

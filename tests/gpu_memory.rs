@@ -395,7 +395,7 @@ const SHAPES_64K: &[usize] = &[1, 33, 4095, 16_000, 16_384, 40_000, 65_519, 65_5
 /// Prepared transfers on GPU buffers, started on a CUDA stream: each side prepares a send and a
 /// receive once per size, then PREPARED_ROUNDS rounds move new data (side 0 fills and checks,
 /// side 1 transforms and echoes).
-fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize]) -> String {
+fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize], gpu_rounds: bool) -> String {
     let stream = Stream::new().unwrap();
     let err = PinnedBuf::new(8).unwrap();
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
@@ -403,7 +403,8 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
     let mut failure: Option<String> = None;
     for (i, &n) in sizes.iter().enumerate() {
         let (a, b) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
-        let pp = |dir| PrepareParams { dir, tag: 100 + i as u64, partitions: None, memory_type: None };
+        let pp =
+            |dir| PrepareParams { dir, tag: 100 + i as u64 + 1000 * gpu_rounds as u64, partitions: None, memory_type: None, gpu_rounds };
         // SAFETY: the buffers outlive the preparations (dropped first, at the end of the size,
         // after the stream finished every round).
         let (tx, rx) = unsafe {
@@ -423,6 +424,7 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
         // A start that fails ends the scenario with its error (not a panic: the rounds already
         // issued are still waited for, so nothing is freed under the GPU).
         let mut start = |p: &gscomm::Prepared, what: &str, r: u64| match p.start(on(&cond, true)) {
+            Ok(Started::Armed(_)) if gpu_rounds => true,
             Ok(s) => {
                 reqs.push(pending(s));
                 true
@@ -450,6 +452,16 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
         }
         statuses.extend(wait_all(w, reqs));
         stream.synchronize().unwrap();
+        if gpu_rounds {
+            for (what, p) in [("send", &tx), ("receive", &rx)] {
+                match p.gpu_error() {
+                    Ok(0) => {}
+                    other => {
+                        failure.get_or_insert(format!("size {n}: {what} side's GPU rounds: {other:?}"));
+                    }
+                }
+            }
+        }
         drop((tx, rx));
         if failure.is_some() {
             break;
@@ -458,13 +470,68 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
     failure.unwrap_or_default() + &verdict(&statuses, pinned_u64(&err))
 }
 
+/// A halo exchange with GPU rounds captured from a stream (fill -> receive ready -> send ->
+/// wait -> bump -> check), replayed GRAPH_ROUNDS times with new data each time.
+fn prepared_gpu_rounds_captured(side: u64, k: &Kern, ep: &Endpoint) -> String {
+    let stream = Stream::new().unwrap();
+    let cap = Stream::new().unwrap();
+    let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
+    let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
+    let n = ROUND_BYTES as u64;
+    let pp = |dir| PrepareParams { dir, tag: 5000, partitions: None, memory_type: None, gpu_rounds: true };
+    // SAFETY: the buffers outlive the preparations (dropped at the end, after the last replay).
+    let (tx, rx) = unsafe {
+        (
+            ep.prepare(src.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Send)).unwrap(),
+            ep.prepare(dst.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Recv)).unwrap(),
+        )
+    };
+    let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    // Pairing and mapping happen at the first start: do one uncaptured round pair first.
+    let warm = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    rx.start(on(&warm, false)).unwrap();
+    tx.start(on(&warm, false)).unwrap();
+    warm.wait().unwrap();
+    stream.synchronize().unwrap();
+    cap.begin_capture().unwrap();
+    k.fill_round.launch(grid(ROUND_BYTES), 256, &cap, &[src.ptr(), n, round.device_ptr(), side]).unwrap();
+    rx.start(on(&cond, false)).unwrap();
+    tx.start(on(&cond, false)).unwrap();
+    cond.wait().unwrap();
+    k.bump.launch(1, 1, &cap, &[round.device_ptr()]).unwrap();
+    k.check_round.launch(grid(ROUND_BYTES), 256, &cap, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()]).unwrap();
+    let exec = cap.end_capture().unwrap().instantiate().unwrap();
+    let t0 = Instant::now();
+    for _ in 0..GRAPH_ROUNDS {
+        exec.launch(&stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let dt = t0.elapsed();
+    eprintln!(
+        "side {side}: {GRAPH_ROUNDS} captured GPU-round replays in {dt:?} ({:.1} us/replay)",
+        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+    );
+    let mut v = verdict(&[], pinned_u64(&err));
+    let rounds = pinned_u64(&round);
+    if rounds != GRAPH_ROUNDS as u64 {
+        v += &format!(" rounds={rounds}");
+    }
+    for p in [&tx, &rx] {
+        if p.gpu_error().ok() != Some(0) {
+            v += &format!(" gpu_error={:?}", p.gpu_error());
+        }
+    }
+    drop((tx, rx));
+    v
+}
+
 /// `graph_halo` with prepared transfers: armed once on the graph, GRAPH_ROUNDS replays.
 fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     let stream = Stream::new().unwrap();
     let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
     let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
     let n = ROUND_BYTES as u64;
-    let pp = |dir| PrepareParams { dir, tag: 9, partitions: None, memory_type: None };
+    let pp = |dir| PrepareParams { dir, tag: 9, partitions: None, memory_type: None, gpu_rounds: false };
     // SAFETY: the buffers outlive the preparations (dropped at the end, after the last replay).
     let (tx, rx) = unsafe {
         (
@@ -545,8 +612,11 @@ fn scenarios(
     run("mixed_staging", &mut || mixed_staging(side, w, ep, k));
     run("staged_shapes", &mut || staged_shapes(side, w, ep, k, SHAPES));
     run("staged_shapes_64k", &mut || staged_shapes(side, staged.0, staged.1, k, SHAPES_64K));
-    run("prepared_stream_ipc", &mut || prepared_stream(side, w, ep, k, PREPARED_SIZES));
-    run("prepared_stream_staged", &mut || prepared_stream(side, staged.0, staged.1, k, PREPARED_SIZES));
+    run("prepared_stream_ipc", &mut || prepared_stream(side, w, ep, k, PREPARED_SIZES, false));
+    run("prepared_stream_staged", &mut || prepared_stream(side, staged.0, staged.1, k, PREPARED_SIZES, false));
+    // Receives above 64 KiB are written in place: a buffer of its own allocation (16 MiB).
+    run("prepared_gpu_rounds", &mut || prepared_stream(side, w, ep, k, &[8, 4096, 65_536, 16 << 20], true));
+    run("prepared_gpu_rounds_captured", &mut || prepared_gpu_rounds_captured(side, k, ep));
     run("prepared_graph", &mut || prepared_graph(side, w, ep, k));
     out
 }

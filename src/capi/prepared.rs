@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 pub(crate) const BUFFER_PARAM_FIELD_PARTITIONS: u64 = 1 << 0;
 pub(crate) const BUFFER_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 1;
-const BUFFER_PARAM_ALL: u64 = (1 << 2) - 1;
+pub(crate) const BUFFER_PARAM_FIELD_FLAGS: u64 = 1 << 2;
+const BUFFER_PARAM_ALL: u64 = (1 << 3) - 1;
+pub(crate) const PREPARE_FLAG_GPU_ROUNDS: u64 = 1 << 0;
 pub(crate) const PREPARE_SEND: u32 = 0;
 pub(crate) const PREPARE_RECV: u32 = 1;
 
@@ -34,6 +36,7 @@ pub struct BufferParam {
     pub tag: u64,
     pub partitions: usize,
     pub memory_type: u32,
+    pub flags: u64,
 }
 
 /// Check and convert a `gsc_buffer_param_t`.
@@ -63,7 +66,12 @@ unsafe fn convert(param: *const BufferParam) -> Result<(*mut u8, usize, PrepareP
     } else {
         None
     };
-    Ok((p.buffer as *mut u8, p.length, PrepareParams { dir, tag: p.tag, partitions, memory_type }))
+    let flags = if p.field_mask & BUFFER_PARAM_FIELD_FLAGS != 0 { p.flags } else { 0 };
+    if flags & !PREPARE_FLAG_GPU_ROUNDS != 0 {
+        return Err(Error::invalid_param(format!("unknown gsc_buffer_param_t.flags bits {:#x}", flags & !PREPARE_FLAG_GPU_ROUNDS)));
+    }
+    let gpu_rounds = flags & PREPARE_FLAG_GPU_ROUNDS != 0;
+    Ok((p.buffer as *mut u8, p.length, PrepareParams { dir, tag: p.tag, partitions, memory_type, gpu_rounds }))
 }
 
 /// Prepare on `ep` and register the handle as the endpoint's child.
@@ -112,7 +120,7 @@ pub unsafe extern "C" fn gsc_tag_send_init(
     prepared_p: *mut *mut CPrepared,
 ) -> c_int {
     ffi_guard("gsc_tag_send_init", || {
-        let params = PrepareParams { dir: Direction::Send, tag, partitions: None, memory_type: None };
+        let params = PrepareParams { dir: Direction::Send, tag, partitions: None, memory_type: None, gpu_rounds: false };
         // SAFETY: forwarded caller contract (a send only reads its buffer).
         unsafe { prepare_into(ep, buffer as *mut u8, count, params, prepared_p) }.map(|()| 0)
     })
@@ -132,7 +140,7 @@ pub unsafe extern "C" fn gsc_tag_recv_init(
     prepared_p: *mut *mut CPrepared,
 ) -> c_int {
     ffi_guard("gsc_tag_recv_init", || {
-        let params = PrepareParams { dir: Direction::Recv, tag, partitions: None, memory_type: None };
+        let params = PrepareParams { dir: Direction::Recv, tag, partitions: None, memory_type: None, gpu_rounds: false };
         // SAFETY: forwarded caller contract.
         unsafe { prepare_into(ep, buffer as *mut u8, count, params, prepared_p) }.map(|()| 0)
     })
@@ -198,5 +206,23 @@ pub extern "C" fn gsc_release_preparations(ep: *mut CEp, prepared_memh: *mut c_v
         // Busy leaves the handle as it was; once released, the handle goes too.
         p.release()?;
         handles::unregister::<Arc<Prepared>>(prepared_memh).map(|_| 0)
+    })
+}
+
+/// `gsc_prepared_gpu_error`
+///
+/// # Safety
+/// `round` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_prepared_gpu_error(prepared: *mut CPrepared, round: *mut u64) -> c_int {
+    ffi_guard("gsc_prepared_gpu_error", || {
+        if round.is_null() {
+            return Err(Error::invalid_param("gsc_prepared_gpu_error: round is NULL"));
+        }
+        let p: Arc<Prepared> = handles::get(prepared as *const c_void)?;
+        let r = p.gpu_error()?;
+        // SAFETY: checked non-NULL; caller contract says writable.
+        unsafe { round.write(r) };
+        Ok(0)
     })
 }

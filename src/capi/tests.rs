@@ -73,6 +73,8 @@ fn header_bits_equal_the_rust_constants() {
         ("GSC_CONDITION_PARAM_FIELD_CONTEXT", super::condition::CONDITION_PARAM_FIELD_CONTEXT),
         ("GSC_BUFFER_PARAM_FIELD_PARTITIONS", super::prepared::BUFFER_PARAM_FIELD_PARTITIONS),
         ("GSC_BUFFER_PARAM_FIELD_MEMORY_TYPE", super::prepared::BUFFER_PARAM_FIELD_MEMORY_TYPE),
+        ("GSC_BUFFER_PARAM_FIELD_FLAGS", super::prepared::BUFFER_PARAM_FIELD_FLAGS),
+        ("GSC_PREPARE_FLAG_GPU_ROUNDS", super::prepared::PREPARE_FLAG_GPU_ROUNDS),
     ];
     for (name, v) in expect {
         assert_eq!(bits.get(name), Some(&v), "{name}");
@@ -123,7 +125,7 @@ int main(void) {
     O(gsc_mem_map_params_t, flags);
     S(gsc_buffer_param_t); O(gsc_buffer_param_t, direction); O(gsc_buffer_param_t, buffer);
     O(gsc_buffer_param_t, length); O(gsc_buffer_param_t, tag); O(gsc_buffer_param_t, partitions);
-    O(gsc_buffer_param_t, memory_type);
+    O(gsc_buffer_param_t, memory_type); O(gsc_buffer_param_t, flags);
     S(gsc_status_t); S(gsc_memory_type_t); S(gsc_unique_id_t);
     return 0;
 }
@@ -180,6 +182,7 @@ int main(void) {
         ("gsc_buffer_param_t.tag", offset_of!(super::prepared::BufferParam, tag)),
         ("gsc_buffer_param_t.partitions", offset_of!(super::prepared::BufferParam, partitions)),
         ("gsc_buffer_param_t.memory_type", offset_of!(super::prepared::BufferParam, memory_type)),
+        ("gsc_buffer_param_t.flags", offset_of!(super::prepared::BufferParam, flags)),
         ("gsc_status_t", size_of::<i32>()),
         ("gsc_memory_type_t", size_of::<u32>()),
         ("gsc_unique_id_t", size_of::<super::bootstrap::CUniqueId>()),

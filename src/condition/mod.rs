@@ -90,6 +90,15 @@ pub(crate) struct CondInner {
     pending_in: Mutex<Vec<(u64, OpDesc)>>,
     /// Kernel cache directory (`GSC_KERNEL_CACHE_DIR`) for the replay-safe nodes.
     kernel_cache: Option<std::path::PathBuf>,
+    /// Rounds of prepared transfers run on the GPU without a stream wait: their waits, put on
+    /// the stream by the next `wait` (at the end of its group when it is called in one).
+    device_waits: Mutex<Vec<crate::cuda::PrepArgs>>,
+}
+
+/// A stream condition's CUDA stream, its context, and gscomm's kernels there.
+pub(crate) struct StreamKernels {
+    pub(crate) stream: usize,
+    pub(crate) kernels: crate::cuda::Kernels,
 }
 
 /// Operations issued between `group_start` and `group_end` are put on the stream together, at
@@ -111,6 +120,10 @@ struct Group {
     captured_triggers: Vec<Arc<Channel>>,
     captured_waits: Vec<Arc<Channel>>,
     graph: Option<usize>,
+    /// `wait` was called in the group: deferred device waits go on the stream at its end.
+    device_wait: bool,
+    /// Prepared transfers' GPU rounds issued in the group: one fused launch at its end.
+    gpu_rounds: Vec<crate::cuda::PrepArgs>,
 }
 
 enum Producer {
@@ -182,6 +195,7 @@ impl Condition {
                 group: Mutex::default(),
                 pending_in: Mutex::default(),
                 kernel_cache,
+                device_waits: Mutex::default(),
             }),
         }
     }
@@ -211,6 +225,7 @@ impl Condition {
             let issued = *channel.issue.lock().unwrap_or_else(|e| e.into_inner());
             let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
             if group.depth > 0 {
+                group.device_wait = true;
                 let mut unwaited = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
                 group.captured_waits.append(&mut unwaited);
                 // Under capture the sequenced channel is not used: only captured waits count.
@@ -220,6 +235,7 @@ impl Condition {
                 return Ok(());
             }
         }
+        self.launch_device_waits()?;
         if let Producer::CudaStream { stream, ctx } = self.inner.producer {
             if crate::cuda::capture_graph(stream)?.is_some() {
                 // Captured operations have a channel each: wait for each with a kernel node.
@@ -258,7 +274,10 @@ impl Condition {
             }
         }
         let g = std::mem::take(&mut *group);
-        let result = self.flush_group(&channel, &g);
+        let mut result = self.flush_group(&channel, &g);
+        if result.is_ok() && (!g.gpu_rounds.is_empty() || g.device_wait) {
+            result = self.launch_group_gpu_rounds(&g.gpu_rounds, g.device_wait);
+        }
         if let Err(e) = &result {
             channel.fail(e.clone());
             for c in g.captured_triggers.iter().chain(&g.captured_waits) {
@@ -286,6 +305,72 @@ impl Condition {
             (None, None) => Ok(()),
             (t, w) => self.enqueue(channel, t, w, &g.out, g.fence),
         }
+    }
+
+    /// For a CUDA stream condition: the stream and gscomm's kernels in its context (prepared
+    /// transfers whose rounds run on the GPU launch theirs there).
+    pub(crate) fn stream_kernels(&self) -> Result<StreamKernels> {
+        match self.inner.producer {
+            Producer::CudaStream { stream, ctx } => Ok(StreamKernels { stream, kernels: self.kernels(ctx)? }),
+            _ => Err(Error::unsupported(format!(
+                "a prepared transfer with GPU rounds starts on a CUDA stream (or a stream being captured), not on a {} condition",
+                self.inner.category.name()
+            ))),
+        }
+    }
+
+    /// A prepared transfer's round on the GPU (`round`), on this stream: launched now, or, in
+    /// an open group, at its end together with the group's other rounds (one launch: every
+    /// receive's readiness, then the sends, then the waits). `deferred`: a receive's wait that
+    /// goes on the stream at the next `wait` instead.
+    pub(crate) fn gpu_round(&self, round: crate::cuda::PrepArgs, deferred: Option<crate::cuda::PrepArgs>) -> Result<()> {
+        let sk = self.stream_kernels()?;
+        {
+            let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
+            if group.depth > 0 {
+                group.gpu_rounds.push(round);
+                if let Some(w) = deferred {
+                    self.inner.device_waits.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+                }
+                return Ok(());
+            }
+        }
+        crate::cuda::launch_prep(&sk.kernels, sk.stream, &round)?;
+        if let Some(w) = deferred {
+            self.inner.device_waits.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+        }
+        Ok(())
+    }
+
+    /// A group's GPU rounds (and, when `wait` was called in it, the deferred waits), ordered so
+    /// that no side waits before it has said it is ready and sent: readies, sends, waits.
+    fn launch_group_gpu_rounds(&self, rounds: &[crate::cuda::PrepArgs], with_waits: bool) -> Result<()> {
+        use crate::cuda::{PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT};
+        let mut deferred = Vec::new();
+        if with_waits {
+            deferred = std::mem::take(&mut *self.inner.device_waits.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        if rounds.is_empty() && deferred.is_empty() {
+            return Ok(());
+        }
+        let readies = rounds
+            .iter()
+            .filter(|r| r.role == PREP_READY || r.role == PREP_READY_WAIT)
+            .map(|r| crate::cuda::PrepArgs { role: PREP_READY, ..*r });
+        let sends = rounds.iter().filter(|r| r.role == PREP_SEND).copied();
+        let waits = rounds.iter().filter(|r| r.role == PREP_READY_WAIT).map(|r| crate::cuda::PrepArgs { role: PREP_WAIT, ..*r });
+        let ops: Vec<crate::cuda::PrepArgs> = readies.chain(sends).chain(waits).chain(deferred).collect();
+        let sk = self.stream_kernels()?;
+        crate::cuda::launch_prep_group(&sk.kernels, sk.stream, &ops)
+    }
+
+    fn launch_device_waits(&self) -> Result<()> {
+        let waits = std::mem::take(&mut *self.inner.device_waits.lock().unwrap_or_else(|e| e.into_inner()));
+        if waits.is_empty() {
+            return Ok(());
+        }
+        let sk = self.stream_kernels()?;
+        crate::cuda::launch_prep_group(&sk.kernels, sk.stream, &waits)
     }
 
     fn kernels(&self, ctx: usize) -> Result<crate::cuda::Kernels> {

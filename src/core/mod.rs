@@ -6,6 +6,7 @@ pub mod address;
 pub mod context;
 mod device_mem;
 pub mod endpoint;
+mod gpu_rounds;
 pub mod memory;
 pub mod prepared;
 pub mod request;

@@ -6,9 +6,10 @@
 
 use super::device_mem::DeviceMem;
 use super::endpoint::Endpoint;
+use super::gpu_rounds::GpuSide;
 use super::request::{ReqKind, RequestParams, Started};
 use super::worker::{Worker, check_buffer, resolve_memtype};
-use crate::error::{Result, Status};
+use crate::error::{Error, Result, Status};
 use crate::protocols::prepared::{PrepDir, PrepId, PrepSpec};
 use crate::protocols::{ConnId, MemType, UserBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,6 +28,10 @@ pub struct PrepareParams {
     pub partitions: Option<usize>,
     /// Declared memory type of the buffer (`None`: detected).
     pub memory_type: Option<MemType>,
+    /// Run the rounds on the GPU: no proxy, no frames per round (see `gpu_rounds.rs`). GPU
+    /// buffers between processes with CUDA IPC; both sides must ask for it; rounds start on a
+    /// CUDA stream (or a stream being captured).
+    pub gpu_rounds: bool,
 }
 
 /// A prepared transfer. Each `start` is one round and returns its own request, like any
@@ -39,6 +44,8 @@ pub struct Prepared {
     dir: Direction,
     /// `release` succeeded: dropping does nothing more.
     released: AtomicBool,
+    /// Rounds on the GPU: this side's control block and what its kernels need.
+    pub(super) gpu: Option<GpuSide>,
 }
 
 impl Endpoint {
@@ -57,10 +64,17 @@ impl Endpoint {
         let mem = resolve_memtype(&declared, addr, len)?;
         let key = self.key();
         let worker = self.worker().clone();
-        let (id, conn) = worker.with_state(|st, out| {
+        let timeout = worker.context().config().timeout;
+        let (id, conn, gpu) = worker.with_state(|st, out| {
             let conn = key.usable(st)?;
+            let (gpu, hello) = if params.gpu_rounds {
+                let (side, hello) = GpuSide::new(st, conn, params.dir, addr, len, mem, timeout)?;
+                (Some(side), Some(hello))
+            } else {
+                (None, None)
+            };
             let mut device_key = None;
-            if mem == MemType::Cuda {
+            if mem == MemType::Cuda && !params.gpu_rounds {
                 st.device.prepare_for(addr)?;
                 // A GPU receive buffer is opened to the peer once, here, so each round's data
                 // can be written into it by the sender's copy engine.
@@ -69,14 +83,20 @@ impl Endpoint {
                     device_key = DeviceMem::send_key(st.device.ipc, lane, addr, len);
                 }
             }
-            let spec = PrepSpec { dir: params.dir, conn, tag: params.tag, buf: UserBuf { addr, len, mem }, partitions: params.partitions };
-            Ok((st.engine.prepared.prepare(out, spec, device_key)?, conn))
+            let buf = UserBuf { addr, len, mem };
+            let spec =
+                PrepSpec { dir: params.dir, conn, tag: params.tag, buf, partitions: params.partitions, gpu_rounds: params.gpu_rounds };
+            Ok((st.engine.prepared.prepare(out, spec, device_key, hello)?, conn, gpu))
         })?;
-        Ok(Prepared { worker, id, conn, dir: params.dir, released: AtomicBool::new(false) })
+        Ok(Prepared { worker, id, conn, dir: params.dir, released: AtomicBool::new(false), gpu })
     }
 }
 
 impl Prepared {
+    pub(super) fn id(&self) -> PrepId {
+        self.id
+    }
+
     pub fn direction(&self) -> Direction {
         self.dir
     }
@@ -88,6 +108,9 @@ impl Prepared {
     /// Start one round. Without a condition a round must not be in flight (`Busy`); with one,
     /// rounds triggered while another is in flight run after it, in order.
     pub fn start(&self, params: RequestParams) -> Result<Started> {
+        if let Some(gpu) = &self.gpu {
+            return gpu.start(self, params);
+        }
         let id = self.id;
         let queue = params.condition.is_some();
         let kind = match self.dir {
@@ -107,6 +130,15 @@ impl Prepared {
     pub fn parrived(&self, part: usize) -> Result<bool> {
         self.worker.progress();
         self.worker.with_state(|st, _| st.engine.prepared.parrived(self.id, part))
+    }
+
+    /// Rounds on the GPU: 0, or the round a kernel of this side gave up on because the peer
+    /// did not answer within `GSC_TIMEOUT` (the pair is unusable after that).
+    pub fn gpu_error(&self) -> Result<u64> {
+        match &self.gpu {
+            Some(g) => g.error(),
+            None => Err(Error::invalid_param("this prepared transfer does not run its rounds on the GPU")),
+        }
     }
 
     /// Release now: the peer is told, and every later call on this object is an

@@ -256,6 +256,165 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
     __syncthreads();
     if (t == 0) gsc_release_slots(&a.in);
 }
+
+/* Rounds of prepared transfers run on the GPU, no proxy (src/cuda/prep_ctl.rs has the control
+ * block's layout). role 0: send: wait until the receiver is ready for this round (its word in
+ * our block), copy our buffer into its (mapped) buffer over NVLink, raise its arrival word.
+ * role 1: receive, ready: begin a round and tell the sender. role 2: receive, wait for the
+ * round begun last to arrive, then copy it from the staging area (stage, when the sender writes
+ * there rather than into the user's buffer) into buf, and then say ready for the next round
+ * already (the area is free; the next start's ready step repeats it). role 3: ready, then wait. Spins give up
+ * after timeout_ns (globaltimer) and record the round in the error word. */
+#define GSC_CTL_PEER 8
+#define GSC_CTL_ERROR 9
+#define GSC_CTL_DONE 10
+#define GSC_PREP_GROUP_MAX 8
+typedef struct {
+    unsigned long long *ctl, *remote;
+    const unsigned char *src;
+    unsigned char *dst;
+    unsigned long long len, role, timeout_ns;
+    const unsigned char *stage;
+    unsigned char *buf;
+} gsc_prep_args_t;
+typedef struct { unsigned long long n; gsc_prep_args_t op[GSC_PREP_GROUP_MAX]; } gsc_prep_group_t;
+
+static __device__ unsigned long long gsc_now()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Wait until *w >= v (acquire, system scope); 0 on timeout. */
+static __device__ int gsc_spin_geq(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)
+{
+    unsigned long long t0 = gsc_now();
+    for (;;) {
+        unsigned long long x;
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
+        if (x >= v) return 1;
+        if (gsc_now() - t0 > timeout_ns) return 0;
+    }
+}
+
+static __device__ void gsc_store_release(unsigned long long *w, unsigned long long v)
+{
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(w), "l"(v) : "memory");
+}
+
+/* Copy n bytes with this grid's threads numbered from t, stride apart (16 bytes at a time when
+ * both sides allow it). */
+static __device__ void gsc_copy(unsigned char *d, const unsigned char *s, unsigned long long n,
+                                unsigned long long t, unsigned long long stride)
+{
+    if ((((unsigned long long)s | (unsigned long long)d) & 15) == 0) {
+        for (unsigned long long i = t; i < n / 16; i += stride) ((uint4 *)d)[i] = ((const uint4 *)s)[i];
+        for (unsigned long long i = n / 16 * 16 + t; i < n; i += stride) d[i] = s[i];
+    } else {
+        for (unsigned long long i = t; i < n; i += stride) d[i] = s[i];
+    }
+}
+
+/* One block: tell the sender we are ready (thread 0). */
+static __device__ void gsc_prep_ready(const gsc_prep_args_t *a)
+{
+    if (threadIdx.x == 0) {
+        unsigned long long e = *(volatile unsigned long long *)a->ctl + 1;
+        a->ctl[0] = e;
+        gsc_store_release(a->remote, e);
+    }
+}
+
+/* One block: wait for the round begun last, then copy it out of the staging area. */
+static __device__ void gsc_prep_wait(const gsc_prep_args_t *a)
+{
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        unsigned long long e = *(volatile unsigned long long *)a->ctl;
+        ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER, e, a->timeout_ns);
+        if (!ok) a->ctl[GSC_CTL_ERROR] = e;
+    }
+    __syncthreads();
+    if (ok && a->stage) {
+        gsc_copy(a->buf, a->stage, a->len, threadIdx.x, blockDim.x);
+        __syncthreads();
+        /* The staging area is free again: the sender may write the next round now, before
+         * this side starts it (the user's buffer is only written by that round's wait). */
+        if (threadIdx.x == 0) gsc_store_release(a->remote, *(volatile unsigned long long *)a->ctl + 1);
+    }
+    __syncthreads();
+}
+
+/* One block: a whole send round. */
+static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
+{
+    __shared__ unsigned long long e;
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        e = *(volatile unsigned long long *)a->ctl + 1;
+        ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER, e, a->timeout_ns);
+        if (!ok) a->ctl[GSC_CTL_ERROR] = e;
+    }
+    __syncthreads();
+    if (!ok) return;
+    gsc_copy(a->dst, a->src, a->len, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        a->ctl[0] = e;
+        __threadfence_system();
+        gsc_store_release(a->remote, e);
+    }
+}
+
+/* One round; a send may take several blocks (the last one to finish raises the flag). */
+extern "C" __global__ void gsc_prep_kernel(gsc_prep_args_t a)
+{
+    if (a.role == 1 || a.role == 3) gsc_prep_ready(&a);
+    if (a.role == 2 || a.role == 3) gsc_prep_wait(&a);
+    if (a.role != 0) return;
+    if (gridDim.x == 1) {
+        gsc_prep_send_block(&a);
+        return;
+    }
+    __shared__ unsigned long long e;
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        /* Every block reads the same round number: the last block writes it back. */
+        e = *(volatile unsigned long long *)a.ctl + 1;
+        ok = gsc_spin_geq(a.ctl + GSC_CTL_PEER, e, a.timeout_ns);
+        if (!ok) a.ctl[GSC_CTL_ERROR] = e;
+    }
+    __syncthreads();
+    if (!ok) return;
+    gsc_copy(a.dst, a.src, a.len, blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
+             (unsigned long long)gridDim.x * blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        /* Our block's stores reach the peer before the count; the last block raises the flag. */
+        __threadfence_system();
+        unsigned long long done = atomicAdd(a.ctl + GSC_CTL_DONE, 1ULL) + 1;
+        if (done == gridDim.x) {
+            a.ctl[GSC_CTL_DONE] = 0;
+            a.ctl[0] = e;
+            __threadfence_system();
+            gsc_store_release(a.remote, e);
+        }
+    }
+}
+
+/* The rounds of a condition group, in one block and one launch: ready, send and wait steps in
+ * the order given (readies first, so two sides that both send never wait for each other). */
+extern "C" __global__ void gsc_prep_group_kernel(gsc_prep_group_t g)
+{
+    for (unsigned k = 0; k < g.n; k++) {
+        const gsc_prep_args_t *a = &g.op[k];
+        if (a->role == 0) gsc_prep_send_block(a);
+        if (a->role == 1 || a->role == 3) gsc_prep_ready(a);
+        if (a->role == 2 || a->role == 3) gsc_prep_wait(a);
+        __syncthreads();
+    }
+}
 "#;
 /// Most operations one kernel takes (`GSC_GROUP_MAX` above); more are split over launches.
 pub(crate) const GROUP_MAX: usize = 8;
@@ -320,6 +479,39 @@ pub(crate) struct SeqArgs {
     pub(crate) inn: OpList,
 }
 
+/// `gsc_prep_args_t`: the argument of `gsc_prep_kernel`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct PrepArgs {
+    pub(crate) ctl: u64,
+    pub(crate) remote: u64,
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) len: u64,
+    pub(crate) role: u64,
+    pub(crate) timeout_ns: u64,
+    /// Receive rounds whose data the sender writes into a staging area: it, and the user's
+    /// buffer the wait copies it into (0: none).
+    pub(crate) stage: u64,
+    pub(crate) buf: u64,
+}
+
+/// `gsc_prep_group_t`: the argument of `gsc_prep_group_kernel`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct PrepGroup {
+    pub(crate) n: u64,
+    pub(crate) op: [PrepArgs; PREP_GROUP_MAX],
+}
+
+pub(crate) const PREP_GROUP_MAX: usize = 8;
+
+/// `PrepArgs::role`
+pub(crate) const PREP_SEND: u64 = 0;
+pub(crate) const PREP_READY: u64 = 1;
+pub(crate) const PREP_WAIT: u64 = 2;
+pub(crate) const PREP_READY_WAIT: u64 = 3;
+
 /// The kernels of one context.
 #[derive(Copy, Clone)]
 pub(crate) struct Kernels {
@@ -327,6 +519,10 @@ pub(crate) struct Kernels {
     pub(crate) ops: cu::CUfunction,
     /// `gsc_seq_kernel(SeqArgs)`: a stream's trigger and wait with staged copies around them.
     pub(crate) seq: cu::CUfunction,
+    /// `gsc_prep_kernel(PrepArgs)`: a prepared transfer's round on the GPU.
+    pub(crate) prep: cu::CUfunction,
+    /// `gsc_prep_group_kernel(PrepGroup)`: a group's rounds in one launch.
+    pub(crate) prep_group: cu::CUfunction,
 }
 
 // SAFETY: CUfunction handles are plain driver handles, valid from any thread while their module
@@ -348,7 +544,12 @@ impl Kernels {
         let cubin = compile_cached(&source, arch, cache_dir)?;
         let _scope = CtxScope::enter(ctx)?;
         let module = load_module(&cubin)?;
-        let k = Kernels { ops: function(module, "gsc_ops_kernel")?, seq: function(module, "gsc_seq_kernel")? };
+        let k = Kernels {
+            ops: function(module, "gsc_ops_kernel")?,
+            seq: function(module, "gsc_seq_kernel")?,
+            prep: function(module, "gsc_prep_kernel")?,
+            prep_group: function(module, "gsc_prep_group_kernel")?,
+        };
         loaded.insert(ctx as usize, k);
         Ok(k)
     }

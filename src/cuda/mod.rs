@@ -25,11 +25,15 @@ pub(crate) mod ipc;
 mod kernels;
 pub(crate) mod memory;
 mod pinned;
+pub(crate) mod prep_ctl;
 mod stage;
 pub(crate) mod vmm;
 
 pub(crate) use device_handle::DeviceHandleSlot;
-pub(crate) use kernels::{GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, SeqArgs, THREADS};
+pub(crate) use kernels::{
+    GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, PREP_GROUP_MAX, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, PrepGroup,
+    SeqArgs, THREADS,
+};
 pub(crate) use pinned::PinnedSlot;
 pub(crate) use stage::{LL_MAX, StageSlot, ll_area, ll_flag};
 
@@ -425,13 +429,54 @@ fn split_first_chunk(ops: &[OpDesc]) -> (&[OpDesc], &[OpDesc]) {
     ops.split_at(ops.len().min(GROUP_MAX))
 }
 
+/// Launch a prepared transfer's round (`gsc_prep_kernel`) on `stream` (a kernel node when it is
+/// being captured). A send's copy takes up to 32 blocks, one per 64 KiB.
+pub(crate) fn launch_prep(k: &Kernels, stream: usize, args: &PrepArgs) -> Result<()> {
+    let blocks = if args.role == PREP_SEND { args.len.div_ceil(64 << 10).clamp(1, 32) as u32 } else { 1 };
+    launch_struct_grid(k.prep, stream, blocks, args)
+}
+
+/// Sends larger than this in a group get a launch (and a grid) of their own.
+pub(crate) const PREP_FUSED_SEND_MAX: u64 = 64 << 10;
+
+/// Launch the rounds of a group, in order: runs of single-block steps fused into one
+/// `gsc_prep_group_kernel` each (up to PREP_GROUP_MAX), large sends on their own.
+pub(crate) fn launch_prep_group(k: &Kernels, stream: usize, ops: &[PrepArgs]) -> Result<()> {
+    let mut run: Vec<PrepArgs> = Vec::new();
+    let flush = |run: &mut Vec<PrepArgs>| -> Result<()> {
+        if run.is_empty() {
+            return Ok(());
+        }
+        let mut g = PrepGroup { n: run.len() as u64, ..Default::default() };
+        g.op[..run.len()].copy_from_slice(run);
+        run.clear();
+        launch_struct(k.prep_group, stream, &g)
+    };
+    for op in ops {
+        if op.role == PREP_SEND && op.len > PREP_FUSED_SEND_MAX {
+            flush(&mut run)?;
+            launch_prep(k, stream, op)?;
+            continue;
+        }
+        run.push(*op);
+        if run.len() == PREP_GROUP_MAX {
+            flush(&mut run)?;
+        }
+    }
+    flush(&mut run)
+}
+
 /// Launch one of our kernels, one block of `THREADS`, with `args` as its one by-value parameter.
 fn launch_struct<T>(f: cu::CUfunction, stream: usize, args: &T) -> Result<()> {
+    launch_struct_grid(f, stream, 1, args)
+}
+
+fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
     let mut params = [args as *const T as *mut std::ffi::c_void];
     // SAFETY: `f` takes exactly one parameter laid out as `T` (repr(C) mirrors of the kernels'
     // structs); the driver copies it from `args` during the call.
     check(
-        unsafe { cu::cuLaunchKernel(f, 1, 1, 1, THREADS, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
+        unsafe { cu::cuLaunchKernel(f, blocks, 1, 1, THREADS, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
         "cuLaunchKernel",
     )
 }

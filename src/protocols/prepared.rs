@@ -23,7 +23,7 @@
 use super::idmap::IdMap;
 use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
 use super::tag::{Action, Actions, ConnId, OutFrame, OutFrameEq, Payload, RecvInfo, ReqId, UserBuf};
-use super::wire::{Header, PREP_DEVICE, PREP_DIRECT, PREP_LAST, PREP_RECV};
+use super::wire::{Header, PREP_DEVICE, PREP_DIRECT, PREP_GPU_ROUNDS, PREP_LAST, PREP_RECV};
 use crate::error::{Error, Result, Status};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -47,6 +47,58 @@ pub struct PrepSpec {
     /// into `n` equal parts, each sent once `pready` marks it (send side) and reported by
     /// `parrived` (receive side).
     pub partitions: Option<usize>,
+    /// Rounds run on the GPU by kernels (no rounds through this engine): pairing only
+    /// exchanges the control blocks and keys (`DeviceHello`).
+    pub gpu_rounds: bool,
+}
+
+/// What a side whose rounds run on the GPU announces: its control block (address and the key
+/// that opens its slab), and for a receive the key of its buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceHello {
+    pub ctl_addr: u64,
+    pub ctl_key: Vec<u8>,
+    /// A receive: where the sender writes (its buffer, or a staging area) and the key that
+    /// opens it.
+    pub buf_addr: u64,
+    pub buf_key: Vec<u8>,
+}
+
+impl DeviceHello {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(24 + self.ctl_key.len() + self.buf_key.len());
+        v.extend_from_slice(&self.ctl_addr.to_le_bytes());
+        v.extend_from_slice(&self.buf_addr.to_le_bytes());
+        for k in [&self.ctl_key, &self.buf_key] {
+            v.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            v.extend_from_slice(k);
+        }
+        v
+    }
+
+    fn decode(b: &[u8]) -> Result<DeviceHello> {
+        let short = || bad("short GPU-rounds hello");
+        let ctl_addr = u64::from_le_bytes(b.get(..8).ok_or_else(short)?.try_into().expect("8 bytes"));
+        let buf_addr = u64::from_le_bytes(b.get(8..16).ok_or_else(short)?.try_into().expect("8 bytes"));
+        let mut at = 16;
+        let mut key = || -> Result<Vec<u8>> {
+            let n = u32::from_le_bytes(b.get(at..at + 4).ok_or_else(short)?.try_into().expect("4 bytes")) as usize;
+            let k = b.get(at + 4..at + 4 + n).ok_or_else(short)?.to_vec();
+            at += 4 + n;
+            Ok(k)
+        };
+        let ctl_key = key()?;
+        let buf_key = key()?;
+        Ok(DeviceHello { ctl_addr, ctl_key, buf_addr, buf_key })
+    }
+}
+
+/// The peer of a pair whose rounds run on the GPU, as the kernels need it.
+#[derive(Clone, Debug)]
+pub struct DevicePeer {
+    pub hello: Arc<DeviceHello>,
+    /// The peer's buffer length.
+    pub len: usize,
 }
 
 impl PrepSpec {
@@ -73,6 +125,8 @@ struct Prep {
     peer: Option<Peer>,
     /// The peer's receive buffer is GPU memory this key opens.
     peer_key: Option<Arc<[u8]>>,
+    /// Rounds on the GPU: what the peer announced.
+    peer_device: Option<Arc<DeviceHello>>,
     /// Send side, fixed at pairing: partitions are written into the receive buffer directly.
     direct: bool,
     /// Pairing showed the two sides cannot work together, or the peer released: every round
@@ -120,6 +174,7 @@ impl Prep {
 struct Hello {
     worker: u128,
     key: Option<Arc<[u8]>>,
+    device: Option<Arc<DeviceHello>>,
     recv: bool,
     tag: u64,
     peer: Peer,
@@ -217,7 +272,8 @@ impl PreparedEngine {
     /// Create a preparation and announce it to the peer. Checks everything before acting.
     /// `device_key`: for a receive into GPU memory, the key that opens it to the peer (none:
     /// the peer sends frames).
-    pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec, device_key: Option<Vec<u8>>) -> Result<PrepId> {
+    /// `gpu`: for `spec.gpu_rounds`, what to announce.
+    pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec, device_key: Option<Vec<u8>>, gpu: Option<DeviceHello>) -> Result<PrepId> {
         let Some(worker) = self.worker_of(spec.conn) else {
             return Err(Error::new(Status::NotConnected, "prepare on a connection the protocol layer does not know"));
         };
@@ -228,6 +284,12 @@ impl PreparedEngine {
             if !spec.buf.len.is_multiple_of(n) {
                 return Err(Error::invalid_param(format!("buffer of {} bytes does not split into {n} equal partitions", spec.buf.len)));
             }
+        }
+        if spec.gpu_rounds != gpu.is_some() {
+            return Err(Error::new(Status::Internal, "GPU rounds need their control block announced"));
+        }
+        if spec.gpu_rounds && spec.partitions.is_some() {
+            return Err(Error::unsupported("partitioned transfers with rounds on the GPU are not supported yet"));
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -245,9 +307,14 @@ impl PreparedEngine {
             addr: if recv { spec.buf.addr as u64 } else { 0 },
             flags: if recv { PREP_RECV } else { 0 }
                 | if direct_ok { PREP_DIRECT } else { 0 }
-                | if own_key.is_some() { PREP_DEVICE } else { 0 },
+                | if own_key.is_some() { PREP_DEVICE } else { 0 }
+                | if gpu.is_some() { PREP_GPU_ROUNDS } else { 0 },
         };
-        let key_payload = own_key.as_ref().map_or(Payload::None, |k| Payload::Owned(k.to_vec()));
+        let key_payload = match (&gpu, &own_key) {
+            (Some(g), _) => Payload::Owned(g.encode()),
+            (None, Some(k)) => Payload::Owned(k.to_vec()),
+            (None, None) => Payload::None,
+        };
         transmit(out, spec.conn, hello, key_payload, None);
         self.preps.insert(
             id,
@@ -255,6 +322,7 @@ impl PreparedEngine {
                 spec,
                 peer: None,
                 peer_key: None,
+                peer_device: None,
                 direct: false,
                 broken: None,
                 released: false,
@@ -285,10 +353,25 @@ impl PreparedEngine {
         self.preps.get(&id).filter(|p| !p.released).map(|p| p.spec)
     }
 
+    /// For a pair whose rounds run on the GPU: the peer, once paired (`None` before).
+    pub fn device_peer(&mut self, id: PrepId) -> Result<Option<DevicePeer>> {
+        let p = self.live(id)?;
+        if let Some(e) = &p.broken {
+            return Err(e.clone());
+        }
+        Ok(match (p.peer, &p.peer_device) {
+            (Some(peer), Some(d)) => Some(DevicePeer { hello: d.clone(), len: peer.len }),
+            _ => None,
+        })
+    }
+
     /// Start a round. `queue`: when a round is in progress, begin this one after it (a
     /// condition started it) rather than refuse (`Busy`, a host start).
     pub fn start(&mut self, out: &mut Actions, id: PrepId, req: ReqId, queue: bool) -> Result<()> {
         let p = self.live(id)?;
+        if p.spec.gpu_rounds {
+            return Err(Error::new(Status::Internal, "a prepared transfer with GPU rounds has no rounds here"));
+        }
         if let Some(e) = &p.broken {
             return Err(e.clone());
         }
@@ -385,6 +468,7 @@ impl PreparedEngine {
         let p = self.preps.get_mut(&id).expect("pairing a live preparation");
         p.peer = Some(h.peer);
         p.peer_key = h.key.clone();
+        p.peer_device = h.device.clone();
         if p.released {
             transmit(out, p.spec.conn, Header::PrepBye { id: h.peer.id }, Payload::None, None);
             self.preps.remove(&id);
@@ -394,7 +478,12 @@ impl PreparedEngine {
             PrepDir::Send => (p.spec.buf.len, h.peer.len),
             PrepDir::Recv => (h.peer.len, p.spec.buf.len),
         };
-        if send_len > recv_len {
+        if p.spec.gpu_rounds != h.device.is_some() {
+            p.broken = Some(Error::invalid_param(format!(
+                "one side of prepared transfer (tag {:#x}) runs its rounds on the GPU and the other does not",
+                p.spec.tag
+            )));
+        } else if send_len > recv_len {
             p.broken = Some(Error::new(
                 Status::MessageTruncated,
                 format!("prepared send of {send_len} bytes paired with a receive of {recv_len} (tag {:#x})", p.spec.tag),
@@ -579,11 +668,13 @@ impl PreparedEngine {
                 let len = usize::try_from(len).map_err(|_| bad("length overflows"))?;
                 let partitions = usize::try_from(partitions).ok().filter(|n| *n > 0).ok_or_else(|| bad("zero partitions"))?;
                 let recv = flags & PREP_RECV != 0;
-                let key: Option<Arc<[u8]>> = (recv && flags & PREP_DEVICE != 0 && !payload.is_empty()).then(|| Arc::from(payload));
+                let device = if flags & PREP_GPU_ROUNDS != 0 { Some(Arc::new(DeviceHello::decode(payload)?)) } else { None };
+                let key: Option<Arc<[u8]>> =
+                    (device.is_none() && recv && flags & PREP_DEVICE != 0 && !payload.is_empty()).then(|| Arc::from(payload));
                 let direct_ok = recv && flags & PREP_DIRECT != 0;
                 let worker = self.worker_of(conn).ok_or_else(|| bad("hello on an unknown link"))?;
                 let peer = Peer { id, len, partitions, addr: (direct_ok || key.is_some()).then_some(addr), conn };
-                let h = Hello { worker, key, recv, tag, peer, direct_ok };
+                let h = Hello { worker, key, device, recv, tag, peer, direct_ok };
                 // The oldest unpaired local preparation with that worker, of the other
                 // direction, with this tag.
                 let links = &self.links;

@@ -559,8 +559,8 @@ impl Pair {
     fn prepare(&mut self, s: usize, dir: PrepDir, len: usize, tag: u64, partitions: Option<usize>) -> (PrepId, usize) {
         let addr = self.sides[s].mem.alloc(vec![0xEE; len + 64]);
         let mut out = Actions::new();
-        let spec = PrepSpec { dir, conn: 0, tag, buf: UserBuf::host(addr, len), partitions };
-        let id = self.sides[s].engine.prepared.prepare(&mut out, spec, None).unwrap();
+        let spec = PrepSpec { dir, conn: 0, tag, buf: UserBuf::host(addr, len), partitions, gpu_rounds: false };
+        let id = self.sides[s].engine.prepared.prepare(&mut out, spec, None, None).unwrap();
         self.run(s, out, None);
         (id, addr)
     }
@@ -734,8 +734,8 @@ fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
         assert_eq!(e.status(), Status::MessageTruncated, "{e}");
     }
     // Unequal partitions are refused at prepare time.
-    let spec = PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf::host(0x1000, 10), partitions: Some(3) };
-    assert_eq!(p.sides[0].engine.prepared.prepare(&mut Actions::new(), spec, None).unwrap_err().status(), Status::InvalidParam);
+    let spec = PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf::host(0x1000, 10), partitions: Some(3), gpu_rounds: false };
+    assert_eq!(p.sides[0].engine.prepared.prepare(&mut Actions::new(), spec, None, None).unwrap_err().status(), Status::InvalidParam);
 
     // Busy: a second host start and a release while a round is in flight change nothing.
     let mut p = Pair::new(cfg(), false, 1024);
@@ -841,17 +841,29 @@ fn prepared_gpu_receive_is_written_through_its_key_and_without_one_in_frames() {
         let size = 3000;
         // Simulated GPU memory on both sides (plain memory here; the worker does the real thing).
         let saddr = p.sides[0].mem.alloc(vec![0; size]);
-        let spec =
-            PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf { addr: saddr, len: size, mem: MemType::Cuda }, partitions: None };
+        let spec = PrepSpec {
+            dir: PrepDir::Send,
+            conn: 0,
+            tag: 1,
+            buf: UserBuf { addr: saddr, len: size, mem: MemType::Cuda },
+            partitions: None,
+            gpu_rounds: false,
+        };
         let mut out = Actions::new();
-        let send = p.sides[0].engine.prepared.prepare(&mut out, spec, None).unwrap();
+        let send = p.sides[0].engine.prepared.prepare(&mut out, spec, None, None).unwrap();
         p.run(0, out, None);
         let raddr = p.sides[1].mem.alloc(vec![0xEE; size]);
-        let spec =
-            PrepSpec { dir: PrepDir::Recv, conn: 0, tag: 1, buf: UserBuf { addr: raddr, len: size, mem: MemType::Cuda }, partitions: None };
+        let spec = PrepSpec {
+            dir: PrepDir::Recv,
+            conn: 0,
+            tag: 1,
+            buf: UserBuf { addr: raddr, len: size, mem: MemType::Cuda },
+            partitions: None,
+            gpu_rounds: false,
+        };
         let mut out = Actions::new();
         let key = with_key.then(|| b"device key".to_vec());
-        let recv = p.sides[1].engine.prepared.prepare(&mut out, spec, key).unwrap();
+        let recv = p.sides[1].engine.prepared.prepare(&mut out, spec, key, None).unwrap();
         p.run(1, out, None);
         p.pump();
         let data = pattern(size, 9);
@@ -863,4 +875,60 @@ fn prepared_gpu_receive_is_written_through_its_key_and_without_one_in_frames() {
         assert_eq!(p.sides[1].mem.get(raddr), &data);
         assert_eq!(p.keys_seen.len(), with_key as usize, "the key travels to the sender's writes only when there is one");
     }
+}
+
+#[test]
+fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
+    use prepared::DeviceHello;
+    let gpu = |ctl: u64, buf_key: &[u8]| DeviceHello {
+        ctl_addr: ctl,
+        ctl_key: b"ctl key".to_vec(),
+        buf_addr: ctl + 128,
+        buf_key: buf_key.to_vec(),
+    };
+    let spec = |dir, addr, gpu_rounds| PrepSpec {
+        dir,
+        conn: 0,
+        tag: 4,
+        buf: UserBuf { addr, len: 64, mem: MemType::Cuda },
+        partitions: None,
+        gpu_rounds,
+    };
+    let mut p = Pair::new(cfg(), false, 1024);
+    let mut out = Actions::new();
+    let s = p.sides[0].engine.prepared.prepare(&mut out, spec(PrepDir::Send, 0x1000, true), None, Some(gpu(0xA000, b""))).unwrap();
+    p.run(0, out, None);
+    assert!(p.sides[0].engine.prepared.device_peer(s).unwrap().is_none(), "not paired yet");
+    let mut out = Actions::new();
+    let r = p.sides[1].engine.prepared.prepare(&mut out, spec(PrepDir::Recv, 0x2000, true), None, Some(gpu(0xB000, b"buf key"))).unwrap();
+    p.run(1, out, None);
+    p.pump();
+    let to_recv = p.sides[0].engine.prepared.device_peer(s).unwrap().expect("paired");
+    assert_eq!((to_recv.hello.ctl_addr, to_recv.hello.buf_addr, to_recv.len), (0xB000, 0xB080, 64));
+    assert_eq!(to_recv.hello.buf_key, b"buf key");
+    let to_send = p.sides[1].engine.prepared.device_peer(r).unwrap().expect("paired");
+    assert_eq!(to_send.hello.ctl_addr, 0xA000);
+    assert_eq!(p.frames_in_flight(), 0, "GPU rounds exchange nothing else");
+    // Host rounds are refused for them.
+    assert!(p.sides[0].engine.prepared.start(&mut Actions::new(), s, 9, false).is_err());
+
+    // Only one side asked for GPU rounds: both sides learn it at pairing.
+    let mut p = Pair::new(cfg(), false, 1024);
+    let mut out = Actions::new();
+    let s = p.sides[0].engine.prepared.prepare(&mut out, spec(PrepDir::Send, 0x1000, true), None, Some(gpu(1, b""))).unwrap();
+    p.run(0, out, None);
+    let mut out = Actions::new();
+    let r = p.sides[1].engine.prepared.prepare(&mut out, spec(PrepDir::Recv, 0x2000, false), None, None).unwrap();
+    p.run(1, out, None);
+    p.pump();
+    assert_eq!(p.sides[0].engine.prepared.device_peer(s).unwrap_err().status(), Status::InvalidParam);
+    let e = p.sides[1].engine.prepared.start(&mut Actions::new(), r, 9, false).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidParam, "{e}");
+
+    // A hello too short for what it claims is a protocol error.
+    let h = wire::Header::PrepHello { tag: 1, id: 1, len: 8, partitions: 1, addr: 0, flags: wire::PREP_GPU_ROUNDS };
+    let mut frame = h.encode().as_bytes().to_vec();
+    frame.extend_from_slice(&[1, 2, 3]);
+    let side = &mut p.sides[0];
+    assert_eq!(side.engine.on_frame(&mut Actions::new(), 0, &frame, &side.regions).unwrap_err().status(), Status::ConnectionReset);
 }

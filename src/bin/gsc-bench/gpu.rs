@@ -16,6 +16,8 @@
 //! - pstream, pgraph: stream and graph with prepared transfers (a send and a receive prepared
 //!   once per size; each iteration is one round of each: receiver ready, then data written
 //!   into the receive buffer, by the copy engine for GPU buffers).
+//! - gstream, ggraph: the same with the rounds run on the GPU (`gpu_rounds`): one kernel per
+//!   round on the stream writes into the peer's buffer over NVLink and raises its flag.
 //! - nccl (`--nccl`): ncclSend + ncclRecv in a group per iteration on a stream, and the same
 //!   captured `-G` per graph.
 
@@ -34,6 +36,9 @@ enum Mode {
     /// `Stream` and `Graph` with prepared transfers (matching and protocol resolved once).
     PStream,
     PGraph,
+    /// `PStream` and `PGraph` with the rounds run on the GPU (no proxy).
+    GStream,
+    GGraph,
     Nccl,
     NcclGraph,
 }
@@ -46,6 +51,8 @@ impl Mode {
             Mode::Kernel => "kernel",
             Mode::PStream => "pstream",
             Mode::PGraph => "pgraph",
+            Mode::GStream => "gstream",
+            Mode::GGraph => "ggraph",
             Mode::Nccl => "nccl",
             Mode::NcclGraph => "nccl-graph",
         }
@@ -86,6 +93,8 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
                         "kernel" => Some(Mode::Kernel),
                         "pstream" => Some(Mode::PStream),
                         "pgraph" => Some(Mode::PGraph),
+                        "gstream" => Some(Mode::GStream),
+                        "ggraph" => Some(Mode::GGraph),
                         _ => None,
                     })
                     .collect::<Option<Vec<_>>>()?
@@ -111,7 +120,7 @@ fn iterations(o: &Opts, size: usize, mode: Mode) -> (usize, usize) {
     let n = o.sweep.iters.min(budget);
     let w = o.sweep.warmup.min(n);
     match mode {
-        Mode::Graph | Mode::NcclGraph | Mode::PGraph => {
+        Mode::Graph | Mode::NcclGraph | Mode::PGraph | Mode::GGraph => {
             let g = o.graph_iters.min(n);
             (n.div_ceil(g) * g, w.div_ceil(g).max(1) * g)
         }
@@ -181,9 +190,9 @@ impl Rank {
     }
 
     /// A prepared send of our send buffer and receive into our receive buffer, `n` bytes.
-    fn prepare(&self, n: usize) -> (gscomm::Prepared, gscomm::Prepared) {
+    fn prepare(&self, n: usize, gpu_rounds: bool) -> (gscomm::Prepared, gscomm::Prepared) {
         use gscomm::{Direction, PrepareParams};
-        let p = |dir| PrepareParams { dir, tag: TAG + 1, partitions: None, memory_type: None };
+        let p = |dir| PrepareParams { dir, tag: TAG + 1 + gpu_rounds as u64, partitions: None, memory_type: None, gpu_rounds };
         // SAFETY: both buffers live as long as `self`; each run drops its preparations after
         // its last round completed (a stream synchronize).
         unsafe {
@@ -197,7 +206,19 @@ impl Rank {
     /// Run `warmup` then `iters` iterations of `mode`; seconds per timed iteration.
     fn run(&self, ctl: &mut Control, nccl: Option<&Comm>, mode: Mode, n: usize, o: &Opts) -> f64 {
         let (iters, warmup) = iterations(o, n, mode);
-        let prepared = matches!(mode, Mode::PStream | Mode::PGraph).then(|| self.prepare(n));
+        let prepared = match mode {
+            Mode::PStream | Mode::PGraph => Some(self.prepare(n, false)),
+            Mode::GStream | Mode::GGraph => {
+                let (tx, rx) = self.prepare(n, true);
+                // Pairing and mapping happen at the first start: one round outside the timing
+                // (and outside any capture).
+                let warm = Condition::cuda(Category::Stream, self.stream.raw(), None).unwrap_or_else(|e| die("condition", e));
+                self.issue_prepared(&warm, &tx, &rx);
+                self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
+                Some((tx, rx))
+            }
+            _ => None,
+        };
         let peer = 1 - self.rank;
         let sync = || self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
         let nccl_step = |stream: &Stream| {
@@ -207,11 +228,11 @@ impl Rank {
             unsafe { c.sendrecv(self.send.ptr(), self.recv.ptr(), n, peer, stream.raw()) }.unwrap_or_else(|e| die("nccl", e));
         };
         match mode {
-            Mode::Stream | Mode::Nccl | Mode::PStream => {
+            Mode::Stream | Mode::Nccl | Mode::PStream | Mode::GStream => {
                 let cond = Condition::cuda(Category::Stream, self.stream.raw(), None).unwrap_or_else(|e| die("condition", e));
                 let step = || match (mode, &prepared) {
                     (Mode::Stream, _) => self.issue(&cond, n),
-                    (Mode::PStream, Some((tx, rx))) => self.issue_prepared(&cond, tx, rx),
+                    (Mode::PStream | Mode::GStream, Some((tx, rx))) => self.issue_prepared(&cond, tx, rx),
                     _ => nccl_step(&self.stream),
                 };
                 (0..warmup).for_each(|_| step());
@@ -222,7 +243,7 @@ impl Rank {
                 sync();
                 t0.elapsed().as_secs_f64() / iters as f64
             }
-            Mode::Graph | Mode::NcclGraph | Mode::PGraph => {
+            Mode::Graph | Mode::NcclGraph | Mode::PGraph | Mode::GGraph => {
                 let g = o.graph_iters.min(iters);
                 let cap = Stream::new().unwrap_or_else(|e| die("stream", e));
                 let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap_or_else(|e| die("condition", e));
@@ -230,7 +251,7 @@ impl Rank {
                 for _ in 0..g {
                     match (mode, &prepared) {
                         (Mode::Graph, _) => self.issue(&cond, n),
-                        (Mode::PGraph, Some((tx, rx))) => self.issue_prepared(&cond, tx, rx),
+                        (Mode::PGraph | Mode::GGraph, Some((tx, rx))) => self.issue_prepared(&cond, tx, rx),
                         _ => nccl_step(&cap),
                     }
                 }

@@ -1,0 +1,163 @@
+//! Prepared transfers whose rounds run on the GPU: no proxy and no frame per round.
+//!
+//! Pairing (the hello) exchanges each side's control block (`cuda::prep_ctl`) and, from the
+//! receiver, its buffer's CUDA IPC key. Each side then maps what it writes: the receiver the
+//! sender's control block (to say "ready for round e"), the sender the receiver's control block
+//! and buffer (to write the data and "round e arrived"). A round is one kernel on the user's
+//! stream (`gsc_prep_kernel`, a graph node under capture): the round number lives in the
+//! control block and is bumped by the kernel, so captured rounds replay any number of times.
+//! A send's kernel waits on its stream until the receiver is ready (so on one stream a receive
+//! should be started before a send, as a halo exchange does); a receive started without a
+//! stream wait puts its wait on the stream at the next `Condition::wait`. Spins give up after
+//! `GSC_TIMEOUT` and record the round (`Prepared::gpu_error`); a dead peer never hangs the GPU.
+
+use super::prepared::Prepared;
+use super::request::{RequestParams, Started};
+use super::worker::State;
+use crate::condition::ArmedOutputs;
+use crate::cuda::prep_ctl::{BLOCK, CtlBlock, PEER_WORD, STAGE_MAX};
+use crate::cuda::{PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, ipc};
+use crate::error::{Error, Result, Status};
+use crate::protocols::prepared::{DeviceHello, DevicePeer, PrepDir};
+use crate::protocols::{ConnId, MemType};
+use crate::transport::LaneKind;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub(crate) struct GpuSide {
+    dir: PrepDir,
+    ctl: CtlBlock,
+    addr: usize,
+    len: usize,
+    timeout: Duration,
+    /// A receive of up to `STAGE_MAX` bytes: the staging area (after its control block, in our
+    /// slab) the sender writes into; the wait copies it into the buffer.
+    stage: Option<u64>,
+    /// Set at the first start (after pairing): the peer's word we write and, for a send, its
+    /// buffer, both mapped into our GPU's address space.
+    mapped: OnceLock<(u64, u64)>,
+}
+
+impl GpuSide {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        st: &State,
+        conn: ConnId,
+        dir: PrepDir,
+        addr: usize,
+        len: usize,
+        mem: MemType,
+        timeout: Option<Duration>,
+    ) -> Result<(GpuSide, DeviceHello)> {
+        if mem != MemType::Cuda {
+            return Err(Error::invalid_param("rounds on the GPU need a GPU buffer"));
+        }
+        if st.conns[conn].props.lane != LaneKind::Shm {
+            return Err(Error::unsupported("rounds on the GPU run between processes (the shm lane with CUDA IPC)"));
+        }
+        if st.device.ipc == crate::config::Tristate::Off {
+            return Err(Error::unsupported("rounds on the GPU need CUDA IPC (GSC_CUDA_IPC is off)"));
+        }
+        let device = crate::cuda::memory::device_ptr(addr)?.map(|p| p.device).ok_or_else(|| Error::invalid_param("not GPU memory"))?;
+        // A small receive is staged in our slab: the sender maps the slab once for every pair,
+        // whatever allocation the user's buffer sits in (a peer cannot open a second buffer of
+        // a CUDA block it already opened; small cudaMalloc buffers share blocks).
+        let staged = dir == PrepDir::Recv && len <= STAGE_MAX;
+        let ctl = CtlBlock::take(device, if staged { len } else { 0 })?;
+        let stage = staged.then(|| ctl.addr + BLOCK as u64);
+        let (buf_addr, buf_key) = match (dir, stage) {
+            (PrepDir::Send, _) => (0, Vec::new()),
+            (PrepDir::Recv, Some(stage)) => (stage, ctl.key.clone()),
+            (PrepDir::Recv, None) => (
+                addr as u64,
+                super::device_mem::DeviceMem::send_key(st.device.ipc, LaneKind::Shm, addr, len)
+                    .ok_or_else(|| Error::unsupported("this GPU buffer cannot be shared through CUDA IPC"))?,
+            ),
+        };
+        let hello = DeviceHello { ctl_addr: ctl.addr, ctl_key: ctl.key.clone(), buf_addr, buf_key };
+        let timeout = timeout.unwrap_or(Duration::from_secs(3600));
+        Ok((GpuSide { dir, ctl, addr, len, timeout, stage, mapped: OnceLock::new() }, hello))
+    }
+
+    /// One round on the stream of `params.condition`.
+    pub(super) fn start(&self, p: &Prepared, params: RequestParams) -> Result<Started> {
+        let cond = params
+            .condition
+            .as_ref()
+            .ok_or_else(|| Error::unsupported("a prepared transfer with GPU rounds starts on a CUDA stream condition, not on the host"))?;
+        let (remote, dst) = self.mapped(p)?;
+        let args = PrepArgs {
+            ctl: self.ctl.addr,
+            remote,
+            src: self.addr as u64,
+            dst,
+            len: self.len as u64,
+            role: PREP_SEND,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            stage: self.stage.unwrap_or(0),
+            buf: self.addr as u64,
+        };
+        match self.dir {
+            PrepDir::Send => cond.gpu_round(args, None)?,
+            PrepDir::Recv if params.no_stream_wait => {
+                cond.gpu_round(PrepArgs { role: PREP_READY, ..args }, Some(PrepArgs { role: PREP_WAIT, ..args }))?
+            }
+            PrepDir::Recv => cond.gpu_round(PrepArgs { role: PREP_READY_WAIT, ..args }, None)?,
+        }
+        Ok(Started::Armed(ArmedOutputs::default()))
+    }
+
+    /// (the peer's word we write, the peer's buffer for a send), mapped once. Waits (progressing
+    /// the worker, up to the timeout) for the peer to have prepared.
+    fn mapped(&self, p: &Prepared) -> Result<(u64, u64)> {
+        if let Some(m) = self.mapped.get() {
+            return Ok(*m);
+        }
+        let peer = self.wait_for_peer(p)?;
+        // Opening the peer's memory is not a stream operation; allowed while a stream of this
+        // thread is being captured.
+        crate::cuda::with_relaxed_capture(|| self.map(&peer))
+    }
+
+    fn map(&self, peer: &DevicePeer) -> Result<(u64, u64)> {
+        let device = self.ctl.device;
+        let ctl_key = ipc::DeviceKey::decode(&peer.hello.ctl_key)?;
+        let remote = ipc::map_peer(&ctl_key, peer.hello.ctl_addr + PEER_WORD * 8, 8, device)
+            .map_err(|e| e.context("opening the peer's prepared-transfer control block"))?;
+        let dst = match self.dir {
+            PrepDir::Send => {
+                if self.len > peer.len {
+                    return Err(Error::new(
+                        Status::MessageTruncated,
+                        format!("prepared send of {} bytes into a receive of {}", self.len, peer.len),
+                    ));
+                }
+                let key = ipc::DeviceKey::decode(&peer.hello.buf_key)?;
+                ipc::map_peer(&key, peer.hello.buf_addr, self.len, device)
+                    .map_err(|e| e.context("opening the peer's prepared receive buffer"))?
+            }
+            PrepDir::Recv => 0,
+        };
+        Ok(*self.mapped.get_or_init(|| (remote, dst)))
+    }
+
+    fn wait_for_peer(&self, p: &Prepared) -> Result<DevicePeer> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(peer) = p.worker().with_state(|st, _| st.engine.prepared.device_peer(p.id()))? {
+                return Ok(peer);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::new(Status::TimedOut, "the peer did not prepare its side of the transfer"));
+            }
+            if p.worker().progress() == 0 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// 0, or the round a kernel of this side gave up on (the peer did not answer in time).
+    pub(super) fn error(&self) -> Result<u64> {
+        self.ctl.error()
+    }
+}
