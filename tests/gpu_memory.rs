@@ -989,3 +989,142 @@ fn vmm_send_buffer_read_by_another_process_through_fd_passing() {
     }
     p.finish(T);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prepared transfers around a ring of four GPUs: each rank sends to the next and receives from
+// the previous one, a captured iteration (fill, receive, send, wait, check) replayed
+// GRAPH_ROUNDS times with new data each time, through the proxy and with GPU rounds.
+
+const RING: u64 = 4;
+
+fn ring_rank(rank: u64, w: &Worker, next: &Endpoint, prev: &Endpoint, k: &Kern) -> String {
+    let mut out = String::new();
+    for gpu_rounds in [false, true] {
+        let stream = Stream::new().unwrap();
+        let cap = Stream::new().unwrap();
+        let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
+        let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
+        let n = ROUND_BYTES as u64;
+        let pp = |dir| PrepareParams { dir, tag: 300 + gpu_rounds as u64, partitions: None, memory_type: None, gpu_rounds };
+        // SAFETY: the buffers outlive the preparations (dropped at the end of the mode).
+        let (tx, rx) = unsafe {
+            (
+                next.prepare(src.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Send)).unwrap(),
+                prev.prepare(dst.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Recv)).unwrap(),
+            )
+        };
+        let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+        if gpu_rounds {
+            // Pairing and mapping at the first start, outside the capture.
+            let warm = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+            warm.group_start().unwrap();
+            rx.start(on(&warm, false)).unwrap();
+            tx.start(on(&warm, false)).unwrap();
+            warm.wait().unwrap();
+            warm.group_end().unwrap();
+            stream.synchronize().unwrap();
+        }
+        cap.begin_capture().unwrap();
+        k.fill_round.launch(grid(ROUND_BYTES), 256, &cap, &[src.ptr(), n, round.device_ptr(), rank]).unwrap();
+        cond.group_start().unwrap();
+        let r = rx.start(on(&cond, false)).unwrap();
+        let s = tx.start(on(&cond, false)).unwrap();
+        cond.wait().unwrap();
+        cond.group_end().unwrap();
+        k.bump.launch(1, 1, &cap, &[round.device_ptr()]).unwrap();
+        let from = (rank + RING - 1) % RING;
+        k.check_round.launch(grid(ROUND_BYTES), 256, &cap, &[dst.ptr(), n, round.device_ptr(), from, err.device_ptr()]).unwrap();
+        let exec = cap.end_capture().unwrap().instantiate().unwrap();
+        let t0 = Instant::now();
+        for _ in 0..GRAPH_ROUNDS {
+            exec.launch(&stream).unwrap();
+        }
+        stream.synchronize().unwrap();
+        eprintln!(
+            "rank {rank}: ring, gpu_rounds={gpu_rounds}: {GRAPH_ROUNDS} replays, {:.1} us/replay",
+            t0.elapsed().as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+        );
+        let _ = (r, s, w);
+        let mut v = verdict(&[], pinned_u64(&err));
+        if pinned_u64(&round) != GRAPH_ROUNDS as u64 || cond.query().is_err() {
+            v += &format!(" rounds={} query={:?}", pinned_u64(&round), cond.query());
+        }
+        if gpu_rounds && (tx.gpu_error().ok() != Some(0) || rx.gpu_error().ok() != Some(0)) {
+            v += &format!(" gpu_error={:?}/{:?}", tx.gpu_error(), rx.gpu_error());
+        }
+        if !v.is_empty() {
+            out += &format!("gpu_rounds={gpu_rounds}: {v}; ");
+        }
+        drop((tx, rx));
+    }
+    out
+}
+
+fn ring_roles(role: &str, chan: &dyn Chan, ctx: Context) {
+    let rank: u64 = role.strip_prefix("rank").unwrap().parse().unwrap();
+    set_device(device_for(rank)).unwrap();
+    let k = kernels();
+    let w = ctx.create_worker().unwrap();
+    chan.put("addr", w.address());
+    let addrs: Vec<Vec<u8>> = (0..RING).map(|r| chan.get(&format!("addr{r}"))).collect();
+    let next = w.connect(&addrs[((rank + 1) % RING) as usize]).unwrap();
+    let prev = w.connect(&addrs[((rank + RING - 1) % RING) as usize]).unwrap();
+    chan.put("ready", &[]);
+    let v = ring_rank(rank, &w, &next, &prev, &k);
+    chan.put("result", v.as_bytes());
+    chan.get("bye");
+    next.close().unwrap();
+    prev.close().unwrap();
+}
+
+#[test]
+fn prepared_ring_across_four_gpus() {
+    if run_child_role(ring_roles) {
+        return;
+    }
+    if let Some(why) = gpu_skip(RING as i32) {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(device_for(0)).unwrap();
+    let k = kernels();
+    let dir = ShmDir::new("gpu_ring");
+    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "60s")];
+    let w = ctx_with(&cfg).create_worker().unwrap();
+    let test = "prepared_ring_across_four_gpus";
+    let mut peers: Vec<Peer> = (1..RING).map(|r| start_peer(Lane::Shm, test, &format!("rank{r}"), &cfg, ring_roles)).collect();
+    let mut addrs = vec![w.address().to_vec()];
+    for p in peers.iter_mut() {
+        addrs.push(p.get("addr", T));
+    }
+    for p in peers.iter_mut() {
+        for (r, a) in addrs.iter().enumerate() {
+            p.put(&format!("addr{r}"), a);
+        }
+    }
+    let next = w.connect(&addrs[1]).unwrap();
+    let prev = w.connect(&addrs[RING as usize - 1]).unwrap();
+    for p in peers.iter_mut() {
+        p.get_progress("ready", T, &w);
+    }
+    let mine = ring_rank(0, &w, &next, &prev, &k);
+    let mut theirs = Vec::new();
+    for p in peers.iter_mut() {
+        theirs.push(String::from_utf8(p.get_progress("result", T, &w)).unwrap());
+    }
+    assert!(mine.is_empty(), "rank 0: {mine}");
+    assert!(theirs.iter().all(|t| t.is_empty()), "{theirs:?}");
+    for p in peers.iter_mut() {
+        p.put("bye", &[]);
+    }
+    next.close().unwrap();
+    prev.close().unwrap();
+    let deadline = Instant::now() + T;
+    for p in peers.iter_mut() {
+        while !p.is_finished() {
+            assert!(Instant::now() < deadline, "peer did not finish");
+            w.progress();
+        }
+        p.finish(T);
+    }
+}
