@@ -524,11 +524,13 @@ typedef enum {
 /** gsc_buffer_param_t.flags: run the rounds on the GPU, without the proxy: each round is one
  *  kernel on the stream it is started on (a graph node under capture) that writes the data into
  *  the peer's buffer over NVLink and raises a flag there. For GPU buffers of two processes on
- *  one host with CUDA IPC; both sides must set it; not for partitioned transfers; rounds start
- *  only on a STREAM condition. A send's kernel waits on its stream until the receiver is ready,
- *  so start a receive before a send on one stream. gsc_prepared_start() returns NULL (no
- *  request: the stream orders the round); a round whose peer does not answer within
- *  GSC_TIMEOUT gives up and is reported by gsc_prepared_gpu_error(). */
+ *  one host with CUDA IPC; both sides must set it; rounds start only on a STREAM condition
+ *  (partitioned transfers: see gsc_prepared_device_handle). A send's kernel waits on its stream
+ *  until the receiver is ready, so start a receive before a send on one stream (in a condition
+ *  group the order does not matter: the group's rounds go in one launch, readiness first).
+ *  gsc_prepared_start() returns NULL (no request: the stream orders the round); a round whose
+ *  peer does not answer within GSC_TIMEOUT gives up and is reported by
+ *  gsc_prepared_gpu_error(). */
 #define GSC_PREPARE_FLAG_GPU_ROUNDS        (UINT64_C(1) << 0)
 
 /** What gsc_prepare_transfers() prepares. `direction`, `buffer`, `length` and `tag` are always
@@ -592,6 +594,14 @@ gsc_status_t gsc_prepared_pready(gsc_prepared_h prepared, size_t partition);
 /** Set *flag to 1 if `partition` of a partitioned receive has arrived in the round in flight
  *  (with no round in flight: if a round has completed), else 0. Progresses the worker. */
 gsc_status_t gsc_prepared_parrived(gsc_prepared_h prepared, size_t partition, int *flag);
+
+/** With GSC_PREPARE_FLAG_GPU_ROUNDS: set *handle_p to the device address of this side's
+ *  gsc_prepared_device_t (include/gsc_device.cuh), which kernels pass to gsc_pready() (a
+ *  partitioned send: partitions sent from kernels, in any order, after gsc_prepared_start() on
+ *  the kernel's stream) and gsc_parrived() (a partitioned receive, written in place: which
+ *  partitions a kernel may read already). With GPU rounds both sides must use the same number
+ *  of partitions. Waits (up to GSC_TIMEOUT) for the peer to have prepared. */
+gsc_status_t gsc_prepared_device_handle(gsc_prepared_h prepared, void **handle_p);
 
 /** With GSC_PREPARE_FLAG_GPU_ROUNDS: set *round to 0, or to the round a kernel of this side gave
  *  up on because the peer did not answer within GSC_TIMEOUT (the pair is unusable then). Reads

@@ -56,4 +56,90 @@ static __device__ __forceinline__ int gsc_wait(gsc_device_handle_t *h)
     return (gsc_wait_epoch(h, e) & GSC_DEVICE_DONE_ERROR_BIT) ? -1 : 0;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Prepared transfers whose rounds run on the GPU (GSC_PREPARE_FLAG_GPU_ROUNDS), partitioned:  */
+/* partitions sent and observed from kernels (MPI_Pready / MPI_Parrived on the device).        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Control block words (see gscomm's src/cuda/prep_ctl.rs): round, error, peer-written words. */
+#define GSC_CTL_ROUND 0
+#define GSC_CTL_ERROR 1
+#define GSC_CTL_DONE 2
+#define GSC_CTL_PEER 16
+
+/* What gsc_prepared_device_handle() gives a kernel, in GPU memory. */
+typedef struct gsc_prepared_device {
+    unsigned long long *ctl;    /* this side's control block */
+    unsigned long long *remote; /* send: the receiver's arrival words, one per partition (mapped) */
+    const unsigned char *src;   /* send: the buffer */
+    unsigned char *dst;         /* send: the receiver's buffer (mapped) */
+    unsigned long long part_len, parts, timeout_ns;
+} gsc_prepared_device_t;
+
+static __device__ __forceinline__ unsigned long long gsc_globaltimer()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Wait until *w >= v (acquire, system scope); 0 if timeout_ns passed first. */
+static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)
+{
+    unsigned long long t0 = gsc_globaltimer();
+    for (;;) {
+        unsigned long long x;
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
+        if (x >= v) return 1;
+        if (gsc_globaltimer() - t0 > timeout_ns) return 0;
+    }
+}
+
+static __device__ __forceinline__ void gsc_store_release(unsigned long long *w, unsigned long long v)
+{
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w), "l"(v) : "memory");
+}
+
+/* Send partition `part` of the send round in progress (started with gsc_prepared_start on the
+ * kernel's stream): wait until the receiver is ready, copy the partition into its buffer over
+ * NVLink, raise the partition's arrival word. Called by EVERY thread of ONE block, after the
+ * partition's data was written (a __syncthreads() or grid barrier first if other threads wrote
+ * it). Partitions may be readied in any order, by any blocks. Returns 0, or -1 when the receiver
+ * did not become ready within the timeout (the round is recorded as failed). */
+static __device__ int gsc_pready(const gsc_prepared_device_t *d, unsigned long long part)
+{
+    __shared__ unsigned long long gsc_e;
+    __shared__ int gsc_ok;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
+        gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e, d->timeout_ns);
+        if (!gsc_ok) d->ctl[GSC_CTL_ERROR] = gsc_e;
+    }
+    __syncthreads();
+    if (!gsc_ok) return -1;
+    const unsigned char *s = d->src + part * d->part_len;
+    unsigned char *t = d->dst + part * d->part_len;
+    unsigned long long n = d->part_len;
+    if ((((unsigned long long)s | (unsigned long long)t) & 15) == 0) {
+        for (unsigned long long i = threadIdx.x; i < n / 16; i += blockDim.x) ((uint4 *)t)[i] = ((const uint4 *)s)[i];
+        for (unsigned long long i = n / 16 * 16 + threadIdx.x; i < n; i += blockDim.x) t[i] = s[i];
+    } else {
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) t[i] = s[i];
+    }
+    __syncthreads();
+    /* Release is cumulative: the block's stores (ordered by the barrier) reach the receiver first. */
+    if (threadIdx.x == 0) gsc_store_release(&d->remote[part], gsc_e);
+    return 0;
+}
+
+/* Whether partition `part` of the receive round in progress has arrived (any thread; the
+ * partition's bytes are then readable). */
+static __device__ __forceinline__ int gsc_parrived(const gsc_prepared_device_t *d, unsigned long long part)
+{
+    unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND], x;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(&d->ctl[GSC_CTL_PEER + part]) : "memory");
+    return x >= e;
+}
+
 #endif /* GSC_DEVICE_CUH */

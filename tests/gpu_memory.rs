@@ -53,6 +53,20 @@ extern "C" __global__ void check_round(const unsigned char *b, unsigned long lon
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
         if (b[i] != val(i, r * 1000 + tag)) { atomicAdd(errors, 1ULL); return; }
 }
+/* A partitioned prepared send from a kernel: block b fills partition parts-1-b (so they are
+ * readied in reverse, and concurrently) with this round's data, then sends it. */
+extern "C" __global__ void pready_reverse(const gsc_prepared_device_t *d, unsigned char *src, unsigned long long seed) {
+    unsigned long long part = d->parts - 1 - blockIdx.x, n = d->part_len;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) src[part * n + i] = val(part * n + i, seed);
+    __syncthreads();
+    gsc_pready(d, part);
+}
+/* After a receive round: every partition reports arrived. */
+extern "C" __global__ void parrived_all(const gsc_prepared_device_t *d, unsigned long long *errors) {
+    if (threadIdx.x == 0)
+        for (unsigned long long p = 0; p < d->parts; p++)
+            if (!gsc_parrived(d, p)) atomicAdd(errors, 1ULL);
+}
 /* One block: `rounds` exchanges triggered and awaited from inside the kernel. */
 extern "C" __global__ void kernel_rounds(gsc_device_handle_t *send, gsc_device_handle_t *recv, unsigned char *src,
                                          const unsigned char *dst, unsigned long long n, unsigned long long rounds,
@@ -81,6 +95,8 @@ struct Kern {
     bump: Function,
     check_round: Function,
     kernel_rounds: Function,
+    pready_reverse: Function,
+    parrived_all: Function,
     _m: Module,
 }
 
@@ -96,6 +112,8 @@ fn kernels() -> Kern {
         bump: f("bump"),
         check_round: f("check_round"),
         kernel_rounds: f("kernel_rounds"),
+        pready_reverse: f("pready_reverse"),
+        parrived_all: f("parrived_all"),
         _m: m,
     }
 }
@@ -525,6 +543,46 @@ fn prepared_gpu_rounds_captured(side: u64, k: &Kern, ep: &Endpoint) -> String {
     v
 }
 
+/// A partitioned transfer with GPU rounds, side 0 to side 1: each round side 0's kernel fills
+/// and readies the partitions in reverse order from concurrent blocks (`gsc_pready`); side 1
+/// checks the data and that every partition reports arrived (`gsc_parrived`).
+fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
+    const PARTS: usize = 8;
+    const N: usize = 4 << 20;
+    const ROUNDS: u64 = 200;
+    let stream = Stream::new().unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let buf = DeviceBuf::new(N).unwrap();
+    let dir = if side == 0 { Direction::Send } else { Direction::Recv };
+    let pp = PrepareParams { dir, tag: 6000, partitions: Some(PARTS), memory_type: None, gpu_rounds: true };
+    // SAFETY: `buf` outlives the preparation (dropped first, after the stream finished).
+    let p = unsafe { ep.prepare(buf.ptr() as *mut u8, N, pp).unwrap() };
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let d = match p.device_handle() {
+        Ok(d) => d,
+        Err(e) => return format!("device handle: {e}"),
+    };
+    for r in 0..ROUNDS {
+        let seed = 7000 + r;
+        if let Err(e) = p.start(on(&cond, true)) {
+            return format!("round {r}: start: {e}");
+        }
+        if side == 0 {
+            k.pready_reverse.launch(PARTS as u32, 256, &stream, &[d, buf.ptr(), seed]).unwrap();
+        } else {
+            k.check.launch(grid(N), 256, &stream, &[buf.ptr(), N as u64, seed, 0, err.device_ptr()]).unwrap();
+            k.parrived_all.launch(1, 32, &stream, &[d, err.device_ptr()]).unwrap();
+        }
+    }
+    stream.synchronize().unwrap();
+    let mut v = verdict(&[], pinned_u64(&err));
+    if p.gpu_error().ok() != Some(0) {
+        v += &format!(" gpu_error={:?}", p.gpu_error());
+    }
+    drop(p);
+    v
+}
+
 /// `graph_halo` with prepared transfers: armed once on the graph, GRAPH_ROUNDS replays.
 fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     let stream = Stream::new().unwrap();
@@ -617,6 +675,7 @@ fn scenarios(
     // Receives above 64 KiB are written in place: a buffer of its own allocation (16 MiB).
     run("prepared_gpu_rounds", &mut || prepared_stream(side, w, ep, k, &[8, 4096, 65_536, 16 << 20], true));
     run("prepared_gpu_rounds_captured", &mut || prepared_gpu_rounds_captured(side, k, ep));
+    run("prepared_gpu_partitions", &mut || prepared_gpu_partitions(side, ep, k));
     run("prepared_graph", &mut || prepared_graph(side, w, ep, k));
     out
 }

@@ -226,3 +226,21 @@ pub unsafe extern "C" fn gsc_prepared_gpu_error(prepared: *mut CPrepared, round:
         Ok(0)
     })
 }
+
+/// `gsc_prepared_device_handle`
+///
+/// # Safety
+/// `handle_p` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_prepared_device_handle(prepared: *mut CPrepared, handle_p: *mut *mut c_void) -> c_int {
+    ffi_guard("gsc_prepared_device_handle", || {
+        if handle_p.is_null() {
+            return Err(Error::invalid_param("gsc_prepared_device_handle: handle_p is NULL"));
+        }
+        let p: Arc<Prepared> = handles::get(prepared as *const c_void)?;
+        let d = p.device_handle()?;
+        // SAFETY: checked non-NULL; caller contract says writable.
+        unsafe { handle_p.write(d as usize as *mut c_void) };
+        Ok(0)
+    })
+}

@@ -10,13 +10,16 @@
 //! should be started before a send, as a halo exchange does); a receive started without a
 //! stream wait puts its wait on the stream at the next `Condition::wait`. Spins give up after
 //! `GSC_TIMEOUT` and record the round (`Prepared::gpu_error`); a dead peer never hangs the GPU.
+//! A partitioned send's round is begun by our kernel and its partitions sent by the user's
+//! kernels (`gsc_pready` in gsc_device.cuh, any order); a partitioned receive is written in
+//! place, so `gsc_parrived` can tell a kernel which partitions it may read already.
 
 use super::prepared::Prepared;
 use super::request::{RequestParams, Started};
 use super::worker::State;
 use crate::condition::ArmedOutputs;
-use crate::cuda::prep_ctl::{BLOCK, CtlBlock, PEER_WORD, STAGE_MAX};
-use crate::cuda::{PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, ipc};
+use crate::cuda::prep_ctl::{CtlBlock, PEER_WORD, STAGE_MAX, block_bytes};
+use crate::cuda::{PREP_BEGIN, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, ipc};
 use crate::error::{Error, Result, Status};
 use crate::protocols::prepared::{DeviceHello, DevicePeer, PrepDir};
 use crate::protocols::{ConnId, MemType};
@@ -29,13 +32,19 @@ pub(crate) struct GpuSide {
     ctl: CtlBlock,
     addr: usize,
     len: usize,
+    /// Partitions (1: a persistent transfer). Partitioned sends are sent by the user's
+    /// kernels (`gsc_pready`); both sides must split alike.
+    parts: usize,
+    partitioned: bool,
     timeout: Duration,
     /// A receive of up to `STAGE_MAX` bytes: the staging area (after its control block, in our
     /// slab) the sender writes into; the wait copies it into the buffer.
     stage: Option<u64>,
-    /// Set at the first start (after pairing): the peer's word we write and, for a send, its
-    /// buffer, both mapped into our GPU's address space.
+    /// Set at the first start (after pairing): the peer's word we write (a send: its first
+    /// arrival word) and, for a send, where the data goes, both mapped into our GPU's space.
     mapped: OnceLock<(u64, u64)>,
+    /// The kernels' descriptor, written once (`Prepared::device_handle`).
+    descriptor: OnceLock<u64>,
 }
 
 impl GpuSide {
@@ -47,8 +56,13 @@ impl GpuSide {
         addr: usize,
         len: usize,
         mem: MemType,
+        partitions: Option<usize>,
         timeout: Option<Duration>,
     ) -> Result<(GpuSide, DeviceHello)> {
+        let parts = partitions.unwrap_or(1);
+        if parts > crate::cuda::prep_ctl::MAX_PARTS {
+            return Err(Error::invalid_param(format!("at most {} partitions with rounds on the GPU", crate::cuda::prep_ctl::MAX_PARTS)));
+        }
         if mem != MemType::Cuda {
             return Err(Error::invalid_param("rounds on the GPU need a GPU buffer"));
         }
@@ -62,9 +76,11 @@ impl GpuSide {
         // A small receive is staged in our slab: the sender maps the slab once for every pair,
         // whatever allocation the user's buffer sits in (a peer cannot open a second buffer of
         // a CUDA block it already opened; small cudaMalloc buffers share blocks).
-        let staged = dir == PrepDir::Recv && len <= STAGE_MAX;
-        let ctl = CtlBlock::take(device, if staged { len } else { 0 })?;
-        let stage = staged.then(|| ctl.addr + BLOCK as u64);
+        // (A partitioned receive is written in place: its partitions are readable as they
+        // arrive, `gsc_parrived`.)
+        let staged = dir == PrepDir::Recv && len <= STAGE_MAX && partitions.is_none();
+        let ctl = CtlBlock::take(device, parts, if staged { len } else { 0 })?;
+        let stage = staged.then(|| ctl.addr + block_bytes(parts) as u64);
         let (buf_addr, buf_key) = match (dir, stage) {
             (PrepDir::Send, _) => (0, Vec::new()),
             (PrepDir::Recv, Some(stage)) => (stage, ctl.key.clone()),
@@ -76,7 +92,19 @@ impl GpuSide {
         };
         let hello = DeviceHello { ctl_addr: ctl.addr, ctl_key: ctl.key.clone(), buf_addr, buf_key };
         let timeout = timeout.unwrap_or(Duration::from_secs(3600));
-        Ok((GpuSide { dir, ctl, addr, len, timeout, stage, mapped: OnceLock::new() }, hello))
+        let side = GpuSide {
+            dir,
+            ctl,
+            addr,
+            len,
+            parts,
+            partitioned: partitions.is_some(),
+            timeout,
+            stage,
+            mapped: OnceLock::new(),
+            descriptor: OnceLock::new(),
+        };
+        Ok((side, hello))
     }
 
     /// One round on the stream of `params.condition`.
@@ -96,8 +124,11 @@ impl GpuSide {
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             stage: self.stage.unwrap_or(0),
             buf: self.addr as u64,
+            parts: self.parts as u64,
         };
         match self.dir {
+            // The user's kernels send the partitions (`gsc_pready`) after this begins the round.
+            PrepDir::Send if self.partitioned => cond.gpu_round(PrepArgs { role: PREP_BEGIN, ..args }, None)?,
             PrepDir::Send => cond.gpu_round(args, None)?,
             PrepDir::Recv if params.no_stream_wait => {
                 cond.gpu_round(PrepArgs { role: PREP_READY, ..args }, Some(PrepArgs { role: PREP_WAIT, ..args }))?
@@ -122,7 +153,10 @@ impl GpuSide {
     fn map(&self, peer: &DevicePeer) -> Result<(u64, u64)> {
         let device = self.ctl.device;
         let ctl_key = ipc::DeviceKey::decode(&peer.hello.ctl_key)?;
-        let remote = ipc::map_peer(&ctl_key, peer.hello.ctl_addr + PEER_WORD * 8, 8, device)
+        // A sender writes the receiver's arrival words (one per partition), a receiver the
+        // sender's ready word.
+        let words = if self.dir == PrepDir::Send { self.parts } else { 1 };
+        let remote = ipc::map_peer(&ctl_key, peer.hello.ctl_addr + PEER_WORD * 8, 8 * words, device)
             .map_err(|e| e.context("opening the peer's prepared-transfer control block"))?;
         let dst = match self.dir {
             PrepDir::Send => {
@@ -154,6 +188,20 @@ impl GpuSide {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// The device address of this side's `gsc_prepared_device_t` (for `gsc_pready` /
+    /// `gsc_parrived` in the user's kernels). Waits for pairing the first time.
+    pub(super) fn device_handle(&self, p: &Prepared) -> Result<u64> {
+        if let Some(d) = self.descriptor.get() {
+            return Ok(*d);
+        }
+        let (remote, dst) = self.mapped(p)?;
+        let part_len = (self.len / self.parts) as u64;
+        let timeout = self.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let words = [self.ctl.addr, remote, self.addr as u64, dst, part_len, self.parts as u64, timeout];
+        let at = crate::cuda::with_relaxed_capture(|| self.ctl.write_descriptor(&words))?;
+        Ok(*self.descriptor.get_or_init(|| at))
     }
 
     /// 0, or the round a kernel of this side gave up on (the peer did not answer in time).

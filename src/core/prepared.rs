@@ -68,7 +68,7 @@ impl Endpoint {
         let (id, conn, gpu) = worker.with_state(|st, out| {
             let conn = key.usable(st)?;
             let (gpu, hello) = if params.gpu_rounds {
-                let (side, hello) = GpuSide::new(st, conn, params.dir, addr, len, mem, timeout)?;
+                let (side, hello) = GpuSide::new(st, conn, params.dir, addr, len, mem, params.partitions, timeout)?;
                 (Some(side), Some(hello))
             } else {
                 (None, None)
@@ -130,6 +130,16 @@ impl Prepared {
     pub fn parrived(&self, part: usize) -> Result<bool> {
         self.worker.progress();
         self.worker.with_state(|st, _| st.engine.prepared.parrived(self.id, part))
+    }
+
+    /// Rounds on the GPU: the device address of this side's `gsc_prepared_device_t`, which
+    /// kernels pass to `gsc_pready` (a partitioned send) and `gsc_parrived` (a partitioned
+    /// receive) from include/gsc_device.cuh. Waits for the peer to have prepared.
+    pub fn device_handle(&self) -> Result<u64> {
+        match &self.gpu {
+            Some(g) => g.device_handle(self),
+            None => Err(Error::invalid_param("this prepared transfer does not run its rounds on the GPU")),
+        }
     }
 
     /// Rounds on the GPU: 0, or the round a kernel of this side gave up on because the peer

@@ -263,11 +263,10 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
  * role 1: receive, ready: begin a round and tell the sender. role 2: receive, wait for the
  * round begun last to arrive, then copy it from the staging area (stage, when the sender writes
  * there rather than into the user's buffer) into buf, and then say ready for the next round
- * already (the area is free; the next start's ready step repeats it). role 3: ready, then wait. Spins give up
+ * already (the area is free; the next start's ready step repeats it). role 3: ready, then wait.
+ * role 4: begin a partitioned send round (the user's kernels send the partitions: gsc_pready).
+ * A receive waits for `parts` arrival words (one per partition of the sender). Spins give up
  * after timeout_ns (globaltimer) and record the round in the error word. */
-#define GSC_CTL_PEER 8
-#define GSC_CTL_ERROR 9
-#define GSC_CTL_DONE 10
 #define GSC_PREP_GROUP_MAX 8
 typedef struct {
     unsigned long long *ctl, *remote;
@@ -276,32 +275,9 @@ typedef struct {
     unsigned long long len, role, timeout_ns;
     const unsigned char *stage;
     unsigned char *buf;
+    unsigned long long parts;
 } gsc_prep_args_t;
 typedef struct { unsigned long long n; gsc_prep_args_t op[GSC_PREP_GROUP_MAX]; } gsc_prep_group_t;
-
-static __device__ unsigned long long gsc_now()
-{
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-/* Wait until *w >= v (acquire, system scope); 0 on timeout. */
-static __device__ int gsc_spin_geq(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)
-{
-    unsigned long long t0 = gsc_now();
-    for (;;) {
-        unsigned long long x;
-        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
-        if (x >= v) return 1;
-        if (gsc_now() - t0 > timeout_ns) return 0;
-    }
-}
-
-static __device__ void gsc_store_release(unsigned long long *w, unsigned long long v)
-{
-    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(w), "l"(v) : "memory");
-}
 
 /* Copy n bytes with this grid's threads numbered from t, stride apart (16 bytes at a time when
  * both sides allow it). */
@@ -332,7 +308,8 @@ static __device__ void gsc_prep_wait(const gsc_prep_args_t *a)
     __shared__ int ok;
     if (threadIdx.x == 0) {
         unsigned long long e = *(volatile unsigned long long *)a->ctl;
-        ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER, e, a->timeout_ns);
+        ok = 1;
+        for (unsigned long long p = 0; ok && p < a->parts; p++) ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER + p, e, a->timeout_ns);
         if (!ok) a->ctl[GSC_CTL_ERROR] = e;
     }
     __syncthreads();
@@ -360,16 +337,23 @@ static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
     if (!ok) return;
     gsc_copy(a->dst, a->src, a->len, threadIdx.x, blockDim.x);
     __syncthreads();
+    /* Release is cumulative: the block's stores (ordered by the barrier) reach the peer first. */
     if (threadIdx.x == 0) {
         a->ctl[0] = e;
-        __threadfence_system();
         gsc_store_release(a->remote, e);
     }
+}
+
+/* One block: begin a partitioned send round (gsc_pready in the user's kernels sends the parts). */
+static __device__ void gsc_prep_begin(const gsc_prep_args_t *a)
+{
+    if (threadIdx.x == 0) a->ctl[0] = *(volatile unsigned long long *)a->ctl + 1;
 }
 
 /* One round; a send may take several blocks (the last one to finish raises the flag). */
 extern "C" __global__ void gsc_prep_kernel(gsc_prep_args_t a)
 {
+    if (a.role == 4) gsc_prep_begin(&a);
     if (a.role == 1 || a.role == 3) gsc_prep_ready(&a);
     if (a.role == 2 || a.role == 3) gsc_prep_wait(&a);
     if (a.role != 0) return;
@@ -410,6 +394,7 @@ extern "C" __global__ void gsc_prep_group_kernel(gsc_prep_group_t g)
     for (unsigned k = 0; k < g.n; k++) {
         const gsc_prep_args_t *a = &g.op[k];
         if (a->role == 0) gsc_prep_send_block(a);
+        if (a->role == 4) gsc_prep_begin(a);
         if (a->role == 1 || a->role == 3) gsc_prep_ready(a);
         if (a->role == 2 || a->role == 3) gsc_prep_wait(a);
         __syncthreads();
@@ -494,6 +479,8 @@ pub(crate) struct PrepArgs {
     /// buffer the wait copies it into (0: none).
     pub(crate) stage: u64,
     pub(crate) buf: u64,
+    /// Arrival words a receive waits for (the sender's partitions; 1 when not partitioned).
+    pub(crate) parts: u64,
 }
 
 /// `gsc_prep_group_t`: the argument of `gsc_prep_group_kernel`.
@@ -511,6 +498,7 @@ pub(crate) const PREP_SEND: u64 = 0;
 pub(crate) const PREP_READY: u64 = 1;
 pub(crate) const PREP_WAIT: u64 = 2;
 pub(crate) const PREP_READY_WAIT: u64 = 3;
+pub(crate) const PREP_BEGIN: u64 = 4;
 
 /// The kernels of one context.
 #[derive(Copy, Clone)]

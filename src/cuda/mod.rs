@@ -31,8 +31,8 @@ pub(crate) mod vmm;
 
 pub(crate) use device_handle::DeviceHandleSlot;
 pub(crate) use kernels::{
-    GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, PREP_GROUP_MAX, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, PrepGroup,
-    SeqArgs, THREADS,
+    GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, PREP_BEGIN, PREP_GROUP_MAX, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs,
+    PrepGroup, SeqArgs, THREADS,
 };
 pub(crate) use pinned::PinnedSlot;
 pub(crate) use stage::{LL_MAX, StageSlot, ll_area, ll_flag};

@@ -3,12 +3,13 @@
 //!
 //! A small receive's staging area follows its block (the sender writes the data there).
 //!
-//! Layout (64-bit words): 0 `epoch`, the rounds begun on this side (bumped by our round kernel
-//! only, so replays of a graph count themselves); 8 `peer word`, on its own cache line, written
-//! by the peer (a sender's "receiver ready for round e", a receiver's "round e arrived"); 9
-//! `error`, the round a kernel gave up on (its peer did not answer within the timeout); 10 the
-//! count of blocks of a send round that finished copying (the last one resets it and raises
-//! the flag).
+//! Layout (bytes): 0 the round counter (bumped by our kernels only, so replays of a graph count
+//! themselves), 8 `error` (the round a kernel gave up on: its peer did not answer within the
+//! timeout), 16 the count of blocks of a send round that finished copying (the last one resets
+//! it and raises the flag); 64 the `gsc_prepared_device_t` kernels get
+//! (`gsc_prepared_device_handle`); from 128 the words the peer writes, each on its own line for
+//! the first: a sender's "receiver ready for round e", a receiver's "partition p of round e
+//! arrived", one per partition. The same offsets are in include/gsc_device.cuh.
 //!
 //! Blocks come from 2 MiB slabs per GPU, zeroed when allocated, exported once, and never reused
 //! or freed: a kernel or the peer may still write a block after its transfer was released, and
@@ -22,13 +23,20 @@ use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-pub(crate) const BLOCK: usize = 128;
 /// Receives up to this size are staged right after their control block.
 pub(crate) const STAGE_MAX: usize = 64 << 10;
 const SLAB: usize = 2 << 20;
-/// Word offsets (in u64) inside a block.
-pub(crate) const PEER_WORD: u64 = 8;
-pub(crate) const ERROR_WORD: u64 = 9;
+/// Offsets inside a block.
+pub(crate) const ERROR_WORD: u64 = 1;
+pub(crate) const DESCRIPTOR: u64 = 64;
+pub(crate) const PEER_WORD: u64 = 16;
+/// Partitions a block has arrival words for, at most.
+pub(crate) const MAX_PARTS: usize = 4096;
+
+/// Bytes of a block with `parts` peer-written words.
+pub(crate) fn block_bytes(parts: usize) -> usize {
+    128 + (8 * parts.max(1)).div_ceil(64) * 64
+}
 
 struct Slab {
     base: u64,
@@ -47,11 +55,11 @@ pub(crate) struct CtlBlock {
 }
 
 impl CtlBlock {
-    /// A fresh (zeroed, never used) block on `device`, followed by `stage` bytes of staging
-    /// (at most STAGE_MAX).
-    pub(crate) fn take(device: i32, stage: usize) -> Result<CtlBlock> {
-        assert!(stage <= STAGE_MAX);
-        let need = BLOCK + stage.div_ceil(BLOCK) * BLOCK;
+    /// A fresh (zeroed, never used) block on `device` with `parts` peer-written words, followed
+    /// by `stage` bytes of staging (at most STAGE_MAX), at `addr + block_bytes(parts)`.
+    pub(crate) fn take(device: i32, parts: usize, stage: usize) -> Result<CtlBlock> {
+        assert!(stage <= STAGE_MAX && parts <= MAX_PARTS);
+        let need = block_bytes(parts) + stage.div_ceil(128) * 128;
         let mut slabs = SLABS.lock().unwrap_or_else(|e| e.into_inner());
         let map = slabs.get_or_insert_with(HashMap::new);
         if map.get(&device).is_none_or(|s| s.next + need > SLAB) {
@@ -61,6 +69,20 @@ impl CtlBlock {
         let addr = slab.base + slab.next as u64;
         slab.next += need;
         Ok(CtlBlock { device, addr, key: slab.key.clone() })
+    }
+
+    /// Write the kernels' descriptor (`gsc_prepared_device_t`, `words`) into the block; returns
+    /// its device address.
+    pub(crate) fn write_descriptor(&self, words: &[u64; 7]) -> Result<u64> {
+        let _scope = CtxScope::enter(primary_context(self.device)?)?;
+        let at = self.addr + DESCRIPTOR;
+        // SAFETY: the block's descriptor area (56 of its 64 bytes); `words` is read by the
+        // synchronous copy.
+        check(
+            unsafe { cu::cuMemcpyHtoD_v2(at, words.as_ptr().cast(), std::mem::size_of_val(words)) },
+            "cuMemcpyHtoD (prepared descriptor)",
+        )?;
+        Ok(at)
     }
 
     /// The error word: 0, or the round a kernel of this side gave up on.

@@ -288,9 +288,6 @@ impl PreparedEngine {
         if spec.gpu_rounds != gpu.is_some() {
             return Err(Error::new(Status::Internal, "GPU rounds need their control block announced"));
         }
-        if spec.gpu_rounds && spec.partitions.is_some() {
-            return Err(Error::unsupported("partitioned transfers with rounds on the GPU are not supported yet"));
-        }
         let id = self.next_id;
         self.next_id += 1;
         let parts = spec.parts();
@@ -478,7 +475,14 @@ impl PreparedEngine {
             PrepDir::Send => (p.spec.buf.len, h.peer.len),
             PrepDir::Recv => (h.peer.len, p.spec.buf.len),
         };
-        if p.spec.gpu_rounds != h.device.is_some() {
+        if p.spec.gpu_rounds && h.device.is_some() && h.peer.partitions != p.spec.parts() {
+            p.broken = Some(Error::invalid_param(format!(
+                "with rounds on the GPU both sides split alike: {} partitions here, {} at the peer (tag {:#x})",
+                p.spec.parts(),
+                h.peer.partitions,
+                p.spec.tag
+            )));
+        } else if p.spec.gpu_rounds != h.device.is_some() {
             p.broken = Some(Error::invalid_param(format!(
                 "one side of prepared transfer (tag {:#x}) runs its rounds on the GPU and the other does not",
                 p.spec.tag
