@@ -9,6 +9,7 @@ use super::endpoint::Endpoint;
 use super::gpu_rounds::GpuSide;
 use super::request::{ReqKind, RequestParams, Started};
 use super::worker::{Worker, check_buffer, resolve_memtype};
+use crate::condition::StageDir;
 use crate::error::{Error, Result, Status};
 use crate::protocols::prepared::{PrepDir, PrepId, PrepSpec};
 use crate::protocols::{ConnId, MemType, UserBuf};
@@ -42,6 +43,9 @@ pub struct Prepared {
     id: PrepId,
     conn: ConnId,
     dir: Direction,
+    /// The buffer, for rounds that stage it (see `start`).
+    buf: UserBuf,
+    partitioned: bool,
     /// `release` succeeded: dropping does nothing more.
     released: AtomicBool,
     /// Rounds on the GPU: this side's control block and what its kernels need.
@@ -65,6 +69,7 @@ impl Endpoint {
         let key = self.key();
         let worker = self.worker().clone();
         let timeout = worker.context().config().timeout;
+        let stage_max = worker.context().config().cuda_stage_max;
         let (id, conn, gpu) = worker.with_state(|st, out| {
             let conn = key.usable(st)?;
             let (gpu, hello) = if params.gpu_rounds {
@@ -78,7 +83,9 @@ impl Endpoint {
                 st.device.prepare_for(addr)?;
                 // A GPU receive buffer is opened to the peer once, here, so each round's data
                 // can be written into it by the sender's copy engine.
-                if params.dir == PrepDir::Recv {
+                // Not for one whose stream and graph rounds are staged (`start`): those rounds go
+                // in frames, so both sides must agree that no round writes in place.
+                if params.dir == PrepDir::Recv && !(stageable(len, params.partitions) && len <= stage_max) {
                     let lane = st.conns[conn].props.lane;
                     device_key = DeviceMem::send_key(st.device.ipc, lane, addr, len);
                 }
@@ -88,7 +95,16 @@ impl Endpoint {
                 PrepSpec { dir: params.dir, conn, tag: params.tag, buf, partitions: params.partitions, gpu_rounds: params.gpu_rounds };
             Ok((st.engine.prepared.prepare(out, spec, device_key, hello)?, conn, gpu))
         })?;
-        Ok(Prepared { worker, id, conn, dir: params.dir, released: AtomicBool::new(false), gpu })
+        Ok(Prepared {
+            worker,
+            id,
+            conn,
+            dir: params.dir,
+            buf: UserBuf { addr, len, mem },
+            partitioned: params.partitions.is_some(),
+            released: AtomicBool::new(false),
+            gpu,
+        })
     }
 }
 
@@ -113,11 +129,22 @@ impl Prepared {
         }
         let id = self.id;
         let queue = params.condition.is_some();
-        let kind = match self.dir {
-            PrepDir::Send => ReqKind::Send,
-            PrepDir::Recv => ReqKind::Recv,
+        let (kind, stage_dir) = match self.dir {
+            PrepDir::Send => (ReqKind::Send, StageDir::Send),
+            PrepDir::Recv => (ReqKind::Recv, StageDir::Recv),
         };
-        self.worker.start_op(kind, Some(self.conn), params, move |st, req, out| st.engine.prepared.start(out, id, req, queue))
+        // A small GPU buffer's stream or graph round is staged like any such operation: our
+        // kernels copy it to or from a page-locked slot, and the round moves the slot's bytes in
+        // frames (no copy engine for a few bytes).
+        let UserBuf { addr, len, mem } = self.buf;
+        let stage = match stageable(len, self.partitioned.then_some(0)) {
+            true => self.worker.stage_for(&params, stage_dir, addr, len, mem)?,
+            false => None,
+        };
+        let round_buf = stage.as_ref().map(|s| UserBuf { addr: s.host_data(), len, mem: MemType::Host });
+        self.worker.start_staged_op(kind, Some(self.conn), params, stage, move |st, req, out| {
+            st.engine.prepared.start(out, id, req, queue, round_buf)
+        })
     }
 
     /// Mark partition `part` of a partitioned send ready: it goes as soon as the receiver is.
@@ -158,6 +185,12 @@ impl Prepared {
         self.released.store(true, Ordering::Release);
         Ok(())
     }
+}
+
+/// Whether stream and graph rounds of a GPU buffer of `len` bytes may be staged: not for
+/// partitioned transfers (their partitions go as they are readied, not all at the trigger).
+fn stageable(len: usize, partitions: Option<usize>) -> bool {
+    partitions.is_none() && len > 0
 }
 
 impl Drop for Prepared {

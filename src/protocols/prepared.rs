@@ -141,8 +141,13 @@ struct Prep {
     round: u64,
     /// The request of the round in progress.
     active: Option<ReqId>,
-    /// Rounds started (by conditions) while one was in progress, in start order.
-    queued: VecDeque<ReqId>,
+    /// Rounds started (by conditions) while one was in progress, in start order, each with
+    /// its round buffer.
+    queued: VecDeque<(ReqId, Option<UserBuf>)>,
+    /// The round in progress moves this buffer instead of the prepared one: a GPU buffer's
+    /// staging slot in host memory for a stream or graph round (its kernels copy between the
+    /// two). Such rounds always go in frames.
+    round_buf: Option<UserBuf>,
     /// Send side: the receiver is ready for every round up to this one.
     ready_round: u64,
     /// Send side: partitions marked ready for the current (or, with none active, the next)
@@ -166,6 +171,11 @@ impl Prep {
 
     fn in_flight(&self) -> bool {
         self.active.is_some() || !self.queued.is_empty()
+    }
+
+    /// What the round in progress reads or writes.
+    fn buf(&self) -> UserBuf {
+        self.round_buf.unwrap_or(self.spec.buf)
     }
 }
 
@@ -228,7 +238,7 @@ fn send_frames(out: &mut Actions, p: &mut Prep, peer_id: PrepId, req: ReqId, max
             flags: if last { PREP_LAST } else { 0 },
             status: 0,
         };
-        let payload = if n == 0 { Payload::None } else { p.spec.buf.payload(offset + at, n) };
+        let payload = if n == 0 { Payload::None } else { p.buf().payload(offset + at, n) };
         p.unsent += 1;
         transmit(out, p.spec.conn, header, payload, Some(req));
         at += n;
@@ -327,6 +337,7 @@ impl PreparedEngine {
                 round: 0,
                 active: None,
                 queued: VecDeque::new(),
+                round_buf: None,
                 ready_round: 0,
                 readied: vec![false; parts],
                 written: vec![false; parts],
@@ -363,9 +374,13 @@ impl PreparedEngine {
     }
 
     /// Start a round. `queue`: when a round is in progress, begin this one after it (a
-    /// condition started it) rather than refuse (`Busy`, a host start).
-    pub fn start(&mut self, out: &mut Actions, id: PrepId, req: ReqId, queue: bool) -> Result<()> {
+    /// condition started it) rather than refuse (`Busy`, a host start). `round_buf`: move this
+    /// buffer (of the prepared length) in this round instead of the prepared one.
+    pub fn start(&mut self, out: &mut Actions, id: PrepId, req: ReqId, queue: bool, round_buf: Option<UserBuf>) -> Result<()> {
         let p = self.live(id)?;
+        if round_buf.is_some_and(|b| b.len != p.spec.buf.len) {
+            return Err(Error::new(Status::Internal, "a round buffer of another length than the prepared one"));
+        }
         if p.spec.gpu_rounds {
             return Err(Error::new(Status::Internal, "a prepared transfer with GPU rounds has no rounds here"));
         }
@@ -376,10 +391,10 @@ impl PreparedEngine {
             if !queue {
                 return Err(Error::new(Status::Busy, "prepared transfer already started; wait for that round's request first"));
             }
-            p.queued.push_back(req);
+            p.queued.push_back((req, round_buf));
             return Ok(());
         }
-        self.begin_round(out, id, req);
+        self.begin_round(out, id, req, round_buf);
         Ok(())
     }
 
@@ -520,10 +535,11 @@ impl PreparedEngine {
         }
     }
 
-    fn begin_round(&mut self, out: &mut Actions, id: PrepId, req: ReqId) {
+    fn begin_round(&mut self, out: &mut Actions, id: PrepId, req: ReqId, round_buf: Option<UserBuf>) {
         let p = self.preps.get_mut(&id).expect("live");
         p.round += 1;
         p.active = Some(req);
+        p.round_buf = round_buf;
         p.round_error = None;
         p.written.iter_mut().for_each(|w| *w = false);
         p.arrived.iter_mut().for_each(|a| *a = 0);
@@ -568,7 +584,7 @@ impl PreparedEngine {
             }
             p.written[part] = true;
             let offset = part * pl;
-            if p.direct && pl > 0 {
+            if p.direct && pl > 0 && p.round_buf.is_none() {
                 let remote = peer.addr.expect("direct writes only to an announced buffer") + offset as u64;
                 let device_key = p.peer_key.clone();
                 let header = Header::PrepData {
@@ -651,12 +667,12 @@ impl PreparedEngine {
     fn next_round(&mut self, out: &mut Actions, id: PrepId) {
         let p = self.preps.get_mut(&id).expect("live");
         match p.queued.pop_front() {
-            Some(req) => match p.broken.clone() {
+            Some((req, round_buf)) => match p.broken.clone() {
                 Some(e) => {
                     out.push(Action::Complete { req, status: e.status(), info: RecvInfo::default() });
                     self.next_round(out, id);
                 }
-                None => self.begin_round(out, id, req),
+                None => self.begin_round(out, id, req, round_buf),
             },
             None if p.release_when_idle && p.active.is_none() => {
                 let _ = self.release(out, id);
@@ -759,7 +775,8 @@ impl PreparedEngine {
             let s = Status::from_code(status).filter(|s| s.is_error()).unwrap_or(Status::Internal);
             p.round_error.get_or_insert(s);
         } else if !direct && len > 0 {
-            out.push(Action::CopyFromFrame { dst: p.spec.buf.addr + offset, mem: p.spec.buf.mem, src_offset: 0, len });
+            let buf = p.buf();
+            out.push(Action::CopyFromFrame { dst: buf.addr + offset, mem: buf.mem, src_offset: 0, len });
         }
         p.received += len;
         let pl = p.part_len();
@@ -789,7 +806,7 @@ impl PreparedEngine {
     /// End the round in progress and every queued one with `status`.
     fn fail_rounds(&mut self, out: &mut Actions, id: PrepId, status: Status) {
         let Some(p) = self.preps.get_mut(&id) else { return };
-        let reqs: Vec<ReqId> = p.active.take().into_iter().chain(p.queued.drain(..)).collect();
+        let reqs: Vec<ReqId> = p.active.take().into_iter().chain(p.queued.drain(..).map(|(r, _)| r)).collect();
         p.readied.iter_mut().for_each(|r| *r = false);
         for req in reqs {
             self.sending.remove(&req);

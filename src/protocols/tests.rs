@@ -568,7 +568,7 @@ impl Pair {
     fn pstart(&mut self, s: usize, id: PrepId) -> ReqId {
         let req = self.req();
         let mut out = Actions::new();
-        self.sides[s].engine.prepared.start(&mut out, id, req, false).unwrap();
+        self.sides[s].engine.prepared.start(&mut out, id, req, false, None).unwrap();
         self.run(s, out, None);
         req
     }
@@ -715,9 +715,9 @@ fn prepared_pairs_follow_creation_order_per_tag_even_across_a_release_before_pai
     assert_eq!(p.sides[1].done[&rr].0, Status::Ok);
     assert_eq!(&p.sides[1].mem.get(r2addr)[..8], b"second!!");
     // The receive that paired with the released send fails clearly.
-    let e = p.sides[1].engine.prepared.start(&mut Actions::new(), r1, 99, false).unwrap_err();
+    let e = p.sides[1].engine.prepared.start(&mut Actions::new(), r1, 99, false, None).unwrap_err();
     assert_eq!(e.status(), Status::NotConnected, "{e}");
-    let e = p.sides[0].engine.prepared.start(&mut Actions::new(), s1, 99, false).unwrap_err();
+    let e = p.sides[0].engine.prepared.start(&mut Actions::new(), s1, 99, false, None).unwrap_err();
     assert_eq!(e.status(), Status::InvalidHandle);
     let _ = (other, r6);
 }
@@ -730,7 +730,7 @@ fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
     let (recv, _) = p.prepare(1, PrepDir::Recv, 50, 1, None);
     p.pump();
     for (s, id) in [(0, send), (1, recv)] {
-        let e = p.sides[s].engine.prepared.start(&mut Actions::new(), id, 77, false).unwrap_err();
+        let e = p.sides[s].engine.prepared.start(&mut Actions::new(), id, 77, false, None).unwrap_err();
         assert_eq!(e.status(), Status::MessageTruncated, "{e}");
     }
     // Unequal partitions are refused at prepare time.
@@ -744,7 +744,7 @@ fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
     p.pump();
     let r = p.pstart(1, recv);
     let mut out = Actions::new();
-    assert_eq!(p.sides[1].engine.prepared.start(&mut out, recv, 99, false).unwrap_err().status(), Status::Busy);
+    assert_eq!(p.sides[1].engine.prepared.start(&mut out, recv, 99, false, None).unwrap_err().status(), Status::Busy);
     assert_eq!(p.sides[1].engine.prepared.release(&mut out, recv).unwrap_err().status(), Status::Busy);
     assert!(out.is_empty());
     let s = p.pstart(0, send);
@@ -910,7 +910,7 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
     assert_eq!(to_send.hello.ctl_addr, 0xA000);
     assert_eq!(p.frames_in_flight(), 0, "GPU rounds exchange nothing else");
     // Host rounds are refused for them.
-    assert!(p.sides[0].engine.prepared.start(&mut Actions::new(), s, 9, false).is_err());
+    assert!(p.sides[0].engine.prepared.start(&mut Actions::new(), s, 9, false, None).is_err());
 
     // Only one side asked for GPU rounds: both sides learn it at pairing.
     let mut p = Pair::new(cfg(), false, 1024);
@@ -922,7 +922,7 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
     p.run(1, out, None);
     p.pump();
     assert_eq!(p.sides[0].engine.prepared.device_peer(s).unwrap_err().status(), Status::InvalidParam);
-    let e = p.sides[1].engine.prepared.start(&mut Actions::new(), r, 9, false).unwrap_err();
+    let e = p.sides[1].engine.prepared.start(&mut Actions::new(), r, 9, false, None).unwrap_err();
     assert_eq!(e.status(), Status::InvalidParam, "{e}");
 
     // A hello too short for what it claims is a protocol error.
@@ -931,4 +931,33 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
     frame.extend_from_slice(&[1, 2, 3]);
     let side = &mut p.sides[0];
     assert_eq!(side.engine.on_frame(&mut Actions::new(), 0, &frame, &side.regions).unwrap_err().status(), Status::ConnectionReset);
+}
+
+#[test]
+fn a_round_may_move_a_staging_buffer_instead_of_the_prepared_one() {
+    // Direct writes were chosen at pairing (remote memory, 64 KiB): a staged round still goes in
+    // frames, from the sender's slot into the receiver's slot, and leaves both prepared buffers alone.
+    let size = 1 << 16;
+    let mut p = Pair::new(cfg(), true, 1 << 12);
+    let (send, saddr) = p.prepare(0, PrepDir::Send, size, 1, None);
+    let (recv, raddr) = p.prepare(1, PrepDir::Recv, size, 1, None);
+    p.pump();
+    let sslot = p.sides[0].mem.alloc(pattern(size, 5));
+    let rslot = p.sides[1].mem.alloc(vec![0; size]);
+    let mut out = Actions::new();
+    let r = p.req();
+    p.sides[1].engine.prepared.start(&mut out, recv, r, false, Some(UserBuf::host(rslot, size))).unwrap();
+    p.run(1, out, None);
+    let mut out = Actions::new();
+    let s = p.req();
+    p.sides[0].engine.prepared.start(&mut out, send, s, false, Some(UserBuf::host(sslot, size))).unwrap();
+    assert!(!out.iter().any(|a| matches!(a, Action::WriteRemote { .. })), "a staged round writes no remote memory");
+    p.run(0, out, None);
+    p.pump();
+    assert_eq!((p.sides[0].done[&s].0, p.sides[1].done[&r].0), (Status::Ok, Status::Ok));
+    assert_eq!(p.sides[1].mem.get(rslot), &pattern(size, 5));
+    assert!(p.sides[1].mem.get(raddr)[..size].iter().all(|b| *b == 0xEE), "the prepared receive buffer is untouched");
+    assert!(p.sides[0].mem.get(saddr)[..size].iter().all(|b| *b == 0xEE));
+    let e = p.sides[0].engine.prepared.start(&mut Actions::new(), send, 99, false, Some(UserBuf::host(sslot, 8))).unwrap_err();
+    assert_eq!(e.status(), Status::Internal);
 }
