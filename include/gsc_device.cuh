@@ -105,16 +105,22 @@ static __device__ __forceinline__ void gsc_store_release(unsigned long long *w, 
  * NVLink, raise the partition's arrival word. Called by EVERY thread of ONE block, after the
  * partition's data was written (a __syncthreads() or grid barrier first if other threads wrote
  * it). Partitions may be readied in any order, by any blocks. Returns 0, or -1 when the receiver
- * did not become ready within the timeout (the round is recorded as failed). */
+ * did not become ready within the timeout (the round is recorded as failed), when `part` is out
+ * of range, or when no round was started. If the receiving side starts its round in a condition
+ * group together with a send of its own whose partitions its kernels ready, start that receive
+ * without a stream wait (GSC_OP_ATTR_FLAG_NO_STREAM_WAIT): its wait would otherwise come before
+ * those kernels. */
 static __device__ int gsc_pready(const gsc_prepared_device_t *d, unsigned long long part)
 {
     __shared__ unsigned long long gsc_e;
     __shared__ int gsc_ok;
+    if (part >= d->parts) return -1;
     __syncthreads();
     if (threadIdx.x == 0) {
         gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
-        gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e, d->timeout_ns);
-        if (!gsc_ok) d->ctl[GSC_CTL_ERROR] = gsc_e;
+        /* Round 0: no round was started (gsc_prepared_start on the kernel's stream comes first). */
+        gsc_ok = gsc_e != 0 && gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e, d->timeout_ns);
+        if (!gsc_ok && gsc_e != 0) d->ctl[GSC_CTL_ERROR] = gsc_e;
     }
     __syncthreads();
     if (!gsc_ok) return -1;
@@ -137,6 +143,7 @@ static __device__ int gsc_pready(const gsc_prepared_device_t *d, unsigned long l
  * partition's bytes are then readable). */
 static __device__ __forceinline__ int gsc_parrived(const gsc_prepared_device_t *d, unsigned long long part)
 {
+    if (part >= d->parts) return 0;
     unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND], x;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(&d->ctl[GSC_CTL_PEER + part]) : "memory");
     return x >= e;

@@ -325,6 +325,16 @@ impl Condition {
     /// goes on the stream at the next `wait` instead.
     pub(crate) fn gpu_round(&self, round: crate::cuda::PrepArgs, deferred: Option<crate::cuda::PrepArgs>) -> Result<()> {
         let sk = self.stream_kernels()?;
+        if round.role != crate::cuda::PREP_SEND
+            && round.role != crate::cuda::PREP_BEGIN
+            && self.inner.device_waits.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|w| w.ctl == round.ctl)
+        {
+            // Its next readiness would let the sender overwrite a round nobody has waited for.
+            return Err(Error::new(
+                Status::Busy,
+                "a round of this prepared receive still waits for Condition::wait (started without a stream wait)",
+            ));
+        }
         {
             let mut group = self.inner.group.lock().unwrap_or_else(|e| e.into_inner());
             if group.depth > 0 {
@@ -345,7 +355,7 @@ impl Condition {
     /// A group's GPU rounds (and, when `wait` was called in it, the deferred waits), ordered so
     /// that no side waits before it has said it is ready and sent: readies, sends, waits.
     fn launch_group_gpu_rounds(&self, rounds: &[crate::cuda::PrepArgs], with_waits: bool) -> Result<()> {
-        use crate::cuda::{PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT};
+        use crate::cuda::{PREP_BEGIN, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT};
         let mut deferred = Vec::new();
         if with_waits {
             deferred = std::mem::take(&mut *self.inner.device_waits.lock().unwrap_or_else(|e| e.into_inner()));
@@ -353,13 +363,14 @@ impl Condition {
         if rounds.is_empty() && deferred.is_empty() {
             return Ok(());
         }
+        let begins = rounds.iter().filter(|r| r.role == PREP_BEGIN).copied();
         let readies = rounds
             .iter()
             .filter(|r| r.role == PREP_READY || r.role == PREP_READY_WAIT)
             .map(|r| crate::cuda::PrepArgs { role: PREP_READY, ..*r });
         let sends = rounds.iter().filter(|r| r.role == PREP_SEND).copied();
         let waits = rounds.iter().filter(|r| r.role == PREP_READY_WAIT).map(|r| crate::cuda::PrepArgs { role: PREP_WAIT, ..*r });
-        let ops: Vec<crate::cuda::PrepArgs> = readies.chain(sends).chain(waits).chain(deferred).collect();
+        let ops: Vec<crate::cuda::PrepArgs> = begins.chain(readies).chain(sends).chain(waits).chain(deferred).collect();
         let sk = self.stream_kernels()?;
         crate::cuda::launch_prep_group(&sk.kernels, sk.stream, &ops)
     }

@@ -68,18 +68,29 @@ impl DeviceMem {
         self.copier.get_or_insert_with(|| Copier::new(streams, split))
     }
 
+    /// Copies in flight whose request's completion may be held.
+    pub(crate) fn copies_in_flight(&self) -> usize {
+        self.reads.len() + self.writes.len()
+    }
+
     /// Reads in flight.
     pub(crate) fn reads_in_flight(&self) -> usize {
         self.reads.len()
     }
 
-    /// Hold `req`'s completion if a read into its buffer is still running (true: held).
+    /// Hold `req`'s completion if a copy of its buffer is still running: a read into it, or a
+    /// prepared round's write from it (true: held).
     pub(crate) fn hold_completion(&mut self, req: ReqId, status: Status, info: RecvInfo) -> bool {
-        let running = self.reads.iter().any(|(_, r)| *r == req);
+        let running = self.reads.iter().any(|(_, r)| *r == req) || self.writes.iter().any(|(_, w)| w.req == req);
         if running {
             self.held.push((req, status, info));
         }
         running
+    }
+
+    /// A completion is held for `req`.
+    pub(crate) fn is_held(&self, req: ReqId) -> bool {
+        self.held.iter().any(|(r, ..)| *r == req)
     }
 
     /// The completion held for `req`, once its read is done.
@@ -172,6 +183,11 @@ impl DeviceMem {
 
     pub(crate) fn writes_in_flight(&self) -> usize {
         self.writes.len()
+    }
+
+    /// A write of request `req` is still copying.
+    pub(crate) fn writing(&self, req: ReqId) -> bool {
+        self.writes.iter().any(|(_, w)| w.req == req)
     }
 
     /// Writes that finished since the last call, with their results.

@@ -42,7 +42,7 @@ pub(crate) struct GpuSide {
     stage: Option<u64>,
     /// Set at the first start (after pairing): the peer's word we write (a send: its first
     /// arrival word) and, for a send, where the data goes, both mapped into our GPU's space.
-    mapped: OnceLock<(u64, u64)>,
+    mapped: OnceLock<(u64, u64, usize)>,
     /// The kernels' descriptor, written once (`Prepared::device_handle`).
     descriptor: OnceLock<u64>,
 }
@@ -60,6 +60,10 @@ impl GpuSide {
         timeout: Option<Duration>,
     ) -> Result<(GpuSide, DeviceHello)> {
         let parts = partitions.unwrap_or(1);
+        // Checked here too (the engine checks again): before a control block is taken.
+        if parts == 0 || !len.is_multiple_of(parts) {
+            return Err(Error::invalid_param(format!("buffer of {len} bytes does not split into {parts} equal partitions")));
+        }
         if parts > crate::cuda::prep_ctl::MAX_PARTS {
             return Err(Error::invalid_param(format!("at most {} partitions with rounds on the GPU", crate::cuda::prep_ctl::MAX_PARTS)));
         }
@@ -113,13 +117,17 @@ impl GpuSide {
             .condition
             .as_ref()
             .ok_or_else(|| Error::unsupported("a prepared transfer with GPU rounds starts on a CUDA stream condition, not on the host"))?;
-        let (remote, dst) = self.mapped(p)?;
+        // The pair must still be there: released here or by the peer, or its link gone, a round
+        // would only spin until the timeout.
+        p.worker().with_state(|st, _| st.engine.prepared.device_peer(p.id()))?;
+        let (remote, dst, peer_len) = self.mapped(p)?;
         let args = PrepArgs {
             ctl: self.ctl.addr,
             remote,
             src: self.addr as u64,
             dst,
-            len: self.len as u64,
+            // A receive copies out what the sender sends (it may be shorter).
+            len: if self.dir == PrepDir::Recv { peer_len.min(self.len) as u64 } else { self.len as u64 },
             role: PREP_SEND,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             stage: self.stage.unwrap_or(0),
@@ -140,7 +148,7 @@ impl GpuSide {
 
     /// (the peer's word we write, the peer's buffer for a send), mapped once. Waits (progressing
     /// the worker, up to the timeout) for the peer to have prepared.
-    fn mapped(&self, p: &Prepared) -> Result<(u64, u64)> {
+    fn mapped(&self, p: &Prepared) -> Result<(u64, u64, usize)> {
         if let Some(m) = self.mapped.get() {
             return Ok(*m);
         }
@@ -150,7 +158,7 @@ impl GpuSide {
         crate::cuda::with_relaxed_capture(|| self.map(&peer))
     }
 
-    fn map(&self, peer: &DevicePeer) -> Result<(u64, u64)> {
+    fn map(&self, peer: &DevicePeer) -> Result<(u64, u64, usize)> {
         let device = self.ctl.device;
         let ctl_key = ipc::DeviceKey::decode(&peer.hello.ctl_key)?;
         // A sender writes the receiver's arrival words (one per partition), a receiver the
@@ -172,7 +180,7 @@ impl GpuSide {
             }
             PrepDir::Recv => 0,
         };
-        Ok(*self.mapped.get_or_init(|| (remote, dst)))
+        Ok(*self.mapped.get_or_init(|| (remote, dst, peer.len)))
     }
 
     fn wait_for_peer(&self, p: &Prepared) -> Result<DevicePeer> {
@@ -196,7 +204,7 @@ impl GpuSide {
         if let Some(d) = self.descriptor.get() {
             return Ok(*d);
         }
-        let (remote, dst) = self.mapped(p)?;
+        let (remote, dst, _) = self.mapped(p)?;
         let part_len = (self.len / self.parts) as u64;
         let timeout = self.timeout.as_nanos().min(u64::MAX as u128) as u64;
         let words = [self.ctl.addr, remote, self.addr as u64, dst, part_len, self.parts as u64, timeout];

@@ -939,6 +939,17 @@ impl State {
             self.device.poll_writes(&mut done);
             events += done.len();
             for (write, result) in done {
+                // The round already ended (its link failed or the peer left): its buffer is
+                // the user's again only now.
+                if !self.device.writing(write.req) {
+                    if let Some((status, info)) = self.device.take_held(write.req) {
+                        actions.push(Action::Complete { req: write.req, status, info });
+                        continue;
+                    }
+                }
+                if self.slot(write.req).is_none_or(|s| s.result.is_some()) || self.device.is_held(write.req) {
+                    continue; // the round ended while this write ran: nothing more to announce
+                }
                 match result {
                     Ok(()) => self.queue_frame(write.conn, write.then, &mut actions),
                     Err(e) => self.engine.prepared.write_failed(&mut actions, write.req, e.status()),
@@ -1179,7 +1190,11 @@ impl State {
     fn maybe_finish_close(&mut self, conn: ConnId, out: &mut Actions) {
         let Some(c) = self.conns.get(conn) else { return };
         let Some(req) = c.closing else { return };
-        if c.failed.is_some() || self.engine.tag.sends_on(conn) > 0 || self.engine.rma.pending_on(conn) > 0 {
+        if c.failed.is_some()
+            || self.engine.tag.sends_on(conn) > 0
+            || self.engine.rma.pending_on(conn) > 0
+            || self.engine.prepared.sends_on(conn) > 0
+        {
             return;
         }
         self.conns[conn].closing = None;
@@ -1278,7 +1293,7 @@ impl State {
             Some(i) => self.failed_copies.swap_remove(i).1,
             None => status,
         };
-        if self.device.reads_in_flight() > 0 && self.device.hold_completion(req, status, info) {
+        if self.device.copies_in_flight() > 0 && self.device.hold_completion(req, status, info) {
             return;
         }
         let Some(slot) = self.slot_mut(req) else {

@@ -367,22 +367,24 @@ extern "C" __global__ void gsc_prep_kernel(gsc_prep_args_t a)
         /* Every block reads the same round number: the last block writes it back. */
         e = *(volatile unsigned long long *)a.ctl + 1;
         ok = gsc_spin_geq(a.ctl + GSC_CTL_PEER, e, a.timeout_ns);
-        if (!ok) a.ctl[GSC_CTL_ERROR] = e;
+        if (!ok) atomicMax(a.ctl + GSC_CTL_ERROR, e);
     }
     __syncthreads();
-    if (!ok) return;
-    gsc_copy(a.dst, a.src, a.len, blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
-             (unsigned long long)gridDim.x * blockDim.x);
+    if (ok)
+        gsc_copy(a.dst, a.src, a.len, blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
+                 (unsigned long long)gridDim.x * blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {
-        /* Our block's stores reach the peer before the count; the last block raises the flag. */
+        /* Every block counts, failed or not, so the count is whole for the next round; our
+         * block's stores reach the peer before the count; the last block raises the flag,
+         * unless a block gave up (the round is then recorded as failed, not announced). */
         __threadfence_system();
         unsigned long long done = atomicAdd(a.ctl + GSC_CTL_DONE, 1ULL) + 1;
         if (done == gridDim.x) {
             a.ctl[GSC_CTL_DONE] = 0;
             a.ctl[0] = e;
             __threadfence_system();
-            gsc_store_release(a.remote, e);
+            if (*(volatile unsigned long long *)(a.ctl + GSC_CTL_ERROR) != e) gsc_store_release(a.remote, e);
         }
     }
 }

@@ -122,6 +122,11 @@ struct Peer {
 
 struct Prep {
     spec: PrepSpec,
+    /// This side's count of preparations of this direction and tag towards the peer worker:
+    /// pairs with the peer's preparation of the other direction with the same count.
+    seq: u64,
+    /// The last round ended successfully (what `parrived` reports between rounds).
+    last_ok: bool,
     peer: Option<Peer>,
     /// The peer's receive buffer is GPU memory this key opens.
     peer_key: Option<Arc<[u8]>>,
@@ -183,6 +188,7 @@ impl Prep {
 #[derive(Clone, Debug)]
 struct Hello {
     worker: u128,
+    seq: u64,
     key: Option<Arc<[u8]>>,
     device: Option<Arc<DeviceHello>>,
     recv: bool,
@@ -207,8 +213,10 @@ pub struct PreparedEngine {
     /// Ids are never reused, so a frame or handle naming a released preparation is recognized
     /// as stale instead of reaching a newer one.
     next_id: PrepId,
-    /// In arrival order (per peer worker, links deliver in order).
+    /// Unclaimed hellos (their preparation pairs by sequence number, not arrival order).
     hellos: VecDeque<Hello>,
+    /// Preparations made so far per (peer worker, tag, receive?): the next one's `seq`.
+    seqs: std::collections::HashMap<(u128, u64, bool), u64>,
     /// Send rounds in progress: request -> preparation (frames report `frame_sent(req)`).
     sending: IdMap<ReqId, PrepId>,
 }
@@ -261,6 +269,7 @@ impl PreparedEngine {
             preps: IdMap::default(),
             next_id: 1,
             hellos: VecDeque::new(),
+            seqs: std::collections::HashMap::new(),
             sending: IdMap::default(),
         }
     }
@@ -272,6 +281,15 @@ impl PreparedEngine {
 
     fn worker_of(&self, conn: ConnId) -> Option<u128> {
         self.links.get(&conn).map(|l| l.worker)
+    }
+
+    /// Send rounds in progress or queued on `conn` (a flushing close waits for none).
+    pub fn sends_on(&self, conn: ConnId) -> usize {
+        self.preps
+            .values()
+            .filter(|p| p.spec.conn == conn && p.spec.dir == PrepDir::Send)
+            .map(|p| p.active.is_some() as usize + p.queued.len())
+            .sum()
     }
 
     /// Rounds in progress or queued.
@@ -302,12 +320,18 @@ impl PreparedEngine {
         self.next_id += 1;
         let parts = spec.parts();
         let recv = spec.dir == PrepDir::Recv;
+        let seq = {
+            let n = self.seqs.entry((worker, spec.tag, recv)).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
         // Only a host receive buffer may be written by the peer (cross-memory attach, or a copy
         // within one process).
         let direct_ok = recv && spec.buf.mem == MemType::Host;
         let own_key: Option<Arc<[u8]>> = device_key.filter(|_| recv && spec.buf.mem == MemType::Cuda).map(Arc::from);
         let hello = Header::PrepHello {
             tag: spec.tag,
+            seq,
             id,
             len: spec.buf.len as u64,
             partitions: parts as u64,
@@ -327,6 +351,8 @@ impl PreparedEngine {
             id,
             Prep {
                 spec,
+                seq,
+                last_ok: false,
                 peer: None,
                 peer_key: None,
                 peer_device: None,
@@ -349,7 +375,7 @@ impl PreparedEngine {
             },
         );
         // The peer's hello may have come first.
-        if let Some(i) = self.hellos.iter().position(|h| h.worker == worker && h.recv != recv && h.tag == spec.tag) {
+        if let Some(i) = self.hellos.iter().position(|h| h.worker == worker && h.recv != recv && h.tag == spec.tag && h.seq == seq) {
             let h = self.hellos.remove(i).expect("position found");
             self.pair(out, id, h);
         }
@@ -430,7 +456,7 @@ impl PreparedEngine {
             return Err(Error::new(Status::OutOfRange, format!("partition {part} of {parts}")));
         }
         if p.active.is_none() {
-            return Ok(p.round > 0);
+            return Ok(p.last_ok);
         }
         let Some(peer) = p.peer else { return Ok(false) };
         let pl = p.part_len();
@@ -684,7 +710,7 @@ impl PreparedEngine {
     /// Handle a prepared-transfer frame. Errors are protocol violations by the peer.
     pub fn on_frame(&mut self, out: &mut Actions, conn: ConnId, header: Header, payload: &[u8]) -> Result<()> {
         match header {
-            Header::PrepHello { tag, id, len, partitions, addr, flags } => {
+            Header::PrepHello { tag, seq, id, len, partitions, addr, flags } => {
                 let len = usize::try_from(len).map_err(|_| bad("length overflows"))?;
                 let partitions = usize::try_from(partitions).ok().filter(|n| *n > 0).ok_or_else(|| bad("zero partitions"))?;
                 let recv = flags & PREP_RECV != 0;
@@ -694,21 +720,22 @@ impl PreparedEngine {
                 let direct_ok = recv && flags & PREP_DIRECT != 0;
                 let worker = self.worker_of(conn).ok_or_else(|| bad("hello on an unknown link"))?;
                 let peer = Peer { id, len, partitions, addr: (direct_ok || key.is_some()).then_some(addr), conn };
-                let h = Hello { worker, key, device, recv, tag, peer, direct_ok };
-                // The oldest unpaired local preparation with that worker, of the other
-                // direction, with this tag.
+                let h = Hello { worker, seq, key, device, recv, tag, peer, direct_ok };
+                // Our preparation towards that worker, of the other direction, with this tag
+                // and the same sequence number (a broken one lost its link: it pairs no more).
                 let links = &self.links;
                 let mine = self
                     .preps
                     .iter()
-                    .filter(|(_, p)| {
+                    .find(|(_, p)| {
                         p.peer.is_none()
+                            && p.broken.is_none()
+                            && p.seq == seq
                             && (p.spec.dir == PrepDir::Recv) != recv
                             && p.spec.tag == tag
                             && links.get(&p.spec.conn).is_some_and(|l| l.worker == worker)
                     })
-                    .map(|(k, _)| *k)
-                    .min();
+                    .map(|(k, _)| *k);
                 match mine {
                     Some(mine) => self.pair(out, mine, h),
                     None => self.hellos.push_back(h),
@@ -735,7 +762,18 @@ impl PreparedEngine {
                     return Err(bad("bye on the wrong link"));
                 }
                 p.broken.get_or_insert_with(|| Error::new(Status::NotConnected, "the peer released its side of the prepared transfer"));
-                self.fail_rounds(out, id, Status::NotConnected);
+                if p.spec.dir == PrepDir::Send && p.active.is_some() && p.unsent > 0 {
+                    // Frames of the round still in the queue read the user's buffer: the round
+                    // ends (failed) only once they have left. Nothing more is written.
+                    p.round_error = Some(Status::NotConnected);
+                    p.written.iter_mut().for_each(|w| *w = true);
+                    let queued: Vec<ReqId> = p.queued.drain(..).map(|(r, _)| r).collect();
+                    for req in queued {
+                        out.push(Action::Complete { req, status: Status::NotConnected, info: RecvInfo::default() });
+                    }
+                } else {
+                    self.fail_rounds(out, id, Status::NotConnected);
+                }
             }
             other => return Err(bad(&format!("{other:?} is not a prepared-transfer frame"))),
         }
@@ -796,6 +834,7 @@ impl PreparedEngine {
                 }
                 p.active = None;
                 let status = p.round_error.take().unwrap_or(Status::Ok);
+                p.last_ok = status == Status::Ok;
                 out.push(Action::Complete { req, status, info: RecvInfo { tag: p.spec.tag, length: peer.len } });
                 self.next_round(out, id);
             }
@@ -807,6 +846,9 @@ impl PreparedEngine {
     fn fail_rounds(&mut self, out: &mut Actions, id: PrepId, status: Status) {
         let Some(p) = self.preps.get_mut(&id) else { return };
         let reqs: Vec<ReqId> = p.active.take().into_iter().chain(p.queued.drain(..).map(|(r, _)| r)).collect();
+        if !reqs.is_empty() {
+            p.last_ok = false;
+        }
         p.readied.iter_mut().for_each(|r| *r = false);
         for req in reqs {
             self.sending.remove(&req);

@@ -797,6 +797,17 @@ fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
     p.run(1, out, None);
     assert_eq!(p.sides[1].done[&r].0, Status::PeerFailed);
     let _ = send;
+    // A failed round is not reported as arrived.
+    let mut p = Pair::new(cfg(), false, 1024);
+    let (_send, _) = p.prepare(0, PrepDir::Send, 16, 5, Some(2));
+    let (recv, _) = p.prepare(1, PrepDir::Recv, 16, 5, Some(2));
+    p.pump();
+    let r = p.pstart(1, recv);
+    let mut out = Actions::new();
+    p.sides[1].engine.conn_failed(&mut out, 0, Status::PeerFailed);
+    p.run(1, out, None);
+    assert_eq!(p.sides[1].done[&r].0, Status::PeerFailed);
+    assert!(!p.sides[1].engine.prepared.parrived(recv, 0).unwrap());
 }
 
 #[test]
@@ -926,7 +937,7 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
     assert_eq!(e.status(), Status::InvalidParam, "{e}");
 
     // A hello too short for what it claims is a protocol error.
-    let h = wire::Header::PrepHello { tag: 1, id: 1, len: 8, partitions: 1, addr: 0, flags: wire::PREP_GPU_ROUNDS };
+    let h = wire::Header::PrepHello { tag: 1, seq: 0, id: 1, len: 8, partitions: 1, addr: 0, flags: wire::PREP_GPU_ROUNDS };
     let mut frame = h.encode().as_bytes().to_vec();
     frame.extend_from_slice(&[1, 2, 3]);
     let side = &mut p.sides[0];

@@ -8,7 +8,7 @@
 use std::fmt;
 
 /// Largest header we ever encode; headers are built on the stack in a buffer of this size.
-pub const MAX_HEADER: usize = 56;
+pub const MAX_HEADER: usize = 64;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Header {
@@ -86,6 +86,9 @@ pub enum Header {
     /// `addr` is a receive buffer the peer may write directly (`PREP_DIRECT`).
     PrepHello {
         tag: u64,
+        /// The announcing side's count of preparations of this direction and tag towards this
+        /// worker (0, 1, ...): preparations pair by it, whatever link carried the hello.
+        seq: u64,
         id: u64,
         len: u64,
         partitions: u64,
@@ -270,7 +273,7 @@ impl Header {
             kind::FLUSH_REQ => 1,
             kind::FLUSH_ACK => 2,
             kind::CLOSE => 0,
-            kind::PREP_HELLO => 6,
+            kind::PREP_HELLO => 7,
             kind::PREP_READY => 2,
             kind::PREP_DATA => 5,
             kind::PREP_BYE => 1,
@@ -299,8 +302,8 @@ impl Header {
             Header::FlushReq { id } => w.u64(id),
             Header::FlushAck { id, status } => w.u64(id).i32(status),
             Header::Close => w,
-            Header::PrepHello { tag, id, len, partitions, addr, flags } => {
-                w.u64(tag).u64(id).u64(len).u64(partitions).u64(addr).u64(flags as u64)
+            Header::PrepHello { tag, seq, id, len, partitions, addr, flags } => {
+                w.u64(tag).u64(seq).u64(id).u64(len).u64(partitions).u64(addr).u64(flags as u64)
             }
             Header::PrepReady { id, round } => w.u64(id).u64(round),
             // Flags in the low half of one word, status in the high half.
@@ -337,9 +340,15 @@ impl Header {
             kind::FLUSH_REQ => Header::FlushReq { id: r.u64() },
             kind::FLUSH_ACK => Header::FlushAck { id: r.u64(), status: r.i32() },
             kind::CLOSE => Header::Close,
-            kind::PREP_HELLO => {
-                Header::PrepHello { tag: r.u64(), id: r.u64(), len: r.u64(), partitions: r.u64(), addr: r.u64(), flags: r.u64() as u32 }
-            }
+            kind::PREP_HELLO => Header::PrepHello {
+                tag: r.u64(),
+                seq: r.u64(),
+                id: r.u64(),
+                len: r.u64(),
+                partitions: r.u64(),
+                addr: r.u64(),
+                flags: r.u64() as u32,
+            },
             kind::PREP_READY => Header::PrepReady { id: r.u64(), round: r.u64() },
             kind::PREP_DATA => {
                 let (id, round, offset, len, word) = (r.u64(), r.u64(), r.u64(), r.u64(), r.u64());
@@ -379,7 +388,7 @@ mod tests {
             Header::FlushReq { id: 77 },
             Header::FlushAck { id: 77, status: -6 },
             Header::Close,
-            Header::PrepHello { tag: 5, id: 6, len: 7, partitions: 8, addr: 0xfeed, flags: PREP_RECV | PREP_DIRECT },
+            Header::PrepHello { tag: 5, seq: 2, id: 6, len: 7, partitions: 8, addr: 0xfeed, flags: PREP_RECV | PREP_DIRECT },
             Header::PrepReady { id: 6, round: 1 << 40 },
             Header::PrepData { id: 6, round: 2, offset: 3, len: 4, flags: PREP_LAST, status: -43 },
             Header::PrepBye { id: 6 },
