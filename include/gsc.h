@@ -555,7 +555,8 @@ typedef struct gsc_buffer_param {
 
 /**
  * Prepare a transfer of param->buffer on `ep` and announce it to the peer.
- * `prepared_memh` points to a gsc_prepared_h that receives the handle. The buffer must stay
+ * `prepared_memh` points to a gsc_prepared_h that receives the handle (the seed's signature
+ * keeps it `void *`; pass `&handle`). The buffer must stay
  * valid until the handle is released, and must not be touched while a round is in flight (a
  * prepared receive's buffer may be written by the peer directly during its rounds).
  */
@@ -563,8 +564,14 @@ gsc_status_t gsc_prepare_transfers(gsc_ep_h ep, void *prepared_memh, const gsc_b
 
 /** Release a prepared transfer made on `ep` (`prepared_memh` is its gsc_prepared_h): the peer
  *  is told (its later rounds fail with GSC_ERR_NOT_CONNECTED) and the handle goes stale.
- *  GSC_ERR_BUSY, changing nothing, while a round is in flight. Destroying the endpoint
- *  releases its prepared transfers (a round in flight first ends). */
+ *  GSC_ERR_BUSY, changing nothing, while a round is in flight. Rounds armed on a condition that
+ *  has not triggered them yet do not count: release only after the stream passed them (they
+ *  would fail with GSC_ERR_INVALID_HANDLE). Destroying the endpoint releases its prepared
+ *  transfers (a round in flight first ends). A receive buffer the peer writes directly (host
+ *  memory on a lane with cross-memory attach, GPU memory through CUDA IPC) must stay valid
+ *  until both sides released the pair or the peer's process is gone: a round that ended on
+ *  this side with an error (e.g. the endpoint was closed) may still be written by a live peer
+ *  that saw its readiness. */
 gsc_status_t gsc_release_preparations(gsc_ep_h ep, void *prepared_memh);
 
 /** MPI_Send_init-like: a persistent send of `count` bytes with `tag` (gsc_prepare_transfers
