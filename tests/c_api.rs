@@ -761,6 +761,28 @@ static void prepared(gsc_ep_h ep)
     EXPECT_STATUS(gsc_prepared_parrived(rx, 0, NULL), GSC_ERR_INVALID_PARAM, "flag");
     EXPECT_STATUS(gsc_prepared_pready(rx, 0), GSC_ERR_INVALID_PARAM, "partitioned send");
 
+    /* GPU rounds: refused for host buffers and unknown flags; the GPU calls refuse a host pair. */
+    {
+        gsc_buffer_param_t gp;
+        gsc_prepared_h g = NULL;
+        uint64_t round = 1;
+        void *dh = NULL;
+        memset(&gp, 0, sizeof(gp));
+        gp.field_mask = GSC_BUFFER_PARAM_FIELD_FLAGS;
+        gp.direction = GSC_PREPARE_SEND;
+        gp.buffer = src;
+        gp.length = 64;
+        gp.flags = GSC_PREPARE_FLAG_GPU_ROUNDS;
+        EXPECT_STATUS(gsc_prepare_transfers(ep, &g, &gp), GSC_ERR_INVALID_PARAM, "GPU buffer");
+        gp.flags = (uint64_t)1 << 9;
+        EXPECT_STATUS(gsc_prepare_transfers(ep, &g, &gp), GSC_ERR_INVALID_PARAM, "flags");
+        EXPECT(g == NULL);
+        EXPECT_STATUS(gsc_prepared_gpu_error(tx, &round), GSC_ERR_INVALID_PARAM, "on the GPU");
+        EXPECT(round == 1);
+        EXPECT_STATUS(gsc_prepared_device_handle(tx, &dh), GSC_ERR_INVALID_PARAM, "on the GPU");
+        EXPECT_STATUS(gsc_prepared_device_handle(tx, NULL), GSC_ERR_INVALID_PARAM, "NULL");
+    }
+
     /* A persistent pair the MPI way; released on the wrong endpoint is refused. */
     EXPECT(gsc_tag_send_init(ep, src, 100, 1, &other) == GSC_OK);
     EXPECT_STATUS(gsc_release_preparations(back, other), GSC_ERR_INVALID_PARAM, "this endpoint");
