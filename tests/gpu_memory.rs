@@ -61,6 +61,29 @@ extern "C" __global__ void pready_reverse(const gsc_prepared_device_t *d, unsign
     __syncthreads();
     gsc_pready(d, part);
 }
+/* Exchanges with GPU rounds driven from this one block: new data every round, checked. */
+extern "C" __global__ void prep_kernel_rounds(const gsc_prepared_device_t *send, const gsc_prepared_device_t *recv,
+                                              unsigned char *src, const unsigned char *dst, unsigned long long n,
+                                              unsigned long long rounds, unsigned long long side, unsigned long long *errors) {
+    __shared__ int bad;
+    for (unsigned long long r = 1; r <= rounds; r++) {
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) src[i] = val(i, r * 1000 + side);
+        gsc_prep_ready(recv);
+        if (gsc_prep_send(send) != 0 || gsc_prep_wait(recv) != 0) {
+            if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
+            return;
+        }
+        if (threadIdx.x == 0) bad = 0;
+        __syncthreads();
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x)
+            if (dst[i] != val(i, r * 1000 + 1 - side)) bad = 1;
+        __syncthreads();
+        if (bad) {
+            if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
+            return;
+        }
+    }
+}
 /* After a receive round: every partition reports arrived. */
 extern "C" __global__ void parrived_all(const gsc_prepared_device_t *d, unsigned long long *errors) {
     if (threadIdx.x == 0)
@@ -97,6 +120,7 @@ struct Kern {
     kernel_rounds: Function,
     pready_reverse: Function,
     parrived_all: Function,
+    prep_kernel_rounds: Function,
     _m: Module,
 }
 
@@ -114,6 +138,7 @@ fn kernels() -> Kern {
         kernel_rounds: f("kernel_rounds"),
         pready_reverse: f("pready_reverse"),
         parrived_all: f("parrived_all"),
+        prep_kernel_rounds: f("prep_kernel_rounds"),
         _m: m,
     }
 }
@@ -583,6 +608,39 @@ fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
     v
 }
 
+/// GPU rounds driven by one user kernel on each side (`gsc_prep_ready/send/wait`), new data
+/// every round checked inside the kernel: a staged size and one written in place.
+fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
+    let mut out = String::new();
+    for (n, rounds) in [(4096usize, 2000u64), (4 << 20, 50)] {
+        let stream = Stream::new().unwrap();
+        let err = PinnedBuf::new(8).unwrap();
+        let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
+        let pp = |dir| PrepareParams { dir, tag: 7000 + n as u64, partitions: None, memory_type: None, gpu_rounds: true };
+        // SAFETY: the buffers outlive the preparations (dropped first, after the kernel ended).
+        let (tx, rx) = unsafe {
+            (
+                ep.prepare(src.ptr() as *mut u8, n, pp(Direction::Send)).unwrap(),
+                ep.prepare(dst.ptr() as *mut u8, n, pp(Direction::Recv)).unwrap(),
+            )
+        };
+        let (hs, hr) = match (tx.device_handle(), rx.device_handle()) {
+            (Ok(a), Ok(b)) => (a, b),
+            other => return format!("device handles: {other:?}"),
+        };
+        let t0 = Instant::now();
+        k.prep_kernel_rounds.launch(1, 256, &stream, &[hs, hr, src.ptr(), dst.ptr(), n as u64, rounds, side, err.device_ptr()]).unwrap();
+        stream.synchronize().unwrap();
+        eprintln!("side {side}: {rounds} kernel-driven rounds of {n} B, {:.2} us/round", t0.elapsed().as_secs_f64() * 1e6 / rounds as f64);
+        let v = verdict(&[], pinned_u64(&err));
+        if !v.is_empty() {
+            out += &format!("{n} B: {v} gpu_error={:?}/{:?}; ", tx.gpu_error(), rx.gpu_error());
+        }
+        drop((tx, rx));
+    }
+    out
+}
+
 /// `graph_halo` with prepared transfers: armed once on the graph, GRAPH_ROUNDS replays.
 fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     let stream = Stream::new().unwrap();
@@ -676,6 +734,7 @@ fn scenarios(
     run("prepared_gpu_rounds", &mut || prepared_stream(side, w, ep, k, &[8, 4096, 65_536, 16 << 20], true));
     run("prepared_gpu_rounds_captured", &mut || prepared_gpu_rounds_captured(side, k, ep));
     run("prepared_gpu_partitions", &mut || prepared_gpu_partitions(side, ep, k));
+    run("prepared_gpu_kernel_rounds", &mut || prepared_gpu_kernel_rounds(side, ep, k));
     run("prepared_graph", &mut || prepared_graph(side, w, ep, k));
     out
 }

@@ -204,10 +204,21 @@ impl GpuSide {
         if let Some(d) = self.descriptor.get() {
             return Ok(*d);
         }
-        let (remote, dst, _) = self.mapped(p)?;
-        let part_len = (self.len / self.parts) as u64;
+        let (remote, dst, peer_len) = self.mapped(p)?;
         let timeout = self.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        let words = [self.ctl.addr, remote, self.addr as u64, dst, part_len, self.parts as u64, timeout];
+        let words = match self.dir {
+            PrepDir::Send => [self.ctl.addr, remote, self.addr as u64, dst, (self.len / self.parts) as u64, self.parts as u64, timeout],
+            // A receive: staging area (or none) into the buffer, the sender's length.
+            PrepDir::Recv => [
+                self.ctl.addr,
+                remote,
+                self.stage.unwrap_or(0),
+                self.addr as u64,
+                peer_len.min(self.len) as u64,
+                self.parts as u64,
+                timeout,
+            ],
+        };
         let at = crate::cuda::with_relaxed_capture(|| self.ctl.write_descriptor(&words))?;
         Ok(*self.descriptor.get_or_init(|| at))
     }

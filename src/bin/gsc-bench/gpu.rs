@@ -18,6 +18,8 @@
 //!   into the receive buffer, by the copy engine for GPU buffers).
 //! - gstream, ggraph: the same with the rounds run on the GPU (`gpu_rounds`): one kernel per
 //!   round on the stream writes into the peer's buffer over NVLink and raises its flag.
+//! - gkernel: GPU rounds driven by one kernel for all iterations (`gsc_prep_ready`,
+//!   `gsc_prep_send`, `gsc_prep_wait` from include/gsc_device.cuh): no launch per iteration.
 //! - nccl (`--nccl`): ncclSend + ncclRecv in a group per iteration on a stream, and the same
 //!   captured `-G` per graph.
 
@@ -39,6 +41,8 @@ enum Mode {
     /// `PStream` and `PGraph` with the rounds run on the GPU (no proxy).
     GStream,
     GGraph,
+    /// GPU rounds driven by one user kernel (`gsc_prep_ready/send/wait`): no launch per round.
+    GKernel,
     Nccl,
     NcclGraph,
 }
@@ -53,6 +57,7 @@ impl Mode {
             Mode::PGraph => "pgraph",
             Mode::GStream => "gstream",
             Mode::GGraph => "ggraph",
+            Mode::GKernel => "gkernel",
             Mode::Nccl => "nccl",
             Mode::NcclGraph => "nccl-graph",
         }
@@ -95,6 +100,7 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
                         "pgraph" => Some(Mode::PGraph),
                         "gstream" => Some(Mode::GStream),
                         "ggraph" => Some(Mode::GGraph),
+                        "gkernel" => Some(Mode::GKernel),
                         _ => None,
                     })
                     .collect::<Option<Vec<_>>>()?
@@ -132,6 +138,17 @@ const TAG: u64 = 77;
 
 /// The device kernel of the kernel mode: one thread runs `rounds` exchanges.
 const KERNEL_SRC: &str = r#"
+/* gkernel: `rounds` prepared exchanges with GPU rounds, all from this one block. */
+extern "C" __global__ void prep_rounds(const gsc_prepared_device_t *send, const gsc_prepared_device_t *recv,
+                                       unsigned long long rounds, unsigned long long *errors) {
+    for (unsigned long long r = 0; r < rounds; r++) {
+        gsc_prep_ready(recv);
+        if (gsc_prep_send(send) != 0 || gsc_prep_wait(recv) != 0) {
+            if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
+            return;
+        }
+    }
+}
 extern "C" __global__ void exchange_rounds(gsc_device_handle_t *send, gsc_device_handle_t *recv,
                                            unsigned long long rounds, unsigned long long *errors) {
     for (unsigned long long r = 0; r < rounds; r++) {
@@ -151,6 +168,7 @@ struct Rank {
     recv: DeviceBuf,
     stream: Stream,
     exchange_rounds: Function,
+    prep_rounds: Function,
     _module: Module,
 }
 
@@ -208,7 +226,7 @@ impl Rank {
         let (iters, warmup) = iterations(o, n, mode);
         let prepared = match mode {
             Mode::PStream | Mode::PGraph => Some(self.prepare(n, false)),
-            Mode::GStream | Mode::GGraph => {
+            Mode::GStream | Mode::GGraph | Mode::GKernel => {
                 let (tx, rx) = self.prepare(n, true);
                 // Pairing and mapping happen at the first start: one round outside the timing
                 // (and outside any capture).
@@ -265,6 +283,28 @@ impl Rank {
                 launch(iters / g);
                 sync();
                 t0.elapsed().as_secs_f64() / iters as f64
+            }
+            Mode::GKernel => {
+                let (tx, rx) = prepared.as_ref().expect("prepared above");
+                let handle = |p: &gscomm::Prepared| p.device_handle().unwrap_or_else(|e| die("device handle", e));
+                let (hs, hr) = (handle(tx), handle(rx));
+                let err = PinnedBuf::new(8).unwrap_or_else(|e| die("pinned", e));
+                let rounds = |k: usize| {
+                    self.prep_rounds
+                        .launch(1, 256, &self.stream, &[hs, hr, k as u64, err.device_ptr()])
+                        .unwrap_or_else(|e| die("launch", e))
+                };
+                rounds(warmup);
+                sync();
+                ctl.barrier();
+                let t0 = Instant::now();
+                rounds(iters);
+                sync();
+                let dt = t0.elapsed().as_secs_f64() / iters as f64;
+                if err.to_vec().iter().any(|b| *b != 0) {
+                    die("gkernel exchange", "a round gave up");
+                }
+                dt
             }
             Mode::Kernel => {
                 let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap_or_else(|e| die("condition", e));
@@ -327,6 +367,7 @@ fn rank_main(
     let module = Module::compile(&format!("{}\n{KERNEL_SRC}", include_str!("../../../include/gsc_device.cuh")))
         .unwrap_or_else(|e| die("compile", e));
     let exchange_rounds = module.function("exchange_rounds").unwrap_or_else(|e| die("kernel", e));
+    let prep_rounds = module.function("prep_rounds").unwrap_or_else(|e| die("kernel", e));
     let nccl = o.nccl.then(|| Nccl::load().unwrap_or_else(|e| die("nccl", e)));
     let comm = nccl.as_ref().map(|l| {
         let id = nccl_id(ctl, l);
@@ -334,7 +375,8 @@ fn rank_main(
     });
     let buf = |what| DeviceBuf::new(o.sweep.max.max(1)).unwrap_or_else(|e| die(what, e));
     let stream = Stream::new().unwrap_or_else(|e| die("stream", e));
-    let r = Rank { rank, w, ep, send: buf("send buffer"), recv: buf("receive buffer"), stream, exchange_rounds, _module: module };
+    let r =
+        Rank { rank, w, ep, send: buf("send buffer"), recv: buf("receive buffer"), stream, exchange_rounds, prep_rounds, _module: module };
     r.send.upload(&pattern(rank, o.sweep.max)).unwrap_or_else(|e| die("upload", e));
     let expect = pattern(1 - rank, o.sweep.max);
     let mut out = Vec::new();
