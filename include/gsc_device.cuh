@@ -76,6 +76,7 @@ typedef struct gsc_prepared_device {
     unsigned char *dst;         /* send: where it goes at the receiver (mapped); receive: the buffer */
     unsigned long long part_len; /* send: bytes per partition; receive: bytes copied out of staging */
     unsigned long long parts, timeout_ns;
+    unsigned long long ll;      /* small staged rounds: the data travels as LL words (below) */
 } gsc_prepared_device_t;
 
 static __device__ __forceinline__ unsigned long long gsc_globaltimer()
@@ -97,6 +98,56 @@ static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsign
         if (x >= v) return 1;
         if (gsc_globaltimer() - t0 > timeout_ns) return 0;
     }
+}
+
+/* LL words (as NCCL's LL protocol): 8 bytes = 4 data bytes + a 4-byte flag, each stored at once,
+ * so the receiver knows a word arrived when its flag is this round's: no release fence before a
+ * separate flag, no arrival word. The flag of round e is 1 + e % (2^32 - 1), never 0 (a fresh
+ * staging area is zero), and differs from the previous round's. */
+static __device__ __forceinline__ unsigned gsc_ll_flag(unsigned long long e)
+{
+    return 1u + (unsigned)(e % 0xFFFFFFFFull);
+}
+
+/* Block: write n bytes of s as LL words at t (n rounded up to 4; the tail padded with zeros). */
+static __device__ void gsc_ll_write(unsigned long long *t, const unsigned char *s, unsigned long long n, unsigned long long e)
+{
+    unsigned long long flag = (unsigned long long)gsc_ll_flag(e) << 32;
+    for (unsigned long long w = threadIdx.x; w < (n + 3) / 4; w += blockDim.x) {
+        unsigned data = 0;
+        if (w * 4 + 4 <= n && (((unsigned long long)s & 3) == 0)) {
+            data = ((const unsigned *)s)[w];
+        } else {
+            for (unsigned k = 0; k < 4 && w * 4 + k < n; k++) data |= (unsigned)s[w * 4 + k] << (8 * k);
+        }
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(t + w), "l"(flag | data) : "memory");
+    }
+}
+
+/* Block: wait until every LL word at s for n bytes carries round e's flag and unpack them into
+ * t. 1, or 0 on timeout (checked by each thread for its words; the block agrees on the result). */
+static __device__ int gsc_ll_read(unsigned char *t, const unsigned long long *s, unsigned long long n, unsigned long long e,
+                                  unsigned long long timeout_ns)
+{
+    __shared__ int gsc_ll_ok;
+    unsigned flag = gsc_ll_flag(e);
+    int ok = 1;
+    if (threadIdx.x == 0) gsc_ll_ok = 1;
+    __syncthreads();
+    unsigned long long t0 = gsc_globaltimer();
+    for (unsigned long long w = threadIdx.x; ok && w < (n + 3) / 4; w += blockDim.x) {
+        unsigned long long v;
+        for (;;) {
+            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(s + w) : "memory");
+            if ((unsigned)(v >> 32) == flag) break;
+            if (gsc_globaltimer() - t0 > timeout_ns) { ok = 0; break; }
+        }
+        if (!ok) break;
+        for (unsigned k = 0; k < 4 && w * 4 + k < n; k++) t[w * 4 + k] = (unsigned char)(v >> (8 * k));
+    }
+    if (!ok) gsc_ll_ok = 0;
+    __syncthreads();
+    return gsc_ll_ok;
 }
 
 /* Copy n bytes with the block's threads (16 bytes at a time when both sides allow it). */
@@ -178,12 +229,28 @@ static __device__ void gsc_prep_ready(const gsc_prepared_device_t *d)
 /* Begin a send round and send every partition. 0, or -1 (see gsc_pready). */
 static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
 {
+    __shared__ unsigned long long gsc_e;
+    __shared__ int gsc_ok;
     __syncthreads();
-    if (threadIdx.x == 0) d->ctl[GSC_CTL_ROUND] = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
+    if (threadIdx.x == 0) {
+        gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
+        d->ctl[GSC_CTL_ROUND] = gsc_e;
+    }
     __syncthreads();
-    int rc = 0;
-    for (unsigned long long p = 0; p < d->parts; p++) rc |= gsc_pready(d, p);
-    return rc;
+    if (!d->ll) {
+        int rc = 0;
+        for (unsigned long long p = 0; p < d->parts; p++) rc |= gsc_pready(d, p);
+        return rc;
+    }
+    /* A small staged round: LL words into the receiver's staging area, nothing else. */
+    if (threadIdx.x == 0) {
+        gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e, d->timeout_ns);
+        if (!gsc_ok) d->ctl[GSC_CTL_ERROR] = gsc_e;
+    }
+    __syncthreads();
+    if (!gsc_ok) return -1;
+    gsc_ll_write((unsigned long long *)d->dst, d->src, d->part_len, gsc_e);
+    return 0;
 }
 
 /* Wait until the receive round begun last arrived, and make it readable in the buffer (from
@@ -194,8 +261,19 @@ static __device__ int gsc_prep_wait(const gsc_prepared_device_t *d)
     __shared__ int gsc_ok;
     __shared__ unsigned long long gsc_e;
     __syncthreads();
+    if (threadIdx.x == 0) gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
+    __syncthreads();
+    if (d->ll) {
+        if (!gsc_ll_read(d->dst, (const unsigned long long *)d->src, d->part_len, gsc_e, d->timeout_ns)) {
+            if (threadIdx.x == 0) d->ctl[GSC_CTL_ERROR] = gsc_e;
+            return -1;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) gsc_store_release(d->remote, gsc_e + 1);
+        __syncthreads();
+        return 0;
+    }
     if (threadIdx.x == 0) {
-        gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
         gsc_ok = 1;
         for (unsigned long long p = 0; gsc_ok && p < d->parts; p++)
             gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER + p], gsc_e, d->timeout_ns);

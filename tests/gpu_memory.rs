@@ -609,10 +609,10 @@ fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
 }
 
 /// GPU rounds driven by one user kernel on each side (`gsc_prep_ready/send/wait`), new data
-/// every round checked inside the kernel: a staged size and one written in place.
+/// every round checked inside the kernel: LL words (1001 B), staged bytes (4 KiB), in place.
 fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
     let mut out = String::new();
-    for (n, rounds) in [(4096usize, 2000u64), (4 << 20, 50)] {
+    for (n, rounds) in [(1001usize, 2000u64), (4096, 2000), (4 << 20, 50)] {
         let stream = Stream::new().unwrap();
         let err = PinnedBuf::new(8).unwrap();
         let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
@@ -731,7 +731,8 @@ fn scenarios(
     run("prepared_stream_ipc", &mut || prepared_stream(side, w, ep, k, PREPARED_SIZES, false));
     run("prepared_stream_staged", &mut || prepared_stream(side, staged.0, staged.1, k, PREPARED_SIZES, false));
     // Receives above 64 KiB are written in place: a buffer of its own allocation (16 MiB).
-    run("prepared_gpu_rounds", &mut || prepared_stream(side, w, ep, k, &[8, 4096, 65_536, 16 << 20], true));
+    // 8 B and 1001 B travel as LL words, 4 KiB and 64 KiB staged as bytes.
+    run("prepared_gpu_rounds", &mut || prepared_stream(side, w, ep, k, &[8, 1001, 4096, 65_536, 16 << 20], true));
     run("prepared_gpu_rounds_captured", &mut || prepared_gpu_rounds_captured(side, k, ep));
     run("prepared_gpu_partitions", &mut || prepared_gpu_partitions(side, ep, k));
     run("prepared_gpu_kernel_rounds", &mut || prepared_gpu_kernel_rounds(side, ep, k));

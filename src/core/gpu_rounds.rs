@@ -18,7 +18,7 @@ use super::prepared::Prepared;
 use super::request::{RequestParams, Started};
 use super::worker::State;
 use crate::condition::ArmedOutputs;
-use crate::cuda::prep_ctl::{CtlBlock, PEER_WORD, STAGE_MAX, block_bytes};
+use crate::cuda::prep_ctl::{CtlBlock, LL_MAX, PEER_WORD, STAGE_MAX, block_bytes, ll_bytes};
 use crate::cuda::{PREP_BEGIN, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, ipc};
 use crate::error::{Error, Result, Status};
 use crate::protocols::prepared::{DeviceHello, DevicePeer, PrepDir};
@@ -26,6 +26,16 @@ use crate::protocols::{ConnId, MemType};
 use crate::transport::LaneKind;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+/// What the first start maps: the peer's word we write, where a send's data goes, the peer's
+/// length, and whether the rounds' data travels as LL words.
+#[derive(Copy, Clone)]
+struct Mapped {
+    remote: u64,
+    dst: u64,
+    peer_len: usize,
+    ll: bool,
+}
 
 pub(crate) struct GpuSide {
     dir: PrepDir,
@@ -40,9 +50,11 @@ pub(crate) struct GpuSide {
     /// A receive of up to `STAGE_MAX` bytes: the staging area (after its control block, in our
     /// slab) the sender writes into; the wait copies it into the buffer.
     stage: Option<u64>,
+    /// This receive is staged as LL words (a send learns it from the peer at mapping).
+    ll: bool,
     /// Set at the first start (after pairing): the peer's word we write (a send: its first
     /// arrival word) and, for a send, where the data goes, both mapped into our GPU's space.
-    mapped: OnceLock<(u64, u64, usize)>,
+    mapped: OnceLock<Mapped>,
     /// The kernels' descriptor, written once (`Prepared::device_handle`).
     descriptor: OnceLock<u64>,
 }
@@ -83,7 +95,16 @@ impl GpuSide {
         // (A partitioned receive is written in place: its partitions are readable as they
         // arrive, `gsc_parrived`.)
         let staged = dir == PrepDir::Recv && len <= STAGE_MAX && partitions.is_none();
-        let ctl = CtlBlock::take(device, parts, if staged { len } else { 0 })?;
+        // A small one is staged as LL words (flags beside the data: no fence, no arrival word).
+        let ll = staged && len <= LL_MAX;
+        let stage_bytes = if ll {
+            ll_bytes(len)
+        } else if staged {
+            len
+        } else {
+            0
+        };
+        let ctl = CtlBlock::take(device, parts, stage_bytes)?;
         let stage = staged.then(|| ctl.addr + block_bytes(parts) as u64);
         let (buf_addr, buf_key) = match (dir, stage) {
             (PrepDir::Send, _) => (0, Vec::new()),
@@ -94,7 +115,7 @@ impl GpuSide {
                     .ok_or_else(|| Error::unsupported("this GPU buffer cannot be shared through CUDA IPC"))?,
             ),
         };
-        let hello = DeviceHello { ctl_addr: ctl.addr, ctl_key: ctl.key.clone(), buf_addr, buf_key };
+        let hello = DeviceHello { ctl_addr: ctl.addr, ctl_key: ctl.key.clone(), buf_addr, buf_key, ll };
         let timeout = timeout.unwrap_or(Duration::from_secs(3600));
         let side = GpuSide {
             dir,
@@ -105,6 +126,7 @@ impl GpuSide {
             partitioned: partitions.is_some(),
             timeout,
             stage,
+            ll,
             mapped: OnceLock::new(),
             descriptor: OnceLock::new(),
         };
@@ -120,7 +142,7 @@ impl GpuSide {
         // The pair must still be there: released here or by the peer, or its link gone, a round
         // would only spin until the timeout.
         p.worker().with_state(|st, _| st.engine.prepared.device_peer(p.id()))?;
-        let (remote, dst, peer_len) = self.mapped(p)?;
+        let Mapped { remote, dst, peer_len, ll } = self.mapped(p)?;
         let args = PrepArgs {
             ctl: self.ctl.addr,
             remote,
@@ -133,6 +155,7 @@ impl GpuSide {
             stage: self.stage.unwrap_or(0),
             buf: self.addr as u64,
             parts: self.parts as u64,
+            ll: u64::from(ll),
         };
         match self.dir {
             // The user's kernels send the partitions (`gsc_pready`) after this begins the round.
@@ -148,7 +171,7 @@ impl GpuSide {
 
     /// (the peer's word we write, the peer's buffer for a send), mapped once. Waits (progressing
     /// the worker, up to the timeout) for the peer to have prepared.
-    fn mapped(&self, p: &Prepared) -> Result<(u64, u64, usize)> {
+    fn mapped(&self, p: &Prepared) -> Result<Mapped> {
         if let Some(m) = self.mapped.get() {
             return Ok(*m);
         }
@@ -158,7 +181,7 @@ impl GpuSide {
         crate::cuda::with_relaxed_capture(|| self.map(&peer))
     }
 
-    fn map(&self, peer: &DevicePeer) -> Result<(u64, u64, usize)> {
+    fn map(&self, peer: &DevicePeer) -> Result<Mapped> {
         let device = self.ctl.device;
         let ctl_key = ipc::DeviceKey::decode(&peer.hello.ctl_key)?;
         // A sender writes the receiver's arrival words (one per partition), a receiver the
@@ -175,12 +198,17 @@ impl GpuSide {
                     ));
                 }
                 let key = ipc::DeviceKey::decode(&peer.hello.buf_key)?;
-                ipc::map_peer(&key, peer.hello.buf_addr, self.len, device)
+                let bytes = if peer.hello.ll { ll_bytes(self.len) } else { self.len };
+                ipc::map_peer(&key, peer.hello.buf_addr, bytes, device)
                     .map_err(|e| e.context("opening the peer's prepared receive buffer"))?
             }
             PrepDir::Recv => 0,
         };
-        Ok(*self.mapped.get_or_init(|| (remote, dst, peer.len)))
+        let ll = match self.dir {
+            PrepDir::Send => peer.hello.ll,
+            PrepDir::Recv => self.ll,
+        };
+        Ok(*self.mapped.get_or_init(|| Mapped { remote, dst, peer_len: peer.len, ll }))
     }
 
     fn wait_for_peer(&self, p: &Prepared) -> Result<DevicePeer> {
@@ -204,10 +232,11 @@ impl GpuSide {
         if let Some(d) = self.descriptor.get() {
             return Ok(*d);
         }
-        let (remote, dst, peer_len) = self.mapped(p)?;
+        let Mapped { remote, dst, peer_len, ll } = self.mapped(p)?;
         let timeout = self.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let ll = u64::from(ll);
         let words = match self.dir {
-            PrepDir::Send => [self.ctl.addr, remote, self.addr as u64, dst, (self.len / self.parts) as u64, self.parts as u64, timeout],
+            PrepDir::Send => [self.ctl.addr, remote, self.addr as u64, dst, (self.len / self.parts) as u64, self.parts as u64, timeout, ll],
             // A receive: staging area (or none) into the buffer, the sender's length.
             PrepDir::Recv => [
                 self.ctl.addr,
@@ -217,6 +246,7 @@ impl GpuSide {
                 peer_len.min(self.len) as u64,
                 self.parts as u64,
                 timeout,
+                ll,
             ],
         };
         let at = crate::cuda::with_relaxed_capture(|| self.ctl.write_descriptor(&words))?;

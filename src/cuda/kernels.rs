@@ -275,7 +275,7 @@ typedef struct {
     unsigned long long len, role, timeout_ns;
     const unsigned char *stage;
     unsigned char *buf;
-    unsigned long long parts;
+    unsigned long long parts, ll;
 } gsc_prep_args_t;
 typedef struct { unsigned long long n; gsc_prep_args_t op[GSC_PREP_GROUP_MAX]; } gsc_prep_group_t;
 
@@ -306,6 +306,18 @@ static __device__ void gsc_prep_ready(const gsc_prep_args_t *a)
 static __device__ void gsc_prep_wait(const gsc_prep_args_t *a)
 {
     __shared__ int ok;
+    __syncthreads(); /* a ready step just before (thread 0) advanced the round */
+    if (a->ll) {
+        /* LL words in the staging area: no arrival word; then announce the next round. */
+        unsigned long long e = *(volatile unsigned long long *)a->ctl;
+        if (!gsc_ll_read(a->buf, (const unsigned long long *)a->stage, a->len, e, a->timeout_ns)) {
+            if (threadIdx.x == 0) a->ctl[GSC_CTL_ERROR] = e;
+        } else if (threadIdx.x == 0) {
+            gsc_store_release(a->remote, e + 1);
+        }
+        __syncthreads();
+        return;
+    }
     if (threadIdx.x == 0) {
         unsigned long long e = *(volatile unsigned long long *)a->ctl;
         ok = 1;
@@ -335,6 +347,12 @@ static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
     }
     __syncthreads();
     if (!ok) return;
+    if (a->ll) {
+        /* Small staged rounds: LL words carry their own flags; no release, no arrival word. */
+        gsc_ll_write((unsigned long long *)a->dst, a->src, a->len, e);
+        if (threadIdx.x == 0) a->ctl[0] = e;
+        return;
+    }
     gsc_copy(a->dst, a->src, a->len, threadIdx.x, blockDim.x);
     __syncthreads();
     /* Release is cumulative: the block's stores (ordered by the barrier) reach the peer first. */
@@ -483,6 +501,8 @@ pub(crate) struct PrepArgs {
     pub(crate) buf: u64,
     /// Arrival words a receive waits for (the sender's partitions; 1 when not partitioned).
     pub(crate) parts: u64,
+    /// Nonzero: a small staged round whose data travels as LL words (gsc_device.cuh).
+    pub(crate) ll: u64,
 }
 
 /// `gsc_prep_group_t`: the argument of `gsc_prep_group_kernel`.

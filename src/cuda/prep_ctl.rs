@@ -25,6 +25,13 @@ use std::sync::Mutex;
 
 /// Receives up to this size are staged right after their control block.
 pub(crate) const STAGE_MAX: usize = 64 << 10;
+/// Staged receives up to this size travel as LL words (4 data bytes per 8-byte word).
+pub(crate) const LL_MAX: usize = 2048;
+
+/// Bytes of the LL words that carry `len` bytes.
+pub(crate) fn ll_bytes(len: usize) -> usize {
+    len.div_ceil(4) * 8
+}
 const SLAB: usize = 2 << 20;
 /// Offsets inside a block.
 pub(crate) const ERROR_WORD: u64 = 1;
@@ -73,10 +80,10 @@ impl CtlBlock {
 
     /// Write the kernels' descriptor (`gsc_prepared_device_t`, `words`) into the block; returns
     /// its device address.
-    pub(crate) fn write_descriptor(&self, words: &[u64; 7]) -> Result<u64> {
+    pub(crate) fn write_descriptor(&self, words: &[u64; 8]) -> Result<u64> {
         let _scope = CtxScope::enter(primary_context(self.device)?)?;
         let at = self.addr + DESCRIPTOR;
-        // SAFETY: the block's descriptor area (56 of its 64 bytes); `words` is read by the
+        // SAFETY: the block's descriptor area (its 64 bytes); `words` is read by the
         // synchronous copy.
         check(
             unsafe { cu::cuMemcpyHtoD_v2(at, words.as_ptr().cast(), std::mem::size_of_val(words)) },

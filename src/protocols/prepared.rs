@@ -62,6 +62,8 @@ pub struct DeviceHello {
     /// opens it.
     pub buf_addr: u64,
     pub buf_key: Vec<u8>,
+    /// A receive staged as LL words (the sender writes them instead of bytes and a flag).
+    pub ll: bool,
 }
 
 impl DeviceHello {
@@ -73,6 +75,7 @@ impl DeviceHello {
             v.extend_from_slice(&(k.len() as u32).to_le_bytes());
             v.extend_from_slice(k);
         }
+        v.extend_from_slice(&u64::from(self.ll).to_le_bytes());
         v
     }
 
@@ -89,7 +92,8 @@ impl DeviceHello {
         };
         let ctl_key = key()?;
         let buf_key = key()?;
-        Ok(DeviceHello { ctl_addr, ctl_key, buf_addr, buf_key })
+        let ll = u64::from_le_bytes(b.get(at..at + 8).ok_or_else(short)?.try_into().expect("8 bytes")) != 0;
+        Ok(DeviceHello { ctl_addr, ctl_key, buf_addr, buf_key, ll })
     }
 }
 

@@ -896,6 +896,7 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
         ctl_key: b"ctl key".to_vec(),
         buf_addr: ctl + 128,
         buf_key: buf_key.to_vec(),
+        ll: ctl == 0xB000,
     };
     let spec = |dir, addr, gpu_rounds| PrepSpec {
         dir,
@@ -917,6 +918,7 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
     let to_recv = p.sides[0].engine.prepared.device_peer(s).unwrap().expect("paired");
     assert_eq!((to_recv.hello.ctl_addr, to_recv.hello.buf_addr, to_recv.len), (0xB000, 0xB080, 64));
     assert_eq!(to_recv.hello.buf_key, b"buf key");
+    assert!(to_recv.hello.ll, "the receive's LL choice reaches the sender");
     let to_send = p.sides[1].engine.prepared.device_peer(r).unwrap().expect("paired");
     assert_eq!(to_send.hello.ctl_addr, 0xA000);
     assert_eq!(p.frames_in_flight(), 0, "GPU rounds exchange nothing else");
