@@ -221,7 +221,8 @@ static __device__ void gsc_prep_ready(const gsc_prepared_device_t *d)
     if (threadIdx.x == 0) {
         unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
         d->ctl[GSC_CTL_ROUND] = e;
-        gsc_store_release(d->remote, e);
+        /* A staged receive's previous gsc_prep_wait already announced this round. */
+        if (!d->src || e == 1) gsc_store_release(d->remote, e);
     }
     __syncthreads();
 }

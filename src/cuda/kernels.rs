@@ -298,7 +298,9 @@ static __device__ void gsc_prep_ready(const gsc_prep_args_t *a)
     if (threadIdx.x == 0) {
         unsigned long long e = *(volatile unsigned long long *)a->ctl + 1;
         a->ctl[0] = e;
-        gsc_store_release(a->remote, e);
+        /* A staged receive's previous wait already said so (it frees the area at once): only
+         * the first round, or one written in place, tells the sender here. */
+        if (!a->stage || e == 1) gsc_store_release(a->remote, e);
     }
 }
 
