@@ -13,6 +13,10 @@
 //! A partitioned send's round is begun by our kernel and its partitions sent by the user's
 //! kernels (`gsc_pready` in gsc_device.cuh, any order); a partitioned receive is written in
 //! place, so `gsc_parrived` can tell a kernel which partitions it may read already.
+//! Receives up to 64 KiB are staged in our slab (any buffer works, the peer maps one slab);
+//! up to 2 KiB as LL words (flags beside the data: no release fence, no arrival word), and a
+//! staged receive's wait announces the next round at once, so a round after the first costs
+//! the sender no wait for readiness and the receiver no release store of its own.
 
 use super::prepared::Prepared;
 use super::request::{RequestParams, Started};
