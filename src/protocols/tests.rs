@@ -974,3 +974,50 @@ fn a_round_may_move_a_staging_buffer_instead_of_the_prepared_one() {
     let e = p.sides[0].engine.prepared.start(&mut Actions::new(), send, 99, false, Some(UserBuf::host(sslot, 8))).unwrap_err();
     assert_eq!(e.status(), Status::Internal);
 }
+
+#[test]
+fn pairing_follows_each_sides_creation_order_whatever_link_delivers_first() {
+    // Side A prepares two sends with one tag towards B, on two links (two endpoints to the same
+    // worker); B prepares two receives. B hears the second hello first: it must still pair its
+    // first receive with A's first send.
+    let props = LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: false };
+    let (mut a, mut b) = (Engine::new(cfg()), Engine::new(cfg()));
+    for conn in [0, 1] {
+        a.add_conn(conn, props, 0xB);
+        b.add_conn(conn, props, 0xA);
+    }
+    let frames = |out: Actions| -> Vec<Vec<u8>> {
+        out.into_iter()
+            .filter_map(|x| match x {
+                Action::Transmit { frame, .. } => Some(frame.0.header.as_bytes().to_vec()),
+                _ => None,
+            })
+            .collect()
+    };
+    let spec = |dir, conn| PrepSpec { dir, conn, tag: 9, buf: UserBuf::host(0x1000 * (conn + 1), 8), partitions: None, gpu_rounds: false };
+    let mut out = Actions::new();
+    let s1 = a.prepared.prepare(&mut out, spec(PrepDir::Send, 0), None, None).unwrap();
+    let hello1 = frames(std::mem::take(&mut out));
+    let s2 = a.prepared.prepare(&mut out, spec(PrepDir::Send, 1), None, None).unwrap();
+    let hello2 = frames(std::mem::take(&mut out));
+    let r1 = b.prepared.prepare(&mut out, spec(PrepDir::Recv, 0), None, None).unwrap();
+    let r2 = b.prepared.prepare(&mut out, spec(PrepDir::Recv, 0), None, None).unwrap();
+    let b_hellos = frames(std::mem::take(&mut out));
+    let regions = Regions::default();
+    // The second link's hello first.
+    b.on_frame(&mut out, 1, &hello2[0], &regions).unwrap();
+    b.on_frame(&mut out, 0, &hello1[0], &regions).unwrap();
+    for h in &b_hellos {
+        a.on_frame(&mut out, 0, h, &regions).unwrap();
+    }
+    out.clear();
+    // B's first receive is ready: its readiness goes to A's first send (s1), the second's to s2.
+    b.prepared.start(&mut out, r1, 100, false, None).unwrap();
+    let ready = frames(std::mem::take(&mut out));
+    let (h, _) = wire::Header::decode(&ready[0]).unwrap();
+    assert_eq!(h, wire::Header::PrepReady { id: s1, round: 1 }, "R1 pairs with S1");
+    b.prepared.start(&mut out, r2, 101, false, None).unwrap();
+    let ready = frames(std::mem::take(&mut out));
+    let (h, _) = wire::Header::decode(&ready[0]).unwrap();
+    assert_eq!(h, wire::Header::PrepReady { id: s2, round: 1 }, "R2 pairs with S2");
+}
