@@ -513,6 +513,28 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
     failure.unwrap_or_default() + &verdict(&statuses, pinned_u64(&err))
 }
 
+/// A prepared send of `src` on `to` and receive into `dst` on `from`, `len` bytes, `tag`. Every
+/// caller keeps both buffers alive, untouched outside rounds, until it drops the pair after its
+/// last round.
+fn prepare_pair(
+    to: &Endpoint,
+    from: &Endpoint,
+    src: &DeviceBuf,
+    dst: &DeviceBuf,
+    len: usize,
+    tag: u64,
+    gpu_rounds: bool,
+) -> (gscomm::Prepared, gscomm::Prepared) {
+    let pp = |dir| PrepareParams { dir, tag, partitions: None, memory_type: None, gpu_rounds };
+    // SAFETY: the callers' contract above.
+    unsafe {
+        (
+            to.prepare(src.ptr() as *mut u8, len, pp(Direction::Send)).unwrap(),
+            from.prepare(dst.ptr() as *mut u8, len, pp(Direction::Recv)).unwrap(),
+        )
+    }
+}
+
 /// A halo exchange with GPU rounds captured from a stream (fill -> receive ready -> send ->
 /// wait -> bump -> check), replayed GRAPH_ROUNDS times with new data each time.
 fn prepared_gpu_rounds_captured(side: u64, k: &Kern, ep: &Endpoint) -> String {
@@ -521,14 +543,7 @@ fn prepared_gpu_rounds_captured(side: u64, k: &Kern, ep: &Endpoint) -> String {
     let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
     let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
     let n = ROUND_BYTES as u64;
-    let pp = |dir| PrepareParams { dir, tag: 5000, partitions: None, memory_type: None, gpu_rounds: true };
-    // SAFETY: the buffers outlive the preparations (dropped at the end, after the last replay).
-    let (tx, rx) = unsafe {
-        (
-            ep.prepare(src.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Send)).unwrap(),
-            ep.prepare(dst.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Recv)).unwrap(),
-        )
-    };
+    let (tx, rx) = prepare_pair(ep, ep, &src, &dst, ROUND_BYTES, 5000, true);
     let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
     // Pairing and mapping happen at the first start: do one uncaptured round pair first.
     let warm = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
@@ -616,14 +631,7 @@ fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
         let stream = Stream::new().unwrap();
         let err = PinnedBuf::new(8).unwrap();
         let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
-        let pp = |dir| PrepareParams { dir, tag: 7000 + n as u64, partitions: None, memory_type: None, gpu_rounds: true };
-        // SAFETY: the buffers outlive the preparations (dropped first, after the kernel ended).
-        let (tx, rx) = unsafe {
-            (
-                ep.prepare(src.ptr() as *mut u8, n, pp(Direction::Send)).unwrap(),
-                ep.prepare(dst.ptr() as *mut u8, n, pp(Direction::Recv)).unwrap(),
-            )
-        };
+        let (tx, rx) = prepare_pair(ep, ep, &src, &dst, n, 7000 + n as u64, true);
         let (hs, hr) = match (tx.device_handle(), rx.device_handle()) {
             (Ok(a), Ok(b)) => (a, b),
             other => return format!("device handles: {other:?}"),
@@ -647,14 +655,7 @@ fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
     let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
     let n = ROUND_BYTES as u64;
-    let pp = |dir| PrepareParams { dir, tag: 9, partitions: None, memory_type: None, gpu_rounds: false };
-    // SAFETY: the buffers outlive the preparations (dropped at the end, after the last replay).
-    let (tx, rx) = unsafe {
-        (
-            ep.prepare(src.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Send)).unwrap(),
-            ep.prepare(dst.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Recv)).unwrap(),
-        )
-    };
+    let (tx, rx) = prepare_pair(ep, ep, &src, &dst, ROUND_BYTES, 9, false);
     let g = Graph::new().unwrap();
     let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
     let fill = g.add_kernel(k.fill_round, grid(ROUND_BYTES), 256, &[src.ptr(), n, round.device_ptr(), side], &[]).unwrap();
@@ -1124,14 +1125,7 @@ fn ring_rank(rank: u64, w: &Worker, next: &Endpoint, prev: &Endpoint, k: &Kern) 
         let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
         let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
         let n = ROUND_BYTES as u64;
-        let pp = |dir| PrepareParams { dir, tag: 300 + gpu_rounds as u64, partitions: None, memory_type: None, gpu_rounds };
-        // SAFETY: the buffers outlive the preparations (dropped at the end of the mode).
-        let (tx, rx) = unsafe {
-            (
-                next.prepare(src.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Send)).unwrap(),
-                prev.prepare(dst.ptr() as *mut u8, ROUND_BYTES, pp(Direction::Recv)).unwrap(),
-            )
-        };
+        let (tx, rx) = prepare_pair(next, prev, &src, &dst, ROUND_BYTES, 300 + gpu_rounds as u64, gpu_rounds);
         let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
         if gpu_rounds {
             // Pairing and mapping at the first start, outside the capture.

@@ -189,6 +189,13 @@ impl Pair {
         req
     }
 
+    /// Side 1's buffer at `addr` holds `data`, and its guard bytes after it are untouched.
+    fn check_received(&self, addr: usize, data: &[u8], ctx: &str) {
+        let got = self.sides[1].mem.get(addr);
+        assert_eq!(&got[..data.len()], data, "{ctx}");
+        assert!(got[data.len()..].iter().all(|b| *b == 0xEE), "{ctx}: guard bytes written");
+    }
+
     /// Post a receive of `len` bytes into a buffer with a 64-byte guard after it; returns
     /// (request, buffer address).
     fn recv(&mut self, len: usize, tag: u64, mask: u64) -> (ReqId, usize) {
@@ -229,9 +236,7 @@ fn sizes_around_every_threshold_arrive_intact_on_both_rendezvous_schemes() {
                 let ctx = format!("size {size} remote {remote_memory} recv_first {recv_first}");
                 assert_eq!(p.sides[0].done.get(&s).map(|d| d.0), Some(Status::Ok), "{ctx}");
                 assert_eq!(p.sides[1].done.get(&r.0), Some(&(Status::Ok, RecvInfo { tag: 9, length: size })), "{ctx}");
-                let got = p.sides[1].mem.get(r.1);
-                assert_eq!(&got[..size], &data[..], "{ctx}");
-                assert!(got[size..].iter().all(|b| *b == 0xEE), "{ctx}: guard bytes written");
+                p.check_received(r.1, &data, &ctx);
                 assert_eq!(p.sides[0].engine.in_flight() + p.sides[1].engine.in_flight(), 0, "{ctx}");
             }
         }
@@ -615,9 +620,7 @@ fn prepared_rounds_move_new_data_every_round_by_frames_and_by_direct_writes() {
                     p.pump();
                     assert_eq!(p.sides[0].done.get(&s), Some(&(Status::Ok, RecvInfo { tag: 7, length: size })), "{ctx} round {round}");
                     assert_eq!(p.sides[1].done.get(&r), Some(&(Status::Ok, RecvInfo { tag: 7, length: size })), "{ctx} round {round}");
-                    let got = p.sides[1].mem.get(recv.1);
-                    assert_eq!(&got[..size], &data[..], "{ctx} round {round}");
-                    assert!(got[size..].iter().all(|b| *b == 0xEE), "{ctx}: guard bytes written");
+                    p.check_received(recv.1, &data, &format!("{ctx} round {round}"));
                 }
                 assert_eq!(p.sides[0].engine.in_flight() + p.sides[1].engine.in_flight(), 0, "{ctx}");
             }

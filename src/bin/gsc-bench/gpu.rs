@@ -221,6 +221,19 @@ impl Rank {
         }
     }
 
+    /// One kernel running `rounds(k)` exchanges: `warmup` of them, a barrier with the peer, then
+    /// `iters` timed; seconds per timed exchange.
+    fn time_rounds(&self, ctl: &mut Control, warmup: usize, iters: usize, rounds: impl Fn(usize)) -> f64 {
+        let sync = || self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
+        rounds(warmup);
+        sync();
+        ctl.barrier();
+        let t0 = Instant::now();
+        rounds(iters);
+        sync();
+        t0.elapsed().as_secs_f64() / iters as f64
+    }
+
     /// Run `warmup` then `iters` iterations of `mode`; seconds per timed iteration.
     fn run(&self, ctl: &mut Control, nccl: Option<&Comm>, mode: Mode, n: usize, o: &Opts) -> f64 {
         let (iters, warmup) = iterations(o, n, mode);
@@ -289,18 +302,11 @@ impl Rank {
                 let handle = |p: &gscomm::Prepared| p.device_handle().unwrap_or_else(|e| die("device handle", e));
                 let (hs, hr) = (handle(tx), handle(rx));
                 let err = PinnedBuf::new(8).unwrap_or_else(|e| die("pinned", e));
-                let rounds = |k: usize| {
+                let dt = self.time_rounds(ctl, warmup, iters, |k| {
                     self.prep_rounds
                         .launch(1, 256, &self.stream, &[hs, hr, k as u64, err.device_ptr()])
                         .unwrap_or_else(|e| die("launch", e))
-                };
-                rounds(warmup);
-                sync();
-                ctl.barrier();
-                let t0 = Instant::now();
-                rounds(iters);
-                sync();
-                let dt = t0.elapsed().as_secs_f64() / iters as f64;
+                });
                 if err.to_vec().iter().any(|b| *b != 0) {
                     die("gkernel exchange", "a round gave up");
                 }
@@ -317,18 +323,11 @@ impl Rank {
                 let hr = handle(unsafe { self.w.tag_recv_nbx(self.recv.ptr() as *mut u8, n, TAG, u64::MAX, params()) }, "recv");
                 let hs = handle(unsafe { self.ep.tag_send_nbx(self.send.ptr() as *const u8, n, TAG, params()) }, "send");
                 let err = PinnedBuf::new(8).unwrap_or_else(|e| die("pinned", e));
-                let rounds = |k: usize| {
+                let dt = self.time_rounds(ctl, warmup, iters, |k| {
                     self.exchange_rounds
                         .launch(1, 1, &self.stream, &[hs, hr, k as u64, err.device_ptr()])
                         .unwrap_or_else(|e| die("launch", e))
-                };
-                rounds(warmup);
-                sync();
-                ctl.barrier();
-                let t0 = Instant::now();
-                rounds(iters);
-                sync();
-                let dt = t0.elapsed().as_secs_f64() / iters as f64;
+                });
                 if err.to_vec().iter().any(|b| *b != 0) || kc.query().is_err() {
                     die("kernel-triggered exchange", format!("{:?}", kc.query()));
                 }
