@@ -76,7 +76,9 @@ typedef struct gsc_prepared_device {
     unsigned char *dst;         /* send: where it goes at the receiver (mapped); receive: the buffer */
     unsigned long long part_len; /* send: bytes per partition; receive: bytes copied out of staging */
     unsigned long long parts, timeout_ns;
-    unsigned long long ll;      /* small staged rounds: the data travels as LL words (below) */
+    unsigned long long ll;      /* small staged rounds: the data travels as LL words (below) into
+                                   two slots of this many 8-byte words, round e into slot e % 2;
+                                   0: not LL */
 } gsc_prepared_device_t;
 
 static __device__ __forceinline__ unsigned long long gsc_globaltimer()
@@ -107,6 +109,15 @@ static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsign
 static __device__ __forceinline__ unsigned gsc_ll_flag(unsigned long long e)
 {
     return 1u + (unsigned)(e % 0xFFFFFFFFull);
+}
+
+/* A prepared transfer's LL staging area has two slots of `slot_words` words: round e goes into
+ * slot e % 2, so the sender may write round e once the receiver has consumed round e - 2 (it
+ * said "ready for e - 1"): the readiness of a round is announced a whole round ahead and never
+ * waited for in a steady exchange. Returns the word offset of round e's slot. */
+static __device__ __forceinline__ unsigned long long gsc_ll_slot(unsigned long long e, unsigned long long slot_words)
+{
+    return (e & 1) * slot_words;
 }
 
 /* Block: write n bytes of s as LL words at t (n rounded up to 4; the tail padded with zeros). */
@@ -164,6 +175,17 @@ static __device__ __forceinline__ void gsc_block_copy(unsigned char *t, const un
 static __device__ __forceinline__ void gsc_store_release(unsigned long long *w, unsigned long long v)
 {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w), "l"(v) : "memory");
+}
+
+/* "The staging area is free": a receive's readiness after it copied a round out of its staging
+ * area. Only our reads of that area must come before the sender's next writes, and they have
+ * completed (their values were stored into the buffer before the barrier that precedes this), so
+ * no release fence: a release here would wait for every store this thread still has in flight to
+ * be acknowledged, i.e. a whole NVLink round trip behind the data this side just sent. (NCCL's LL
+ * protocol posts its receive head the same way.) */
+static __device__ __forceinline__ void gsc_store_free(unsigned long long *w, unsigned long long v)
+{
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(w), "l"(v) : "memory");
 }
 
 /* Send partition `part` of the send round in progress (started with gsc_prepared_start on the
@@ -245,12 +267,13 @@ static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
     }
     /* A small staged round: LL words into the receiver's staging area, nothing else. */
     if (threadIdx.x == 0) {
-        gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e, d->timeout_ns);
+        /* Two slots: the receiver must have consumed round e - 2 (see gsc_ll_slot). */
+        gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e - 1, d->timeout_ns);
         if (!gsc_ok) d->ctl[GSC_CTL_ERROR] = gsc_e;
     }
     __syncthreads();
     if (!gsc_ok) return -1;
-    gsc_ll_write((unsigned long long *)d->dst, d->src, d->part_len, gsc_e);
+    gsc_ll_write((unsigned long long *)d->dst + gsc_ll_slot(gsc_e, d->ll), d->src, d->part_len, gsc_e);
     return 0;
 }
 
@@ -265,12 +288,13 @@ static __device__ int gsc_prep_wait(const gsc_prepared_device_t *d)
     if (threadIdx.x == 0) gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
     __syncthreads();
     if (d->ll) {
-        if (!gsc_ll_read(d->dst, (const unsigned long long *)d->src, d->part_len, gsc_e, d->timeout_ns)) {
+        if (!gsc_ll_read(d->dst, (const unsigned long long *)d->src + gsc_ll_slot(gsc_e, d->ll), d->part_len, gsc_e,
+                         d->timeout_ns)) {
             if (threadIdx.x == 0) d->ctl[GSC_CTL_ERROR] = gsc_e;
             return -1;
         }
         __syncthreads();
-        if (threadIdx.x == 0) gsc_store_release(d->remote, gsc_e + 1);
+        if (threadIdx.x == 0) gsc_store_free(d->remote, gsc_e + 1);
         __syncthreads();
         return 0;
     }
@@ -286,7 +310,7 @@ static __device__ int gsc_prep_wait(const gsc_prepared_device_t *d)
         gsc_block_copy(d->dst, d->src, d->part_len);
         __syncthreads();
         /* The staging area is free: the sender may write the next round already. */
-        if (threadIdx.x == 0) gsc_store_release(d->remote, gsc_e + 1);
+        if (threadIdx.x == 0) gsc_store_free(d->remote, gsc_e + 1);
     }
     __syncthreads();
     return 0;

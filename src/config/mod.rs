@@ -320,6 +320,8 @@ impl fmt::Debug for Config {
 /// Variables of the test harness (`GSC_TEST_GPU`, `GSC_TEST_CHILD`, ...), set next to knobs on the
 /// device machines and in multi-process tests; never knobs themselves.
 const TEST_PREFIX: &str = "GSC_TEST_";
+/// Variables of gsc-bench (`GSC_BENCH_NCCL_LIB`, `GSC_BENCH_HOST_TIME`): the tool's, not knobs.
+const BENCH_PREFIX: &str = "GSC_BENCH_";
 
 /// A variable that looks like a knob (`GSC_` prefix) but is not one, with the closest knob name
 /// when it is a plausible typo.
@@ -436,7 +438,7 @@ impl Config {
         let names = knob_names();
         for (name, value) in pairs {
             let name = name.as_ref();
-            if !name.starts_with("GSC_") || name.starts_with(TEST_PREFIX) {
+            if !name.starts_with("GSC_") || name.starts_with(TEST_PREFIX) || name.starts_with(BENCH_PREFIX) {
                 continue;
             }
             match KNOBS.iter().position(|k| k.name == name) {

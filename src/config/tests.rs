@@ -307,9 +307,10 @@ fn unknown_variables_are_reported_with_suggestions() {
         ("GSC_FOO", "2"),
         ("PATH", "/usr/bin"),
         ("gsc_tls", "shm"),
-        // The test harness's switches are not knobs and not typos of one.
+        // The test harness's and gsc-bench's switches are not knobs and not typos of one.
         ("GSC_TEST_GPU", "1"),
         ("GSC_TEST_CHILD", "peer"),
+        ("GSC_BENCH_HOST_TIME", "1"),
     ])
     .unwrap();
     assert_eq!(

@@ -16,13 +16,15 @@
 //! Receives up to 64 KiB are staged in our slab (any buffer works, the peer maps one slab);
 //! up to 2 KiB as LL words (flags beside the data: no release fence, no arrival word), and a
 //! staged receive's wait announces the next round at once, so a round after the first costs
-//! the sender no wait for readiness and the receiver no release store of its own.
+//! the receiver no release store of its own. LL rounds alternate between two slots, so the
+//! sender of round e only needs round e - 2 consumed: in a steady exchange it never waits for
+//! readiness (the one-way trip of the "ready" word is off the critical path).
 
 use super::prepared::Prepared;
 use super::request::{RequestParams, Started};
 use super::worker::State;
 use crate::condition::ArmedOutputs;
-use crate::cuda::prep_ctl::{CtlBlock, LL_MAX, PEER_WORD, STAGE_MAX, block_bytes, ll_bytes};
+use crate::cuda::prep_ctl::{CtlBlock, LL_MAX, PEER_WORD, STAGE_MAX, block_bytes, ll_area_bytes, ll_slot_words};
 use crate::cuda::{PREP_BEGIN, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, ipc};
 use crate::error::{Error, Result, Status};
 use crate::protocols::prepared::{DeviceHello, DevicePeer, PrepDir};
@@ -32,13 +34,14 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// What the first start maps: the peer's word we write, where a send's data goes, the peer's
-/// length, and whether the rounds' data travels as LL words.
+/// length, and, when the rounds' data travels as LL words, the receiver's slot stride in words
+/// (0: not LL).
 #[derive(Copy, Clone)]
 struct Mapped {
     remote: u64,
     dst: u64,
     peer_len: usize,
-    ll: bool,
+    ll: u64,
 }
 
 pub(crate) struct GpuSide {
@@ -102,7 +105,7 @@ impl GpuSide {
         // A small one is staged as LL words (flags beside the data: no fence, no arrival word).
         let ll = staged && len <= LL_MAX;
         let stage_bytes = if ll {
-            ll_bytes(len)
+            ll_area_bytes(len)
         } else if staged {
             len
         } else {
@@ -159,7 +162,7 @@ impl GpuSide {
             stage: self.stage.unwrap_or(0),
             buf: self.addr as u64,
             parts: self.parts as u64,
-            ll: u64::from(ll),
+            ll,
         };
         match self.dir {
             // The user's kernels send the partitions (`gsc_pready`) after this begins the round.
@@ -202,15 +205,18 @@ impl GpuSide {
                     ));
                 }
                 let key = ipc::DeviceKey::decode(&peer.hello.buf_key)?;
-                let bytes = if peer.hello.ll { ll_bytes(self.len) } else { self.len };
+                // An LL receive's whole area (two slots sized by its length), else our bytes.
+                let bytes = if peer.hello.ll { ll_area_bytes(peer.len) } else { self.len };
                 ipc::map_peer(&key, peer.hello.buf_addr, bytes, device)
                     .map_err(|e| e.context("opening the peer's prepared receive buffer"))?
             }
             PrepDir::Recv => 0,
         };
+        // The receiver's LL slot stride, which both sides' kernels use (0: not LL).
         let ll = match self.dir {
-            PrepDir::Send => peer.hello.ll,
-            PrepDir::Recv => self.ll,
+            PrepDir::Send if peer.hello.ll => ll_slot_words(peer.len) as u64,
+            PrepDir::Recv if self.ll => ll_slot_words(self.len) as u64,
+            _ => 0,
         };
         Ok(*self.mapped.get_or_init(|| Mapped { remote, dst, peer_len: peer.len, ll }))
     }
@@ -238,7 +244,6 @@ impl GpuSide {
         }
         let Mapped { remote, dst, peer_len, ll } = self.mapped(p)?;
         let timeout = self.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        let ll = u64::from(ll);
         let words = match self.dir {
             PrepDir::Send => [self.ctl.addr, remote, self.addr as u64, dst, (self.len / self.parts) as u64, self.parts as u64, timeout, ll],
             // A receive: staging area (or none) into the buffer, the sender's length.

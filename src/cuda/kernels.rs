@@ -312,10 +312,10 @@ static __device__ void gsc_prep_wait(const gsc_prep_args_t *a)
     if (a->ll) {
         /* LL words in the staging area: no arrival word; then announce the next round. */
         unsigned long long e = *(volatile unsigned long long *)a->ctl;
-        if (!gsc_ll_read(a->buf, (const unsigned long long *)a->stage, a->len, e, a->timeout_ns)) {
+        if (!gsc_ll_read(a->buf, (const unsigned long long *)a->stage + gsc_ll_slot(e, a->ll), a->len, e, a->timeout_ns)) {
             if (threadIdx.x == 0) a->ctl[GSC_CTL_ERROR] = e;
         } else if (threadIdx.x == 0) {
-            gsc_store_release(a->remote, e + 1);
+            gsc_store_free(a->remote, e + 1);
         }
         __syncthreads();
         return;
@@ -332,7 +332,7 @@ static __device__ void gsc_prep_wait(const gsc_prep_args_t *a)
         __syncthreads();
         /* The staging area is free again: the sender may write the next round now, before
          * this side starts it (the user's buffer is only written by that round's wait). */
-        if (threadIdx.x == 0) gsc_store_release(a->remote, *(volatile unsigned long long *)a->ctl + 1);
+        if (threadIdx.x == 0) gsc_store_free(a->remote, *(volatile unsigned long long *)a->ctl + 1);
     }
     __syncthreads();
 }
@@ -344,14 +344,16 @@ static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
     __shared__ int ok;
     if (threadIdx.x == 0) {
         e = *(volatile unsigned long long *)a->ctl + 1;
-        ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER, e, a->timeout_ns);
+        /* LL rounds alternate between two slots: the receiver must have consumed round e - 2
+         * (gsc_ll_slot); otherwise it must be ready for this one. */
+        ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER, a->ll ? e - 1 : e, a->timeout_ns);
         if (!ok) a->ctl[GSC_CTL_ERROR] = e;
     }
     __syncthreads();
     if (!ok) return;
     if (a->ll) {
         /* Small staged rounds: LL words carry their own flags; no release, no arrival word. */
-        gsc_ll_write((unsigned long long *)a->dst, a->src, a->len, e);
+        gsc_ll_write((unsigned long long *)a->dst + gsc_ll_slot(e, a->ll), a->src, a->len, e);
         if (threadIdx.x == 0) a->ctl[0] = e;
         return;
     }
@@ -503,7 +505,8 @@ pub(crate) struct PrepArgs {
     pub(crate) buf: u64,
     /// Arrival words a receive waits for (the sender's partitions; 1 when not partitioned).
     pub(crate) parts: u64,
-    /// Nonzero: a small staged round whose data travels as LL words (gsc_device.cuh).
+    /// A small staged round whose data travels as LL words (gsc_device.cuh): the words of one
+    /// of the receiver's two LL slots (`prep_ctl::ll_slot_words`); 0: not LL.
     pub(crate) ll: u64,
 }
 
@@ -527,6 +530,8 @@ pub(crate) const PREP_BEGIN: u64 = 4;
 /// The kernels of one context.
 #[derive(Copy, Clone)]
 pub(crate) struct Kernels {
+    /// Their context (`replay` instantiates graphs of them there).
+    pub(crate) ctx: usize,
     /// `gsc_ops_kernel(OpsArgs)`: trigger and/or wait for persistent operations.
     pub(crate) ops: cu::CUfunction,
     /// `gsc_seq_kernel(SeqArgs)`: a stream's trigger and wait with staged copies around them.
@@ -557,6 +562,7 @@ impl Kernels {
         let _scope = CtxScope::enter(ctx)?;
         let module = load_module(&cubin)?;
         let k = Kernels {
+            ctx: ctx as usize,
             ops: function(module, "gsc_ops_kernel")?,
             seq: function(module, "gsc_seq_kernel")?,
             prep: function(module, "gsc_prep_kernel")?,

@@ -26,6 +26,7 @@ mod kernels;
 pub(crate) mod memory;
 mod pinned;
 pub(crate) mod prep_ctl;
+mod replay;
 mod stage;
 pub(crate) mod vmm;
 
@@ -430,10 +431,11 @@ fn split_first_chunk(ops: &[OpDesc]) -> (&[OpDesc], &[OpDesc]) {
 }
 
 /// Launch a prepared transfer's round (`gsc_prep_kernel`) on `stream` (a kernel node when it is
-/// being captured). A send's copy takes up to 32 blocks, one per 64 KiB.
+/// being captured, else a replayed one-node graph: `replay`). A send's copy takes up to 32
+/// blocks, one per 64 KiB.
 pub(crate) fn launch_prep(k: &Kernels, stream: usize, args: &PrepArgs) -> Result<()> {
     let blocks = if args.role == PREP_SEND { args.len.div_ceil(64 << 10).clamp(1, 32) as u32 } else { 1 };
-    launch_struct_grid(k.prep, stream, blocks, args)
+    replay::launch(k.ctx, k.prep, stream, blocks, args)
 }
 
 /// Sends larger than this in a group get a launch (and a grid) of their own.
@@ -450,7 +452,7 @@ pub(crate) fn launch_prep_group(k: &Kernels, stream: usize, ops: &[PrepArgs]) ->
         let mut g = PrepGroup { n: run.len() as u64, ..Default::default() };
         g.op[..run.len()].copy_from_slice(run);
         run.clear();
-        launch_struct(k.prep_group, stream, &g)
+        replay::launch(k.ctx, k.prep_group, stream, 1, &g)
     };
     for op in ops {
         if op.role == PREP_SEND && op.len > PREP_FUSED_SEND_MAX {
@@ -471,7 +473,7 @@ fn launch_struct<T>(f: cu::CUfunction, stream: usize, args: &T) -> Result<()> {
     launch_struct_grid(f, stream, 1, args)
 }
 
-fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+pub(super) fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
     let mut params = [args as *const T as *mut std::ffi::c_void];
     // SAFETY: `f` takes exactly one parameter laid out as `T` (repr(C) mirrors of the kernels'
     // structs); the driver copies it from `args` during the call.

@@ -28,9 +28,16 @@ pub(crate) const STAGE_MAX: usize = 64 << 10;
 /// Staged receives up to this size travel as LL words (4 data bytes per 8-byte word).
 pub(crate) const LL_MAX: usize = 2048;
 
-/// Bytes of the LL words that carry `len` bytes.
-pub(crate) fn ll_bytes(len: usize) -> usize {
-    len.div_ceil(4) * 8
+/// 8-byte LL words of one slot of a receive of `len` bytes (4 data bytes each; at least one, so
+/// a stride of 0 never means "LL").
+pub(crate) fn ll_slot_words(len: usize) -> usize {
+    len.div_ceil(4).max(1)
+}
+
+/// Bytes of an LL receive's staging area: two slots, round e in slot e % 2 (`gsc_ll_slot` in
+/// gsc_device.cuh), so the sender never waits for the readiness of the round it sends.
+pub(crate) fn ll_area_bytes(len: usize) -> usize {
+    2 * 8 * ll_slot_words(len)
 }
 const SLAB: usize = 2 << 20;
 /// Offsets inside a block.

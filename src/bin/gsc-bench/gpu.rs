@@ -167,6 +167,8 @@ struct Rank {
     send: DeviceBuf,
     recv: DeviceBuf,
     stream: Stream,
+    /// Host time in `issue_prepared`: (group_start to wait, group_end), for GSC_BENCH_HOST_TIME.
+    host_split: std::cell::Cell<(std::time::Duration, std::time::Duration)>,
     exchange_rounds: Function,
     prep_rounds: Function,
     _module: Module,
@@ -200,11 +202,14 @@ impl Rank {
 
     /// `issue` with a prepared pair: one round of each.
     fn issue_prepared(&self, cond: &Condition, tx: &gscomm::Prepared, rx: &gscomm::Prepared) {
+        let t0 = Instant::now();
         cond.group_start().unwrap_or_else(|e| die("group_start", e));
         release(&self.w, rx.start(on(cond)).unwrap_or_else(|e| die("prepared start", e)));
         release(&self.w, tx.start(on(cond)).unwrap_or_else(|e| die("prepared start", e)));
         cond.wait().unwrap_or_else(|e| die("Condition::wait", e));
+        let t1 = Instant::now();
         cond.group_end().unwrap_or_else(|e| die("group_end", e));
+        self.host_split.set((self.host_split.get().0 + (t1 - t0), self.host_split.get().1 + t1.elapsed()));
     }
 
     /// A prepared send of our send buffer and receive into our receive buffer, `n` bytes.
@@ -271,7 +276,21 @@ impl Rank {
                 ctl.barrier();
                 let t0 = Instant::now();
                 (0..iters).for_each(|_| step());
+                let enqueued = t0.elapsed();
                 sync();
+                if std::env::var_os("GSC_BENCH_HOST_TIME").is_some() {
+                    // Host time to enqueue an iteration: when it is the whole iteration, the
+                    // host, not the GPUs, sets the pace. Prepared modes: issuing vs group_end.
+                    let per = |d: std::time::Duration| d.as_secs_f64() * 1e6 / (iters + warmup) as f64;
+                    let (issue, end) = self.host_split.take();
+                    eprintln!(
+                        "# host enqueue {} {n} B: {:.2} us per iteration (prepared: starts {:.2}, group_end {:.2})",
+                        mode.label(),
+                        enqueued.as_secs_f64() * 1e6 / iters as f64,
+                        per(issue),
+                        per(end)
+                    );
+                }
                 t0.elapsed().as_secs_f64() / iters as f64
             }
             Mode::Graph | Mode::NcclGraph | Mode::PGraph | Mode::GGraph => {
@@ -374,8 +393,18 @@ fn rank_main(
     });
     let buf = |what| DeviceBuf::new(o.sweep.max.max(1)).unwrap_or_else(|e| die(what, e));
     let stream = Stream::new().unwrap_or_else(|e| die("stream", e));
-    let r =
-        Rank { rank, w, ep, send: buf("send buffer"), recv: buf("receive buffer"), stream, exchange_rounds, prep_rounds, _module: module };
+    let r = Rank {
+        rank,
+        w,
+        ep,
+        send: buf("send buffer"),
+        recv: buf("receive buffer"),
+        stream,
+        host_split: Default::default(),
+        exchange_rounds,
+        prep_rounds,
+        _module: module,
+    };
     r.send.upload(&pattern(rank, o.sweep.max)).unwrap_or_else(|e| die("upload", e));
     let expect = pattern(1 - rank, o.sweep.max);
     let mut out = Vec::new();

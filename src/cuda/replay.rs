@@ -1,0 +1,118 @@
+//! Launches that repeat with the same arguments, replayed as one-node graphs.
+//!
+//! A prepared transfer's GPU round on a live stream launches the same kernel with the same
+//! argument block every time: what changes from round to round (the round number) lives in
+//! its control block in GPU memory. On our machines the host pays 4.39 µs for a kernel launch
+//! and 1.98 µs for launching a one-node graph (../shared/DEVICE.md floors; the round-trip gain is
+//! in docs/PERF.md, 2026-11-22), so such a launch is instantiated once as a graph and replayed.
+//! A stream being captured gets the kernel itself: it becomes a node of the user's graph.
+//!
+//! The cache maps (kernel, grid, argument bytes) to an executable graph. It is bounded: when
+//! full it is emptied (an executable graph destroyed while a launch of it is in flight is freed
+//! by the driver when that launch completes).
+
+use super::{CtxScope, THREADS, check, cu, raw};
+use crate::error::Result;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+/// Graphs kept at most (each is one kernel node: a few KiB of driver memory).
+const CACHE_MAX: usize = 256;
+
+/// A kernel's by-value argument block whose bytes can key the cache: a `repr(C)` struct of
+/// `u64` fields only (no padding), which its implementations below are.
+pub(crate) trait ArgBlock: Copy {}
+impl ArgBlock for super::PrepArgs {}
+impl ArgBlock for super::PrepGroup {}
+
+fn bytes_of<T: ArgBlock>(args: &T) -> &[u8] {
+    // SAFETY: `ArgBlock` types are repr(C) structs of u64 fields: every byte is initialized.
+    unsafe { std::slice::from_raw_parts(args as *const T as *const u8, std::mem::size_of::<T>()) }
+}
+
+struct Entry {
+    func: usize,
+    blocks: u32,
+    args: Box<[u8]>,
+    exec: usize,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // SAFETY: our executable graph, destroyed once (in flight: freed when it completes).
+        unsafe { cu::cuGraphExecDestroy(raw(self.exec)) };
+    }
+}
+
+// SAFETY: the executable graph handle is only used through driver calls, which are thread-safe.
+unsafe impl Send for Entry {}
+// SAFETY: as above; the entry is never mutated after it is made.
+unsafe impl Sync for Entry {}
+
+static CACHE: Mutex<Option<HashMap<u64, Arc<Entry>>>> = Mutex::new(None);
+
+/// Launch `f` (one of our kernels in context `ctx`, one parameter: `args`) with `blocks` blocks
+/// of `THREADS` on `stream`: a replay of a cached one-node graph, or the kernel itself when
+/// the stream is being captured.
+pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+    if capturing(stream)? {
+        return super::launch_struct_grid(f, stream, blocks, args);
+    }
+    let bytes = bytes_of(args);
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (f as usize, blocks, bytes).hash(&mut h);
+    let key = h.finish();
+    let entry = {
+        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        let map = cache.get_or_insert_with(HashMap::new);
+        match map.get(&key) {
+            Some(e) if e.func == f as usize && e.blocks == blocks && *e.args == *bytes => e.clone(),
+            _ => {
+                let exec = instantiate(ctx, f, blocks, args)?;
+                if map.len() >= CACHE_MAX {
+                    map.clear();
+                }
+                let e = Arc::new(Entry { func: f as usize, blocks, args: bytes.into(), exec });
+                map.insert(key, e.clone());
+                e
+            }
+        }
+    };
+    // SAFETY: our executable graph (kept alive by `entry`) and the user's live stream.
+    check(unsafe { cu::cuGraphLaunch(raw(entry.exec), raw(stream)) }, "cuGraphLaunch")
+}
+
+fn capturing(stream: usize) -> Result<bool> {
+    let mut status = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a valid out-pointer; `stream` is the user's CUstream.
+    check(unsafe { cu::cuStreamIsCapturing(raw(stream), &mut status) }, "cuStreamIsCapturing")?;
+    Ok(status != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// A one-node graph launching `f(args)`, instantiated in `ctx` (the kernel's context).
+fn instantiate<T: ArgBlock>(ctx: usize, f: cu::CUfunction, blocks: u32, args: &T) -> Result<usize> {
+    let _scope = CtxScope::enter(raw(ctx))?;
+    let mut graph: cu::CUgraph = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    check(unsafe { cu::cuGraphCreate(&mut graph, 0) }, "cuGraphCreate")?;
+    let result = (|| {
+        let mut params = [args as *const T as *mut std::ffi::c_void];
+        // SAFETY: zero is valid for every field.
+        let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+        p.func = f;
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (blocks, 1, 1);
+        (p.blockDimX, p.blockDimY, p.blockDimZ) = (THREADS, 1, 1);
+        p.kernelParams = params.as_mut_ptr();
+        let mut node: cu::CUgraphNode = std::ptr::null_mut();
+        // SAFETY: our graph, no dependencies; the driver copies the parameter during the call.
+        check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, std::ptr::null(), 0, &p) }, "cuGraphAddKernelNode")?;
+        let mut exec: cu::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: our graph; a valid out-pointer.
+        check(unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, "cuGraphInstantiate")?;
+        Ok(exec as usize)
+    })();
+    // SAFETY: our graph, destroyed once; the executable graph does not need it.
+    unsafe { cu::cuGraphDestroy(graph) };
+    result
+}
