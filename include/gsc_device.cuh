@@ -120,17 +120,25 @@ static __device__ __forceinline__ unsigned long long gsc_ll_slot(unsigned long l
     return (e & 1) * slot_words;
 }
 
-/* Block: write n bytes of s as LL words at t (n rounded up to 4; the tail padded with zeros). */
-static __device__ void gsc_ll_write(unsigned long long *t, const unsigned char *s, unsigned long long n, unsigned long long e)
+/* The 4 data bytes of LL word w of the n bytes at s (zero-padded past n). */
+static __device__ __forceinline__ unsigned gsc_ll_data(const unsigned char *s, unsigned long long n, unsigned long long w)
+{
+    if (w * 4 >= n) return 0;
+    if (w * 4 + 4 <= n && (((unsigned long long)s & 3) == 0)) return ((const unsigned *)s)[w];
+    unsigned data = 0;
+    for (unsigned k = 0; k < 4 && w * 4 + k < n; k++) data |= (unsigned)s[w * 4 + k] << (8 * k);
+    return data;
+}
+
+/* Block: write n bytes of s as LL words at t (n rounded up to 4; the tail padded with zeros).
+ * `first`: this thread's first word's data, gsc_ll_data(s, n, threadIdx.x), loaded by the caller
+ * before it waited for the receiver, so that load overlaps the wait. */
+static __device__ void gsc_ll_write(unsigned long long *t, const unsigned char *s, unsigned long long n, unsigned long long e,
+                                    unsigned first)
 {
     unsigned long long flag = (unsigned long long)gsc_ll_flag(e) << 32;
     for (unsigned long long w = threadIdx.x; w < (n + 3) / 4; w += blockDim.x) {
-        unsigned data = 0;
-        if (w * 4 + 4 <= n && (((unsigned long long)s & 3) == 0)) {
-            data = ((const unsigned *)s)[w];
-        } else {
-            for (unsigned k = 0; k < 4 && w * 4 + k < n; k++) data |= (unsigned)s[w * 4 + k] << (8 * k);
-        }
+        unsigned data = w == threadIdx.x ? first : gsc_ll_data(s, n, w);
         asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(t + w), "l"(flag | data) : "memory");
     }
 }
@@ -266,6 +274,7 @@ static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
         return rc;
     }
     /* A small staged round: LL words into the receiver's staging area, nothing else. */
+    unsigned first = gsc_ll_data(d->src, d->part_len, threadIdx.x);
     if (threadIdx.x == 0) {
         /* Two slots: the receiver must have consumed round e - 2 (see gsc_ll_slot). */
         gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e - 1, d->timeout_ns);
@@ -273,7 +282,7 @@ static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
     }
     __syncthreads();
     if (!gsc_ok) return -1;
-    gsc_ll_write((unsigned long long *)d->dst + gsc_ll_slot(gsc_e, d->ll), d->src, d->part_len, gsc_e);
+    gsc_ll_write((unsigned long long *)d->dst + gsc_ll_slot(gsc_e, d->ll), d->src, d->part_len, gsc_e, first);
     return 0;
 }
 

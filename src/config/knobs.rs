@@ -325,6 +325,19 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| c.cuda_ipc.name().to_string(),
     },
     Knob {
+        name: "GSC_CUDA_PDL",
+        default: "auto",
+        doc: "Captured GPU rounds of prepared transfers are launched with programmatic dependent \
+              launch (the next round's kernel is scheduled while the previous one runs, and waits \
+              for it on the GPU); off: plain kernel nodes. Read once per process",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.cuda_pdl = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.cuda_pdl.name().to_string(),
+    },
+    Knob {
         name: "GSC_CUDA_COPY_STREAMS",
         default: "1",
         doc: "Copy streams per GPU that one large GPU read is spread over (1..=16); on H200 \

@@ -229,6 +229,8 @@ pub struct Config {
     pub cma: Tristate,
     /// `GSC_CUDA_IPC`
     pub cuda_ipc: Tristate,
+    /// `GSC_CUDA_PDL`
+    pub cuda_pdl: Tristate,
     /// `GSC_CUDA_COPY_STREAMS`, 1..=16.
     pub cuda_copy_streams: usize,
     /// `GSC_CUDA_COPY_SPLIT`, bytes, non-zero.
@@ -291,6 +293,7 @@ impl Default for Config {
             shm_max_frame: 64 << 10,
             cma: Tristate::Auto,
             cuda_ipc: Tristate::Auto,
+            cuda_pdl: Tristate::Auto,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,
             cuda_stage_max: 4 << 10,

@@ -292,6 +292,18 @@ static __device__ void gsc_copy(unsigned char *d, const unsigned char *s, unsign
     }
 }
 
+/* Launched with programmatic dependent launch (captured rounds: GSC_CUDA_PDL), a prep kernel
+ * may start before the previous kernel on its stream ends: wait for it (its memory operations
+ * included) before anything else, and let the next one be scheduled at once. Without it both
+ * are no-ops. */
+static __device__ __forceinline__ void gsc_after_previous_kernel()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /* One block: tell the sender we are ready (thread 0). */
 static __device__ void gsc_prep_ready(const gsc_prep_args_t *a)
 {
@@ -342,6 +354,8 @@ static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
 {
     __shared__ unsigned long long e;
     __shared__ int ok;
+    /* LL: load our first word before waiting for the receiver (the loads overlap the wait). */
+    unsigned first = a->ll ? gsc_ll_data(a->src, a->len, threadIdx.x) : 0;
     if (threadIdx.x == 0) {
         e = *(volatile unsigned long long *)a->ctl + 1;
         /* LL rounds alternate between two slots: the receiver must have consumed round e - 2
@@ -353,7 +367,7 @@ static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
     if (!ok) return;
     if (a->ll) {
         /* Small staged rounds: LL words carry their own flags; no release, no arrival word. */
-        gsc_ll_write((unsigned long long *)a->dst + gsc_ll_slot(e, a->ll), a->src, a->len, e);
+        gsc_ll_write((unsigned long long *)a->dst + gsc_ll_slot(e, a->ll), a->src, a->len, e, first);
         if (threadIdx.x == 0) a->ctl[0] = e;
         return;
     }
@@ -375,6 +389,7 @@ static __device__ void gsc_prep_begin(const gsc_prep_args_t *a)
 /* One round; a send may take several blocks (the last one to finish raises the flag). */
 extern "C" __global__ void gsc_prep_kernel(gsc_prep_args_t a)
 {
+    gsc_after_previous_kernel();
     if (a.role == 4) gsc_prep_begin(&a);
     if (a.role == 1 || a.role == 3) gsc_prep_ready(&a);
     if (a.role == 2 || a.role == 3) gsc_prep_wait(&a);
@@ -415,6 +430,7 @@ extern "C" __global__ void gsc_prep_kernel(gsc_prep_args_t a)
  * the order given (readies first, so two sides that both send never wait for each other). */
 extern "C" __global__ void gsc_prep_group_kernel(gsc_prep_group_t g)
 {
+    gsc_after_previous_kernel();
     for (unsigned k = 0; k < g.n; k++) {
         const gsc_prep_args_t *a = &g.op[k];
         if (a->role == 0) gsc_prep_send_block(a);

@@ -76,6 +76,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuModuleLoadData",
     "cuModuleGetFunction",
     "cuLaunchKernel",
+    "cuLaunchKernelEx",
     "cuGraphCreate",
     "cuGraphDestroy",
     "cuGraphAddKernelNode_v2",
@@ -481,6 +482,41 @@ pub(super) fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, blocks: u3
         unsafe { cu::cuLaunchKernel(f, blocks, 1, 1, THREADS, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
         "cuLaunchKernel",
     )
+}
+
+/// Whether captured GPU rounds use programmatic dependent launch (`GSC_CUDA_PDL`, read once
+/// per process: the launch layer has no context configuration at hand).
+pub(super) fn pdl_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| crate::config::Config::load_env().map_or(true, |l| l.config.cuda_pdl != crate::config::Tristate::Off))
+}
+
+/// `launch_struct_grid` with programmatic stream serialization: the kernel may be scheduled
+/// before the previous one on the stream ends (once that one calls
+/// `griddepcontrol.launch_dependents`, or ends); the kernel itself waits for it with
+/// `griddepcontrol.wait` before it touches anything (our prep kernels do, first thing). Under
+/// capture this makes a programmatic edge, so a replay overlaps a round's launch with the
+/// previous round.
+pub(super) fn launch_struct_grid_pdl<T>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+    let mut params = [args as *const T as *mut std::ffi::c_void];
+    // SAFETY: zero is a valid attribute (then set below).
+    let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = cu::CUlaunchConfig {
+        gridDimX: blocks,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: THREADS,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: raw(stream),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: as `launch_struct_grid`; `config` and its one attribute outlive the call.
+    check(unsafe { cu::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }, "cuLaunchKernelEx")
 }
 
 #[cfg(test)]

@@ -5,7 +5,8 @@
 //! its control block in GPU memory. On our machines the host pays 4.39 µs for a kernel launch
 //! and 1.98 µs for launching a one-node graph (../shared/DEVICE.md floors; the round-trip gain is
 //! in docs/PERF.md, 2026-11-22), so such a launch is instantiated once as a graph and replayed.
-//! A stream being captured gets the kernel itself: it becomes a node of the user's graph.
+//! A stream being captured gets the kernel itself: it becomes a node of the user's graph (with
+//! a programmatic edge from the node before it, `GSC_CUDA_PDL`).
 //!
 //! The cache maps (kernel, grid, argument bytes) to an executable graph. It is bounded: when
 //! full it is emptied (an executable graph destroyed while a launch of it is in flight is freed
@@ -57,7 +58,10 @@ static CACHE: Mutex<Option<HashMap<u64, Arc<Entry>>>> = Mutex::new(None);
 /// the stream is being captured.
 pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
     if capturing(stream)? {
-        return super::launch_struct_grid(f, stream, blocks, args);
+        return match super::pdl_enabled() {
+            true => super::launch_struct_grid_pdl(f, stream, blocks, args),
+            false => super::launch_struct_grid(f, stream, blocks, args),
+        };
     }
     let bytes = bytes_of(args);
     let mut h = std::collections::hash_map::DefaultHasher::new();

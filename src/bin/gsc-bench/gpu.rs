@@ -20,6 +20,8 @@
 //!   round on the stream writes into the peer's buffer over NVLink and raises its flag.
 //! - gkernel: GPU rounds driven by one kernel for all iterations (`gsc_prep_ready`,
 //!   `gsc_prep_send`, `gsc_prep_wait` from include/gsc_device.cuh): no launch per iteration.
+//! - gping: gkernel as a ping-pong (rank 0 sends then waits, rank 1 waits then sends); the time
+//!   shown is HALF an iteration: one put+signal from a user kernel, one way.
 //! - nccl (`--nccl`): ncclSend + ncclRecv in a group per iteration on a stream, and the same
 //!   captured `-G` per graph.
 
@@ -43,6 +45,9 @@ enum Mode {
     GGraph,
     /// GPU rounds driven by one user kernel (`gsc_prep_ready/send/wait`): no launch per round.
     GKernel,
+    /// `GKernel` as a ping-pong (rank 0 sends then waits, rank 1 waits then sends): the time
+    /// reported is half a round trip, i.e. one kernel-initiated put+signal, one way.
+    GPing,
     Nccl,
     NcclGraph,
 }
@@ -58,6 +63,7 @@ impl Mode {
             Mode::GStream => "gstream",
             Mode::GGraph => "ggraph",
             Mode::GKernel => "gkernel",
+            Mode::GPing => "gping",
             Mode::Nccl => "nccl",
             Mode::NcclGraph => "nccl-graph",
         }
@@ -101,6 +107,7 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
                         "gstream" => Some(Mode::GStream),
                         "ggraph" => Some(Mode::GGraph),
                         "gkernel" => Some(Mode::GKernel),
+                        "gping" => Some(Mode::GPing),
                         _ => None,
                     })
                     .collect::<Option<Vec<_>>>()?
@@ -149,6 +156,18 @@ extern "C" __global__ void prep_rounds(const gsc_prepared_device_t *send, const 
         }
     }
 }
+/* gping: the same as a ping-pong; `first`: this rank sends first. */
+extern "C" __global__ void prep_pingpong(const gsc_prepared_device_t *send, const gsc_prepared_device_t *recv,
+                                         unsigned long long rounds, unsigned long long first, unsigned long long *errors) {
+    for (unsigned long long r = 0; r < rounds; r++) {
+        gsc_prep_ready(recv);
+        int rc = first ? (gsc_prep_send(send) | gsc_prep_wait(recv)) : (gsc_prep_wait(recv) | gsc_prep_send(send));
+        if (rc != 0) {
+            if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
+            return;
+        }
+    }
+}
 extern "C" __global__ void exchange_rounds(gsc_device_handle_t *send, gsc_device_handle_t *recv,
                                            unsigned long long rounds, unsigned long long *errors) {
     for (unsigned long long r = 0; r < rounds; r++) {
@@ -171,6 +190,7 @@ struct Rank {
     host_split: std::cell::Cell<(std::time::Duration, std::time::Duration)>,
     exchange_rounds: Function,
     prep_rounds: Function,
+    prep_pingpong: Function,
     _module: Module,
 }
 
@@ -244,7 +264,7 @@ impl Rank {
         let (iters, warmup) = iterations(o, n, mode);
         let prepared = match mode {
             Mode::PStream | Mode::PGraph => Some(self.prepare(n, false)),
-            Mode::GStream | Mode::GGraph | Mode::GKernel => {
+            Mode::GStream | Mode::GGraph | Mode::GKernel | Mode::GPing => {
                 let (tx, rx) = self.prepare(n, true);
                 // Pairing and mapping happen at the first start: one round outside the timing
                 // (and outside any capture).
@@ -316,16 +336,21 @@ impl Rank {
                 sync();
                 t0.elapsed().as_secs_f64() / iters as f64
             }
-            Mode::GKernel => {
+            Mode::GKernel | Mode::GPing => {
                 let (tx, rx) = prepared.as_ref().expect("prepared above");
                 let handle = |p: &gscomm::Prepared| p.device_handle().unwrap_or_else(|e| die("device handle", e));
                 let (hs, hr) = (handle(tx), handle(rx));
                 let err = PinnedBuf::new(8).unwrap_or_else(|e| die("pinned", e));
+                let first = u64::from(self.rank == 0);
                 let dt = self.time_rounds(ctl, warmup, iters, |k| {
-                    self.prep_rounds
-                        .launch(1, 256, &self.stream, &[hs, hr, k as u64, err.device_ptr()])
-                        .unwrap_or_else(|e| die("launch", e))
+                    let launched = match mode {
+                        Mode::GKernel => self.prep_rounds.launch(1, 256, &self.stream, &[hs, hr, k as u64, err.device_ptr()]),
+                        _ => self.prep_pingpong.launch(1, 256, &self.stream, &[hs, hr, k as u64, first, err.device_ptr()]),
+                    };
+                    launched.unwrap_or_else(|e| die("launch", e))
                 });
+                // gping: one way is half a round trip.
+                let dt = if mode == Mode::GPing { dt / 2.0 } else { dt };
                 if err.to_vec().iter().any(|b| *b != 0) {
                     die("gkernel exchange", "a round gave up");
                 }
@@ -386,6 +411,7 @@ fn rank_main(
         .unwrap_or_else(|e| die("compile", e));
     let exchange_rounds = module.function("exchange_rounds").unwrap_or_else(|e| die("kernel", e));
     let prep_rounds = module.function("prep_rounds").unwrap_or_else(|e| die("kernel", e));
+    let prep_pingpong = module.function("prep_pingpong").unwrap_or_else(|e| die("kernel", e));
     let nccl = o.nccl.then(|| Nccl::load().unwrap_or_else(|e| die("nccl", e)));
     let comm = nccl.as_ref().map(|l| {
         let id = nccl_id(ctl, l);
@@ -403,6 +429,7 @@ fn rank_main(
         host_split: Default::default(),
         exchange_rounds,
         prep_rounds,
+        prep_pingpong,
         _module: module,
     };
     r.send.upload(&pattern(rank, o.sweep.max)).unwrap_or_else(|e| die("upload", e));

@@ -9,7 +9,7 @@
 //!
 //! GPU point-to-point between two GPUs, one process per GPU (see `gpu.rs`):
 //!   gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]
-//!                          [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel] [-d DEV0,DEV1] [--nccl]
+//!                          [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]
 //! nccl-tests' sendrecv pattern (each rank sends to and receives from the other at once), with
 //! the operation started by a stream position, a captured graph or a kernel trigger, and NCCL's
 //! ncclSend/ncclRecv in the same run with `--nccl`.
@@ -27,7 +27,7 @@ fn usage() -> ! {
     eprintln!(
         "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin] [--prepared]\n\
          \x20      gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]\n\
-         \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel] [-d DEV0,DEV1] [--nccl]\n\
+         \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]\n\
          sizes accept K/M/G suffixes"
     );
     std::process::exit(2)
