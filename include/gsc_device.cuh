@@ -102,6 +102,19 @@ static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsign
     }
 }
 
+/* Spin until *w >= v, relaxed: for words that order no data this thread reads after them (no
+ * L1 invalidation, unlike gsc_spin_geq's acquire loads). 1, or 0 after timeout_ns. */
+static __device__ __forceinline__ int gsc_spin_geq_relaxed(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)
+{
+    unsigned long long t0 = gsc_globaltimer();
+    for (;;) {
+        unsigned long long x;
+        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
+        if (x >= v) return 1;
+        if (gsc_globaltimer() - t0 > timeout_ns) return 0;
+    }
+}
+
 /* LL words (as NCCL's LL protocol): 8 bytes = 4 data bytes + a 4-byte flag, each stored at once,
  * so the receiver knows a word arrived when its flag is this round's: no release fence before a
  * separate flag, no arrival word. The flag of round e is 1 + e % (2^32 - 1), never 0 (a fresh
@@ -141,6 +154,24 @@ static __device__ void gsc_ll_write(unsigned long long *t, const unsigned char *
         unsigned data = w == threadIdx.x ? first : gsc_ll_data(s, n, w);
         asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(t + w), "l"(flag | data) : "memory");
     }
+}
+
+/* Thread 0 of a block sending an LL round: begin round e = ctl[GSC_CTL_ROUND] + 1 and wait
+ * until the receiver has consumed round e - 2 (its ready word, ctl[GSC_CTL_PEER], >= e - 1: see
+ * gsc_ll_slot). The round and the ready word are loaded together, and the ready word relaxed:
+ * it orders only the receiver's reads of the slot before our stores into it, and no store is
+ * performed before the loop that decides it. Returns e, or 0 on timeout (recorded as failed). */
+static __device__ __forceinline__ unsigned long long gsc_ll_send_begin(unsigned long long *ctl, unsigned long long timeout_ns)
+{
+    unsigned long long round = *(volatile unsigned long long *)&ctl[GSC_CTL_ROUND], ready;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(ready) : "l"(&ctl[GSC_CTL_PEER]) : "memory");
+    unsigned long long e = round + 1;
+    ctl[GSC_CTL_ROUND] = e;
+    if (ready + 1 < e && !gsc_spin_geq_relaxed(&ctl[GSC_CTL_PEER], e - 1, timeout_ns)) {
+        ctl[GSC_CTL_ERROR] = e;
+        return 0;
+    }
+    return e;
 }
 
 /* Block: wait until every LL word at s for n bytes carries round e's flag and unpack them into
@@ -261,29 +292,26 @@ static __device__ void gsc_prep_ready(const gsc_prepared_device_t *d)
 static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
 {
     __shared__ unsigned long long gsc_e;
-    __shared__ int gsc_ok;
     __syncthreads();
+    if (d->ll) {
+        /* A small staged round: LL words into the receiver's staging area, nothing else. Each
+         * thread loads its data while thread 0 checks the receiver (one wait, not two). */
+        unsigned first = gsc_ll_data(d->src, d->part_len, threadIdx.x);
+        if (threadIdx.x == 0) gsc_e = gsc_ll_send_begin(d->ctl, d->timeout_ns);
+        __syncthreads();
+        unsigned long long e = gsc_e;
+        if (!e) return -1;
+        gsc_ll_write((unsigned long long *)d->dst + gsc_ll_slot(e, d->ll), d->src, d->part_len, e, first);
+        return 0;
+    }
     if (threadIdx.x == 0) {
         gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
         d->ctl[GSC_CTL_ROUND] = gsc_e;
     }
     __syncthreads();
-    if (!d->ll) {
-        int rc = 0;
-        for (unsigned long long p = 0; p < d->parts; p++) rc |= gsc_pready(d, p);
-        return rc;
-    }
-    /* A small staged round: LL words into the receiver's staging area, nothing else. */
-    unsigned first = gsc_ll_data(d->src, d->part_len, threadIdx.x);
-    if (threadIdx.x == 0) {
-        /* Two slots: the receiver must have consumed round e - 2 (see gsc_ll_slot). */
-        gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e - 1, d->timeout_ns);
-        if (!gsc_ok) d->ctl[GSC_CTL_ERROR] = gsc_e;
-    }
-    __syncthreads();
-    if (!gsc_ok) return -1;
-    gsc_ll_write((unsigned long long *)d->dst + gsc_ll_slot(gsc_e, d->ll), d->src, d->part_len, gsc_e, first);
-    return 0;
+    int rc = 0;
+    for (unsigned long long p = 0; p < d->parts; p++) rc |= gsc_pready(d, p);
+    return rc;
 }
 
 /* Wait until the receive round begun last arrived, and make it readable in the buffer (from
@@ -292,19 +320,16 @@ static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
 static __device__ int gsc_prep_wait(const gsc_prepared_device_t *d)
 {
     __shared__ int gsc_ok;
-    __shared__ unsigned long long gsc_e;
-    __syncthreads();
-    if (threadIdx.x == 0) gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
-    __syncthreads();
+    __syncthreads(); /* gsc_prep_ready (thread 0) advanced the round */
+    unsigned long long gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
     if (d->ll) {
+        /* gsc_ll_read ends with a barrier: every thread's reads of the slot are done. */
         if (!gsc_ll_read(d->dst, (const unsigned long long *)d->src + gsc_ll_slot(gsc_e, d->ll), d->part_len, gsc_e,
                          d->timeout_ns)) {
             if (threadIdx.x == 0) d->ctl[GSC_CTL_ERROR] = gsc_e;
             return -1;
         }
-        __syncthreads();
         if (threadIdx.x == 0) gsc_store_free(d->remote, gsc_e + 1);
-        __syncthreads();
         return 0;
     }
     if (threadIdx.x == 0) {

@@ -357,18 +357,22 @@ static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
     /* LL: load our first word before waiting for the receiver (the loads overlap the wait). */
     unsigned first = a->ll ? gsc_ll_data(a->src, a->len, threadIdx.x) : 0;
     if (threadIdx.x == 0) {
-        e = *(volatile unsigned long long *)a->ctl + 1;
-        /* LL rounds alternate between two slots: the receiver must have consumed round e - 2
-         * (gsc_ll_slot); otherwise it must be ready for this one. */
-        ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER, a->ll ? e - 1 : e, a->timeout_ns);
-        if (!ok) a->ctl[GSC_CTL_ERROR] = e;
+        if (a->ll) {
+            /* LL rounds alternate between two slots: the receiver must have consumed round
+             * e - 2 (gsc_ll_send_begin); otherwise it must be ready for this one. */
+            e = gsc_ll_send_begin(a->ctl, a->timeout_ns);
+            ok = e != 0;
+        } else {
+            e = *(volatile unsigned long long *)a->ctl + 1;
+            ok = gsc_spin_geq(a->ctl + GSC_CTL_PEER, e, a->timeout_ns);
+            if (!ok) a->ctl[GSC_CTL_ERROR] = e;
+        }
     }
     __syncthreads();
     if (!ok) return;
     if (a->ll) {
         /* Small staged rounds: LL words carry their own flags; no release, no arrival word. */
         gsc_ll_write((unsigned long long *)a->dst + gsc_ll_slot(e, a->ll), a->src, a->len, e, first);
-        if (threadIdx.x == 0) a->ctl[0] = e;
         return;
     }
     gsc_copy(a->dst, a->src, a->len, threadIdx.x, blockDim.x);
