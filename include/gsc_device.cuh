@@ -280,10 +280,16 @@ static __device__ void gsc_prep_ready(const gsc_prepared_device_t *d)
 {
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
-        d->ctl[GSC_CTL_ROUND] = e;
-        /* A staged receive's previous gsc_prep_wait already announced this round. */
-        if (!d->src || e == 1) gsc_store_release(d->remote, e);
+        if (d->ll) {
+            /* LL (two slots): the sender needs no readiness for round 1 and hears of later
+             * rounds from the previous gsc_prep_wait: only count the round (no load). */
+            atomicAdd(&d->ctl[GSC_CTL_ROUND], 1ULL);
+        } else {
+            unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
+            d->ctl[GSC_CTL_ROUND] = e;
+            /* A staged receive's previous gsc_prep_wait already announced this round. */
+            if (!d->src || e == 1) gsc_store_release(d->remote, e);
+        }
     }
     __syncthreads();
 }

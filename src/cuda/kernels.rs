@@ -308,6 +308,12 @@ static __device__ __forceinline__ void gsc_after_previous_kernel()
 static __device__ void gsc_prep_ready(const gsc_prep_args_t *a)
 {
     if (threadIdx.x == 0) {
+        if (a->ll) {
+            /* LL (two slots): the sender needs no readiness for round 1 and hears of later
+             * rounds from the previous wait: only count the round (a reduction: no load). */
+            atomicAdd(a->ctl, 1ULL);
+            return;
+        }
         unsigned long long e = *(volatile unsigned long long *)a->ctl + 1;
         a->ctl[0] = e;
         /* A staged receive's previous wait already said so (it frees the area at once): only
