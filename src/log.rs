@@ -42,6 +42,7 @@ pub const CAPI: &str = "gsc::capi";
 pub const BENCH: &str = "gsc::bench";
 pub const PROXY: &str = "gsc::proxy";
 pub const CUDA: &str = "gsc::cuda";
+pub const GDA: &str = "gsc::gda";
 
 /// Events logged under the crate's module paths, i.e. without an explicit `target:`. They
 /// belong to no subsystem, so they are shown only when every subsystem is selected rather than
@@ -213,7 +214,7 @@ mod tests {
 
     #[test]
     fn constants_match_subsystems() {
-        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH, PROXY, CUDA];
+        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH, PROXY, CUDA, GDA];
         assert_eq!(consts.len(), Subsys::ALL.len());
         for (c, s) in consts.iter().zip(Subsys::ALL) {
             assert_eq!(*c, s.target());
@@ -248,6 +249,23 @@ mod tests {
         }
         assert!(f.would_enable("gscomm::core::worker", &Level::TRACE));
         assert!(!f.would_enable("other_crate", &Level::ERROR));
+    }
+
+    #[test]
+    fn gda_events_pass_the_default_filter_and_can_be_deselected() {
+        // The verbs engine warns under gsc::gda (e.g. a flush buffer that failed to deregister);
+        // the default configuration must show that.
+        let f = filter(&Config::default());
+        assert!(f.would_enable(GDA, &Level::WARN));
+        assert!(!f.would_enable(GDA, &Level::INFO));
+        let mut config = Config::default();
+        config.set("GSC_LOG_SUBSYS", "gda").unwrap();
+        config.set("GSC_LOG_LEVEL", "trace").unwrap();
+        let f = filter(&config);
+        assert!(f.would_enable(GDA, &Level::TRACE));
+        assert!(!f.would_enable(CUDA, &Level::ERROR));
+        config.set("GSC_LOG_SUBSYS", "^gda").unwrap();
+        assert!(!filter(&config).would_enable(GDA, &Level::ERROR));
     }
 
     #[test]

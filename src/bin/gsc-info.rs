@@ -13,13 +13,14 @@ use gscomm::transport::LaneKind;
 const USAGE: &str = "\
 Usage: gsc-info [options]
 
-Without options: the version and the lanes.
+Without options: the version, the lanes and the RDMA NICs.
 
   -v, --version   print the gscomm version
   -c, --config    print every GSC_* variable with its current value and description
   -s, --status    print the status code table (code, C name, meaning)
   -l, --lanes     print the lanes and whether GSC_TLS enables them
   -p, --protocols print the protocol selection table for each enabled lane
+  -r, --rdma      print the RDMA NICs the GDA verbs engine can use (or why there are none)
   -h, --help      print this help
 
 Short options combine: gsc-info -vl.
@@ -33,6 +34,7 @@ struct Wanted {
     lanes: bool,
     help: bool,
     protocols: bool,
+    rdma: bool,
 }
 
 fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
@@ -45,6 +47,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
             "--lanes" => vec!['l'],
             "--help" => vec!['h'],
             "--protocols" => vec!['p'],
+            "--rdma" => vec!['r'],
             s if s.len() > 1 && s.starts_with('-') && !s.starts_with("--") => s[1..].chars().collect(),
             _ => return Err(format!("unknown argument {arg:?}")),
         };
@@ -56,13 +59,15 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
                 'l' => wanted.lanes = true,
                 'h' => wanted.help = true,
                 'p' => wanted.protocols = true,
+                'r' => wanted.rdma = true,
                 _ => return Err(format!("unknown option -{flag}")),
             }
         }
     }
-    if !(wanted.version || wanted.config || wanted.status || wanted.lanes || wanted.help || wanted.protocols) {
+    if !(wanted.version || wanted.config || wanted.status || wanted.lanes || wanted.help || wanted.protocols || wanted.rdma) {
         wanted.version = true;
         wanted.lanes = true;
+        wanted.rdma = true;
     }
     Ok(wanted)
 }
@@ -110,6 +115,13 @@ fn print_lanes(out: &mut impl Write, config: &Config) -> io::Result<()> {
     Ok(())
 }
 
+/// The RDMA devices as the verbs engine sees them. Discovery never fails: a machine without
+/// rdma-core, or without devices, gets the reason as the report.
+fn print_rdma(out: &mut impl Write) -> io::Result<()> {
+    writeln!(out, "# RDMA NICs (GDA verbs engine)")?;
+    writeln!(out, "{}", gscomm::gda::verbs::report())
+}
+
 fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     let stdout = io::stdout();
     let mut out = stdout.lock();
@@ -153,6 +165,9 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     if let (true, Some(load)) = (wanted.protocols, &load) {
         out.write_all(gscomm::protocols::selection_table(&load.config).as_bytes()).map_err(io_failed)?;
     }
+    if wanted.rdma {
+        print_rdma(&mut out).map_err(io_failed)?;
+    }
     out.flush().map_err(io_failed)
 }
 
@@ -181,10 +196,13 @@ mod tests {
     #[test]
     fn arguments() {
         let w = parse(&[]).unwrap();
-        assert!(w.version && w.lanes && !w.config && !w.status && !w.help);
+        assert!(w.version && w.lanes && w.rdma && !w.config && !w.status && !w.help);
         let w = parse(&["-cs", "--lanes"]).unwrap();
-        assert!(w.config && w.status && w.lanes && !w.version);
+        assert!(w.config && w.status && w.lanes && !w.version && !w.rdma);
         assert!(parse(&["-p"]).unwrap().protocols);
+        let w = parse(&["--rdma"]).unwrap();
+        assert!(w.rdma && !w.version && !w.lanes);
+        assert!(parse(&["-vr"]).unwrap().rdma);
         assert!(parse(&["-x"]).unwrap_err().contains("-x"));
         assert!(parse(&["-vx"]).unwrap_err().contains("-x"));
         assert!(parse(&["--verbose"]).is_err());

@@ -51,6 +51,8 @@ pub enum KnobKind {
     /// An absolute directory.
     Path,
     Tristate,
+    /// `on` or `off` (no `auto`: nothing detects the answer); empty: off.
+    Bool,
     /// A duration greater than zero.
     Duration,
     /// A duration greater than zero, or `inf`.
@@ -79,6 +81,7 @@ impl KnobKind {
             KnobKind::RndvScheme => join_names(RndvScheme::ALL, RndvScheme::name, "|"),
             KnobKind::Path => "absolute directory".to_string(),
             KnobKind::Tristate => "auto|on|off (also yes/no, y/n, true/false, 1/0)".to_string(),
+            KnobKind::Bool => "on|off (also yes/no, y/n, true/false, 1/0); empty: off".to_string(),
             KnobKind::Duration => "duration such as 10s, 100ms, 250us, 2m; bare number: seconds".to_string(),
             KnobKind::DurationOrInf => "duration such as 10s, 100ms, 250us, 2m; bare number: seconds; inf: no bound".to_string(),
             KnobKind::HostPort => "host:port; empty: unset".to_string(),
@@ -136,6 +139,24 @@ fn optional_count(value: &str) -> Result<Option<u32>, String> {
 
 fn show_count(value: Option<u32>) -> String {
     value.map(|v| v.to_string()).unwrap_or_default()
+}
+
+const BOOL_EXPECTED: &str = "expected on/yes/y/true/1 or off/no/n/false/0";
+
+/// A switch with no `auto`: the spellings of a tristate's on and off. Empty is off, the way a
+/// shell clears an inherited value; `auto` is refused because nothing would detect the answer.
+fn parse_bool(value: &str) -> Result<bool, String> {
+    if value.trim().is_empty() {
+        return Ok(false);
+    }
+    match parse_tristate(value) {
+        Ok(Some(on)) => Ok(on),
+        Ok(None) | Err(_) => Err(BOOL_EXPECTED.to_string()),
+    }
+}
+
+fn show_bool(value: bool) -> String {
+    if value { "on" } else { "off" }.to_string()
 }
 
 const SECRET_SET: &str = "<set>";
@@ -385,6 +406,19 @@ pub(super) static KNOBS: &[Knob] = &[
             Ok(())
         },
         show: |c| format_size(c.cuda_stage_max as u64),
+    },
+    Knob {
+        name: "GSC_FLUSH_RDMA_WRITE",
+        default: "off",
+        doc: "When a NIC writes into GPU memory, the receiver's flush is an RDMA read from GPU \
+              memory into a host buffer; with 1 (on), an RDMA write from the host buffer into a \
+              GPU buffer precedes that read",
+        kind: KnobKind::Bool,
+        parse: |c, v| {
+            c.flush_rdma_write = parse_bool(v)?;
+            Ok(())
+        },
+        show: |c| show_bool(c.flush_rdma_write),
     },
     Knob {
         name: "GSC_TIMEOUT",

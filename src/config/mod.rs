@@ -16,6 +16,7 @@
 //! | size      | `4096`, `64K`, `64k`, `64KB`, `64KiB`, `4M`, `1G` (binary units); no `inf` |
 //! | duration  | `10s`, `100ms`, `250us`, `5ns`, `2m`, `1h`, `1.5s`; bare number: seconds  |
 //! | tristate  | `auto`, `on`/`yes`/`y`/`true`/`1`, `off`/`no`/`n`/`false`/`0`             |
+//! | boolean   | as tristate without `auto`; empty: off                                    |
 //! | selection | `all`, `a,b` (only those), `^a,b` (all but those)                         |
 //! | enums     | case-insensitive names                                                    |
 
@@ -85,6 +86,8 @@ pub enum Subsys {
     Bench,
     Proxy,
     Cuda,
+    /// GPU-initiated execution (src/gda): the verbs engine, its flush and RDMA discovery.
+    Gda,
 }
 
 impl Subsys {
@@ -99,6 +102,7 @@ impl Subsys {
         Subsys::Bench,
         Subsys::Proxy,
         Subsys::Cuda,
+        Subsys::Gda,
     ];
 
     pub fn name(self) -> &'static str {
@@ -113,6 +117,7 @@ impl Subsys {
             Subsys::Bench => "bench",
             Subsys::Proxy => "proxy",
             Subsys::Cuda => "cuda",
+            Subsys::Gda => "gda",
         }
     }
 
@@ -130,6 +135,7 @@ impl Subsys {
             Subsys::Bench => log::BENCH,
             Subsys::Proxy => log::PROXY,
             Subsys::Cuda => log::CUDA,
+            Subsys::Gda => log::GDA,
         }
     }
 }
@@ -237,6 +243,9 @@ pub struct Config {
     pub cuda_copy_split: usize,
     /// `GSC_CUDA_STAGE_MAX`, bytes, at most `CUDA_STAGE_LIMIT`; 0 turns staging off.
     pub cuda_stage_max: usize,
+    /// `GSC_FLUSH_RDMA_WRITE`: the GPUDirect RDMA flush writes into GPU memory before it reads
+    /// (see `crate::gda::verbs::FlushConfig::from_config`).
+    pub flush_rdma_write: bool,
     /// `GSC_TIMEOUT`: bound on every blocking wait; `None` waits forever.
     pub timeout: Option<Duration>,
     /// `GSC_PEER_CHECK_INTERVAL`, non-zero.
@@ -297,6 +306,7 @@ impl Default for Config {
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,
             cuda_stage_max: 4 << 10,
+            flush_rdma_write: false,
             timeout: Some(Duration::from_secs(60)),
             peer_check_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(10),

@@ -168,6 +168,42 @@ fn enums_and_tristates() {
 }
 
 #[test]
+fn booleans() {
+    assert!(!Config::default().flush_rdma_write);
+    for (text, on) in [
+        ("1", true),
+        ("on", true),
+        ("Yes", true),
+        ("y", true),
+        ("TRUE", true),
+        (" 1 ", true),
+        ("0", false),
+        ("off", false),
+        ("no", false),
+        ("N", false),
+        ("false", false),
+        // Empty is how a shell clears an inherited value: the default, off.
+        ("", false),
+    ] {
+        assert_eq!(with(&[("GSC_FLUSH_RDMA_WRITE", text)]).flush_rdma_write, on, "{text:?}");
+    }
+    let c = with(&[("GSC_FLUSH_RDMA_WRITE", "yes")]);
+    assert_eq!(c.get("GSC_FLUSH_RDMA_WRITE").unwrap(), "on");
+    assert_eq!(Config::default().get("GSC_FLUSH_RDMA_WRITE").unwrap(), "off");
+    // A known knob now, not an unknown GSC_* variable.
+    assert!(load(&[("GSC_FLUSH_RDMA_WRITE", "1")]).unwrap().unknown.is_empty());
+    // No auto: nothing would detect whether the platform needs the write.
+    for bad in ["2", "auto", "maybe", "on,off"] {
+        rejects("GSC_FLUSH_RDMA_WRITE", bad, "expected on/yes/y/true/1 or off/no/n/false/0");
+    }
+    let err = load(&[("GSC_FLUSH_RDMA_WRITE", "2")]).unwrap_err();
+    assert_eq!(err.message(), "GSC_FLUSH_RDMA_WRITE=\"2\": expected on/yes/y/true/1 or off/no/n/false/0");
+    let mut c = Config::default();
+    assert_eq!(c.set("GSC_FLUSH_RDMA_WRITE", "auto").unwrap_err().status(), Status::InvalidConfig);
+    assert_eq!(c, Config::default());
+}
+
+#[test]
 fn lane_selection() {
     assert_eq!(with(&[("GSC_TLS", "all")]).tls, LaneKind::ALL.to_vec());
     assert_eq!(with(&[("GSC_TLS", "shm")]).tls, vec![LaneKind::Shm]);
@@ -193,6 +229,9 @@ fn subsystem_selection() {
     let c = with(&[("GSC_LOG_SUBSYS", "^bench,capi")]);
     assert_eq!(c.log_subsys.len(), Subsys::ALL.len() - 2);
     assert!(!c.log_subsys.contains(&Subsys::Bench) && !c.log_subsys.contains(&Subsys::Capi));
+    assert_eq!(with(&[("GSC_LOG_SUBSYS", "gda")]).log_subsys, vec![Subsys::Gda]);
+    assert!(!with(&[("GSC_LOG_SUBSYS", "^gda")]).log_subsys.contains(&Subsys::Gda));
+    assert_eq!(Subsys::Gda.target(), "gsc::gda");
     rejects("GSC_LOG_SUBSYS", "shm,nvlink", "unknown subsystem \"nvlink\"");
 }
 

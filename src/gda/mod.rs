@@ -1,2 +1,13 @@
-//! GPU-initiated execution (issue #5): NVLink put/signal by kernels on prepared transfers, and
-//! the verbs doorbell path for mlx5 NICs. Not built yet.
+//! GPU-initiated execution (issue #5): the GPU, not the proxy thread, moves the data.
+//!
+//! What exists:
+//! - `verbs`: the mlx5 verbs engine's pieces — rdma-core loaded at run time (bindgen bindings,
+//!   device discovery for `gsc-info`, PD/MR/dmabuf/CQ/QP wrappers), byte-exact WQE, doorbell and
+//!   CQE encodings, a send ring whose doorbells a stream can ring, a CQ reader with the stream's
+//!   wait word, and the GPUDirect RDMA flush sequence. Unit-tested without a NIC; not yet wired
+//!   into endpoints and not yet run on RDMA hardware (docs/GDA.md lists exactly what has not).
+//!
+//! Not here yet: NVLink put/signal by kernels on prepared transfers (the GPU-round kernels of
+//! src/cuda and src/core/gpu_rounds.rs cover prepared NVLink exchanges for now).
+
+pub mod verbs;
