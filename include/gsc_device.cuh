@@ -88,31 +88,29 @@ static __device__ __forceinline__ unsigned long long gsc_globaltimer()
     return t;
 }
 
-/* Wait until *w >= v (acquire loads, system scope); 0 if timeout_ns passed first. (Relaxed
- * loads with one fence after the one that saw the value measured slower: 8 B per exchange
- * 5.2 -> 6.3 us on 2 x H200, the fence costing more than the acquire loads.) */
-static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)
+/* Wait until *w >= v (system scope); 0 if timeout_ns passed first. `acquire`: the loads are
+ * acquire loads, for words that order data this thread reads after them; otherwise relaxed
+ * (no L1 invalidation: the reads after stay cached). (Relaxed loads with one fence after the
+ * one that saw the value measured slower than acquire loads: 8 B per exchange 5.2 -> 6.3 us on
+ * 2 x H200.) */
+static __device__ __forceinline__ int gsc_spin_geq_as(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns,
+                                                      bool acquire)
 {
     unsigned long long t0 = gsc_globaltimer();
     for (;;) {
         unsigned long long x;
-        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
+        if (acquire)
+            asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
+        else
+            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
         if (x >= v) return 1;
         if (gsc_globaltimer() - t0 > timeout_ns) return 0;
     }
 }
 
-/* Spin until *w >= v, relaxed: for words that order no data this thread reads after them (no
- * L1 invalidation, unlike gsc_spin_geq's acquire loads). 1, or 0 after timeout_ns. */
-static __device__ __forceinline__ int gsc_spin_geq_relaxed(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)
+static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)
 {
-    unsigned long long t0 = gsc_globaltimer();
-    for (;;) {
-        unsigned long long x;
-        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
-        if (x >= v) return 1;
-        if (gsc_globaltimer() - t0 > timeout_ns) return 0;
-    }
+    return gsc_spin_geq_as(w, v, timeout_ns, true);
 }
 
 /* LL words (as NCCL's LL protocol): 8 bytes = 4 data bytes + a 4-byte flag, each stored at once,
@@ -167,7 +165,7 @@ static __device__ __forceinline__ unsigned long long gsc_ll_send_begin(unsigned 
     asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(ready) : "l"(&ctl[GSC_CTL_PEER]) : "memory");
     unsigned long long e = round + 1;
     ctl[GSC_CTL_ROUND] = e;
-    if (ready + 1 < e && !gsc_spin_geq_relaxed(&ctl[GSC_CTL_PEER], e - 1, timeout_ns)) {
+    if (ready + 1 < e && !gsc_spin_geq_as(&ctl[GSC_CTL_PEER], e - 1, timeout_ns, false)) {
         ctl[GSC_CTL_ERROR] = e;
         return 0;
     }
