@@ -32,6 +32,7 @@ fn bytes_of<T: ArgBlock>(args: &T) -> &[u8] {
     unsafe { std::slice::from_raw_parts(args as *const T as *const u8, std::mem::size_of::<T>()) }
 }
 
+/// A cached graph (its handle kept as an integer: the driver's handles are thread-safe).
 struct Entry {
     func: usize,
     blocks: u32,
@@ -45,11 +46,6 @@ impl Drop for Entry {
         unsafe { cu::cuGraphExecDestroy(raw(self.exec)) };
     }
 }
-
-// SAFETY: the executable graph handle is only used through driver calls, which are thread-safe.
-unsafe impl Send for Entry {}
-// SAFETY: as above; the entry is never mutated after it is made.
-unsafe impl Sync for Entry {}
 
 static CACHE: Mutex<Option<HashMap<u64, Arc<Entry>>>> = Mutex::new(None);
 

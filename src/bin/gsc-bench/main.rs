@@ -14,7 +14,9 @@
 //! the operation started by a stream position, a captured graph or a kernel trigger, and NCCL's
 //! ncclSend/ncclRecv in the same run with `--nccl`.
 //!
-//! GSC_* knobs apply as usual (e.g. GSC_TLS=shm, GSC_LOG_LEVEL).
+//! GSC_* knobs apply as usual (e.g. GSC_TLS=shm, GSC_LOG_LEVEL). The tool's own variables:
+//! GSC_BENCH_NCCL_LIB (where libnccl.so.2 is), GSC_BENCH_HOST_TIME=1 (gpu-sendrecv's stream
+//! modes print the host's enqueue time per iteration, to tell a host-bound mode).
 
 mod gpu;
 mod host;
