@@ -200,6 +200,31 @@ pub fn init(config: &Config) -> Result<bool> {
     Ok(false)
 }
 
+/// Tests: run `f` with a subscriber that captures warnings (and worse); what was logged.
+#[cfg(test)]
+pub(crate) fn capture_warnings(f: impl FnOnce()) -> String {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+    impl Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let capture = Capture::default();
+    let sink = capture.clone();
+    let subscriber =
+        tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).with_max_level(tracing::Level::WARN).finish();
+    tracing::subscriber::with_default(subscriber, f);
+    String::from_utf8_lossy(&capture.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

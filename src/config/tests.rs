@@ -367,27 +367,8 @@ fn unknown_variables_are_reported_with_suggestions() {
 
 #[test]
 fn unknown_variables_are_logged_under_config_target() {
-    use std::io::Write;
-    use std::sync::{Arc, Mutex};
-
-    #[derive(Clone, Default)]
-    struct Capture(Arc<Mutex<Vec<u8>>>);
-    impl Write for Capture {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let capture = Capture::default();
-    let sink = capture.clone();
-    let subscriber =
-        tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).with_max_level(tracing::Level::WARN).finish();
     let load = load(&[("GSC_RNDV_THRES", "8K")]).unwrap();
-    tracing::subscriber::with_default(subscriber, || load.warn_unknown());
-    let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
+    let text = crate::log::capture_warnings(|| load.warn_unknown());
     assert!(text.contains("gsc::config"), "{text}");
     assert!(text.contains("GSC_RNDV_THRES; did you mean GSC_RNDV_THRESH?"), "{text}");
 }

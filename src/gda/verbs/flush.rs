@@ -432,7 +432,7 @@ mod tests {
     use super::*;
     use crate::gda::verbs::mlx5::Syndrome;
     use crate::gda::verbs::queue::{CompletionQueue, SendQueue, SendQueueShape};
-    use std::io::Write;
+    use crate::log::capture_warnings;
     use std::sync::{Arc, Mutex};
 
     #[derive(Debug, Clone, PartialEq, Eq)]
@@ -782,27 +782,6 @@ mod tests {
                 Free(Place::Gpu),
             ]
         );
-    }
-
-    /// Runs `f` with a subscriber that captures warnings; returns what was logged.
-    fn capture_warnings(f: impl FnOnce()) -> String {
-        #[derive(Clone, Default)]
-        struct Capture(Arc<Mutex<Vec<u8>>>);
-        impl Write for Capture {
-            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(buf);
-                Ok(buf.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        let capture = Capture::default();
-        let sink = capture.clone();
-        let subscriber =
-            tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).with_max_level(tracing::Level::WARN).finish();
-        tracing::subscriber::with_default(subscriber, f);
-        String::from_utf8(capture.0.lock().unwrap().clone()).unwrap()
     }
 
     #[test]
