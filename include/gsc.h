@@ -521,17 +521,29 @@ typedef enum {
 /** gsc_buffer_param_t.field_mask: `flags` is set. */
 #define GSC_BUFFER_PARAM_FIELD_FLAGS       (UINT64_C(1) << 2)
 
-/** gsc_buffer_param_t.flags: run the rounds on the GPU, without the proxy: each round is one
- *  kernel on the stream it is started on (a graph node under capture) that writes the data into
- *  the peer's buffer over NVLink and raises a flag there. For GPU buffers of two processes on
- *  one host with CUDA IPC; both sides must set it; rounds start only on a STREAM condition
- *  (partitioned transfers: see gsc_prepared_device_handle). A send's kernel waits on its stream
+/** Who runs a prepared transfer's rounds. Without a flag the selection table decides
+ *  (GSC_ENGINE, `gsc-info -p`): the GPU itself where both sides can — GPU buffers of processes
+ *  on one host with CUDA IPC and peer access between the GPUs, up to GSC_ENGINE_GPU_MAX bytes,
+ *  not partitioned — the proxy thread elsewhere; the pair runs on the GPU when both sides
+ *  offered it (gsc_prepared_on_gpu() tells which after pairing).
+ *
+ *  gsc_buffer_param_t.flags: require GPU rounds, without the proxy: each round is one kernel on
+ *  the stream it is started on (a graph node under capture or on a GRAPH condition; started
+ *  without a condition, a kernel on a stream of the transfer's own, the request completing when
+ *  it ended) that writes the data into the peer's buffer over NVLink and raises a flag there.
+ *  An error where the GPU cannot run them; the pair fails unless the peer can run them too.
+ *  Needed when the application's kernels drive the rounds (gsc_prepared_device_handle).
+ *  Partitioned transfers: see gsc_prepared_device_handle. A send's kernel waits on its stream
  *  until the receiver is ready, so start a receive before a send on one stream (in a condition
  *  group the order does not matter: the group's rounds go in one launch, readiness first).
- *  gsc_prepared_start() returns NULL (no request: the stream orders the round); a round whose
- *  peer does not answer within GSC_TIMEOUT gives up and is reported by
- *  gsc_prepared_gpu_error(). */
+ *  gsc_prepared_start() on a stream returns NULL (no request: the stream orders the round); a
+ *  round whose peer does not answer within GSC_TIMEOUT gives up and is reported by
+ *  gsc_prepared_gpu_error(). KERNEL_TRIGGERED and HOST_STREAM conditions do not start GPU
+ *  rounds. */
 #define GSC_PREPARE_FLAG_GPU_ROUNDS        (UINT64_C(1) << 0)
+/** gsc_buffer_param_t.flags: run the rounds on the proxy thread whatever the table says (not
+ *  with GSC_PREPARE_FLAG_GPU_ROUNDS). */
+#define GSC_PREPARE_FLAG_PROXY             (UINT64_C(1) << 1)
 
 /** What gsc_prepare_transfers() prepares. `direction`, `buffer`, `length` and `tag` are always
  *  read; the rest only when their bit is set in field_mask. */
@@ -602,7 +614,12 @@ gsc_status_t gsc_prepared_pready(gsc_prepared_h prepared, size_t partition);
  *  (with no round in flight: if a round has completed), else 0. Progresses the worker. */
 gsc_status_t gsc_prepared_parrived(gsc_prepared_h prepared, size_t partition, int *flag);
 
-/** With GSC_PREPARE_FLAG_GPU_ROUNDS: set *handle_p to the device address of this side's
+/** Set *on_gpu to 1 if the pair's rounds run on the GPU, 0 if on the proxy. Fixed at pairing:
+ *  waits (up to GSC_TIMEOUT, progressing the worker) for the peer to have prepared when this
+ *  side offered GPU rounds. */
+gsc_status_t gsc_prepared_on_gpu(gsc_prepared_h prepared, int *on_gpu);
+
+/** With GPU rounds (gsc_prepared_on_gpu): set *handle_p to the device address of this side's
  *  gsc_prepared_device_t (include/gsc_device.cuh), which kernels pass to gsc_pready() (a
  *  partitioned send: partitions sent from kernels, in any order, after gsc_prepared_start() on
  *  the kernel's stream) and gsc_parrived() (a partitioned receive, written in place: which
@@ -610,7 +627,7 @@ gsc_status_t gsc_prepared_parrived(gsc_prepared_h prepared, size_t partition, in
  *  of partitions. Waits (up to GSC_TIMEOUT) for the peer to have prepared. */
 gsc_status_t gsc_prepared_device_handle(gsc_prepared_h prepared, void **handle_p);
 
-/** With GSC_PREPARE_FLAG_GPU_ROUNDS: set *round to 0, or to the round a kernel of this side gave
+/** With GPU rounds (gsc_prepared_on_gpu): set *round to 0, or to the round a kernel of this side gave
  *  up on because the peer did not answer within GSC_TIMEOUT (the pair is unusable then). Reads
  *  GPU memory synchronously. */
 gsc_status_t gsc_prepared_gpu_error(gsc_prepared_h prepared, uint64_t *round);

@@ -776,7 +776,15 @@ static void prepared(gsc_ep_h ep)
         EXPECT_STATUS(gsc_prepare_transfers(ep, &g, &gp), GSC_ERR_INVALID_PARAM, "GPU buffer");
         gp.flags = (uint64_t)1 << 9;
         EXPECT_STATUS(gsc_prepare_transfers(ep, &g, &gp), GSC_ERR_INVALID_PARAM, "flags");
+        gp.flags = GSC_PREPARE_FLAG_GPU_ROUNDS | GSC_PREPARE_FLAG_PROXY;
+        EXPECT_STATUS(gsc_prepare_transfers(ep, &g, &gp), GSC_ERR_INVALID_PARAM, "exclude each other");
         EXPECT(g == NULL);
+        {
+            int on_gpu = 7;
+            EXPECT(gsc_prepared_on_gpu(tx, &on_gpu) == GSC_OK);
+            EXPECT(on_gpu == 0);
+            EXPECT_STATUS(gsc_prepared_on_gpu(tx, NULL), GSC_ERR_INVALID_PARAM, "NULL");
+        }
         EXPECT_STATUS(gsc_prepared_gpu_error(tx, &round), GSC_ERR_INVALID_PARAM, "on the GPU");
         EXPECT(round == 1);
         EXPECT_STATUS(gsc_prepared_device_handle(tx, &dh), GSC_ERR_INVALID_PARAM, "on the GPU");

@@ -52,7 +52,7 @@ fn halo_side(w: &Worker, ep: &gscomm::Endpoint, side: u8, prepared: bool) -> Res
     let cond = Condition::host_stream(&stream);
     let (src, dst) = (Buf::new(HALO_SIZE), Buf::new(HALO_SIZE));
     let preps = prepared.then(|| {
-        let p = |dir| PrepareParams { dir, tag: 7, partitions: None, memory_type: None, gpu_rounds: false };
+        let p = |dir| PrepareParams { dir, tag: 7, partitions: None, memory_type: None, engine: gscomm::Engine::Auto };
         // SAFETY: both buffers outlive the preparations (dropped at the end of this function,
         // after every round completed); stream order keeps rounds and stream work apart.
         unsafe {
@@ -250,8 +250,64 @@ fn echo(lane: Lane, test: &'static str) {
     assert!(st.iter().all(|x| *x == Status::Ok), "{st:?}");
     stream.synchronize(Some(T)).unwrap();
     assert!(bad.lock().unwrap().is_empty(), "{:?}", bad.lock().unwrap());
+    // Every operation here went through the proxy, once: a send and a receive per size.
+    let stats = s.w.stats();
+    assert_eq!((stats.proxy_armed, stats.proxy_started), (2 * sizes.len() as u64, 2 * sizes.len() as u64), "{stats:?}");
     p.get_progress("echoed", T, &s.w);
     s.finish(p, ep);
+}
+
+/// `WorkerStats`' proxy counters count exactly the proxy's work: none for direct operations
+/// (the proxy is not even started), each conditioned operation once when it is armed and once
+/// when the proxy starts it, and nothing started before the stream reaches it.
+#[test]
+fn proxy_counters_count_each_armed_and_started_operation_loopback() {
+    child_or(|| {
+        let s = Setup::new(Lane::Loopback, "proxy_counters_count_each_armed_and_started_operation_loopback");
+        let (mut p, ep) = s.peer("echo");
+        // Message 0 goes direct, the others on a host stream; one eager, one rendezvous.
+        let sizes = [4096usize, 100, 1 << 20];
+        p.put("sizes", &sizes_to_bytes(&sizes));
+        let sent: Vec<Vec<u8>> = sizes.iter().zip(1u64..).map(|(&n, seed)| pattern(seed, n)).collect();
+        let echoed = |i: usize| sent[i].iter().map(|x| x ^ 0x5A).collect::<Vec<u8>>();
+        let mut back = vec![0u8; sizes[0]];
+        let tx = unsafe { ep.tag_send_nbx(sent[0].as_ptr(), sizes[0], 0, RequestParams::default()).unwrap() };
+        let rx = unsafe { s.w.tag_recv_nbx(back.as_mut_ptr(), sizes[0], 1000, u64::MAX, RequestParams::default()).unwrap() };
+        assert_eq!(wait_release(&s.w, tx).status, Status::Ok);
+        assert_eq!(wait_release(&s.w, rx).status, Status::Ok);
+        assert_same(&back, &echoed(0), "direct echo");
+        let direct = s.w.stats();
+        assert_eq!((direct.proxy_armed, direct.proxy_started, direct.proxy_passes), (0, 0, 0), "direct operations only: {direct:?}");
+
+        // The stream is held at a gate until every operation is armed: none may start before.
+        let stream = HostStream::new().unwrap();
+        let cond = Condition::host_stream(&stream);
+        let (open_gate, gate) = std::sync::mpsc::channel::<()>();
+        stream.launch(move || {
+            let _ = gate.recv_timeout(T);
+        });
+        let backs: Vec<Buf> = sizes[1..].iter().map(|&n| Buf::new(n)).collect();
+        let mut reqs = Vec::new();
+        for (i, b) in (1..).zip(&backs) {
+            reqs.push(pending(unsafe { ep.tag_send_nbx(sent[i].as_ptr(), sizes[i], i as u64, on(&cond, true)).unwrap() }));
+            reqs.push(pending(unsafe { s.w.tag_recv_nbx(b.ptr(), b.len(), 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+        }
+        let ops = reqs.len() as u64;
+        let armed = s.w.stats();
+        assert_eq!((armed.proxy_armed, armed.proxy_started), (ops, 0), "armed behind the gate: {armed:?}");
+        open_gate.send(()).unwrap();
+        let st = wait_all(&s.w, reqs);
+        assert!(st.iter().all(|x| *x == Status::Ok), "{st:?}");
+        stream.synchronize(Some(T)).unwrap();
+        for (i, b) in (1..).zip(&backs) {
+            assert_same(&b.0.lock().unwrap(), &echoed(i), &format!("echo of message {i}"));
+        }
+        let done = s.w.stats();
+        assert_eq!((done.proxy_armed, done.proxy_started), (ops, ops), "all triggered: {done:?}");
+        assert!(done.proxy_passes > 0, "the proxy started them in its passes: {done:?}");
+        p.get_progress("echoed", T, &s.w);
+        s.finish(p, ep);
+    });
 }
 
 #[test]

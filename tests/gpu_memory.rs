@@ -15,7 +15,7 @@ use gscomm::cuda::api::{
     DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, ipc_export_kind,
     release_retired_peer_mappings, set_device, vmm_counters,
 };
-use gscomm::{Context, Direction, Endpoint, PrepareParams, RequestParams, Started, Status, Worker};
+use gscomm::{Context, Direction, Endpoint, Engine, PrepareParams, RequestParams, Started, Status, Worker};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(300);
@@ -438,7 +438,7 @@ const SHAPES_64K: &[usize] = &[1, 33, 4095, 16_000, 16_384, 40_000, 65_519, 65_5
 /// Prepared transfers on GPU buffers, started on a CUDA stream: each side prepares a send and a
 /// receive once per size, then PREPARED_ROUNDS rounds move new data (side 0 fills and checks,
 /// side 1 transforms and echoes).
-fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize], gpu_rounds: bool) -> String {
+fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usize], engine: Engine) -> String {
     let stream = Stream::new().unwrap();
     let err = PinnedBuf::new(8).unwrap();
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
@@ -446,8 +446,8 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
     let mut failure: Option<String> = None;
     for (i, &n) in sizes.iter().enumerate() {
         let (a, b) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
-        let pp =
-            |dir| PrepareParams { dir, tag: 100 + i as u64 + 1000 * gpu_rounds as u64, partitions: None, memory_type: None, gpu_rounds };
+        let tag = 100 + i as u64 + 1000 * engine as u64;
+        let pp = |dir| PrepareParams { dir, tag, partitions: None, memory_type: None, engine };
         // SAFETY: the buffers outlive the preparations (dropped first, at the end of the size,
         // after the stream finished every round).
         let (tx, rx) = unsafe {
@@ -463,6 +463,18 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
                 )
             }
         };
+        // The engine the pair runs on (fixed at pairing): what was asked, or what the table
+        // chose for `Auto`: the GPU unless GSC_ENGINE=proxy (every size here is within the
+        // default GSC_ENGINE_GPU_MAX), except for a receive written in place (over 64 KiB) in
+        // an allocation under 2 MiB, which the peer may not be able to open (`shares_a_block`).
+        let gpu_rounds = tx.runs_on_gpu().unwrap();
+        let expected = match engine {
+            Engine::Auto => std::env::var("GSC_ENGINE").map_or(true, |e| e != "proxy") && !(65_536 < n && n < 2 << 20),
+            e => e == Engine::Gpu,
+        };
+        if gpu_rounds != expected || rx.runs_on_gpu().unwrap() != gpu_rounds {
+            failure.get_or_insert(format!("size {n}: {engine:?} ran on the GPU: {gpu_rounds} (expected {expected})"));
+        }
         let mut reqs = Vec::new();
         // A start that fails ends the scenario with its error (not a panic: the rounds already
         // issued are still waited for, so nothing is freed under the GPU).
@@ -513,6 +525,56 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
     failure.unwrap_or_default() + &verdict(&statuses, pinned_u64(&err))
 }
 
+/// Prepared transfers started from the host (no condition) with the engine the table picks:
+/// both sides exchange HOST_ROUNDS rounds, each side's send and receive waited for on the host,
+/// the data checked by a kernel after each. With GPU rounds a host start runs our kernel on a
+/// stream of the transfer's own and completes when it ended.
+fn prepared_host_starts(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
+    const HOST_ROUNDS: u64 = 50;
+    let stream = Stream::new().unwrap();
+    let err = PinnedBuf::new(8).unwrap();
+    let mut out = String::new();
+    for (i, n) in [8usize, 4096, 1 << 20].into_iter().enumerate() {
+        let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
+        let pp = |dir| PrepareParams { dir, tag: 9100 + i as u64, partitions: None, memory_type: None, engine: Engine::Auto };
+        // SAFETY: both buffers outlive the pair (dropped after its last round was waited for).
+        let (tx, rx) = unsafe {
+            (
+                ep.prepare(src.ptr() as *mut u8, n, pp(Direction::Send)).unwrap(),
+                ep.prepare(dst.ptr() as *mut u8, n, pp(Direction::Recv)).unwrap(),
+            )
+        };
+        let on_gpu = tx.runs_on_gpu().unwrap();
+        for r in 0..HOST_ROUNDS {
+            k.fill.launch(grid(n), 256, &stream, &[src.ptr(), n as u64, 10 * r + side]).unwrap();
+            stream.synchronize().unwrap();
+            let (hr, hs) = match (rx.start(RequestParams::default()), tx.start(RequestParams::default())) {
+                (Ok(a), Ok(b)) => (pending_or_done(a), pending_or_done(b)),
+                other => {
+                    out += &format!("{n} B round {r}: starts {other:?}; ");
+                    break;
+                }
+            };
+            // A second start while the first is in flight is refused, like any unconditioned start.
+            if let (Some(_), Err(e)) = (hs, tx.start(RequestParams::default())) {
+                if e.status() != Status::Busy {
+                    out += &format!("{n} B: second start gave {e}; ");
+                }
+            }
+            let statuses = wait_all(w, hr.into_iter().chain(hs).collect());
+            if statuses.iter().any(|s| *s != Status::Ok) {
+                out += &format!("{n} B round {r}: {statuses:?}; ");
+                break;
+            }
+            k.check.launch(grid(n), 256, &stream, &[dst.ptr(), n as u64, 10 * r + (1 - side), 0, err.device_ptr()]).unwrap();
+            stream.synchronize().unwrap();
+        }
+        eprintln!("side {side}: {HOST_ROUNDS} host-started rounds of {n} B, on the GPU: {on_gpu}");
+        drop((tx, rx));
+    }
+    out + &verdict(&[], pinned_u64(&err))
+}
+
 /// A prepared send of `src` on `to` and receive into `dst` on `from`, `len` bytes, `tag`. Every
 /// caller keeps both buffers alive, untouched outside rounds, until it drops the pair after its
 /// last round.
@@ -525,7 +587,8 @@ fn prepare_pair(
     tag: u64,
     gpu_rounds: bool,
 ) -> (gscomm::Prepared, gscomm::Prepared) {
-    let pp = |dir| PrepareParams { dir, tag, partitions: None, memory_type: None, gpu_rounds };
+    let engine = if gpu_rounds { Engine::Gpu } else { Engine::Proxy };
+    let pp = |dir| PrepareParams { dir, tag, partitions: None, memory_type: None, engine };
     // SAFETY: the callers' contract above.
     unsafe {
         (
@@ -594,7 +657,7 @@ fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
     let err = PinnedBuf::new(8).unwrap();
     let buf = DeviceBuf::new(N).unwrap();
     let dir = if side == 0 { Direction::Send } else { Direction::Recv };
-    let pp = PrepareParams { dir, tag: 6000, partitions: Some(PARTS), memory_type: None, gpu_rounds: true };
+    let pp = PrepareParams { dir, tag: 6000, partitions: Some(PARTS), memory_type: None, engine: Engine::Gpu };
     // SAFETY: `buf` outlives the preparation (dropped first, after the stream finished).
     let p = unsafe { ep.prepare(buf.ptr() as *mut u8, N, pp).unwrap() };
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
@@ -685,6 +748,47 @@ fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     v
 }
 
+/// `prepared_graph` with GPU rounds: each side's send and receive are one `gsc_prep_kernel`
+/// node each (start and done node alike), GRAPH_ROUNDS replays. The two nodes have no edge
+/// between them: the receive's node must announce readiness while the send's may be waiting
+/// for the peer's, as on a stream where the receive starts first.
+fn prepared_gpu_graph(side: u64, ep: &Endpoint, k: &Kern) -> String {
+    let stream = Stream::new().unwrap();
+    let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
+    let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
+    let n = ROUND_BYTES as u64;
+    let (tx, rx) = prepare_pair(ep, ep, &src, &dst, ROUND_BYTES, 9009, true);
+    let g = Graph::new().unwrap();
+    let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
+    let fill = g.add_kernel(k.fill_round, grid(ROUND_BYTES), 256, &[src.ptr(), n, round.device_ptr(), side], &[]).unwrap();
+    let s = armed(tx.start(on(&gc, true)).unwrap());
+    let r = armed(rx.start(on(&gc, true)).unwrap());
+    g.add_dependency(fill, s.start_node).unwrap();
+    let bump = g.add_kernel(k.bump, 1, 1, &[round.device_ptr()], &[s.done_node, r.done_node]).unwrap();
+    g.add_kernel(k.check_round, grid(ROUND_BYTES), 256, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[bump]).unwrap();
+    let exec = g.instantiate().unwrap();
+    let t0 = Instant::now();
+    for _ in 0..GRAPH_ROUNDS {
+        exec.launch(&stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let dt = t0.elapsed();
+    eprintln!(
+        "side {side}: {GRAPH_ROUNDS} GPU-round graph replays in {dt:?} ({:.1} us/replay)",
+        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+    );
+    let rounds = pinned_u64(&round);
+    let mut v = verdict(&[], pinned_u64(&err));
+    if rounds != GRAPH_ROUNDS as u64 {
+        v += &format!(" rounds={rounds}");
+    }
+    if tx.gpu_error().ok() != Some(0) || rx.gpu_error().ok() != Some(0) {
+        v += &format!(" gpu_error={:?}/{:?}", tx.gpu_error(), rx.gpu_error());
+    }
+    drop((tx, rx));
+    v
+}
+
 fn pending_or_done(s: Started) -> Option<u64> {
     match s {
         Started::Pending(h) => Some(h),
@@ -729,15 +833,19 @@ fn scenarios(
     run("mixed_staging", &mut || mixed_staging(side, w, ep, k));
     run("staged_shapes", &mut || staged_shapes(side, w, ep, k, SHAPES));
     run("staged_shapes_64k", &mut || staged_shapes(side, staged.0, staged.1, k, SHAPES_64K));
-    run("prepared_stream_ipc", &mut || prepared_stream(side, w, ep, k, PREPARED_SIZES, false));
-    run("prepared_stream_staged", &mut || prepared_stream(side, staged.0, staged.1, k, PREPARED_SIZES, false));
+    run("prepared_stream_ipc", &mut || prepared_stream(side, w, ep, k, PREPARED_SIZES, Engine::Proxy));
+    run("prepared_stream_staged", &mut || prepared_stream(side, staged.0, staged.1, k, PREPARED_SIZES, Engine::Proxy));
+    // The engine the table picks by default (GSC_ENGINE, run with =gpu and =proxy too).
+    run("prepared_stream_auto", &mut || prepared_stream(side, w, ep, k, PREPARED_SIZES, Engine::Auto));
+    run("prepared_host_starts", &mut || prepared_host_starts(side, w, ep, k));
     // Receives above 64 KiB are written in place: a buffer of its own allocation (16 MiB).
     // 8 B and 1001 B travel as LL words, 4 KiB and 64 KiB staged as bytes.
-    run("prepared_gpu_rounds", &mut || prepared_stream(side, w, ep, k, &[8, 1001, 4096, 65_536, 16 << 20], true));
+    run("prepared_gpu_rounds", &mut || prepared_stream(side, w, ep, k, &[8, 1001, 4096, 65_536, 16 << 20], Engine::Gpu));
     run("prepared_gpu_rounds_captured", &mut || prepared_gpu_rounds_captured(side, k, ep));
     run("prepared_gpu_partitions", &mut || prepared_gpu_partitions(side, ep, k));
     run("prepared_gpu_kernel_rounds", &mut || prepared_gpu_kernel_rounds(side, ep, k));
     run("prepared_graph", &mut || prepared_graph(side, w, ep, k));
+    run("prepared_gpu_graph", &mut || prepared_gpu_graph(side, ep, k));
     out
 }
 

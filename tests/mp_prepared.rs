@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 const T: Duration = Duration::from_secs(60);
 
 fn params(dir: Direction, tag: u64, partitions: Option<usize>) -> PrepareParams {
-    PrepareParams { dir, tag, partitions, memory_type: None, gpu_rounds: false }
+    PrepareParams { dir, tag, partitions, memory_type: None, engine: gscomm::Engine::Auto }
 }
 
 /// Prepare over `buf` (which the caller keeps alive and untouched during rounds).

@@ -5,7 +5,7 @@ use super::handles;
 use super::panic::ffi_guard;
 use super::params::{self, MEMORY_TYPE_CUDA, MEMORY_TYPE_HOST, OpKind, RequestParam};
 use super::worker::CEp;
-use crate::core::{Direction, Endpoint, PrepareParams, Prepared};
+use crate::core::{Direction, Endpoint, Engine, PrepareParams, Prepared};
 use crate::error::{Error, Result};
 use crate::protocols::MemType;
 use std::ffi::{c_int, c_void};
@@ -16,6 +16,8 @@ pub(crate) const BUFFER_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 1;
 pub(crate) const BUFFER_PARAM_FIELD_FLAGS: u64 = 1 << 2;
 const BUFFER_PARAM_ALL: u64 = (1 << 3) - 1;
 pub(crate) const PREPARE_FLAG_GPU_ROUNDS: u64 = 1 << 0;
+pub(crate) const PREPARE_FLAG_PROXY: u64 = 1 << 1;
+const PREPARE_FLAGS_ALL: u64 = PREPARE_FLAG_GPU_ROUNDS | PREPARE_FLAG_PROXY;
 pub(crate) const PREPARE_SEND: u32 = 0;
 pub(crate) const PREPARE_RECV: u32 = 1;
 
@@ -67,11 +69,20 @@ unsafe fn convert(param: *const BufferParam) -> Result<(*mut u8, usize, PrepareP
         None
     };
     let flags = if p.field_mask & BUFFER_PARAM_FIELD_FLAGS != 0 { p.flags } else { 0 };
-    if flags & !PREPARE_FLAG_GPU_ROUNDS != 0 {
-        return Err(Error::invalid_param(format!("unknown gsc_buffer_param_t.flags bits {:#x}", flags & !PREPARE_FLAG_GPU_ROUNDS)));
+    if flags & !PREPARE_FLAGS_ALL != 0 {
+        return Err(Error::invalid_param(format!("unknown gsc_buffer_param_t.flags bits {:#x}", flags & !PREPARE_FLAGS_ALL)));
     }
-    let gpu_rounds = flags & PREPARE_FLAG_GPU_ROUNDS != 0;
-    Ok((p.buffer as *mut u8, p.length, PrepareParams { dir, tag: p.tag, partitions, memory_type, gpu_rounds }))
+    let engine = match (flags & PREPARE_FLAG_GPU_ROUNDS != 0, flags & PREPARE_FLAG_PROXY != 0) {
+        (true, true) => {
+            return Err(Error::invalid_param(
+                "gsc_buffer_param_t.flags: GSC_PREPARE_FLAG_GPU_ROUNDS and GSC_PREPARE_FLAG_PROXY exclude each other",
+            ));
+        }
+        (true, false) => Engine::Gpu,
+        (false, true) => Engine::Proxy,
+        (false, false) => Engine::Auto,
+    };
+    Ok((p.buffer as *mut u8, p.length, PrepareParams { dir, tag: p.tag, partitions, memory_type, engine }))
 }
 
 /// Prepare on `ep` and register the handle as the endpoint's child.
@@ -120,7 +131,7 @@ pub unsafe extern "C" fn gsc_tag_send_init(
     prepared_p: *mut *mut CPrepared,
 ) -> c_int {
     ffi_guard("gsc_tag_send_init", || {
-        let params = PrepareParams { dir: Direction::Send, tag, partitions: None, memory_type: None, gpu_rounds: false };
+        let params = PrepareParams { dir: Direction::Send, tag, partitions: None, memory_type: None, engine: Engine::Auto };
         // SAFETY: forwarded caller contract (a send only reads its buffer).
         unsafe { prepare_into(ep, buffer as *mut u8, count, params, prepared_p) }.map(|()| 0)
     })
@@ -140,7 +151,7 @@ pub unsafe extern "C" fn gsc_tag_recv_init(
     prepared_p: *mut *mut CPrepared,
 ) -> c_int {
     ffi_guard("gsc_tag_recv_init", || {
-        let params = PrepareParams { dir: Direction::Recv, tag, partitions: None, memory_type: None, gpu_rounds: false };
+        let params = PrepareParams { dir: Direction::Recv, tag, partitions: None, memory_type: None, engine: Engine::Auto };
         // SAFETY: forwarded caller contract.
         unsafe { prepare_into(ep, buffer as *mut u8, count, params, prepared_p) }.map(|()| 0)
     })
@@ -223,6 +234,24 @@ pub unsafe extern "C" fn gsc_prepared_gpu_error(prepared: *mut CPrepared, round:
         let r = p.gpu_error()?;
         // SAFETY: checked non-NULL; caller contract says writable.
         unsafe { round.write(r) };
+        Ok(0)
+    })
+}
+
+/// `gsc_prepared_on_gpu`
+///
+/// # Safety
+/// `on_gpu` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_prepared_on_gpu(prepared: *mut CPrepared, on_gpu: *mut c_int) -> c_int {
+    ffi_guard("gsc_prepared_on_gpu", || {
+        if on_gpu.is_null() {
+            return Err(Error::invalid_param("gsc_prepared_on_gpu: on_gpu is NULL"));
+        }
+        let p: Arc<Prepared> = handles::get(prepared as *const c_void)?;
+        let on = p.runs_on_gpu()?;
+        // SAFETY: checked non-NULL; caller contract says writable.
+        unsafe { on_gpu.write(c_int::from(on)) };
         Ok(0)
     })
 }

@@ -75,6 +75,7 @@ fn header_bits_equal_the_rust_constants() {
         ("GSC_BUFFER_PARAM_FIELD_MEMORY_TYPE", super::prepared::BUFFER_PARAM_FIELD_MEMORY_TYPE),
         ("GSC_BUFFER_PARAM_FIELD_FLAGS", super::prepared::BUFFER_PARAM_FIELD_FLAGS),
         ("GSC_PREPARE_FLAG_GPU_ROUNDS", super::prepared::PREPARE_FLAG_GPU_ROUNDS),
+        ("GSC_PREPARE_FLAG_PROXY", super::prepared::PREPARE_FLAG_PROXY),
     ];
     for (name, v) in expect {
         assert_eq!(bits.get(name), Some(&v), "{name}");

@@ -307,23 +307,49 @@ impl Condition {
         }
     }
 
-    /// For a CUDA stream condition: the stream and gscomm's kernels in its context (prepared
-    /// transfers whose rounds run on the GPU launch theirs there).
+    /// For a CUDA stream condition: the stream and gscomm's kernels in its context (where
+    /// prepared transfers' GPU rounds are launched, alone or as a group's; graph conditions add
+    /// theirs as nodes instead, see `gpu_round`).
     pub(crate) fn stream_kernels(&self) -> Result<StreamKernels> {
         match self.inner.producer {
             Producer::CudaStream { stream, ctx } => Ok(StreamKernels { stream, kernels: self.kernels(ctx)? }),
-            _ => Err(Error::unsupported(format!(
-                "a prepared transfer with GPU rounds starts on a CUDA stream (or a stream being captured), not on a {} condition",
+            _ => Err(Error::unsupported(format!("a {} condition has no CUDA stream to launch GPU rounds on", self.inner.category.name()))),
+        }
+    }
+
+    /// A prepared transfer's round on the GPU (`round`). On a stream condition see
+    /// `stream_gpu_round` (no outputs). On a graph condition: one node that both starts and
+    /// completes the round, handed back as the start and the done node for the user to wire (a
+    /// receive's node announces readiness, waits and copies out, so there is no wait to defer:
+    /// `deferred` is refused).
+    pub(crate) fn gpu_round(&self, round: crate::cuda::PrepArgs, deferred: Option<crate::cuda::PrepArgs>) -> Result<ArmedOutputs> {
+        match self.inner.producer {
+            Producer::CudaStream { .. } => self.stream_gpu_round(round, deferred).map(|()| ArmedOutputs::default()),
+            Producer::Graph { graph, ctx } => {
+                if deferred.is_some() {
+                    return Err(Error::invalid_param(
+                        "a graph round has no stream wait to defer: a receive on a graph condition waits in its node (start it without no_stream_wait)",
+                    ));
+                }
+                let kernels = self.kernels(ctx)?;
+                // The graph's nodes are built in its condition's context (see `Producer::Graph`).
+                let _scope = crate::cuda::CtxScope::enter(crate::cuda::raw(ctx))?;
+                let node = crate::cuda::add_prep_node(&kernels, crate::cuda::raw(graph), &round)? as usize;
+                Ok(ArmedOutputs { start_node: node, done_node: node, device_handle: 0 })
+            }
+            Producer::KernelTriggered { .. } | Producer::Host(_) => Err(Error::unsupported(format!(
+                "a prepared transfer with GPU rounds cannot start on a {} condition: drive it from a kernel with the device API \
+                 on Prepared::device_handle (gsc_prep_ready/gsc_prep_send/gsc_prep_wait, gsc_pready in gsc_device.cuh), start it \
+                 on a CUDA stream or graph condition, or prepare it with the proxy engine (GSC_ENGINE=proxy)",
                 self.inner.category.name()
             ))),
         }
     }
 
-    /// A prepared transfer's round on the GPU (`round`), on this stream: launched now, or, in
-    /// an open group, at its end together with the group's other rounds (one launch: every
-    /// receive's readiness, then the sends, then the waits). `deferred`: a receive's wait that
-    /// goes on the stream at the next `wait` instead.
-    pub(crate) fn gpu_round(&self, round: crate::cuda::PrepArgs, deferred: Option<crate::cuda::PrepArgs>) -> Result<()> {
+    /// A GPU round on this stream: launched now, or, in an open group, at its end together with
+    /// the group's other rounds (one launch: every receive's readiness, then the sends, then the
+    /// waits). `deferred`: a receive's wait that goes on the stream at the next `wait` instead.
+    fn stream_gpu_round(&self, round: crate::cuda::PrepArgs, deferred: Option<crate::cuda::PrepArgs>) -> Result<()> {
         let sk = self.stream_kernels()?;
         if round.role != crate::cuda::PREP_SEND
             && round.role != crate::cuda::PREP_BEGIN

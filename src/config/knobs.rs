@@ -12,7 +12,7 @@ use super::parse::{
     self, DURATION_INF_EXPECTED, check_host_port, format_duration, format_selection, format_size, parse_duration, parse_selection,
     parse_tristate, parse_usize,
 };
-use super::{Config, LogLevel, RndvScheme, Subsys, Tristate};
+use super::{Config, Engine, LogLevel, RndvScheme, Subsys, Tristate};
 use crate::transport::LaneKind;
 
 /// One configuration variable.
@@ -48,6 +48,7 @@ pub enum KnobKind {
     Lanes,
     Size,
     RndvScheme,
+    Engine,
     /// An absolute directory.
     Path,
     Tristate,
@@ -79,6 +80,7 @@ impl KnobKind {
             KnobKind::Lanes => format!("all, a list of {} or ^list to exclude", join_names(LaneKind::ALL, LaneKind::name, ",")),
             KnobKind::Size => "bytes, or with a unit K, M, G (1K = 1024) such as 64K".to_string(),
             KnobKind::RndvScheme => join_names(RndvScheme::ALL, RndvScheme::name, "|"),
+            KnobKind::Engine => join_names(Engine::ALL, Engine::name, "|"),
             KnobKind::Path => "absolute directory".to_string(),
             KnobKind::Tristate => "auto|on|off (also yes/no, y/n, true/false, 1/0)".to_string(),
             KnobKind::Bool => "on|off (also yes/no, y/n, true/false, 1/0); empty: off".to_string(),
@@ -357,6 +359,32 @@ pub(super) static KNOBS: &[Knob] = &[
             Ok(())
         },
         show: |c| c.cuda_pdl.name().to_string(),
+    },
+    Knob {
+        name: "GSC_ENGINE",
+        default: "auto",
+        doc: "Who runs prepared transfers' rounds: auto (the GPU itself where both buffers are \
+              GPU memory on peers reachable through CUDA IPC, up to GSC_ENGINE_GPU_MAX bytes; the \
+              proxy thread elsewhere), gpu (the GPU wherever it can, any size), proxy (always the \
+              proxy, even for transfers that asked for GPU rounds). gsc-info -p prints the table",
+        kind: KnobKind::Engine,
+        parse: |c, v| {
+            c.engine = Engine::parse(v)?;
+            Ok(())
+        },
+        show: |c| c.engine.name().to_string(),
+    },
+    Knob {
+        name: "GSC_ENGINE_GPU_MAX",
+        default: "16M",
+        doc: "Largest prepared transfer GSC_ENGINE=auto runs on the GPU (larger ones: the proxy \
+              and the copy engine)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.engine_gpu_max = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.engine_gpu_max as u64),
     },
     Knob {
         name: "GSC_CUDA_COPY_STREAMS",

@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use self::knobs::KNOBS;
 pub use self::knobs::{Knob, KnobKind};
+pub(crate) use self::parse::format_size;
 use crate::error::{Error, Result, Status};
 use crate::transport::LaneKind;
 
@@ -175,6 +176,40 @@ impl RndvScheme {
     }
 }
 
+/// Who runs the rounds of prepared transfers (`GSC_ENGINE`): the selection table decides per
+/// transfer (`crate::protocols::select::prepared_engine`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Engine {
+    /// The GPU where the pair can run its rounds there (GPU buffers, peers reachable over
+    /// NVLink/PCIe P2P through CUDA IPC) up to `GSC_ENGINE_GPU_MAX` bytes, the proxy elsewhere.
+    Auto,
+    /// The GPU wherever the pair can, at every size; the proxy elsewhere.
+    Gpu,
+    /// Always the proxy thread (even for transfers that asked for GPU rounds).
+    Proxy,
+}
+
+impl Engine {
+    pub const ALL: &'static [Engine] = &[Engine::Auto, Engine::Gpu, Engine::Proxy];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Auto => "auto",
+            Engine::Gpu => "gpu",
+            Engine::Proxy => "proxy",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Engine, String> {
+        let text = text.trim();
+        Engine::ALL
+            .iter()
+            .copied()
+            .find(|e| e.name().eq_ignore_ascii_case(text))
+            .ok_or_else(|| "expected one of auto, gpu, proxy".to_string())
+    }
+}
+
 /// A feature switch that can also be left to detection (`GSC_CMA`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Tristate {
@@ -237,6 +272,10 @@ pub struct Config {
     pub cuda_ipc: Tristate,
     /// `GSC_CUDA_PDL`
     pub cuda_pdl: Tristate,
+    /// `GSC_ENGINE`
+    pub engine: Engine,
+    /// `GSC_ENGINE_GPU_MAX`, bytes: the largest prepared transfer `Engine::Auto` runs on the GPU.
+    pub engine_gpu_max: usize,
     /// `GSC_CUDA_COPY_STREAMS`, 1..=16.
     pub cuda_copy_streams: usize,
     /// `GSC_CUDA_COPY_SPLIT`, bytes, non-zero.
@@ -303,6 +342,8 @@ impl Default for Config {
             cma: Tristate::Auto,
             cuda_ipc: Tristate::Auto,
             cuda_pdl: Tristate::Auto,
+            engine: Engine::Auto,
+            engine_gpu_max: 16 << 20,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,
             cuda_stage_max: 4 << 10,

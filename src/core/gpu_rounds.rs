@@ -4,8 +4,9 @@
 //! receiver, its buffer's CUDA IPC key. Each side then maps what it writes: the receiver the
 //! sender's control block (to say "ready for round e"), the sender the receiver's control block
 //! and buffer (to write the data and "round e arrived"). A round is one kernel on the user's
-//! stream (`gsc_prep_kernel`, a graph node under capture): the round number lives in the
-//! control block and is bumped by the kernel, so captured rounds replay any number of times.
+//! stream (`gsc_prep_kernel`, a graph node under capture or on a graph condition): the round
+//! number lives in the control block and is bumped by the kernel, so graph rounds replay any
+//! number of times.
 //! A send's kernel waits on its stream until the receiver is ready (so on one stream a receive
 //! should be started before a send, as a halo exchange does); a receive started without a
 //! stream wait puts its wait on the stream at the next `Condition::wait`. Spins give up after
@@ -21,16 +22,20 @@
 //! readiness (the one-way trip of the "ready" word is off the critical path).
 
 use super::prepared::Prepared;
+use super::request::ReqKind;
 use super::request::{RequestParams, Started};
 use super::worker::State;
-use crate::condition::ArmedOutputs;
+use crate::cuda::Kernels;
+use crate::cuda::host_round::{HostRound, RoundStream};
 use crate::cuda::prep_ctl::{CtlBlock, LL_MAX, PEER_WORD, STAGE_MAX, block_bytes, ll_area_bytes, ll_slot_words};
 use crate::cuda::{PREP_BEGIN, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, ipc};
 use crate::error::{Error, Result, Status};
 use crate::protocols::prepared::{DeviceHello, DevicePeer, PrepDir};
-use crate::protocols::{ConnId, MemType};
+use crate::protocols::{Action, Actions, RecvInfo, ReqId};
 use crate::transport::LaneKind;
+use std::sync::Arc;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// What the first start maps: the peer's word we write, where a send's data goes, the peer's
@@ -46,6 +51,7 @@ struct Mapped {
 
 pub(crate) struct GpuSide {
     dir: PrepDir,
+    tag: u64,
     ctl: CtlBlock,
     addr: usize,
     len: usize,
@@ -64,17 +70,67 @@ pub(crate) struct GpuSide {
     mapped: OnceLock<Mapped>,
     /// The kernels' descriptor, written once (`Prepared::device_handle`).
     descriptor: OnceLock<u64>,
+    /// Rounds started from the host run here (created at the first).
+    round_stream: OnceLock<Arc<RoundStream>>,
+    /// A round started from the host is in flight.
+    host_busy: Arc<AtomicBool>,
+}
+
+/// Whether the legacy CUDA IPC allocation `key` names may share its memory block with other
+/// allocations: the driver sub-allocates blocks of 2 MiB, and the peer can open a block only
+/// once (`ipc::map_peer` reports ALREADY_MAPPED for a second allocation in it). The proxy path
+/// survives that by pushing the data in frames; a GPU round cannot, so an offered (not
+/// required) in-place receive in a small allocation leaves its rounds to the proxy.
+fn shares_a_block(key: &[u8]) -> Result<bool> {
+    const BLOCK: u64 = 2 << 20;
+    let key = ipc::DeviceKey::decode(key)?;
+    Ok(matches!(key.kind, ipc::KeyKind::Legacy(_)) && key.size < BLOCK)
+}
+
+/// A round started from the host, until its kernel ended.
+pub(crate) struct HostRoundInFlight {
+    req: ReqId,
+    round: HostRound,
+    ctl: CtlBlock,
+    info: RecvInfo,
+    busy: Arc<AtomicBool>,
+}
+
+/// Complete the host-started rounds whose kernels ended; returns how many did. A kernel that
+/// gave up on the peer (its control block's error word) fails its request with `TimedOut`.
+pub(crate) fn poll_host_rounds(rounds: &mut Vec<HostRoundInFlight>, out: &mut Actions) -> usize {
+    let mut done = 0;
+    let mut i = 0;
+    while i < rounds.len() {
+        let Some(result) = rounds[i].round.poll() else {
+            i += 1;
+            continue;
+        };
+        let r = rounds.swap_remove(i);
+        let status = match result.and_then(|()| r.ctl.error()) {
+            Ok(0) => Status::Ok,
+            Ok(_) => Status::TimedOut,
+            Err(e) => e.status(),
+        };
+        r.busy.store(false, Ordering::Release);
+        out.push(Action::Complete { req: r.req, status, info: r.info });
+        done += 1;
+    }
+    done
 }
 
 impl GpuSide {
+    /// This side's control block and what it announces. Whether GPU rounds are possible at all
+    /// (a GPU buffer, the shm lane with CUDA IPC, peer access) the selection table decided.
+    /// `required`: the GPU rounds were asked for (not only offered).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         st: &State,
-        conn: ConnId,
+        required: bool,
         dir: PrepDir,
+        tag: u64,
         addr: usize,
         len: usize,
-        mem: MemType,
         partitions: Option<usize>,
         timeout: Option<Duration>,
     ) -> Result<(GpuSide, DeviceHello)> {
@@ -85,15 +141,6 @@ impl GpuSide {
         }
         if parts > crate::cuda::prep_ctl::MAX_PARTS {
             return Err(Error::invalid_param(format!("at most {} partitions with rounds on the GPU", crate::cuda::prep_ctl::MAX_PARTS)));
-        }
-        if mem != MemType::Cuda {
-            return Err(Error::invalid_param("rounds on the GPU need a GPU buffer"));
-        }
-        if st.conns[conn].props.lane != LaneKind::Shm {
-            return Err(Error::unsupported("rounds on the GPU run between processes (the shm lane with CUDA IPC)"));
-        }
-        if st.device.ipc == crate::config::Tristate::Off {
-            return Err(Error::unsupported("rounds on the GPU need CUDA IPC (GSC_CUDA_IPC is off)"));
         }
         let device = crate::cuda::memory::device_ptr(addr)?.map(|p| p.device).ok_or_else(|| Error::invalid_param("not GPU memory"))?;
         // A small receive is staged in our slab: the sender maps the slab once for every pair,
@@ -116,16 +163,23 @@ impl GpuSide {
         let (buf_addr, buf_key) = match (dir, stage) {
             (PrepDir::Send, _) => (0, Vec::new()),
             (PrepDir::Recv, Some(stage)) => (stage, ctl.key.clone()),
-            (PrepDir::Recv, None) => (
-                addr as u64,
-                super::device_mem::DeviceMem::send_key(st.device.ipc, LaneKind::Shm, addr, len)
-                    .ok_or_else(|| Error::unsupported("this GPU buffer cannot be shared through CUDA IPC"))?,
-            ),
+            (PrepDir::Recv, None) => {
+                let key = super::device_mem::DeviceMem::send_key(st.device.ipc, LaneKind::Shm, addr, len)
+                    .ok_or_else(|| Error::unsupported("this GPU buffer cannot be shared through CUDA IPC"))?;
+                if !required && shares_a_block(&key)? {
+                    return Err(Error::unsupported(
+                        "a receive written in place in an allocation under 2 MiB: its CUDA memory block may hold other \
+                         allocations the peer opened already, and a block opens once per process (proxy rounds instead)",
+                    ));
+                }
+                (addr as u64, key)
+            }
         };
-        let hello = DeviceHello { ctl_addr: ctl.addr, ctl_key: ctl.key.clone(), buf_addr, buf_key, ll };
+        let hello = DeviceHello { ctl_addr: ctl.addr, ctl_key: ctl.key.clone(), buf_addr, buf_key, ll, proxy_key: Vec::new() };
         let timeout = timeout.unwrap_or(Duration::from_secs(3600));
         let side = GpuSide {
             dir,
+            tag,
             ctl,
             addr,
             len,
@@ -136,16 +190,14 @@ impl GpuSide {
             ll,
             mapped: OnceLock::new(),
             descriptor: OnceLock::new(),
+            round_stream: OnceLock::new(),
+            host_busy: Arc::new(AtomicBool::new(false)),
         };
         Ok((side, hello))
     }
 
-    /// One round on the stream of `params.condition`.
+    /// One round on the stream (or as a node of the graph) of `params.condition`.
     pub(super) fn start(&self, p: &Prepared, params: RequestParams) -> Result<Started> {
-        let cond = params
-            .condition
-            .as_ref()
-            .ok_or_else(|| Error::unsupported("a prepared transfer with GPU rounds starts on a CUDA stream condition, not on the host"))?;
         // The pair must still be there: released here or by the peer, or its link gone, a round
         // would only spin until the timeout.
         p.worker().with_state(|st, _| st.engine.prepared.device_peer(p.id()))?;
@@ -164,7 +216,8 @@ impl GpuSide {
             parts: self.parts as u64,
             ll,
         };
-        match self.dir {
+        let Some(cond) = params.condition.as_ref() else { return self.start_on_host(p, params, args) };
+        let outputs = match self.dir {
             // The user's kernels send the partitions (`gsc_pready`) after this begins the round.
             PrepDir::Send if self.partitioned => cond.gpu_round(PrepArgs { role: PREP_BEGIN, ..args }, None)?,
             PrepDir::Send => cond.gpu_round(args, None)?,
@@ -172,8 +225,53 @@ impl GpuSide {
                 cond.gpu_round(PrepArgs { role: PREP_READY, ..args }, Some(PrepArgs { role: PREP_WAIT, ..args }))?
             }
             PrepDir::Recv => cond.gpu_round(PrepArgs { role: PREP_READY_WAIT, ..args }, None)?,
+        };
+        Ok(Started::Armed(outputs))
+    }
+
+    /// A round started without a condition: our kernel on this side's own stream
+    /// (`cuda::host_round`); the request completes when it ended, as the worker's progress
+    /// finds (`poll_host_rounds`). One such round at a time (`Busy` otherwise), like any start
+    /// without a condition.
+    fn start_on_host(&self, p: &Prepared, params: RequestParams, args: PrepArgs) -> Result<Started> {
+        if self.partitioned && self.dir == PrepDir::Send {
+            return Err(Error::unsupported(
+                "a partitioned send with GPU rounds is begun on a CUDA stream or graph (its partitions are sent by kernels: gsc_pready)",
+            ));
         }
-        Ok(Started::Armed(ArmedOutputs::default()))
+        if self.host_busy.swap(true, Ordering::AcqRel) {
+            return Err(Error::new(Status::Busy, "a round of this prepared transfer started from the host is still in flight"));
+        }
+        let started = self.launch_on_host(p, params, args);
+        if started.is_err() {
+            self.host_busy.store(false, Ordering::Release);
+        }
+        started
+    }
+
+    fn launch_on_host(&self, p: &Prepared, params: RequestParams, args: PrepArgs) -> Result<Started> {
+        let stream = match self.round_stream.get() {
+            Some(s) => s.clone(),
+            None => {
+                let s = Arc::new(RoundStream::new(self.ctl.device)?);
+                self.round_stream.get_or_init(|| s).clone()
+            }
+        };
+        let cache = p.worker().context().config().kernel_cache_dir.clone();
+        let kernels = Kernels::of(crate::cuda::raw(stream.ctx()), cache.as_deref())?;
+        let (kind, role, length) = match self.dir {
+            PrepDir::Send => (ReqKind::Send, PREP_SEND, self.len),
+            PrepDir::Recv => (ReqKind::Recv, PREP_READY_WAIT, args.len as usize),
+        };
+        let info = RecvInfo { tag: self.tag, length };
+        let (ctl, busy) = (self.ctl.clone(), self.host_busy.clone());
+        // No link on the request: a stuck peer ends the round through the kernel's own timeout
+        // (`GSC_TIMEOUT`), not by a blocking wait closing the link.
+        p.worker().start_op(kind, None, params, move |st, req, _| {
+            let round = stream.launch(&kernels, &PrepArgs { role, ..args })?;
+            st.host_rounds.push(HostRoundInFlight { req, round, ctl: ctl.clone(), info, busy: busy.clone() });
+            Ok(())
+        })
     }
 
     /// (the peer's word we write, the peer's buffer for a send), mapped once. Waits (progressing
@@ -260,6 +358,10 @@ impl GpuSide {
         };
         let at = crate::cuda::with_relaxed_capture(|| self.ctl.write_descriptor(&words))?;
         Ok(*self.descriptor.get_or_init(|| at))
+    }
+
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// 0, or the round a kernel of this side gave up on (the peer did not answer in time).

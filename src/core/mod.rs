@@ -16,6 +16,6 @@ pub use address::WorkerAddress;
 pub use context::Context;
 pub use endpoint::{CloseMode, Endpoint};
 pub use memory::{MapRequest, MemHandle, Rkey};
-pub use prepared::{Direction, PrepareParams, Prepared};
+pub use prepared::{Direction, Engine, PrepareParams, Prepared};
 pub use request::{Callback, RequestParams, Started};
 pub use worker::{Completion, Worker, WorkerStats, worker_of_request};

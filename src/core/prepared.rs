@@ -12,8 +12,13 @@ use super::worker::{Worker, check_buffer, resolve_memtype};
 use crate::condition::StageDir;
 use crate::error::{Error, Result, Status};
 use crate::protocols::prepared::{PrepDir, PrepId, PrepSpec};
-use crate::protocols::{ConnId, MemType, UserBuf};
+use crate::protocols::select::{self, EngineQuery};
+use crate::protocols::{ConnId, EngineOffer, MemType, UserBuf};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+pub use crate::config::Engine;
 
 pub use crate::protocols::prepared::PrepDir as Direction;
 
@@ -29,10 +34,12 @@ pub struct PrepareParams {
     pub partitions: Option<usize>,
     /// Declared memory type of the buffer (`None`: detected).
     pub memory_type: Option<MemType>,
-    /// Run the rounds on the GPU: no proxy, no frames per round (see `gpu_rounds.rs`). GPU
-    /// buffers between processes with CUDA IPC; both sides must ask for it; rounds start on a
-    /// CUDA stream (or a stream being captured).
-    pub gpu_rounds: bool,
+    /// Who runs the rounds (`select::prepared_engine` decides with `GSC_ENGINE`): `Auto` lets
+    /// the table choose (the GPU where both sides can, see `gpu_rounds.rs`: no proxy, no
+    /// frames per round); `Gpu` requires GPU rounds (an error where impossible; the peer must
+    /// be able to run them too) — needed when the user's kernels drive the rounds through
+    /// `device_handle`; `Proxy` the proxy thread.
+    pub engine: Engine,
 }
 
 /// A prepared transfer. Each `start` is one round and returns its own request, like any
@@ -48,8 +55,11 @@ pub struct Prepared {
     partitioned: bool,
     /// `release` succeeded: dropping does nothing more.
     released: AtomicBool,
-    /// Rounds on the GPU: this side's control block and what its kernels need.
+    /// This side offered GPU rounds: its control block and what its kernels need (used only
+    /// if the pair runs on the GPU, `on_gpu`).
     pub(super) gpu: Option<GpuSide>,
+    /// Learnt at pairing: the pair's rounds run on the GPU.
+    on_gpu: OnceLock<bool>,
 }
 
 impl Endpoint {
@@ -70,16 +80,38 @@ impl Endpoint {
         let worker = self.worker().clone();
         let timeout = worker.context().config().timeout;
         let stage_max = worker.context().config().cuda_stage_max;
+        let cfg = worker.context().config();
+        let (policy, gpu_max) = (cfg.engine, cfg.engine_gpu_max);
         let (id, conn, gpu) = worker.with_state(|st, out| {
             let conn = key.usable(st)?;
-            let (gpu, hello) = if params.gpu_rounds {
-                let (side, hello) = GpuSide::new(st, conn, params.dir, addr, len, mem, params.partitions, timeout)?;
-                (Some(side), Some(hello))
-            } else {
-                (None, None)
+            let query = EngineQuery {
+                mem,
+                lane: st.conns[conn].props.lane,
+                device_ipc: st.device.ipc != crate::config::Tristate::Off,
+                p2p: mem == MemType::Cuda && crate::cuda::peer_access_everywhere().unwrap_or(false),
+                partitioned: params.partitions.is_some(),
+                len,
+            };
+            let mut offer = select::prepared_engine(policy, gpu_max, params.engine, &query)?;
+            let (gpu, hello) = match offer {
+                EngineOffer::Proxy => (None, None),
+                _ => {
+                    match GpuSide::new(st, offer == EngineOffer::GpuRequired, params.dir, params.tag, addr, len, params.partitions, timeout)
+                    {
+                        Ok((side, hello)) => (Some(side), Some(hello)),
+                        Err(e) if offer == EngineOffer::GpuRequired => return Err(e),
+                        Err(e) => {
+                            // Only offered: the proxy runs this side's rounds instead.
+                            tracing::debug!(target: "gsc::core", error = %e, "GPU rounds not offered");
+                            offer = EngineOffer::Proxy;
+                            (None, None)
+                        }
+                    }
+                }
             };
             let mut device_key = None;
-            if mem == MemType::Cuda && !params.gpu_rounds {
+            // The proxy may run the rounds unless the GPU is required.
+            if mem == MemType::Cuda && offer != EngineOffer::GpuRequired {
                 st.device.prepare_for(addr)?;
                 // A GPU receive buffer is opened to the peer once, here, so each round's data
                 // can be written into it by the sender's copy engine.
@@ -91,8 +123,7 @@ impl Endpoint {
                 }
             }
             let buf = UserBuf { addr, len, mem };
-            let spec =
-                PrepSpec { dir: params.dir, conn, tag: params.tag, buf, partitions: params.partitions, gpu_rounds: params.gpu_rounds };
+            let spec = PrepSpec { dir: params.dir, conn, tag: params.tag, buf, partitions: params.partitions, engine: offer };
             Ok((st.engine.prepared.prepare(out, spec, device_key, hello)?, conn, gpu))
         })?;
         Ok(Prepared {
@@ -104,6 +135,7 @@ impl Endpoint {
             partitioned: params.partitions.is_some(),
             released: AtomicBool::new(false),
             gpu,
+            on_gpu: OnceLock::new(),
         })
     }
 }
@@ -124,7 +156,7 @@ impl Prepared {
     /// Start one round. Without a condition a round must not be in flight (`Busy`); with one,
     /// rounds triggered while another is in flight run after it, in order.
     pub fn start(&self, params: RequestParams) -> Result<Started> {
-        if let Some(gpu) = &self.gpu {
+        if let Some(gpu) = self.gpu_side()? {
             return gpu.start(self, params);
         }
         let id = self.id;
@@ -163,19 +195,42 @@ impl Prepared {
     /// kernels pass to `gsc_pready` (a partitioned send) and `gsc_parrived` (a partitioned
     /// receive) from include/gsc_device.cuh. Waits for the peer to have prepared.
     pub fn device_handle(&self) -> Result<u64> {
-        match &self.gpu {
-            Some(g) => g.device_handle(self),
-            None => Err(Error::invalid_param("this prepared transfer does not run its rounds on the GPU")),
+        self.gpu_side()?.ok_or_else(not_on_gpu)?.device_handle(self)
+    }
+
+    /// Whether the pair's rounds run on the GPU (waits for the peer to have prepared, up to
+    /// `GSC_TIMEOUT`, when this side offered them).
+    pub fn runs_on_gpu(&self) -> Result<bool> {
+        Ok(self.gpu_side()?.is_some())
+    }
+
+    /// This side's GPU rounds, if the pair runs on the GPU. The engine is fixed at pairing, so a
+    /// side that offered GPU rounds waits for the peer's preparation (progressing the worker)
+    /// the first time.
+    pub(super) fn gpu_side(&self) -> Result<Option<&GpuSide>> {
+        let Some(gpu) = &self.gpu else { return Ok(None) };
+        if let Some(&on) = self.on_gpu.get() {
+            return Ok(on.then_some(gpu));
         }
+        let deadline = Instant::now() + gpu.timeout();
+        let on = loop {
+            if let Some(on) = self.worker.with_state(|st, _| st.engine.prepared.runs_on_gpu(self.id))? {
+                break on;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::new(Status::TimedOut, "the peer did not prepare its side of the transfer"));
+            }
+            if self.worker.progress() == 0 {
+                std::thread::yield_now();
+            }
+        };
+        Ok(self.on_gpu.get_or_init(|| on).then_some(gpu))
     }
 
     /// Rounds on the GPU: 0, or the round a kernel of this side gave up on because the peer
     /// did not answer within `GSC_TIMEOUT` (the pair is unusable after that).
     pub fn gpu_error(&self) -> Result<u64> {
-        match &self.gpu {
-            Some(g) => g.error(),
-            None => Err(Error::invalid_param("this prepared transfer does not run its rounds on the GPU")),
-        }
+        self.gpu_side()?.ok_or_else(not_on_gpu)?.error()
     }
 
     /// Release now: the peer is told, and every later call on this object is an
@@ -185,6 +240,10 @@ impl Prepared {
         self.released.store(true, Ordering::Release);
         Ok(())
     }
+}
+
+fn not_on_gpu() -> Error {
+    Error::invalid_param("this prepared transfer does not run its rounds on the GPU (see GSC_ENGINE and PrepareParams::engine)")
 }
 
 /// Whether stream and graph rounds of a GPU buffer of `len` bytes may be staged: not for

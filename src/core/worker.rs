@@ -106,6 +106,8 @@ pub(crate) struct State {
     /// Receives whose buffered data could not be copied into their (GPU) buffer: their
     /// completion reports this status.
     failed_copies: Vec<(ReqId, Status)>,
+    /// Prepared transfers' GPU rounds started from the host, until their kernels end.
+    pub(crate) host_rounds: Vec<super::gpu_rounds::HostRoundInFlight>,
 }
 
 /// Process-wide table from worker id (the top bits of a request handle) to worker.
@@ -205,6 +207,7 @@ impl Worker {
             device: DeviceMem::new(cfg),
             reads_done: Vec::new(),
             failed_copies: Vec::new(),
+            host_rounds: Vec::new(),
         };
         let id = register_worker_id()?;
         let inner = Arc::new(WorkerInner {
@@ -725,14 +728,19 @@ impl Worker {
         self.finish_blocking(s, OnTimeout::Release)?.into_result().map(|_| ())
     }
 
-    /// Requests in progress (not yet completed) and unexpected messages held, for diagnostics.
+    /// Requests in progress (not yet completed), unexpected messages held and the proxy
+    /// thread's work so far, for diagnostics.
     pub fn stats(&self) -> WorkerStats {
+        let proxy = self.inner.proxy.get().map(Proxy::activity).unwrap_or_default();
         let st = self.lock();
         WorkerStats {
             requests: st.requests.len(),
             in_progress: st.requests.iter().filter(|(_, s)| s.result.is_none()).count(),
             unexpected: st.engine.tag.unexpected_len(),
             connections: st.conns.len(),
+            proxy_armed: proxy.armed,
+            proxy_started: proxy.started,
+            proxy_passes: proxy.passes,
         }
     }
 }
@@ -753,6 +761,15 @@ pub struct WorkerStats {
     pub in_progress: usize,
     pub unexpected: usize,
     pub connections: usize,
+    /// Operations handed to the proxy thread since the worker was created: one per conditioned
+    /// operation issued (a captured or kernel-triggered one counts once, however often it runs).
+    pub proxy_armed: u64,
+    /// Operations the proxy thread started: one per triggered one-shot operation, one per epoch
+    /// of a persistent one. None per iteration: the proxy did no work for the transfers.
+    pub proxy_started: u64,
+    /// Passes of the proxy loop (each checks the triggers and progresses the worker); it keeps
+    /// growing while the proxy spins, so compare it across a window, not for equality.
+    pub proxy_passes: u64,
 }
 
 impl Drop for WorkerInner {
@@ -955,6 +972,9 @@ impl State {
                     Err(e) => self.engine.prepared.write_failed(&mut actions, write.req, e.status()),
                 }
             }
+        }
+        if !self.host_rounds.is_empty() {
+            events += super::gpu_rounds::poll_host_rounds(&mut self.host_rounds, &mut actions);
         }
         if self.polls % 64 == 0 && self.last_peer_check.elapsed() >= self.peer_check_interval {
             self.last_peer_check = Instant::now();

@@ -21,6 +21,7 @@
 pub mod api;
 pub(crate) mod copy;
 mod device_handle;
+pub(crate) mod host_round;
 pub(crate) mod ipc;
 mod kernels;
 pub(crate) mod memory;
@@ -52,6 +53,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuDeviceGet",
     "cuDeviceGetCount",
     "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
     "cuDevicePrimaryCtxRetain",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
@@ -150,6 +152,32 @@ pub fn init() -> Result<()> {
         Ok(())
     })
     .clone()
+}
+
+/// Whether every GPU this process sees can access every other one directly (NVLink or PCIe
+/// P2P), asked once. A process cannot name the GPU a peer process uses (its visible devices
+/// may differ), so GPU-initiated rounds are offered only where every pair here is reachable.
+pub(crate) fn peer_access_everywhere() -> Result<bool> {
+    static ANSWER: OnceLock<std::result::Result<bool, Error>> = OnceLock::new();
+    ANSWER
+        .get_or_init(|| {
+            init()?;
+            let mut n = 0;
+            // SAFETY: a valid out-pointer.
+            check(unsafe { cu::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+            for a in 0..n {
+                for b in (0..n).filter(|&b| b != a) {
+                    let mut yes = 0;
+                    // SAFETY: valid out-pointer; ordinals below the device count are devices.
+                    check(unsafe { cu::cuDeviceCanAccessPeer(&mut yes, a, b) }, "cuDeviceCanAccessPeer")?;
+                    if yes == 0 {
+                        return Ok(false);
+                    }
+                }
+            }
+            Ok(true)
+        })
+        .clone()
 }
 
 /// `Ok` for CUDA_SUCCESS, else an error naming the call and the driver's error.
@@ -431,12 +459,35 @@ fn split_first_chunk(ops: &[OpDesc]) -> (&[OpDesc], &[OpDesc]) {
     ops.split_at(ops.len().min(GROUP_MAX))
 }
 
+/// The grid of a prepared transfer's round: a send's copy takes up to 32 blocks, one per
+/// 64 KiB; every other role is one block.
+fn prep_blocks(args: &PrepArgs) -> u32 {
+    if args.role == PREP_SEND { args.len.div_ceil(64 << 10).clamp(1, 32) as u32 } else { 1 }
+}
+
 /// Launch a prepared transfer's round (`gsc_prep_kernel`) on `stream` (a kernel node when it is
-/// being captured, else a replayed one-node graph: `replay`). A send's copy takes up to 32
-/// blocks, one per 64 KiB.
+/// being captured, else a replayed one-node graph: `replay`), on a grid of `prep_blocks`.
 pub(crate) fn launch_prep(k: &Kernels, stream: usize, args: &PrepArgs) -> Result<()> {
-    let blocks = if args.role == PREP_SEND { args.len.div_ceil(64 << 10).clamp(1, 32) as u32 } else { 1 };
-    replay::launch(k.ctx, k.prep, stream, blocks, args)
+    replay::launch(k.ctx, k.prep, stream, prep_blocks(args), args)
+}
+
+/// Add a prepared transfer's round (`gsc_prep_kernel`, grid as for `launch_prep`) to `graph` as
+/// one kernel node without dependencies; the user wires it. A plain node, no programmatic
+/// dependent launch: the kernel's `gsc_after_previous_kernel` is a no-op without a PDL edge.
+pub(crate) fn add_prep_node(k: &Kernels, graph: cu::CUgraph, args: &PrepArgs) -> Result<cu::CUgraphNode> {
+    // The driver only reads (and copies) the parameter.
+    let mut params = [args as *const PrepArgs as *mut std::ffi::c_void];
+    // SAFETY: zero is a valid value for every field (null pointers, no extra).
+    let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    p.func = k.prep;
+    (p.gridDimX, p.gridDimY, p.gridDimZ) = (prep_blocks(args), 1, 1);
+    (p.blockDimX, p.blockDimY, p.blockDimZ) = (THREADS, 1, 1);
+    p.kernelParams = params.as_mut_ptr();
+    let mut node: cu::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: the user's live graph, no dependencies, and parameters the driver copies (`args`
+    // matches the kernel's one by-value parameter).
+    check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, std::ptr::null(), 0, &p) }, "cuGraphAddKernelNode")?;
+    Ok(node)
 }
 
 /// Sends larger than this in a group get a launch (and a grid) of their own.

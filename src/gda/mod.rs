@@ -7,7 +7,9 @@
 //!   wait word, and the GPUDirect RDMA flush sequence. Unit-tested without a NIC; not yet wired
 //!   into endpoints and not yet run on RDMA hardware (docs/GDA.md lists exactly what has not).
 //!
-//! Not here yet: NVLink put/signal by kernels on prepared transfers (the GPU-round kernels of
-//! src/cuda and src/core/gpu_rounds.rs cover prepared NVLink exchanges for now).
+//! The NVLink engine — prepared transfers whose rounds the GPU runs itself — lives with the
+//! prepared transfers (src/core/gpu_rounds.rs, the kernels in src/cuda and
+//! include/gsc_device.cuh); which engine runs a transfer is the table's choice
+//! (`protocols::select::prepared_engine`, `GSC_ENGINE`).
 
 pub mod verbs;

@@ -15,7 +15,7 @@ pub mod tag;
 pub mod wire;
 
 pub use rma::RegionLookup;
-pub use select::{LaneProps, MemType, ProtoConfig, ProtoId, RndvScheme};
+pub use select::{EngineOffer, EngineQuery, LaneProps, MemType, ProtoConfig, ProtoId, RndvScheme};
 pub use tag::{Action, Actions, ConnId, OutFrame, Payload, ProbeInfo, RecvInfo, ReqId, UserBuf};
 
 use crate::error::{Error, Result, Status};
@@ -111,7 +111,12 @@ pub fn selection_table(cfg: &crate::Config) -> String {
             }
         }
     }
-    select::describe(&proto, &lanes)
+    let mut table = select::describe(&proto, &lanes);
+    // Whether the GPUs reach each other is only known with a driver; without one the table
+    // says so and shows what would run where they do.
+    let p2p = crate::cuda::init().ok().and_then(|()| crate::cuda::peer_access_everywhere().ok());
+    table += &select::describe_engine(cfg.engine, cfg.engine_gpu_max, device_ipc, p2p, &cfg.tls);
+    table
 }
 
 /// What a received frame meant for the link itself.

@@ -21,9 +21,9 @@
 //! Like the rest of src/protocols/, nothing here does I/O: events in, `Action`s out.
 
 use super::idmap::IdMap;
-use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
+use super::select::{self, EngineOffer, LaneProps, MemType, ProtoConfig, ProtoId};
 use super::tag::{Action, Actions, ConnId, OutFrame, OutFrameEq, Payload, RecvInfo, ReqId, UserBuf};
-use super::wire::{Header, PREP_DEVICE, PREP_DIRECT, PREP_GPU_ROUNDS, PREP_LAST, PREP_RECV};
+use super::wire::{Header, PREP_DEVICE, PREP_DIRECT, PREP_GPU_REQUIRED, PREP_GPU_ROUNDS, PREP_LAST, PREP_RECV};
 use crate::error::{Error, Result, Status};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -47,9 +47,10 @@ pub struct PrepSpec {
     /// into `n` equal parts, each sent once `pready` marks it (send side) and reported by
     /// `parrived` (receive side).
     pub partitions: Option<usize>,
-    /// Rounds run on the GPU by kernels (no rounds through this engine): pairing only
-    /// exchanges the control blocks and keys (`DeviceHello`).
-    pub gpu_rounds: bool,
+    /// Whether this side offers (or requires) to run the rounds on the GPU by kernels
+    /// (`select::prepared_engine`). When the pair does (both offered), no round goes through
+    /// this engine: pairing only exchanges the control blocks and keys (`DeviceHello`).
+    pub engine: EngineOffer,
 }
 
 /// What a side whose rounds run on the GPU announces: its control block (address and the key
@@ -64,11 +65,14 @@ pub struct DeviceHello {
     pub buf_key: Vec<u8>,
     /// A receive staged as LL words (the sender writes them instead of bytes and a flag).
     pub ll: bool,
+    /// A receive that only offered GPU rounds: the key that opens its buffer to the sender's
+    /// copy engine in case the pair falls back to proxy rounds (empty: none, frames then).
+    pub proxy_key: Vec<u8>,
 }
 
 impl DeviceHello {
     fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(24 + self.ctl_key.len() + self.buf_key.len());
+        let mut v = Vec::with_capacity(36 + self.ctl_key.len() + self.buf_key.len() + self.proxy_key.len());
         v.extend_from_slice(&self.ctl_addr.to_le_bytes());
         v.extend_from_slice(&self.buf_addr.to_le_bytes());
         for k in [&self.ctl_key, &self.buf_key] {
@@ -76,24 +80,28 @@ impl DeviceHello {
             v.extend_from_slice(k);
         }
         v.extend_from_slice(&u64::from(self.ll).to_le_bytes());
+        v.extend_from_slice(&(self.proxy_key.len() as u32).to_le_bytes());
+        v.extend_from_slice(&self.proxy_key);
         v
     }
 
     fn decode(b: &[u8]) -> Result<DeviceHello> {
         let short = || bad("short GPU-rounds hello");
-        let ctl_addr = u64::from_le_bytes(b.get(..8).ok_or_else(short)?.try_into().expect("8 bytes"));
-        let buf_addr = u64::from_le_bytes(b.get(8..16).ok_or_else(short)?.try_into().expect("8 bytes"));
-        let mut at = 16;
-        let mut key = || -> Result<Vec<u8>> {
-            let n = u32::from_le_bytes(b.get(at..at + 4).ok_or_else(short)?.try_into().expect("4 bytes")) as usize;
-            let k = b.get(at + 4..at + 4 + n).ok_or_else(short)?.to_vec();
-            at += 4 + n;
+        let word = |at: usize| -> Result<u64> { Ok(u64::from_le_bytes(b.get(at..at + 8).ok_or_else(short)?.try_into().expect("8 bytes"))) };
+        let key = |at: &mut usize| -> Result<Vec<u8>> {
+            let n = u32::from_le_bytes(b.get(*at..*at + 4).ok_or_else(short)?.try_into().expect("4 bytes")) as usize;
+            let k = b.get(*at + 4..*at + 4 + n).ok_or_else(short)?.to_vec();
+            *at += 4 + n;
             Ok(k)
         };
-        let ctl_key = key()?;
-        let buf_key = key()?;
-        let ll = u64::from_le_bytes(b.get(at..at + 8).ok_or_else(short)?.try_into().expect("8 bytes")) != 0;
-        Ok(DeviceHello { ctl_addr, ctl_key, buf_addr, buf_key, ll })
+        let (ctl_addr, buf_addr) = (word(0)?, word(8)?);
+        let mut at = 16;
+        let ctl_key = key(&mut at)?;
+        let buf_key = key(&mut at)?;
+        let ll = word(at)? != 0;
+        at += 8;
+        let proxy_key = key(&mut at)?;
+        Ok(DeviceHello { ctl_addr, ctl_key, buf_addr, buf_key, ll, proxy_key })
     }
 }
 
@@ -136,6 +144,8 @@ struct Prep {
     peer_key: Option<Arc<[u8]>>,
     /// Rounds on the GPU: what the peer announced.
     peer_device: Option<Arc<DeviceHello>>,
+    /// Fixed at pairing: the pair's rounds run on the GPU (both sides offered them).
+    on_gpu: bool,
     /// Send side, fixed at pairing: partitions are written into the receive buffer directly.
     direct: bool,
     /// Pairing showed the two sides cannot work together, or the peer released: every round
@@ -194,7 +204,9 @@ struct Hello {
     worker: u128,
     seq: u64,
     key: Option<Arc<[u8]>>,
+    /// The peer offers GPU rounds (`PREP_GPU_ROUNDS`), and requires them (`PREP_GPU_REQUIRED`).
     device: Option<Arc<DeviceHello>>,
+    gpu_required: bool,
     recv: bool,
     tag: u64,
     peer: Peer,
@@ -304,7 +316,7 @@ impl PreparedEngine {
     /// Create a preparation and announce it to the peer. Checks everything before acting.
     /// `device_key`: for a receive into GPU memory, the key that opens it to the peer (none:
     /// the peer sends frames).
-    /// `gpu`: for `spec.gpu_rounds`, what to announce.
+    /// `gpu`: when `spec.engine` offers GPU rounds, what to announce for them.
     pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec, device_key: Option<Vec<u8>>, gpu: Option<DeviceHello>) -> Result<PrepId> {
         let Some(worker) = self.worker_of(spec.conn) else {
             return Err(Error::new(Status::NotConnected, "prepare on a connection the protocol layer does not know"));
@@ -317,7 +329,7 @@ impl PreparedEngine {
                 return Err(Error::invalid_param(format!("buffer of {} bytes does not split into {n} equal partitions", spec.buf.len)));
             }
         }
-        if spec.gpu_rounds != gpu.is_some() {
+        if spec.engine.offers_gpu() != gpu.is_some() {
             return Err(Error::new(Status::Internal, "GPU rounds need their control block announced"));
         }
         let id = self.next_id;
@@ -343,10 +355,14 @@ impl PreparedEngine {
             flags: if recv { PREP_RECV } else { 0 }
                 | if direct_ok { PREP_DIRECT } else { 0 }
                 | if own_key.is_some() { PREP_DEVICE } else { 0 }
-                | if gpu.is_some() { PREP_GPU_ROUNDS } else { 0 },
+                | if gpu.is_some() { PREP_GPU_ROUNDS } else { 0 }
+                | if spec.engine == EngineOffer::GpuRequired { PREP_GPU_REQUIRED } else { 0 },
         };
-        let key_payload = match (&gpu, &own_key) {
-            (Some(g), _) => Payload::Owned(g.encode()),
+        let key_payload = match (gpu, &own_key) {
+            // The GPU hello carries the proxy rounds' key too, for a pair that falls back.
+            (Some(g), key) => {
+                Payload::Owned(DeviceHello { proxy_key: key.as_deref().map(<[u8]>::to_vec).unwrap_or_default(), ..g }.encode())
+            }
             (None, Some(k)) => Payload::Owned(k.to_vec()),
             (None, None) => Payload::None,
         };
@@ -360,6 +376,7 @@ impl PreparedEngine {
                 peer: None,
                 peer_key: None,
                 peer_device: None,
+                on_gpu: false,
                 direct: false,
                 broken: None,
                 released: false,
@@ -398,9 +415,19 @@ impl PreparedEngine {
             return Err(e.clone());
         }
         Ok(match (p.peer, &p.peer_device) {
-            (Some(peer), Some(d)) => Some(DevicePeer { hello: d.clone(), len: peer.len }),
+            (Some(peer), Some(d)) if p.on_gpu => Some(DevicePeer { hello: d.clone(), len: peer.len }),
             _ => None,
         })
+    }
+
+    /// Which engine runs the pair's rounds, once paired (`None` before): `Some(true)` the GPU.
+    /// The pairing's error if the two sides cannot work together.
+    pub fn runs_on_gpu(&mut self, id: PrepId) -> Result<Option<bool>> {
+        let p = self.live(id)?;
+        if let Some(e) = &p.broken {
+            return Err(e.clone());
+        }
+        Ok(p.peer.map(|_| p.on_gpu))
     }
 
     /// Start a round. `queue`: when a round is in progress, begin this one after it (a
@@ -411,7 +438,8 @@ impl PreparedEngine {
         if round_buf.is_some_and(|b| b.len != p.spec.buf.len) {
             return Err(Error::new(Status::Internal, "a round buffer of another length than the prepared one"));
         }
-        if p.spec.gpu_rounds {
+        if p.on_gpu || (p.peer.is_none() && p.spec.engine.offers_gpu()) {
+            // (Before pairing the engine is not known: the caller waits for pairing first.)
             return Err(Error::new(Status::Internal, "a prepared transfer with GPU rounds has no rounds here"));
         }
         if let Some(e) = &p.broken {
@@ -520,16 +548,25 @@ impl PreparedEngine {
             PrepDir::Send => (p.spec.buf.len, h.peer.len),
             PrepDir::Recv => (h.peer.len, p.spec.buf.len),
         };
-        if p.spec.gpu_rounds && h.device.is_some() && h.peer.partitions != p.spec.parts() {
+        // The engine: the GPU when both sides offered it. A side that required it (its kernels
+        // drive the rounds) cannot do with the proxy.
+        p.on_gpu = p.spec.engine.offers_gpu() && h.device.is_some();
+        let required_here = p.spec.engine == EngineOffer::GpuRequired;
+        if !p.on_gpu {
+            p.peer_device = None;
+        }
+        if !p.on_gpu && (required_here || h.gpu_required) {
+            let (asked, cannot) = if required_here { ("this side", "the peer") } else { ("the peer", "this side") };
+            p.broken = Some(Error::invalid_param(format!(
+                "prepared transfer (tag {:#x}): {asked} requires its rounds on the GPU but {cannot} cannot run them there \
+                 (a host buffer, no CUDA IPC or peer access, or GSC_ENGINE=proxy)",
+                p.spec.tag
+            )));
+        } else if p.on_gpu && h.peer.partitions != p.spec.parts() {
             p.broken = Some(Error::invalid_param(format!(
                 "with rounds on the GPU both sides split alike: {} partitions here, {} at the peer (tag {:#x})",
                 p.spec.parts(),
                 h.peer.partitions,
-                p.spec.tag
-            )));
-        } else if p.spec.gpu_rounds != h.device.is_some() {
-            p.broken = Some(Error::invalid_param(format!(
-                "one side of prepared transfer (tag {:#x}) runs its rounds on the GPU and the other does not",
                 p.spec.tag
             )));
         } else if send_len > recv_len {
@@ -719,12 +756,17 @@ impl PreparedEngine {
                 let partitions = usize::try_from(partitions).ok().filter(|n| *n > 0).ok_or_else(|| bad("zero partitions"))?;
                 let recv = flags & PREP_RECV != 0;
                 let device = if flags & PREP_GPU_ROUNDS != 0 { Some(Arc::new(DeviceHello::decode(payload)?)) } else { None };
-                let key: Option<Arc<[u8]>> =
-                    (device.is_none() && recv && flags & PREP_DEVICE != 0 && !payload.is_empty()).then(|| Arc::from(payload));
+                // The proxy rounds' key: the whole payload, or inside the GPU hello.
+                let key_bytes = match &device {
+                    Some(d) => &d.proxy_key[..],
+                    None => payload,
+                };
+                let key: Option<Arc<[u8]>> = (recv && flags & PREP_DEVICE != 0 && !key_bytes.is_empty()).then(|| Arc::from(key_bytes));
+                let gpu_required = device.is_some() && flags & PREP_GPU_REQUIRED != 0;
                 let direct_ok = recv && flags & PREP_DIRECT != 0;
                 let worker = self.worker_of(conn).ok_or_else(|| bad("hello on an unknown link"))?;
                 let peer = Peer { id, len, partitions, addr: (direct_ok || key.is_some()).then_some(addr), conn };
-                let h = Hello { worker, seq, key, device, recv, tag, peer, direct_ok };
+                let h = Hello { worker, seq, key, device, gpu_required, recv, tag, peer, direct_ok };
                 // Our preparation towards that worker, of the other direction, with this tag
                 // and the same sequence number (a broken one lost its link: it pairs no more).
                 let links = &self.links;

@@ -187,6 +187,119 @@ pub fn describe(cfg: &ProtoConfig, lanes: &[LaneProps]) -> String {
     out
 }
 
+/// Who runs a prepared transfer's rounds (`GSC_ENGINE`, and what a preparation asks for).
+pub use crate::config::Engine;
+
+/// What one side of a prepared transfer announces when it prepares. The pair's rounds run on
+/// the GPU when both sides offer it; a side that required it (its kernels drive the rounds
+/// through the device handle) fails the pair otherwise.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum EngineOffer {
+    /// Only the proxy can run this side's rounds.
+    Proxy,
+    /// This side can run its rounds on the GPU; the proxy if the peer cannot.
+    Gpu,
+    /// This side's rounds must run on the GPU.
+    GpuRequired,
+}
+
+impl EngineOffer {
+    pub fn offers_gpu(self) -> bool {
+        self != EngineOffer::Proxy
+    }
+}
+
+/// What the engine of one side of a prepared transfer depends on.
+#[derive(Copy, Clone, Debug)]
+pub struct EngineQuery {
+    pub mem: MemType,
+    pub lane: LaneKind,
+    /// CUDA IPC may be used (`GSC_CUDA_IPC` is not off).
+    pub device_ipc: bool,
+    /// Every GPU of this process can access every other one directly (NVLink or PCIe P2P), so
+    /// whichever GPU the peer uses, kernels here can write its memory.
+    pub p2p: bool,
+    pub partitioned: bool,
+    pub len: usize,
+}
+
+/// Why the rounds of this side cannot run on the GPU (`None`: they can).
+fn gpu_rounds_impossible(q: &EngineQuery) -> Option<&'static str> {
+    if q.mem != MemType::Cuda {
+        Some(NOT_GPU_MEMORY)
+    } else if q.lane != LaneKind::Shm {
+        Some("rounds on the GPU run between processes (the shm lane with CUDA IPC)")
+    } else if !q.device_ipc {
+        Some("rounds on the GPU need CUDA IPC (GSC_CUDA_IPC is off)")
+    } else if !q.p2p {
+        Some("rounds on the GPU need peer access between the GPUs (NVLink or PCIe P2P)")
+    } else {
+        None
+    }
+}
+
+const NOT_GPU_MEMORY: &str = "rounds on the GPU need a GPU buffer";
+
+/// The engine one side offers for its rounds: `policy` is `GSC_ENGINE`, `gpu_max` is
+/// `GSC_ENGINE_GPU_MAX`, `asked` what the preparation asked for (`Auto`: the table decides;
+/// `Gpu`: required, an error where impossible; `Proxy`: the proxy).
+///
+/// The table: GPU rounds where the pair can run them — GPU buffers, processes on one host with
+/// CUDA IPC, peer access between the GPUs — because a round then costs one kernel per side and
+/// no proxy pass (docs/PERF.md); under `auto` only up to `gpu_max` bytes, above which the copy
+/// engine the proxy drives moves data faster than the round kernel's blocks. (What the buffer's
+/// allocation allows is checked where it is known: `core::gpu_rounds::GpuSide::new`.) Partitioned
+/// transfers run on the GPU only when asked: their partitions are then sent by the user's
+/// kernels (`gsc_pready`), which a program written for host `pready` calls does not do.
+pub fn prepared_engine(policy: Engine, gpu_max: usize, asked: Engine, q: &EngineQuery) -> Result<EngineOffer> {
+    if asked == Engine::Proxy || policy == Engine::Proxy {
+        return Ok(EngineOffer::Proxy);
+    }
+    let impossible = gpu_rounds_impossible(q);
+    if asked == Engine::Gpu {
+        return match impossible {
+            None => Ok(EngineOffer::GpuRequired),
+            // A host buffer is the caller's mistake; the rest is what this machine lacks.
+            Some(why) if why == NOT_GPU_MEMORY => Err(Error::invalid_param(why)),
+            Some(why) => Err(Error::unsupported(why)),
+        };
+    }
+    let too_large = policy == Engine::Auto && q.len > gpu_max;
+    Ok(if impossible.is_some() || q.partitioned || too_large { EngineOffer::Proxy } else { EngineOffer::Gpu })
+}
+
+/// The engine table as text, for `gsc-info -p`: for each lane with CUDA memory, which sizes of
+/// a prepared transfer run on the GPU. `p2p`: whether the GPUs here reach each other (`None`:
+/// unknown, no CUDA driver).
+pub fn describe_engine(policy: Engine, gpu_max: usize, device_ipc: bool, p2p: Option<bool>, lanes: &[LaneKind]) -> String {
+    let mut out = String::new();
+    let p2p_text = match p2p {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "unknown (no CUDA driver; taken as yes)",
+    };
+    let _ = writeln!(
+        out,
+        "# prepared transfers' engine (GSC_ENGINE={}, GSC_ENGINE_GPU_MAX={}; peer access between GPUs: {p2p_text})",
+        policy.name(),
+        crate::config::format_size(gpu_max as u64)
+    );
+    for &lane in lanes {
+        let q = EngineQuery { mem: MemType::Cuda, lane, device_ipc, p2p: p2p.unwrap_or(true), partitioned: false, len: 0 };
+        let _ = write!(out, "[{} lane, cuda memory] ", lane.name());
+        let line = match (gpu_rounds_impossible(&q), policy) {
+            (_, Engine::Proxy) => "proxy at every size".to_string(),
+            (Some(why), _) => format!("proxy at every size ({why})"),
+            (None, Engine::Gpu) => "gpu at every size".to_string(),
+            (None, Engine::Auto) if gpu_max == usize::MAX => "gpu at every size".to_string(),
+            (None, Engine::Auto) => format!("gpu 0 .. {gpu_max}, proxy above"),
+        };
+        let _ = writeln!(out, "{line}; partitioned: gpu only when asked");
+    }
+    let _ = writeln!(out, "[every lane, host memory] proxy");
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,5 +359,50 @@ mod tests {
         assert!(t.contains("rndv_get"));
         assert_eq!(t.matches("rndv_pipeline").count(), 0, "pipeline is unreachable when get covers the range:\n{t}");
         assert_eq!(t.matches("rndv_get").count(), 2, "host and cuda blocks:\n{t}");
+    }
+
+    #[test]
+    fn prepared_engine_table_picks_the_gpu_only_where_the_pair_can_run_it() {
+        let gpu_ok = EngineQuery { mem: MemType::Cuda, lane: LaneKind::Shm, device_ipc: true, p2p: true, partitioned: false, len: 8 };
+        let max = 1 << 20;
+        let pick = |policy, asked, q: &EngineQuery| prepared_engine(policy, max, asked, q);
+        assert_eq!(pick(Engine::Auto, Engine::Auto, &gpu_ok).unwrap(), EngineOffer::Gpu);
+        assert_eq!(pick(Engine::Auto, Engine::Auto, &EngineQuery { len: max, ..gpu_ok }).unwrap(), EngineOffer::Gpu);
+        assert_eq!(pick(Engine::Auto, Engine::Auto, &EngineQuery { len: max + 1, ..gpu_ok }).unwrap(), EngineOffer::Proxy);
+        // `gpu` ignores the size limit; `proxy` wins over everything, even an explicit request.
+        assert_eq!(pick(Engine::Gpu, Engine::Auto, &EngineQuery { len: max + 1, ..gpu_ok }).unwrap(), EngineOffer::Gpu);
+        assert_eq!(pick(Engine::Proxy, Engine::Auto, &gpu_ok).unwrap(), EngineOffer::Proxy);
+        assert_eq!(pick(Engine::Proxy, Engine::Gpu, &gpu_ok).unwrap(), EngineOffer::Proxy);
+        assert_eq!(pick(Engine::Gpu, Engine::Proxy, &gpu_ok).unwrap(), EngineOffer::Proxy);
+        // Asked for: required, at any size, partitioned too.
+        let big_parts = EngineQuery { len: max + 1, partitioned: true, ..gpu_ok };
+        assert_eq!(pick(Engine::Auto, Engine::Gpu, &big_parts).unwrap(), EngineOffer::GpuRequired);
+        // Partitioned: only when asked.
+        assert_eq!(pick(Engine::Gpu, Engine::Auto, &EngineQuery { partitioned: true, ..gpu_ok }).unwrap(), EngineOffer::Proxy);
+        // Where the GPU cannot run the rounds: the proxy, or an error naming why when asked.
+        let impossible = [
+            (EngineQuery { mem: MemType::Host, ..gpu_ok }, "GPU buffer"),
+            (EngineQuery { lane: LaneKind::Loopback, ..gpu_ok }, "between processes"),
+            (EngineQuery { device_ipc: false, ..gpu_ok }, "GSC_CUDA_IPC"),
+            (EngineQuery { p2p: false, ..gpu_ok }, "peer access"),
+        ];
+        for (q, why) in impossible {
+            assert_eq!(pick(Engine::Gpu, Engine::Auto, &q).unwrap(), EngineOffer::Proxy, "{q:?}");
+            let e = pick(Engine::Auto, Engine::Gpu, &q).unwrap_err();
+            assert!(e.to_string().contains(why), "{q:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn engine_table_text_follows_the_knobs() {
+        let lanes = [LaneKind::Loopback, LaneKind::Shm];
+        let t = describe_engine(Engine::Auto, 64 << 20, true, Some(true), &lanes);
+        assert!(t.contains("GSC_ENGINE=auto, GSC_ENGINE_GPU_MAX=64M"), "{t}");
+        assert!(t.contains("[shm lane, cuda memory] gpu 0 .. 67108864, proxy above"), "{t}");
+        assert!(t.contains("[loopback lane, cuda memory] proxy at every size (rounds on the GPU run between processes"), "{t}");
+        let t = describe_engine(Engine::Gpu, 64 << 20, true, Some(false), &lanes);
+        assert!(t.contains("[shm lane, cuda memory] proxy at every size (rounds on the GPU need peer access"), "{t}");
+        let t = describe_engine(Engine::Proxy, 64 << 20, true, None, &lanes);
+        assert!(t.contains("unknown") && t.contains("[shm lane, cuda memory] proxy at every size;"), "{t}");
     }
 }

@@ -557,6 +557,7 @@ fn host_rts_into_a_gpu_buffer_is_pushed() {
 // ---- prepared transfers -------------------------------------------------------------------
 
 use prepared::{PrepDir, PrepId, PrepSpec};
+use select::EngineOffer;
 
 impl Pair {
     /// Prepare on side `s` a transfer of `len` bytes (buffer filled with 0xEE plus a 64-byte
@@ -564,7 +565,7 @@ impl Pair {
     fn prepare(&mut self, s: usize, dir: PrepDir, len: usize, tag: u64, partitions: Option<usize>) -> (PrepId, usize) {
         let addr = self.sides[s].mem.alloc(vec![0xEE; len + 64]);
         let mut out = Actions::new();
-        let spec = PrepSpec { dir, conn: 0, tag, buf: UserBuf::host(addr, len), partitions, gpu_rounds: false };
+        let spec = PrepSpec { dir, conn: 0, tag, buf: UserBuf::host(addr, len), partitions, engine: EngineOffer::Proxy };
         let id = self.sides[s].engine.prepared.prepare(&mut out, spec, None, None).unwrap();
         self.run(s, out, None);
         (id, addr)
@@ -737,7 +738,8 @@ fn prepared_misuse_and_failures_end_rounds_with_clear_errors() {
         assert_eq!(e.status(), Status::MessageTruncated, "{e}");
     }
     // Unequal partitions are refused at prepare time.
-    let spec = PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf::host(0x1000, 10), partitions: Some(3), gpu_rounds: false };
+    let spec =
+        PrepSpec { dir: PrepDir::Send, conn: 0, tag: 1, buf: UserBuf::host(0x1000, 10), partitions: Some(3), engine: EngineOffer::Proxy };
     assert_eq!(p.sides[0].engine.prepared.prepare(&mut Actions::new(), spec, None, None).unwrap_err().status(), Status::InvalidParam);
 
     // Busy: a second host start and a release while a round is in flight change nothing.
@@ -861,7 +863,7 @@ fn prepared_gpu_receive_is_written_through_its_key_and_without_one_in_frames() {
             tag: 1,
             buf: UserBuf { addr: saddr, len: size, mem: MemType::Cuda },
             partitions: None,
-            gpu_rounds: false,
+            engine: EngineOffer::Proxy,
         };
         let mut out = Actions::new();
         let send = p.sides[0].engine.prepared.prepare(&mut out, spec, None, None).unwrap();
@@ -873,7 +875,7 @@ fn prepared_gpu_receive_is_written_through_its_key_and_without_one_in_frames() {
             tag: 1,
             buf: UserBuf { addr: raddr, len: size, mem: MemType::Cuda },
             partitions: None,
-            gpu_rounds: false,
+            engine: EngineOffer::Proxy,
         };
         let mut out = Actions::new();
         let key = with_key.then(|| b"device key".to_vec());
@@ -900,22 +902,25 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
         buf_addr: ctl + 128,
         buf_key: buf_key.to_vec(),
         ll: ctl == 0xB000,
+        proxy_key: Vec::new(),
     };
-    let spec = |dir, addr, gpu_rounds| PrepSpec {
-        dir,
-        conn: 0,
-        tag: 4,
-        buf: UserBuf { addr, len: 64, mem: MemType::Cuda },
-        partitions: None,
-        gpu_rounds,
-    };
+    let spec =
+        |dir, addr, engine| PrepSpec { dir, conn: 0, tag: 4, buf: UserBuf { addr, len: 64, mem: MemType::Cuda }, partitions: None, engine };
     let mut p = Pair::new(cfg(), false, 1024);
     let mut out = Actions::new();
-    let s = p.sides[0].engine.prepared.prepare(&mut out, spec(PrepDir::Send, 0x1000, true), None, Some(gpu(0xA000, b""))).unwrap();
+    let s = p.sides[0]
+        .engine
+        .prepared
+        .prepare(&mut out, spec(PrepDir::Send, 0x1000, EngineOffer::GpuRequired), None, Some(gpu(0xA000, b"")))
+        .unwrap();
     p.run(0, out, None);
     assert!(p.sides[0].engine.prepared.device_peer(s).unwrap().is_none(), "not paired yet");
     let mut out = Actions::new();
-    let r = p.sides[1].engine.prepared.prepare(&mut out, spec(PrepDir::Recv, 0x2000, true), None, Some(gpu(0xB000, b"buf key"))).unwrap();
+    let r = p.sides[1]
+        .engine
+        .prepared
+        .prepare(&mut out, spec(PrepDir::Recv, 0x2000, EngineOffer::GpuRequired), None, Some(gpu(0xB000, b"buf key")))
+        .unwrap();
     p.run(1, out, None);
     p.pump();
     let to_recv = p.sides[0].engine.prepared.device_peer(s).unwrap().expect("paired");
@@ -928,13 +933,17 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
     // Host rounds are refused for them.
     assert!(p.sides[0].engine.prepared.start(&mut Actions::new(), s, 9, false, None).is_err());
 
-    // Only one side asked for GPU rounds: both sides learn it at pairing.
+    // One side requires GPU rounds, the other cannot run them: both sides learn it at pairing.
     let mut p = Pair::new(cfg(), false, 1024);
     let mut out = Actions::new();
-    let s = p.sides[0].engine.prepared.prepare(&mut out, spec(PrepDir::Send, 0x1000, true), None, Some(gpu(1, b""))).unwrap();
+    let s = p.sides[0]
+        .engine
+        .prepared
+        .prepare(&mut out, spec(PrepDir::Send, 0x1000, EngineOffer::GpuRequired), None, Some(gpu(1, b"")))
+        .unwrap();
     p.run(0, out, None);
     let mut out = Actions::new();
-    let r = p.sides[1].engine.prepared.prepare(&mut out, spec(PrepDir::Recv, 0x2000, false), None, None).unwrap();
+    let r = p.sides[1].engine.prepared.prepare(&mut out, spec(PrepDir::Recv, 0x2000, EngineOffer::Proxy), None, None).unwrap();
     p.run(1, out, None);
     p.pump();
     assert_eq!(p.sides[0].engine.prepared.device_peer(s).unwrap_err().status(), Status::InvalidParam);
@@ -947,6 +956,79 @@ fn gpu_round_pairs_exchange_control_blocks_and_refuse_a_one_sided_choice() {
     frame.extend_from_slice(&[1, 2, 3]);
     let side = &mut p.sides[0];
     assert_eq!(side.engine.on_frame(&mut Actions::new(), 0, &frame, &side.regions).unwrap_err().status(), Status::ConnectionReset);
+}
+
+#[test]
+fn the_engine_is_negotiated_at_pairing_and_falls_back_to_the_proxy_unless_required() {
+    use EngineOffer::{Gpu, GpuRequired, Proxy};
+    use prepared::DeviceHello;
+    let size = 3000;
+    // (send side's offer, receive side's offer, the pair runs on the GPU, pairing fails)
+    let cases = [
+        (Gpu, Gpu, true, false),
+        (GpuRequired, Gpu, true, false),
+        (Gpu, Proxy, false, false),
+        (Proxy, Gpu, false, false),
+        (GpuRequired, Proxy, false, true),
+        (Proxy, GpuRequired, false, true),
+    ];
+    for (send_offer, recv_offer, on_gpu, fails) in cases {
+        let what = format!("send {send_offer:?}, receive {recv_offer:?}");
+        let mut p = Pair::new(cfg(), false, 1024);
+        for side in &mut p.sides {
+            side.engine.add_conn(0, LaneProps { lane: LaneKind::Shm, max_frame: 1024, remote_memory: false, device_ipc: true }, 0);
+        }
+        let hello = |ctl: u64| DeviceHello {
+            ctl_addr: ctl,
+            ctl_key: b"ctl".to_vec(),
+            buf_addr: ctl + 128,
+            buf_key: b"buf".to_vec(),
+            ll: false,
+            proxy_key: Vec::new(),
+        };
+        let saddr = p.sides[0].mem.alloc(pattern(size, 3));
+        let raddr = p.sides[1].mem.alloc(vec![0xEE; size]);
+        let spec = |dir, addr, engine| PrepSpec {
+            dir,
+            conn: 0,
+            tag: 1,
+            buf: UserBuf { addr, len: size, mem: MemType::Cuda },
+            partitions: None,
+            engine,
+        };
+        let mut out = Actions::new();
+        let gpu = send_offer.offers_gpu().then(|| hello(0xA000));
+        let send = p.sides[0].engine.prepared.prepare(&mut out, spec(PrepDir::Send, saddr, send_offer), None, gpu).unwrap();
+        p.run(0, out, None);
+        let mut out = Actions::new();
+        // The receive's key for proxy rounds (direct writes) rides in its GPU hello when it
+        // offered GPU rounds, alone otherwise; a receive that requires them has none.
+        let key = (recv_offer != GpuRequired).then(|| b"device key".to_vec());
+        let gpu = recv_offer.offers_gpu().then(|| hello(0xB000));
+        let recv = p.sides[1].engine.prepared.prepare(&mut out, spec(PrepDir::Recv, raddr, recv_offer), key, gpu).unwrap();
+        p.run(1, out, None);
+        p.pump();
+        for (side, id) in [(0, send), (1, recv)] {
+            let engine = p.sides[side].engine.prepared.runs_on_gpu(id);
+            if fails {
+                assert_eq!(engine.unwrap_err().status(), Status::InvalidParam, "{what}");
+                continue;
+            }
+            assert_eq!(engine.unwrap(), Some(on_gpu), "{what}");
+            assert_eq!(p.sides[side].engine.prepared.device_peer(id).unwrap().is_some(), on_gpu, "{what}");
+        }
+        if fails || on_gpu {
+            assert_eq!(p.frames_in_flight(), 0, "{what}");
+            continue;
+        }
+        // Fallen back to the proxy: a round works, written through the receive's key.
+        let r = p.pstart(1, recv);
+        let s = p.pstart(0, send);
+        p.pump();
+        assert_eq!((p.sides[0].done[&s].0, p.sides[1].done[&r].0), (Status::Ok, Status::Ok), "{what}");
+        assert_eq!(p.sides[1].mem.get(raddr), &pattern(size, 3), "{what}");
+        assert_eq!(p.keys_seen.len(), 1, "{what}: the key reached the sender's writes");
+    }
 }
 
 #[test]
@@ -997,7 +1079,14 @@ fn pairing_follows_each_sides_creation_order_whatever_link_delivers_first() {
             })
             .collect()
     };
-    let spec = |dir, conn| PrepSpec { dir, conn, tag: 9, buf: UserBuf::host(0x1000 * (conn + 1), 8), partitions: None, gpu_rounds: false };
+    let spec = |dir, conn| PrepSpec {
+        dir,
+        conn,
+        tag: 9,
+        buf: UserBuf::host(0x1000 * (conn + 1), 8),
+        partitions: None,
+        engine: EngineOffer::Proxy,
+    };
     let mut out = Actions::new();
     let s1 = a.prepared.prepare(&mut out, spec(PrepDir::Send, 0), None, None).unwrap();
     let hello1 = frames(std::mem::take(&mut out));

@@ -126,9 +126,12 @@ pub const PREP_LAST: u32 = 4;
 /// PrepHello: `addr` is GPU memory and the payload is the key that opens it (see cuda/ipc.rs);
 /// the sender writes it with its copy engine.
 pub const PREP_DEVICE: u32 = 8;
-/// PrepHello: rounds run on the GPU (both sides must say so); the payload is the announcing
-/// side's control block and keys (see `protocols::prepared::DeviceHello`).
+/// PrepHello: the announcing side offers to run the rounds on the GPU (the pair does when both
+/// offer); the payload is its control block and keys (see `protocols::prepared::DeviceHello`).
 pub const PREP_GPU_ROUNDS: u32 = 16;
+/// PrepHello, with `PREP_GPU_ROUNDS`: the announcing side requires GPU rounds (its kernels drive
+/// them): a peer that cannot offer them fails the pair instead of falling back to the proxy.
+pub const PREP_GPU_REQUIRED: u32 = 32;
 
 /// RTS flag: `remote_addr` may be read directly (the lane has remote memory access).
 pub const RTS_REMOTE_MEMORY: u32 = 1;

@@ -13,6 +13,10 @@
 //! next trigger may be hours away, it spins for `GSC_PROXY_SPIN` after the last activity and then
 //! polls every `GSC_PROXY_POLL`. A persistent operation is dropped once only the proxy refers
 //! to its channel (its graphs were destroyed, or its kernel-triggered condition released).
+//!
+//! Accounting: `ProxyCounters` count what the thread did (operations handed over, operations
+//! started, passes), read by `Worker::stats`: they show how much host work a transfer costs,
+//! e.g. none per iteration when the rounds run on the GPU.
 
 use crate::condition::{Channel, LATE_LIMIT, Stage};
 use crate::core::worker::{OpStart, Worker, WorkerInner};
@@ -21,6 +25,7 @@ use crate::log::timeline::{self, Event};
 use crate::protocols::ReqId;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -70,6 +75,33 @@ fn readiness(stage: Option<&Arc<Stage>>, epoch: Option<u64>, since: &mut Option<
     }
 }
 
+/// What a proxy thread did since it started. Relaxed: each counter only grows and is read on
+/// its own, for diagnostics; nothing is ordered by it.
+#[derive(Default)]
+struct ProxyCounters {
+    /// Operations handed to the proxy (one-shot or persistent), counted as they are sent.
+    armed: AtomicU64,
+    /// Operations the proxy started: one-shot operations whose trigger fired, plus one per
+    /// epoch of a persistent one. Counted before the start, so a caller that saw an operation
+    /// complete also sees it counted.
+    started: AtomicU64,
+    /// Passes of the proxy loop (each checks the triggers and progresses the worker once).
+    passes: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A reading of a proxy's counters (`Worker::stats`); all zero for a worker that never
+/// started its proxy.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ProxyActivity {
+    pub(crate) armed: u64,
+    pub(crate) started: u64,
+    pub(crate) passes: u64,
+}
+
 pub(crate) enum Msg {
     Arm(ArmedOp),
     Persist(PersistentOp),
@@ -80,22 +112,35 @@ pub(crate) struct Proxy {
     tx: Option<Sender<Msg>>,
     thread: Option<JoinHandle<()>>,
     thread_id: ThreadId,
+    counters: Arc<ProxyCounters>,
 }
 
 impl Proxy {
     pub(crate) fn spawn(worker: Weak<WorkerInner>, spin: Duration, poll: Duration) -> Result<Proxy> {
         let (tx, rx) = crossbeam_channel::unbounded();
+        let counters = Arc::new(ProxyCounters::default());
+        let engine = Engine::new(worker, rx, spin, poll, counters.clone());
         let thread = std::thread::Builder::new()
             .name("gsc-proxy".into())
-            .spawn(move || Engine::new(worker, rx, spin, poll).run())
+            .spawn(move || engine.run())
             .map_err(|e| Error::new(Status::NoResource, format!("cannot start the proxy thread: {e}")))?;
         let thread_id = thread.thread().id();
-        Ok(Proxy { tx: Some(tx), thread: Some(thread), thread_id })
+        Ok(Proxy { tx: Some(tx), thread: Some(thread), thread_id, counters })
     }
 
     pub(crate) fn send(&self, msg: Msg) -> Result<()> {
         let tx = self.tx.as_ref().expect("set until drop");
-        tx.send(msg).map_err(|_| Error::new(Status::Internal, "the proxy thread has exited"))
+        // Counted before the proxy can start it: `armed` never reads below `started`.
+        bump(&self.counters.armed);
+        tx.send(msg).map_err(|_| {
+            self.counters.armed.fetch_sub(1, Ordering::Relaxed);
+            Error::new(Status::Internal, "the proxy thread has exited")
+        })
+    }
+
+    pub(crate) fn activity(&self) -> ProxyActivity {
+        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ProxyActivity { armed: read(&self.counters.armed), started: read(&self.counters.started), passes: read(&self.counters.passes) }
     }
 }
 
@@ -145,10 +190,11 @@ struct Engine {
     poll: Duration,
     last_activity: Instant,
     disconnected: bool,
+    counters: Arc<ProxyCounters>,
 }
 
 impl Engine {
-    fn new(worker: Weak<WorkerInner>, rx: Receiver<Msg>, spin: Duration, poll: Duration) -> Engine {
+    fn new(worker: Weak<WorkerInner>, rx: Receiver<Msg>, spin: Duration, poll: Duration, counters: Arc<ProxyCounters>) -> Engine {
         Engine {
             worker,
             rx,
@@ -159,6 +205,7 @@ impl Engine {
             poll,
             last_activity: Instant::now(),
             disconnected: false,
+            counters,
         }
     }
 
@@ -238,6 +285,7 @@ impl Engine {
     /// Start whatever was triggered, progress the worker. Returns the number of events (the
     /// proxy's own: they keep it spinning).
     fn pass(&mut self, worker: &Worker) -> usize {
+        bump(&self.counters.passes);
         let mut events = 0;
         // In the order they were armed: sends with one tag to one peer that trigger together
         // (a group) must go out in issue order (MPI's non-overtaking rule).
@@ -251,6 +299,7 @@ impl Engine {
                 };
                 let op = q.ops.pop_front().expect("checked");
                 timeline::record(Event::Trigger, op.req as u64);
+                bump(&self.counters.started);
                 worker.start_armed(op.req, &op.start, late);
                 self.in_flight.push((op.channel, op.seq));
                 events += 1;
@@ -272,6 +321,7 @@ impl Engine {
                 p.started = epoch;
                 timeline::record(Event::Epoch, epoch);
                 let signal = crate::condition::Signal::new(p.channel.clone(), epoch);
+                bump(&self.counters.started);
                 worker.start_epoch(&p.template, signal, late);
                 self.in_flight.push((p.channel.clone(), epoch));
                 events += 1;

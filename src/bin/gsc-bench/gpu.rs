@@ -24,12 +24,17 @@
 //!   shown is HALF an iteration: one put+signal from a user kernel, one way.
 //! - nccl (`--nccl`): ncclSend + ncclRecv in a group per iteration on a stream, and the same
 //!   captured `-G` per graph.
+//!
+//! `proxy ops/iter` beside each time: operations the proxy thread started over the timed
+//! iterations (`WorkerStats::proxy_started`), per iteration, the larger of the two ranks. The
+//! proxy modes start about two (the send and the receive); the g* modes and NCCL none, which
+//! shows that the host does no work per iteration for them.
 
 use crate::nccl::{Comm, Nccl, UniqueId};
 use crate::{Control, Sweep, config, die, hex, parse_size, spawn_peer, unhex};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Function, Module, PinnedBuf, Stream, device_count, set_device};
-use gscomm::{Context, Endpoint, RequestParams, Started, Worker};
+use gscomm::{Context, Endpoint, Engine, RequestParams, Started, Worker};
 use std::time::Instant;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -194,6 +199,20 @@ struct Rank {
     _module: Module,
 }
 
+/// One (size, mode) run, over its timed iterations.
+#[derive(Clone, Copy)]
+struct Measured {
+    secs_per_iter: f64,
+    /// Operations this rank's proxy thread started, per iteration.
+    proxy_ops_per_iter: f64,
+}
+
+/// The start of a timed stretch: its clock and the proxy's count of started operations.
+struct Timing {
+    t0: Instant,
+    proxy_ops: u64,
+}
+
 fn on(c: &Condition) -> RequestParams {
     RequestParams { condition: Some(c.clone()), no_stream_wait: true, ..Default::default() }
 }
@@ -206,6 +225,27 @@ fn release(w: &Worker, s: Started) {
 }
 
 impl Rank {
+    /// Operations this rank's proxy thread has started so far.
+    fn proxy_ops(&self) -> u64 {
+        self.w.stats().proxy_started
+    }
+
+    /// Meet the peer, then start the clock. The proxy count is read first: taking the worker's
+    /// lock is no part of what is timed.
+    fn start_timing(&self, ctl: &mut Control) -> Timing {
+        let proxy_ops = self.proxy_ops();
+        ctl.barrier();
+        Timing { t0: Instant::now(), proxy_ops }
+    }
+
+    /// Stop the clock of `iters` iterations (the stream synchronized: everything they started
+    /// has been counted).
+    fn stop_timing(&self, timing: Timing, iters: usize) -> Measured {
+        let secs = timing.t0.elapsed().as_secs_f64();
+        let ops = self.proxy_ops() - timing.proxy_ops;
+        Measured { secs_per_iter: secs / iters as f64, proxy_ops_per_iter: ops as f64 / iters as f64 }
+    }
+
     /// Issue one exchange of `n` bytes on `cond` (a stream condition, maybe capturing).
     fn issue(&self, cond: &Condition, n: usize) {
         // One group, like NCCL's group around its send and receive: one trigger and one wait.
@@ -235,7 +275,8 @@ impl Rank {
     /// A prepared send of our send buffer and receive into our receive buffer, `n` bytes.
     fn prepare(&self, n: usize, gpu_rounds: bool) -> (gscomm::Prepared, gscomm::Prepared) {
         use gscomm::{Direction, PrepareParams};
-        let p = |dir| PrepareParams { dir, tag: TAG + 1 + gpu_rounds as u64, partitions: None, memory_type: None, gpu_rounds };
+        let engine = if gpu_rounds { Engine::Gpu } else { Engine::Proxy };
+        let p = |dir| PrepareParams { dir, tag: TAG + 1 + gpu_rounds as u64, partitions: None, memory_type: None, engine };
         // SAFETY: both buffers live as long as `self`; each run drops its preparations after
         // its last round completed (a stream synchronize).
         unsafe {
@@ -247,20 +288,19 @@ impl Rank {
     }
 
     /// One kernel running `rounds(k)` exchanges: `warmup` of them, a barrier with the peer, then
-    /// `iters` timed; seconds per timed exchange.
-    fn time_rounds(&self, ctl: &mut Control, warmup: usize, iters: usize, rounds: impl Fn(usize)) -> f64 {
+    /// `iters` timed.
+    fn time_rounds(&self, ctl: &mut Control, warmup: usize, iters: usize, rounds: impl Fn(usize)) -> Measured {
         let sync = || self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
         rounds(warmup);
         sync();
-        ctl.barrier();
-        let t0 = Instant::now();
+        let timing = self.start_timing(ctl);
         rounds(iters);
         sync();
-        t0.elapsed().as_secs_f64() / iters as f64
+        self.stop_timing(timing, iters)
     }
 
-    /// Run `warmup` then `iters` iterations of `mode`; seconds per timed iteration.
-    fn run(&self, ctl: &mut Control, nccl: Option<&Comm>, mode: Mode, n: usize, o: &Opts) -> f64 {
+    /// Run `warmup` then `iters` iterations of `mode`, timing the latter.
+    fn run(&self, ctl: &mut Control, nccl: Option<&Comm>, mode: Mode, n: usize, o: &Opts) -> Measured {
         let (iters, warmup) = iterations(o, n, mode);
         let prepared = match mode {
             Mode::PStream | Mode::PGraph => Some(self.prepare(n, false)),
@@ -293,10 +333,9 @@ impl Rank {
                 };
                 (0..warmup).for_each(|_| step());
                 sync();
-                ctl.barrier();
-                let t0 = Instant::now();
+                let timing = self.start_timing(ctl);
                 (0..iters).for_each(|_| step());
-                let enqueued = t0.elapsed();
+                let enqueued = timing.t0.elapsed();
                 sync();
                 if std::env::var_os("GSC_BENCH_HOST_TIME").is_some() {
                     // Host time to enqueue an iteration: when it is the whole iteration, the
@@ -311,7 +350,7 @@ impl Rank {
                         per(end)
                     );
                 }
-                t0.elapsed().as_secs_f64() / iters as f64
+                self.stop_timing(timing, iters)
             }
             Mode::Graph | Mode::NcclGraph | Mode::PGraph | Mode::GGraph => {
                 let g = o.graph_iters.min(iters);
@@ -330,11 +369,10 @@ impl Rank {
                 let launch = |times: usize| (0..times).for_each(|_| exec.launch(&self.stream).unwrap_or_else(|e| die("graph launch", e)));
                 launch(warmup / g);
                 sync();
-                ctl.barrier();
-                let t0 = Instant::now();
+                let timing = self.start_timing(ctl);
                 launch(iters / g);
                 sync();
-                t0.elapsed().as_secs_f64() / iters as f64
+                self.stop_timing(timing, iters)
             }
             Mode::GKernel | Mode::GPing => {
                 let (tx, rx) = prepared.as_ref().expect("prepared above");
@@ -342,19 +380,19 @@ impl Rank {
                 let (hs, hr) = (handle(tx), handle(rx));
                 let err = PinnedBuf::new(8).unwrap_or_else(|e| die("pinned", e));
                 let first = u64::from(self.rank == 0);
-                let dt = self.time_rounds(ctl, warmup, iters, |k| {
+                let m = self.time_rounds(ctl, warmup, iters, |k| {
                     let launched = match mode {
                         Mode::GKernel => self.prep_rounds.launch(1, 256, &self.stream, &[hs, hr, k as u64, err.device_ptr()]),
                         _ => self.prep_pingpong.launch(1, 256, &self.stream, &[hs, hr, k as u64, first, err.device_ptr()]),
                     };
                     launched.unwrap_or_else(|e| die("launch", e))
                 });
-                // gping: one way is half a round trip.
-                let dt = if mode == Mode::GPing { dt / 2.0 } else { dt };
+                // gping: one way is half a round trip (the proxy count stays per round).
+                let m = if mode == Mode::GPing { Measured { secs_per_iter: m.secs_per_iter / 2.0, ..m } } else { m };
                 if err.to_vec().iter().any(|b| *b != 0) {
                     die("gkernel exchange", "a round gave up");
                 }
-                dt
+                m
             }
             Mode::Kernel => {
                 let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap_or_else(|e| die("condition", e));
@@ -367,7 +405,7 @@ impl Rank {
                 let hr = handle(unsafe { self.w.tag_recv_nbx(self.recv.ptr() as *mut u8, n, TAG, u64::MAX, params()) }, "recv");
                 let hs = handle(unsafe { self.ep.tag_send_nbx(self.send.ptr() as *const u8, n, TAG, params()) }, "send");
                 let err = PinnedBuf::new(8).unwrap_or_else(|e| die("pinned", e));
-                let dt = self.time_rounds(ctl, warmup, iters, |k| {
+                let m = self.time_rounds(ctl, warmup, iters, |k| {
                     self.exchange_rounds
                         .launch(1, 1, &self.stream, &[hs, hr, k as u64, err.device_ptr()])
                         .unwrap_or_else(|e| die("launch", e))
@@ -375,7 +413,7 @@ impl Rank {
                 if err.to_vec().iter().any(|b| *b != 0) || kc.query().is_err() {
                     die("kernel-triggered exchange", format!("{:?}", kc.query()));
                 }
-                dt
+                m
             }
         }
     }
@@ -397,7 +435,7 @@ fn rank_main(
     o: &Opts,
     ctl: &mut Control,
     nccl_id: impl FnOnce(&mut Control, &Nccl) -> UniqueId,
-) -> Vec<(usize, Mode, f64, usize)> {
+) -> Vec<(usize, Mode, Measured, usize)> {
     let dev = o.devices[rank as usize];
     if device_count() <= dev {
         die("devices", format!("GPU {dev} is not there ({} GPUs)", device_count()));
@@ -439,8 +477,8 @@ fn rank_main(
         for &mode in &o.modes {
             r.recv.fill(0).unwrap_or_else(|e| die("memset", e));
             ctl.barrier();
-            let t = r.run(ctl, comm.as_ref(), mode, n, o);
-            out.push((n, mode, t, wrong(&r, n, &expect)));
+            let m = r.run(ctl, comm.as_ref(), mode, n, o);
+            out.push((n, mode, m, wrong(&r, n, &expect)));
         }
     }
     drop(comm);
@@ -454,8 +492,9 @@ pub(crate) fn server(o: &Opts) {
         let b = unhex(&ctl.expect("NCCLID"));
         UniqueId { internal: b.try_into().unwrap_or_else(|_| die("nccl", "bad unique id")) }
     });
-    // The peer's #wrong counts too: hand them to the client, which prints the table.
+    // The peer's #wrong and proxy work count too: hand them to the client, which prints the table.
     ctl.send("WRONG", &res.iter().map(|r| r.3.to_string()).collect::<Vec<_>>().join(","));
+    ctl.send("PROXY", &res.iter().map(|r| r.2.proxy_ops_per_iter.to_string()).collect::<Vec<_>>().join(","));
     ctl.expect("BYE");
 }
 
@@ -469,6 +508,7 @@ pub(crate) fn client(o: &Opts, args: &[String]) {
         id
     });
     let theirs: Vec<usize> = ctl.expect("WRONG").split(',').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap_or(usize::MAX)).collect();
+    let their_proxy: Vec<f64> = ctl.expect("PROXY").split(',').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap_or(f64::NAN)).collect();
     ctl.send("BYE", "");
     let _ = child.wait();
     let cfg = config();
@@ -484,16 +524,20 @@ pub(crate) fn client(o: &Opts, args: &[String]) {
         if o.nccl { format!(" | NCCL {nccl_version}") } else { String::new() }
     );
     println!("# time per iteration (us), busbw (GB/s) = size / time; #wrong: bytes wrong on either rank");
+    println!("# proxy ops/iter: operations a proxy thread started per timed iteration, the larger of the two ranks");
     let mut head = format!("{:>12}", "size(B)");
     for m in &o.modes {
-        head += &format!(" {:>12} {:>9}", format!("{}(us)", m.label()), "busbw");
+        head += &format!(" {:>12} {:>9} {:>14}", format!("{}(us)", m.label()), "busbw", "proxy ops/iter");
     }
     println!("{head} {:>7}", "#wrong");
     for (row, chunk) in res.chunks(o.modes.len()).enumerate() {
         let mut line = format!("{:>12}", chunk[0].0);
         let mut bad = 0;
-        for (i, (n, _, t, w)) in chunk.iter().enumerate() {
-            line += &format!(" {:>12.2} {:>9.2}", t * 1e6, *n as f64 / t / 1e9);
+        for (i, (n, _, m, w)) in chunk.iter().enumerate() {
+            let t = m.secs_per_iter;
+            // A missing peer value reads as NaN, which `max` skips: ours is shown then.
+            let proxy = m.proxy_ops_per_iter.max(their_proxy.get(row * o.modes.len() + i).copied().unwrap_or(f64::NAN));
+            line += &format!(" {:>12.2} {:>9.2} {:>14.2}", t * 1e6, *n as f64 / t / 1e9, proxy);
             bad += w + theirs.get(row * o.modes.len() + i).copied().unwrap_or(0);
         }
         println!("{line} {bad:>7}");

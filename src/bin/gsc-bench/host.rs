@@ -117,7 +117,7 @@ fn run_prepared(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) 
     use gscomm::{Direction, PrepareParams};
     let (mut sbuf, mut rbuf) = (vec![0x5Au8; size], vec![0u8; size]);
     let (out_tag, in_tag) = if client { (11, 12) } else { (12, 11) };
-    let p = |dir, tag| PrepareParams { dir, tag, partitions: None, memory_type: None, gpu_rounds: false };
+    let p = |dir, tag| PrepareParams { dir, tag, partitions: None, memory_type: None, engine: gscomm::Engine::Auto };
     // SAFETY: both buffers outlive the preparations (dropped at the end of this function, after
     // the last round was waited for).
     let (tx, rx) = unsafe {

@@ -12,7 +12,8 @@
 //!                          [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]
 //! nccl-tests' sendrecv pattern (each rank sends to and receives from the other at once), with
 //! the operation started by a stream position, a captured graph or a kernel trigger, and NCCL's
-//! ncclSend/ncclRecv in the same run with `--nccl`.
+//! ncclSend/ncclRecv in the same run with `--nccl`. Beside each time, `proxy ops/iter`: the
+//! operations the proxy thread started per iteration (0.00 for the g* modes: no host work).
 //!
 //! GSC_* knobs apply as usual (e.g. GSC_TLS=shm, GSC_LOG_LEVEL). The tool's own variables:
 //! GSC_BENCH_NCCL_LIB (where libnccl.so.2 is), GSC_BENCH_HOST_TIME=1 (gpu-sendrecv's stream
