@@ -712,13 +712,16 @@ fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
     out
 }
 
-/// `graph_halo` with prepared transfers: armed once on the graph, GRAPH_ROUNDS replays.
-fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
+/// `graph_halo` with prepared transfers: armed once on the graph, GRAPH_ROUNDS replays. With
+/// `gpu_rounds` each side's send and receive are one `gsc_prep_kernel` node each (start and done
+/// node alike) with no edge between them: the receive's node must announce readiness while the
+/// send's may be waiting for the peer's, as on a stream where the receive starts first.
+fn prepared_graph(side: u64, ep: &Endpoint, k: &Kern, gpu_rounds: bool) -> String {
     let stream = Stream::new().unwrap();
     let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
     let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
     let n = ROUND_BYTES as u64;
-    let (tx, rx) = prepare_pair(ep, ep, &src, &dst, ROUND_BYTES, 9, false);
+    let (tx, rx) = prepare_pair(ep, ep, &src, &dst, ROUND_BYTES, if gpu_rounds { 9009 } else { 9 }, gpu_rounds);
     let g = Graph::new().unwrap();
     let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
     let fill = g.add_kernel(k.fill_round, grid(ROUND_BYTES), 256, &[src.ptr(), n, round.device_ptr(), side], &[]).unwrap();
@@ -735,54 +738,15 @@ fn prepared_graph(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     stream.synchronize().unwrap();
     let dt = t0.elapsed();
     eprintln!(
-        "side {side}: {GRAPH_ROUNDS} prepared graph replays in {dt:?} ({:.1} us/replay)",
+        "side {side}: {GRAPH_ROUNDS} prepared graph replays, gpu_rounds={gpu_rounds}, in {dt:?} ({:.1} us/replay)",
         dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
     );
-    let _ = w;
     let rounds = pinned_u64(&round);
     let mut v = verdict(&[], pinned_u64(&err));
     if rounds != GRAPH_ROUNDS as u64 || gc.query().is_err() {
         v += &format!(" rounds={rounds} query={:?}", gc.query());
     }
-    drop((tx, rx));
-    v
-}
-
-/// `prepared_graph` with GPU rounds: each side's send and receive are one `gsc_prep_kernel`
-/// node each (start and done node alike), GRAPH_ROUNDS replays. The two nodes have no edge
-/// between them: the receive's node must announce readiness while the send's may be waiting
-/// for the peer's, as on a stream where the receive starts first.
-fn prepared_gpu_graph(side: u64, ep: &Endpoint, k: &Kern) -> String {
-    let stream = Stream::new().unwrap();
-    let (err, round) = (PinnedBuf::new(8).unwrap(), PinnedBuf::new(8).unwrap());
-    let (src, dst) = (DeviceBuf::new(ROUND_BYTES).unwrap(), DeviceBuf::new(ROUND_BYTES).unwrap());
-    let n = ROUND_BYTES as u64;
-    let (tx, rx) = prepare_pair(ep, ep, &src, &dst, ROUND_BYTES, 9009, true);
-    let g = Graph::new().unwrap();
-    let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
-    let fill = g.add_kernel(k.fill_round, grid(ROUND_BYTES), 256, &[src.ptr(), n, round.device_ptr(), side], &[]).unwrap();
-    let s = armed(tx.start(on(&gc, true)).unwrap());
-    let r = armed(rx.start(on(&gc, true)).unwrap());
-    g.add_dependency(fill, s.start_node).unwrap();
-    let bump = g.add_kernel(k.bump, 1, 1, &[round.device_ptr()], &[s.done_node, r.done_node]).unwrap();
-    g.add_kernel(k.check_round, grid(ROUND_BYTES), 256, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[bump]).unwrap();
-    let exec = g.instantiate().unwrap();
-    let t0 = Instant::now();
-    for _ in 0..GRAPH_ROUNDS {
-        exec.launch(&stream).unwrap();
-    }
-    stream.synchronize().unwrap();
-    let dt = t0.elapsed();
-    eprintln!(
-        "side {side}: {GRAPH_ROUNDS} GPU-round graph replays in {dt:?} ({:.1} us/replay)",
-        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
-    );
-    let rounds = pinned_u64(&round);
-    let mut v = verdict(&[], pinned_u64(&err));
-    if rounds != GRAPH_ROUNDS as u64 {
-        v += &format!(" rounds={rounds}");
-    }
-    if tx.gpu_error().ok() != Some(0) || rx.gpu_error().ok() != Some(0) {
+    if gpu_rounds && (tx.gpu_error().ok() != Some(0) || rx.gpu_error().ok() != Some(0)) {
         v += &format!(" gpu_error={:?}/{:?}", tx.gpu_error(), rx.gpu_error());
     }
     drop((tx, rx));
@@ -844,8 +808,8 @@ fn scenarios(
     run("prepared_gpu_rounds_captured", &mut || prepared_gpu_rounds_captured(side, k, ep));
     run("prepared_gpu_partitions", &mut || prepared_gpu_partitions(side, ep, k));
     run("prepared_gpu_kernel_rounds", &mut || prepared_gpu_kernel_rounds(side, ep, k));
-    run("prepared_graph", &mut || prepared_graph(side, w, ep, k));
-    run("prepared_gpu_graph", &mut || prepared_gpu_graph(side, ep, k));
+    run("prepared_graph", &mut || prepared_graph(side, ep, k, false));
+    run("prepared_gpu_graph", &mut || prepared_graph(side, ep, k, true));
     out
 }
 
