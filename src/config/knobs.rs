@@ -363,10 +363,11 @@ pub(super) static KNOBS: &[Knob] = &[
     Knob {
         name: "GSC_ENGINE",
         default: "auto",
-        doc: "Who runs prepared transfers' rounds: auto (the GPU itself where both buffers are \
-              GPU memory on peers reachable through CUDA IPC, up to GSC_ENGINE_GPU_MAX bytes; the \
-              proxy thread elsewhere), gpu (the GPU wherever it can, any size), proxy (always the \
-              proxy, even for transfers that asked for GPU rounds). gsc-info -p prints the table",
+        doc: "Who runs the rounds of prepared transfers that did not ask for an engine: auto (the \
+              GPU itself where both buffers are GPU memory on peers reachable through CUDA IPC, up \
+              to GSC_ENGINE_GPU_MAX bytes; the proxy thread elsewhere), gpu (the GPU wherever it \
+              can, any size), proxy (the proxy thread). A transfer that asked for GPU rounds (its \
+              kernels drive them) or for the proxy gets what it asked. gsc-info -p prints the table",
         kind: KnobKind::Engine,
         parse: |c, v| {
             c.engine = Engine::parse(v)?;

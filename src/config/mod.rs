@@ -185,7 +185,8 @@ pub enum Engine {
     Auto,
     /// The GPU wherever the pair can, at every size; the proxy elsewhere.
     Gpu,
-    /// Always the proxy thread (even for transfers that asked for GPU rounds).
+    /// The proxy thread (transfers that asked for GPU rounds still get them: their kernels
+    /// drive the rounds through the device handle).
     Proxy,
 }
 

@@ -241,8 +241,8 @@ fn gpu_rounds_impossible(q: &EngineQuery) -> Option<&'static str> {
 const NOT_GPU_MEMORY: &str = "rounds on the GPU need a GPU buffer";
 
 /// The engine one side offers for its rounds: `policy` is `GSC_ENGINE`, `gpu_max` is
-/// `GSC_ENGINE_GPU_MAX`, `asked` what the preparation asked for (`Auto`: the table decides;
-/// `Gpu`: required, an error where impossible; `Proxy`: the proxy).
+/// `GSC_ENGINE_GPU_MAX`, `asked` what the preparation asked for (`Auto`: the table and the
+/// policy decide; `Gpu`: required, an error where impossible; `Proxy`: the proxy).
 ///
 /// The table: GPU rounds where the pair can run them — GPU buffers, processes on one host with
 /// CUDA IPC, peer access between the GPUs — because a round then costs one kernel per side and
@@ -252,7 +252,10 @@ const NOT_GPU_MEMORY: &str = "rounds on the GPU need a GPU buffer";
 /// transfers run on the GPU only when asked: their partitions are then sent by the user's
 /// kernels (`gsc_pready`), which a program written for host `pready` calls does not do.
 pub fn prepared_engine(policy: Engine, gpu_max: usize, asked: Engine, q: &EngineQuery) -> Result<EngineOffer> {
-    if asked == Engine::Proxy || policy == Engine::Proxy {
+    // What a preparation asked for is what it gets: a transfer asking for GPU rounds has
+    // kernels that drive them through its device handle, and would break on the proxy. The
+    // policy decides the rest.
+    if asked == Engine::Proxy {
         return Ok(EngineOffer::Proxy);
     }
     let impossible = gpu_rounds_impossible(q);
@@ -265,7 +268,7 @@ pub fn prepared_engine(policy: Engine, gpu_max: usize, asked: Engine, q: &Engine
         };
     }
     let too_large = policy == Engine::Auto && q.len > gpu_max;
-    Ok(if impossible.is_some() || q.partitioned || too_large { EngineOffer::Proxy } else { EngineOffer::Gpu })
+    Ok(if policy == Engine::Proxy || impossible.is_some() || q.partitioned || too_large { EngineOffer::Proxy } else { EngineOffer::Gpu })
 }
 
 /// The engine table as text, for `gsc-info -p`: for each lane with CUDA memory, which sizes of
@@ -369,10 +372,11 @@ mod tests {
         assert_eq!(pick(Engine::Auto, Engine::Auto, &gpu_ok).unwrap(), EngineOffer::Gpu);
         assert_eq!(pick(Engine::Auto, Engine::Auto, &EngineQuery { len: max, ..gpu_ok }).unwrap(), EngineOffer::Gpu);
         assert_eq!(pick(Engine::Auto, Engine::Auto, &EngineQuery { len: max + 1, ..gpu_ok }).unwrap(), EngineOffer::Proxy);
-        // `gpu` ignores the size limit; `proxy` wins over everything, even an explicit request.
+        // `gpu` ignores the size limit; `proxy` keeps every transfer that did not ask on the
+        // proxy; what a transfer asked for it gets, whatever the policy.
         assert_eq!(pick(Engine::Gpu, Engine::Auto, &EngineQuery { len: max + 1, ..gpu_ok }).unwrap(), EngineOffer::Gpu);
         assert_eq!(pick(Engine::Proxy, Engine::Auto, &gpu_ok).unwrap(), EngineOffer::Proxy);
-        assert_eq!(pick(Engine::Proxy, Engine::Gpu, &gpu_ok).unwrap(), EngineOffer::Proxy);
+        assert_eq!(pick(Engine::Proxy, Engine::Gpu, &gpu_ok).unwrap(), EngineOffer::GpuRequired);
         assert_eq!(pick(Engine::Gpu, Engine::Proxy, &gpu_ok).unwrap(), EngineOffer::Proxy);
         // Asked for: required, at any size, partitioned too.
         let big_parts = EngineQuery { len: max + 1, partitioned: true, ..gpu_ok };

@@ -32,8 +32,15 @@ pub fn config_with(overrides: &[(&str, &str)]) -> Config {
     // Tests must never wait the default 60 s.
     c.set("GSC_TIMEOUT", "20s").unwrap();
     // Tests build their config from defaults, not the environment; these let a run on the
-    // device machines turn logging on without a rebuild.
-    for (env, knob) in [("GSC_TEST_LOG_LEVEL", "GSC_LOG_LEVEL"), ("GSC_TEST_LOG_SUBSYS", "GSC_LOG_SUBSYS")] {
+    // device machines turn logging on without a rebuild, and run the suite under another
+    // engine policy for prepared transfers (`GSC_ENGINE=gpu|proxy`).
+    let passed_on = [
+        ("GSC_TEST_LOG_LEVEL", "GSC_LOG_LEVEL"),
+        ("GSC_TEST_LOG_SUBSYS", "GSC_LOG_SUBSYS"),
+        ("GSC_ENGINE", "GSC_ENGINE"),
+        ("GSC_ENGINE_GPU_MAX", "GSC_ENGINE_GPU_MAX"),
+    ];
+    for (env, knob) in passed_on {
         if let Ok(v) = std::env::var(env) {
             c.set(knob, &v).unwrap_or_else(|e| panic!("{env}: {e}"));
         }
