@@ -25,7 +25,6 @@ use super::prepared::Prepared;
 use super::request::ReqKind;
 use super::request::{RequestParams, Started};
 use super::worker::State;
-use crate::cuda::Kernels;
 use crate::cuda::host_round::{HostRound, RoundStream};
 use crate::cuda::prep_ctl::{CtlBlock, LL_MAX, PEER_WORD, STAGE_MAX, block_bytes, ll_area_bytes, ll_slot_words};
 use crate::cuda::{PREP_BEGIN, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs, ipc};
@@ -36,7 +35,7 @@ use crate::transport::LaneKind;
 use std::sync::Arc;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What the first start maps: the peer's word we write, where a send's data goes, the peer's
 /// length, and, when the rounds' data travels as LL words, the receiver's slot stride in words
@@ -253,12 +252,11 @@ impl GpuSide {
         let stream = match self.round_stream.get() {
             Some(s) => s.clone(),
             None => {
-                let s = Arc::new(RoundStream::new(self.ctl.device)?);
+                let cache = p.worker().context().config().kernel_cache_dir.clone();
+                let s = Arc::new(RoundStream::new(self.ctl.device, cache.as_deref())?);
                 self.round_stream.get_or_init(|| s).clone()
             }
         };
-        let cache = p.worker().context().config().kernel_cache_dir.clone();
-        let kernels = Kernels::of(crate::cuda::raw(stream.ctx()), cache.as_deref())?;
         let (kind, role, length) = match self.dir {
             PrepDir::Send => (ReqKind::Send, PREP_SEND, self.len),
             PrepDir::Recv => (ReqKind::Recv, PREP_READY_WAIT, args.len as usize),
@@ -268,19 +266,22 @@ impl GpuSide {
         // No link on the request: a stuck peer ends the round through the kernel's own timeout
         // (`GSC_TIMEOUT`), not by a blocking wait closing the link.
         p.worker().start_op(kind, None, params, move |st, req, _| {
-            let round = stream.launch(&kernels, &PrepArgs { role, ..args })?;
+            let round = stream.launch(&PrepArgs { role, ..args })?;
             st.host_rounds.push(HostRoundInFlight { req, round, ctl: ctl.clone(), info, busy: busy.clone() });
             Ok(())
         })
     }
 
-    /// (the peer's word we write, the peer's buffer for a send), mapped once. Waits (progressing
-    /// the worker, up to the timeout) for the peer to have prepared.
+    /// (the peer's word we write, the peer's buffer for a send), mapped once. The pair is
+    /// known here: every caller came through `Prepared::gpu_side`, which waited for pairing.
     fn mapped(&self, p: &Prepared) -> Result<Mapped> {
         if let Some(m) = self.mapped.get() {
             return Ok(*m);
         }
-        let peer = self.wait_for_peer(p)?;
+        let peer = p
+            .worker()
+            .with_state(|st, _| st.engine.prepared.device_peer(p.id()))?
+            .ok_or_else(|| Error::new(Status::Internal, "GPU rounds used before pairing"))?;
         // Opening the peer's memory is not a stream operation; allowed while a stream of this
         // thread is being captured.
         crate::cuda::with_relaxed_capture(|| self.map(&peer))
@@ -317,21 +318,6 @@ impl GpuSide {
             _ => 0,
         };
         Ok(*self.mapped.get_or_init(|| Mapped { remote, dst, peer_len: peer.len, ll }))
-    }
-
-    fn wait_for_peer(&self, p: &Prepared) -> Result<DevicePeer> {
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            if let Some(peer) = p.worker().with_state(|st, _| st.engine.prepared.device_peer(p.id()))? {
-                return Ok(peer);
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::new(Status::TimedOut, "the peer did not prepare its side of the transfer"));
-            }
-            if p.worker().progress() == 0 {
-                std::thread::yield_now();
-            }
-        }
     }
 
     /// The device address of this side's `gsc_prepared_device_t` (for `gsc_pready` /

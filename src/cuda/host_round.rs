@@ -10,10 +10,12 @@ use super::copy::primary_context;
 use super::{CtxScope, Kernels, PrepArgs, check, cu, launch_prep};
 use crate::error::Result;
 
-/// A non-blocking stream of our own on one GPU (its primary context), destroyed with it.
+/// A non-blocking stream of our own on one GPU (its primary context), destroyed with it, and
+/// gscomm's kernels there.
 pub(crate) struct RoundStream {
     ctx: usize,
     stream: usize,
+    kernels: Kernels,
 }
 
 // SAFETY: CUDA handles are process-wide; every call below makes their context current.
@@ -22,28 +24,26 @@ unsafe impl Send for RoundStream {}
 unsafe impl Sync for RoundStream {}
 
 impl RoundStream {
-    pub(crate) fn new(device: i32) -> Result<RoundStream> {
+    /// `kernel_cache`: where compiled kernels are kept (`GSC_KERNEL_CACHE_DIR`).
+    pub(crate) fn new(device: i32, kernel_cache: Option<&std::path::Path>) -> Result<RoundStream> {
         let ctx = primary_context(device)?;
+        let kernels = Kernels::of(ctx, kernel_cache)?;
         let _scope = CtxScope::enter(ctx)?;
         let mut stream: cu::CUstream = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; flag 1 = CU_STREAM_NON_BLOCKING (never ordered behind the
         // legacy default stream, which a user stream waiting on us may be part of).
         check(unsafe { cu::cuStreamCreate(&mut stream, 1) }, "cuStreamCreate (host-started GPU rounds)")?;
-        Ok(RoundStream { ctx: ctx as usize, stream: stream as usize })
-    }
-
-    pub(crate) fn ctx(&self) -> usize {
-        self.ctx
+        Ok(RoundStream { ctx: ctx as usize, stream: stream as usize, kernels })
     }
 
     /// Launch `args`' round here and record an event after it.
-    pub(crate) fn launch(&self, kernels: &Kernels, args: &PrepArgs) -> Result<HostRound> {
+    pub(crate) fn launch(&self, args: &PrepArgs) -> Result<HostRound> {
         let _scope = CtxScope::enter(super::raw(self.ctx))?;
         let mut event: cu::CUevent = std::ptr::null_mut();
         // SAFETY: a valid out-pointer.
         check(unsafe { cu::cuEventCreate(&mut event, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
         let round = HostRound { ctx: self.ctx, event: event as usize };
-        launch_prep(kernels, self.stream, args)?;
+        launch_prep(&self.kernels, self.stream, args)?;
         // SAFETY: our event and our stream, both of the current context.
         check(unsafe { cu::cuEventRecord(event, super::raw(self.stream)) }, "cuEventRecord (host-started GPU round)")?;
         Ok(round)
