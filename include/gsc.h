@@ -538,8 +538,10 @@ typedef enum {
  *  group the order does not matter: the group's rounds go in one launch, readiness first).
  *  gsc_prepared_start() on a stream returns NULL (no request: the stream orders the round); a
  *  round whose peer does not answer within GSC_TIMEOUT gives up and is reported by
- *  gsc_prepared_gpu_error(). KERNEL_TRIGGERED and HOST_STREAM conditions do not start GPU
- *  rounds. */
+ *  gsc_prepared_gpu_error(). On a KERNEL_TRIGGERED condition the device handle's gsc_trigger()
+ *  and gsc_wait() run the rounds in the calling thread (a send's trigger returns with the data
+ *  written; a receive's round ends in the gsc_wait() after its trigger: see gsc_device.cuh).
+ *  HOST_STREAM conditions do not start GPU rounds. */
 #define GSC_PREPARE_FLAG_GPU_ROUNDS        (UINT64_C(1) << 0)
 /** gsc_buffer_param_t.flags: run the rounds on the proxy thread whatever the table says (not
  *  with GSC_PREPARE_FLAG_GPU_ROUNDS). */

@@ -15,18 +15,29 @@
 #ifndef GSC_DEVICE_CUH
 #define GSC_DEVICE_CUH
 
+struct gsc_prepared_device;
+
 typedef struct gsc_device_handle {
     unsigned long long *trigger; /* written by the device: the last epoch triggered */
     unsigned long long *done;    /* written by gscomm: the last epoch completed (bit 63: failed) */
     unsigned long long epoch;    /* the device's own count of triggers */
+    /* A prepared transfer whose rounds run on the GPU (started on a kernel-triggered
+     * condition): its side's descriptor, and gsc_trigger / gsc_wait run its rounds in the
+     * calling thread (see gsc_prep_trigger below); NULL for operations the proxy performs. */
+    const struct gsc_prepared_device *prep;
+    unsigned long long prep_recv; /* 1: prep is a receive */
 } gsc_device_handle_t;
 
 /* Set in *done when an operation failed: every wait is released (see gsc_condition_query). */
 #define GSC_DEVICE_DONE_ERROR_BIT (1ULL << 63)
 
+static __device__ unsigned long long gsc_prep_trigger(gsc_device_handle_t *h);
+static __device__ void gsc_prep_trigger_wait(gsc_device_handle_t *h);
+
 /* Start the operation once more. Returns the epoch to pass to gsc_wait_epoch(). */
 static __device__ __forceinline__ unsigned long long gsc_trigger(gsc_device_handle_t *h)
 {
+    if (h->prep) return gsc_prep_trigger(h);
     volatile unsigned long long *ep = &h->epoch;
     unsigned long long e = *ep + 1;
     *ep = e;
@@ -40,9 +51,10 @@ static __device__ __forceinline__ unsigned long long gsc_trigger(gsc_device_hand
 
 /* Wait until the operation of trigger `epoch` (and every earlier one) completed. Returns the
  * done word seen (bit 63: an operation failed). */
-static __device__ __forceinline__ unsigned long long gsc_wait_epoch(const gsc_device_handle_t *h, unsigned long long epoch)
+static __device__ __forceinline__ unsigned long long gsc_wait_epoch(gsc_device_handle_t *h, unsigned long long epoch)
 {
     unsigned long long d;
+    if (h->prep && h->prep_recv) gsc_prep_trigger_wait(h); /* the receive's round ends here */
     do {
         asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(h->done) : "memory");
     } while (d < epoch);
@@ -141,17 +153,34 @@ static __device__ __forceinline__ unsigned gsc_ll_data(const unsigned char *s, u
     return data;
 }
 
-/* Block: write n bytes of s as LL words at t (n rounded up to 4; the tail padded with zeros).
- * `first`: this thread's first word's data, gsc_ll_data(s, n, threadIdx.x), loaded by the caller
- * before it waited for the receiver, so that load overlaps the wait. */
+/* Write n bytes of s as LL words at t (n rounded up to 4; the tail padded with zeros): the
+ * words lane, lane + lanes, ... of them. `first`: word `lane`'s data, gsc_ll_data(s, n, lane),
+ * loaded by the caller before it waited for the receiver, so that load overlaps the wait. */
+static __device__ void gsc_ll_write_lanes(unsigned long long *t, const unsigned char *s, unsigned long long n, unsigned long long e,
+                                          unsigned first, unsigned long long lane, unsigned long long lanes)
+{
+    unsigned long long flag = (unsigned long long)gsc_ll_flag(e) << 32, words = (n + 3) / 4;
+    /* Four words per turn: their loads are in flight together (one thread alone would otherwise
+     * wait out a load before every store). */
+    for (unsigned long long w = lane; w < words; w += 4 * lanes) {
+        unsigned data[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            unsigned long long x = w + k * lanes;
+            data[k] = x == lane ? first : gsc_ll_data(s, n, x);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (w + k * lanes < words)
+                asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(t + w + k * lanes), "l"(flag | data[k]) : "memory");
+    }
+}
+
+/* Block: the same with the block's threads. */
 static __device__ void gsc_ll_write(unsigned long long *t, const unsigned char *s, unsigned long long n, unsigned long long e,
                                     unsigned first)
 {
-    unsigned long long flag = (unsigned long long)gsc_ll_flag(e) << 32;
-    for (unsigned long long w = threadIdx.x; w < (n + 3) / 4; w += blockDim.x) {
-        unsigned data = w == threadIdx.x ? first : gsc_ll_data(s, n, w);
-        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(t + w), "l"(flag | data) : "memory");
-    }
+    gsc_ll_write_lanes(t, s, n, e, first, threadIdx.x, blockDim.x);
 }
 
 /* Thread 0 of a block sending an LL round: begin round e = ctl[GSC_CTL_ROUND] + 1 and wait
@@ -172,41 +201,73 @@ static __device__ __forceinline__ unsigned long long gsc_ll_send_begin(unsigned 
     return e;
 }
 
-/* Block: wait until every LL word at s for n bytes carries round e's flag and unpack them into
- * t. 1, or 0 on timeout (checked by each thread for its words; the block agrees on the result). */
+/* Wait until each of the LL words lane, lane + lanes, ... at s (for n bytes) carries round e's
+ * flag and unpack them into t. 1, or 0 on timeout. */
+static __device__ int gsc_ll_read_lanes(unsigned char *t, const unsigned long long *s, unsigned long long n, unsigned long long e,
+                                        unsigned long long timeout_ns, unsigned long long lane, unsigned long long lanes)
+{
+    unsigned flag = gsc_ll_flag(e);
+    unsigned long long t0 = gsc_globaltimer(), words = (n + 3) / 4;
+    /* Four words per turn, loaded together (see gsc_ll_write_lanes). */
+    for (unsigned long long w = lane; w < words; w += 4 * lanes) {
+        unsigned long long v[4] = {0, 0, 0, 0};
+        for (;;) {
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (w + k * lanes < words)
+                    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v[k]) : "l"(s + w + k * lanes) : "memory");
+            int arrived = 1;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (w + k * lanes < words && (unsigned)(v[k] >> 32) != flag) arrived = 0;
+            if (arrived) break;
+            if (gsc_globaltimer() - t0 > timeout_ns) return 0;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            unsigned long long x = w + k * lanes;
+            for (unsigned b = 0; b < 4 && x * 4 + b < n; b++) t[x * 4 + b] = (unsigned char)(v[k] >> (8 * b));
+        }
+    }
+    return 1;
+}
+
+/* Block: the whole LL read, ending with one barrier that also agrees on the result (every
+ * thread's reads of the slot are done when it returns). 1, or 0 on timeout. */
 static __device__ int gsc_ll_read(unsigned char *t, const unsigned long long *s, unsigned long long n, unsigned long long e,
                                   unsigned long long timeout_ns)
 {
-    __shared__ int gsc_ll_ok;
-    unsigned flag = gsc_ll_flag(e);
-    int ok = 1;
-    if (threadIdx.x == 0) gsc_ll_ok = 1;
-    __syncthreads();
-    unsigned long long t0 = gsc_globaltimer();
-    for (unsigned long long w = threadIdx.x; ok && w < (n + 3) / 4; w += blockDim.x) {
-        unsigned long long v;
-        for (;;) {
-            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(s + w) : "memory");
-            if ((unsigned)(v >> 32) == flag) break;
-            if (gsc_globaltimer() - t0 > timeout_ns) { ok = 0; break; }
-        }
-        if (!ok) break;
-        for (unsigned k = 0; k < 4 && w * 4 + k < n; k++) t[w * 4 + k] = (unsigned char)(v >> (8 * k));
-    }
-    if (!ok) gsc_ll_ok = 0;
-    __syncthreads();
-    return gsc_ll_ok;
+    return __syncthreads_and(gsc_ll_read_lanes(t, s, n, e, timeout_ns, threadIdx.x, blockDim.x));
 }
 
-/* Copy n bytes with the block's threads (16 bytes at a time when both sides allow it). */
-static __device__ __forceinline__ void gsc_block_copy(unsigned char *t, const unsigned char *s, unsigned long long n)
+/* Copy n bytes, lane `lane` of `lanes` (16 bytes at a time when both sides allow it). */
+static __device__ __forceinline__ void gsc_copy_lanes(unsigned char *t, const unsigned char *s, unsigned long long n,
+                                                      unsigned long long lane, unsigned long long lanes)
 {
     if ((((unsigned long long)s | (unsigned long long)t) & 15) == 0) {
-        for (unsigned long long i = threadIdx.x; i < n / 16; i += blockDim.x) ((uint4 *)t)[i] = ((const uint4 *)s)[i];
-        for (unsigned long long i = n / 16 * 16 + threadIdx.x; i < n; i += blockDim.x) t[i] = s[i];
+        const uint4 *s4 = (const uint4 *)s;
+        uint4 *t4 = (uint4 *)t;
+        unsigned long long n16 = n / 16, i = lane;
+        /* Eight loads in flight before their stores: a lane (one thread alone, above all)
+         * would otherwise wait out every load. */
+        for (; i + 7 * lanes < n16; i += 8 * lanes) {
+            uint4 v[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[k] = s4[i + k * lanes];
+#pragma unroll
+            for (int k = 0; k < 8; k++) t4[i + k * lanes] = v[k];
+        }
+        for (; i < n16; i += lanes) t4[i] = s4[i];
+        for (unsigned long long j = n16 * 16 + lane; j < n; j += lanes) t[j] = s[j];
     } else {
-        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) t[i] = s[i];
+        for (unsigned long long i = lane; i < n; i += lanes) t[i] = s[i];
     }
+}
+
+/* Copy n bytes with the block's threads. */
+static __device__ __forceinline__ void gsc_block_copy(unsigned char *t, const unsigned char *s, unsigned long long n)
+{
+    gsc_copy_lanes(t, s, n, threadIdx.x, blockDim.x);
 }
 
 static __device__ __forceinline__ void gsc_store_release(unsigned long long *w, unsigned long long v)
@@ -225,6 +286,27 @@ static __device__ __forceinline__ void gsc_store_free(unsigned long long *w, uns
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(w), "l"(v) : "memory");
 }
 
+/* Block: send partition `part` of round e: wait until the receiver is ready for round e
+ * (thread 0; `seen`: its ready word as thread 0 last loaded it, kept by the caller, so a
+ * receiver known to be ready costs no load), copy the partition into its buffer over NVLink,
+ * raise the partition's arrival word. 0, or -1 on timeout (recorded as failed). */
+static __device__ int gsc_put_part(const gsc_prepared_device_t *d, unsigned long long part, unsigned long long e,
+                                   unsigned long long *seen)
+{
+    int ok = 1;
+    if (threadIdx.x == 0 && *seen < e) {
+        ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER], e, d->timeout_ns);
+        if (ok) *seen = e;
+        else d->ctl[GSC_CTL_ERROR] = e;
+    }
+    if (!__syncthreads_and(ok)) return -1;
+    gsc_block_copy(d->dst + part * d->part_len, d->src + part * d->part_len, d->part_len);
+    __syncthreads();
+    /* Release is cumulative: the block's stores (ordered by the barrier) reach the receiver first. */
+    if (threadIdx.x == 0) gsc_store_release(&d->remote[part], e);
+    return 0;
+}
+
 /* Send partition `part` of the send round in progress (started with gsc_prepared_start on the
  * kernel's stream): wait until the receiver is ready, copy the partition into its buffer over
  * NVLink, raise the partition's arrival word. Called by EVERY thread of ONE block, after the
@@ -237,23 +319,11 @@ static __device__ __forceinline__ void gsc_store_free(unsigned long long *w, uns
  * those kernels. */
 static __device__ int gsc_pready(const gsc_prepared_device_t *d, unsigned long long part)
 {
-    __shared__ unsigned long long gsc_e;
-    __shared__ int gsc_ok;
     if (part >= d->parts) return -1;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
-        /* Round 0: no round was started (gsc_prepared_start on the kernel's stream comes first). */
-        gsc_ok = gsc_e != 0 && gsc_spin_geq(&d->ctl[GSC_CTL_PEER], gsc_e, d->timeout_ns);
-        if (!gsc_ok && gsc_e != 0) d->ctl[GSC_CTL_ERROR] = gsc_e;
-    }
-    __syncthreads();
-    if (!gsc_ok) return -1;
-    gsc_block_copy(d->dst + part * d->part_len, d->src + part * d->part_len, d->part_len);
-    __syncthreads();
-    /* Release is cumulative: the block's stores (ordered by the barrier) reach the receiver first. */
-    if (threadIdx.x == 0) gsc_store_release(&d->remote[part], gsc_e);
-    return 0;
+    /* Round 0: no round was started (gsc_prepared_start on the kernel's stream comes first). */
+    unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND], seen = 0;
+    if (!__syncthreads_and(e != 0)) return -1;
+    return gsc_put_part(d, part, e, &seen);
 }
 
 /* Whether partition `part` of the receive round in progress has arrived (any thread; the
@@ -266,92 +336,257 @@ static __device__ __forceinline__ int gsc_parrived(const gsc_prepared_device_t *
     return x >= e;
 }
 
-/* Whole rounds from a user kernel (a persistent transfer with GPU rounds, or a partitioned one
- * taken whole), for kernels that loop over exchanges with no launch per round. Each is called
- * by EVERY thread of ONE block; the receive descriptor is the receiving side's, the send's the
- * sending side's (each side's gsc_prepared_device_handle). Per round: gsc_prep_ready on the
- * receive, gsc_prep_send on the send (after the block wrote the data), gsc_prep_wait on the
- * receive; a stream-started round of the same transfer must not run at the same time. */
+/* ------------------------------------------------------------------------------------------ */
+/* Whole rounds from a user kernel (a persistent transfer with GPU rounds, or a partitioned one */
+/* taken whole), for kernels that loop over exchanges with no launch per round.                */
+/* ------------------------------------------------------------------------------------------ */
 
-/* Begin a receive round and tell the sender this side is ready. */
-static __device__ void gsc_prep_ready(const gsc_prepared_device_t *d)
+/* A kernel's own view of one prepared transfer's rounds, kept in registers for as long as the
+ * kernel drives them: the round count is read from the control block once (gsc_prep_open) and
+ * written back once (gsc_prep_close), not loaded, bumped and shared through memory every round,
+ * and a send remembers how far the receiver was last seen to be ready, so a receiver known to
+ * be ready costs no load. On a ping-pong those loads were the largest cost left over the NVLink
+ * flag floor.
+ *
+ *     gsc_prep_cursor_t tx = gsc_prep_open(send_d), rx = gsc_prep_open(recv_d);
+ *     for (...) {
+ *         gsc_prep_cursor_ready(&rx);       // this side may be written into
+ *         ...write the data to send...
+ *         gsc_prep_cursor_send(&tx);        // every partition, into the peer's buffer
+ *         gsc_prep_cursor_wait(&rx);        // the peer's data is in our buffer
+ *     }
+ *     gsc_prep_close(&tx); gsc_prep_close(&rx);
+ *
+ * Every call is made by EVERY thread of ONE block (each thread keeps its own copy of the
+ * cursor, all equal but `seen`). The receive's cursor is opened on the receiving side's
+ * descriptor, the send's on the sending side's (each side's gsc_prepared_device_handle). No
+ * other round of the same transfer (stream-started, or another cursor) may run between open
+ * and close. Each of send and wait returns 0, or -1 in every thread when the peer did not
+ * answer within the transfer's timeout (the round is recorded as failed: gsc_prepared_query /
+ * Prepared::gpu_error). */
+typedef struct gsc_prep_cursor {
+    const gsc_prepared_device_t *d;
+    unsigned long long round; /* the last round begun */
+    unsigned long long seen;  /* send: the receiver's ready word as this thread last loaded it */
+} gsc_prep_cursor_t;
+
+static __device__ gsc_prep_cursor_t gsc_prep_open(const gsc_prepared_device_t *d)
+{
+    __syncthreads(); /* a close just before (thread 0) stored the round */
+    gsc_prep_cursor_t c;
+    c.d = d;
+    c.round = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
+    c.seen = 0;
+    return c;
+}
+
+/* Write the round count back: later kernels, stream-started rounds and cursors continue from it. */
+static __device__ void gsc_prep_close(gsc_prep_cursor_t *c)
 {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (d->ll) {
-            /* LL (two slots): the sender needs no readiness for round 1 and hears of later
-             * rounds from the previous gsc_prep_wait: only count the round (no load). */
-            atomicAdd(&d->ctl[GSC_CTL_ROUND], 1ULL);
-        } else {
-            unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
-            d->ctl[GSC_CTL_ROUND] = e;
-            /* A staged receive's previous gsc_prep_wait already announced this round. */
-            if (!d->src || e == 1) gsc_store_release(d->remote, e);
-        }
-    }
+    if (threadIdx.x == 0) *(volatile unsigned long long *)&c->d->ctl[GSC_CTL_ROUND] = c->round;
     __syncthreads();
 }
 
-/* Begin a send round and send every partition. 0, or -1 (see gsc_pready). */
-static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
+/* Begin a receive round and tell the sender this side is ready. */
+static __device__ void gsc_prep_cursor_ready(gsc_prep_cursor_t *c)
 {
-    __shared__ unsigned long long gsc_e;
+    const gsc_prepared_device_t *d = c->d;
+    unsigned long long e = ++c->round;
+    /* LL (two slots): the sender needs no readiness for round 1 and hears of later rounds from
+     * the previous wait. A staged receive's previous wait announced this round too. Otherwise
+     * the block's reads of the buffer (the barrier orders them; the release is cumulative)
+     * come before the sender's writes. */
+    if (d->ll || (d->src && e != 1)) return;
+    __syncthreads();
+    if (threadIdx.x == 0) gsc_store_release(d->remote, e);
+}
+
+/* Begin a send round and send every partition (after the block wrote the data: the call
+ * begins with a barrier). 0, or -1 (see the cursor). */
+static __device__ int gsc_prep_cursor_send(gsc_prep_cursor_t *c)
+{
+    const gsc_prepared_device_t *d = c->d;
+    unsigned long long e = ++c->round;
     __syncthreads();
     if (d->ll) {
-        /* A small staged round: LL words into the receiver's staging area, nothing else. Each
-         * thread loads its data while thread 0 checks the receiver (one wait, not two). */
-        unsigned first = gsc_ll_data(d->src, d->part_len, threadIdx.x);
-        if (threadIdx.x == 0) gsc_e = gsc_ll_send_begin(d->ctl, d->timeout_ns);
-        __syncthreads();
-        unsigned long long e = gsc_e;
-        if (!e) return -1;
-        gsc_ll_write((unsigned long long *)d->dst + gsc_ll_slot(e, d->ll), d->src, d->part_len, e, first);
-        return 0;
+        /* A small staged round: LL words into slot e % 2 of the receiver's staging area,
+         * nothing else. Round e may be written once the receiver consumed round e - 2 (ready
+         * word >= e - 1): checked only by the threads that write, each against the value it
+         * loaded after its previous round's stores, so a steady exchange loads nothing between
+         * the data being ready and its stores. */
+        int ok = 1;
+        if (threadIdx.x < (d->part_len + 3) / 4) {
+            unsigned first = gsc_ll_data(d->src, d->part_len, threadIdx.x);
+            if (c->seen + 1 < e) {
+                ok = gsc_spin_geq_as(&d->ctl[GSC_CTL_PEER], e - 1, d->timeout_ns, false);
+                c->seen = e - 1;
+            }
+            if (ok) {
+                gsc_ll_write((unsigned long long *)d->dst + gsc_ll_slot(e, d->ll), d->src, d->part_len, e, first);
+                /* Learn how far the receiver is for the next round now, off this round's path:
+                 * nothing waits for this load until then. The word only grows and a later load
+                 * of it never sees an older value, so it replaces `seen` without a compare. */
+                asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(c->seen) : "l"(&d->ctl[GSC_CTL_PEER]) : "memory");
+            } else {
+                d->ctl[GSC_CTL_ERROR] = e;
+            }
+        }
+        /* After the stores: the barrier is off the receiver's path. */
+        return __syncthreads_and(ok) ? 0 : -1;
     }
-    if (threadIdx.x == 0) {
-        gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
-        d->ctl[GSC_CTL_ROUND] = gsc_e;
-    }
-    __syncthreads();
     int rc = 0;
-    for (unsigned long long p = 0; p < d->parts; p++) rc |= gsc_pready(d, p);
+    for (unsigned long long p = 0; rc == 0 && p < d->parts; p++) rc = gsc_put_part(d, p, e, &c->seen);
     return rc;
 }
 
 /* Wait until the receive round begun last arrived, and make it readable in the buffer (from
  * the staging area, when the sender writes there: `src` of a receive descriptor). 0, or -1
- * when it did not arrive within the timeout (recorded as failed). */
-static __device__ int gsc_prep_wait(const gsc_prepared_device_t *d)
+ * (see the cursor). */
+static __device__ int gsc_prep_cursor_wait(gsc_prep_cursor_t *c)
 {
-    __shared__ int gsc_ok;
-    __syncthreads(); /* gsc_prep_ready (thread 0) advanced the round */
-    unsigned long long gsc_e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND];
+    const gsc_prepared_device_t *d = c->d;
+    unsigned long long e = c->round;
+    /* The block's earlier reads of the buffer come before this round's writes into it. */
+    __syncthreads();
     if (d->ll) {
-        /* gsc_ll_read ends with a barrier: every thread's reads of the slot are done. */
-        if (!gsc_ll_read(d->dst, (const unsigned long long *)d->src + gsc_ll_slot(gsc_e, d->ll), d->part_len, gsc_e,
-                         d->timeout_ns)) {
-            if (threadIdx.x == 0) d->ctl[GSC_CTL_ERROR] = gsc_e;
+        /* One barrier after the data arrived, which also agrees on the result; then the slot of
+         * round e - 1 is free: the sender may write round e + 1. */
+        if (!gsc_ll_read(d->dst, (const unsigned long long *)d->src + gsc_ll_slot(e, d->ll), d->part_len, e, d->timeout_ns)) {
+            if (threadIdx.x == 0) d->ctl[GSC_CTL_ERROR] = e;
             return -1;
         }
-        if (threadIdx.x == 0) gsc_store_free(d->remote, gsc_e + 1);
+        if (threadIdx.x == 0) gsc_store_free(d->remote, e + 1);
         return 0;
     }
+    int ok = 1;
     if (threadIdx.x == 0) {
-        gsc_ok = 1;
-        for (unsigned long long p = 0; gsc_ok && p < d->parts; p++)
-            gsc_ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER + p], gsc_e, d->timeout_ns);
-        if (!gsc_ok) d->ctl[GSC_CTL_ERROR] = gsc_e;
+        for (unsigned long long p = 0; ok && p < d->parts; p++) ok = gsc_spin_geq(&d->ctl[GSC_CTL_PEER + p], e, d->timeout_ns);
+        if (!ok) d->ctl[GSC_CTL_ERROR] = e;
     }
-    __syncthreads();
-    if (!gsc_ok) return -1;
+    if (!__syncthreads_and(ok)) return -1;
     if (d->src) {
         gsc_block_copy(d->dst, d->src, d->part_len);
         __syncthreads();
         /* The staging area is free: the sender may write the next round already. */
-        if (threadIdx.x == 0) gsc_store_free(d->remote, gsc_e + 1);
+        if (threadIdx.x == 0) gsc_store_free(d->remote, e + 1);
+        __syncthreads();
     }
-    __syncthreads();
     return 0;
+}
+
+/* One round at a time, the round count kept in the control block (a cursor opened and closed
+ * around each call): for kernels that take part in few rounds, or mix them with stream-started
+ * ones. Same rules as the cursor calls. */
+static __device__ void gsc_prep_ready(const gsc_prepared_device_t *d)
+{
+    gsc_prep_cursor_t c = gsc_prep_open(d);
+    gsc_prep_cursor_ready(&c);
+    gsc_prep_close(&c);
+}
+
+static __device__ int gsc_prep_send(const gsc_prepared_device_t *d)
+{
+    gsc_prep_cursor_t c = gsc_prep_open(d);
+    int rc = gsc_prep_cursor_send(&c);
+    gsc_prep_close(&c);
+    return rc;
+}
+
+static __device__ int gsc_prep_wait(const gsc_prepared_device_t *d)
+{
+    gsc_prep_cursor_t c = gsc_prep_open(d);
+    int rc = gsc_prep_cursor_wait(&c);
+    gsc_prep_close(&c);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Prepared transfers with GPU rounds started on a kernel-triggered condition: the handle's     */
+/* gsc_trigger and gsc_wait run the rounds themselves, in the ONE calling thread (no proxy).    */
+/* A send's gsc_trigger waits until the receiver is ready and copies the data (so it returns    */
+/* complete: meant for small messages; a block copies faster with gsc_prep_cursor_send). A      */
+/* receive's gsc_trigger announces readiness, and its round ends in the gsc_wait that follows   */
+/* (which copies the data in from the staging area): a kernel that triggers a receive waits for */
+/* it, at the latest before it triggers that receive again (which then waits first).            */
+/* ------------------------------------------------------------------------------------------ */
+
+/* One thread: send round e. 1, or 0 when the receiver was not ready within the timeout. */
+static __device__ int gsc_prep_send_round1(const gsc_prepared_device_t *d, unsigned long long e)
+{
+    if (d->ll) {
+        /* Round e goes into slot e % 2: the receiver consumed round e - 2 (gsc_ll_send_begin). */
+        if (!gsc_spin_geq_as(&d->ctl[GSC_CTL_PEER], e - 1, d->timeout_ns, false)) return 0;
+        gsc_ll_write_lanes((unsigned long long *)d->dst + gsc_ll_slot(e, d->ll), d->src, d->part_len, e,
+                           gsc_ll_data(d->src, d->part_len, 0), 0, 1);
+        return 1;
+    }
+    if (!gsc_spin_geq(&d->ctl[GSC_CTL_PEER], e, d->timeout_ns)) return 0;
+    for (unsigned long long p = 0; p < d->parts; p++) {
+        gsc_copy_lanes(d->dst + p * d->part_len, d->src + p * d->part_len, d->part_len, 0, 1);
+        gsc_store_release(&d->remote[p], e);
+    }
+    return 1;
+}
+
+/* One thread: receive round e arrived; copy it out of the staging area. 1, or 0 on timeout. */
+static __device__ int gsc_prep_recv_round1(const gsc_prepared_device_t *d, unsigned long long e)
+{
+    if (d->ll) {
+        if (!gsc_ll_read_lanes(d->dst, (const unsigned long long *)d->src + gsc_ll_slot(e, d->ll), d->part_len, e,
+                               d->timeout_ns, 0, 1))
+            return 0;
+    } else {
+        for (unsigned long long p = 0; p < d->parts; p++)
+            if (!gsc_spin_geq(&d->ctl[GSC_CTL_PEER + p], e, d->timeout_ns)) return 0;
+        if (!d->src) return 1; /* written in place */
+        gsc_copy_lanes(d->dst, d->src, d->part_len, 0, 1);
+    }
+    /* The staging area is free for round e + 1. A release (not gsc_store_free's relaxed store):
+     * with no barrier after this thread's reads of the area, only the release orders them
+     * before the sender's next writes. */
+    gsc_store_release(d->remote, e + 1);
+    return 1;
+}
+
+/* End the receive round triggered last, if it has not ended (gsc_wait calls this). */
+static __device__ void gsc_prep_trigger_wait(gsc_device_handle_t *h)
+{
+    volatile unsigned long long *done = h->done;
+    unsigned long long e = *(volatile unsigned long long *)&h->epoch, x = *done;
+    if ((x & GSC_DEVICE_DONE_ERROR_BIT) || x >= e) return;
+    if (gsc_prep_recv_round1(h->prep, e)) {
+        *done = e;
+    } else {
+        h->prep->ctl[GSC_CTL_ERROR] = e;
+        *done = e | GSC_DEVICE_DONE_ERROR_BIT;
+    }
+}
+
+/* gsc_trigger of a prepared transfer with GPU rounds. After a failed round (the peer did not
+ * answer within the timeout) nothing more is done: every wait returns -1. */
+static __device__ unsigned long long gsc_prep_trigger(gsc_device_handle_t *h)
+{
+    const gsc_prepared_device_t *d = h->prep;
+    volatile unsigned long long *done = h->done, *ep = &h->epoch;
+    if (h->prep_recv) gsc_prep_trigger_wait(h); /* the previous round ends first */
+    if (*done & GSC_DEVICE_DONE_ERROR_BIT) return *ep;
+    /* The round count is the control block's, shared with rounds started on streams. */
+    unsigned long long e = *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] + 1;
+    *(volatile unsigned long long *)&d->ctl[GSC_CTL_ROUND] = e;
+    *ep = e;
+    if (h->prep_recv) {
+        /* As gsc_prep_cursor_ready: LL and staged receives announced this round already. */
+        if (!d->ll && !(d->src && e != 1)) gsc_store_release(d->remote, e);
+        return e; /* `done` stays below e: the round ends in gsc_wait */
+    }
+    if (gsc_prep_send_round1(d, e)) {
+        *done = e;
+    } else {
+        d->ctl[GSC_CTL_ERROR] = e;
+        *done = e | GSC_DEVICE_DONE_ERROR_BIT;
+    }
+    return e;
 }
 
 #endif /* GSC_DEVICE_CUH */

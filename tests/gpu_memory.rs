@@ -61,28 +61,38 @@ extern "C" __global__ void pready_reverse(const gsc_prepared_device_t *d, unsign
     __syncthreads();
     gsc_pready(d, part);
 }
-/* Exchanges with GPU rounds driven from this one block: new data every round, checked. */
+/* Exchanges with GPU rounds driven from this one block: new data every round, checked. The
+ * first half of the rounds one call at a time (gsc_prep_ready/send/wait), the rest through
+ * cursors (gsc_prep_open ... gsc_prep_close), which continue the same round count. */
 extern "C" __global__ void prep_kernel_rounds(const gsc_prepared_device_t *send, const gsc_prepared_device_t *recv,
                                               unsigned char *src, const unsigned char *dst, unsigned long long n,
                                               unsigned long long rounds, unsigned long long side, unsigned long long *errors) {
-    __shared__ int bad;
+    gsc_prep_cursor_t tx, rx;
     for (unsigned long long r = 1; r <= rounds; r++) {
-        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) src[i] = val(i, r * 1000 + side);
-        gsc_prep_ready(recv);
-        if (gsc_prep_send(send) != 0 || gsc_prep_wait(recv) != 0) {
-            if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
-            return;
+        int cursor = r > rounds / 2;
+        if (r == rounds / 2 + 1) {
+            tx = gsc_prep_open(send);
+            rx = gsc_prep_open(recv);
         }
-        if (threadIdx.x == 0) bad = 0;
-        __syncthreads();
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) src[i] = val(i, r * 1000 + side);
+        int rc;
+        if (cursor) {
+            gsc_prep_cursor_ready(&rx);
+            rc = gsc_prep_cursor_send(&tx) | gsc_prep_cursor_wait(&rx);
+        } else {
+            gsc_prep_ready(recv);
+            rc = gsc_prep_send(send) | gsc_prep_wait(recv);
+        }
+        int bad = rc != 0;
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x)
             if (dst[i] != val(i, r * 1000 + 1 - side)) bad = 1;
-        __syncthreads();
-        if (bad) {
+        if (__syncthreads_or(bad)) {
             if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
             return;
         }
     }
+    gsc_prep_close(&tx); /* opened: rounds / 2 + 1 <= rounds */
+    gsc_prep_close(&rx);
 }
 /* After a receive round: every partition reports arrived. */
 extern "C" __global__ void parrived_all(const gsc_prepared_device_t *d, unsigned long long *errors) {
@@ -686,8 +696,9 @@ fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
     v
 }
 
-/// GPU rounds driven by one user kernel on each side (`gsc_prep_ready/send/wait`), new data
-/// every round checked inside the kernel: LL words (1001 B), staged bytes (4 KiB), in place.
+/// GPU rounds driven by one user kernel on each side (`gsc_prep_ready/send/wait`, then
+/// cursors), new data every round checked inside the kernel: LL words (1001 B), staged bytes
+/// (4 KiB), in place.
 fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
     let mut out = String::new();
     for (n, rounds) in [(1001usize, 2000u64), (4096, 2000), (4 << 20, 50)] {
@@ -706,6 +717,42 @@ fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
         let v = verdict(&[], pinned_u64(&err));
         if !v.is_empty() {
             out += &format!("{n} B: {v} gpu_error={:?}/{:?}; ", tx.gpu_error(), rx.gpu_error());
+        }
+        drop((tx, rx));
+    }
+    out
+}
+
+/// Prepared transfers started on a kernel-triggered condition and driven by `kernel_rounds`
+/// (gsc_trigger / gsc_wait from one thread, new data every round, checked): with GPU rounds the
+/// handle's calls run each round in that thread, with the proxy engine the proxy does. LL words
+/// (8 B), staged bytes (4 KiB), in place (4 MiB: a buffer of its own allocation).
+fn prepared_kernel_triggered(side: u64, ep: &Endpoint, k: &Kern, gpu_rounds: bool) -> String {
+    let mut out = String::new();
+    for (i, (n, rounds)) in [(8usize, 500u64), (4096, 300), (4 << 20, 10)].into_iter().enumerate() {
+        let stream = Stream::new().unwrap();
+        let err = PinnedBuf::new(8).unwrap();
+        let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
+        let (tx, rx) = prepare_pair(ep, ep, &src, &dst, n, 12_000 + 10 * i as u64 + u64::from(gpu_rounds), gpu_rounds);
+        let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
+        let (hs, hr) = (armed(tx.start(on(&kc, true)).unwrap()), armed(rx.start(on(&kc, true)).unwrap()));
+        let args = [hs.device_handle, hr.device_handle, src.ptr(), dst.ptr(), n as u64, rounds, side, err.device_ptr()];
+        let t0 = Instant::now();
+        k.kernel_rounds.launch(1, 256, &stream, &args).unwrap();
+        stream.synchronize().unwrap();
+        eprintln!(
+            "side {side}: {rounds} kernel-triggered prepared rounds of {n} B, gpu_rounds={gpu_rounds}, {:.2} us/round",
+            t0.elapsed().as_secs_f64() * 1e6 / rounds as f64
+        );
+        let mut v = verdict(&[], pinned_u64(&err));
+        if tx.runs_on_gpu().ok() != Some(gpu_rounds) {
+            v += &format!(" runs_on_gpu={:?}", tx.runs_on_gpu());
+        }
+        if kc.query().is_err() || (gpu_rounds && (tx.gpu_error().ok() != Some(0) || rx.gpu_error().ok() != Some(0))) {
+            v += &format!(" query={:?} gpu_error={:?}/{:?}", kc.query(), tx.gpu_error(), rx.gpu_error());
+        }
+        if !v.is_empty() {
+            out += &format!("{n} B: {v}; ");
         }
         drop((tx, rx));
     }
@@ -808,6 +855,8 @@ fn scenarios(
     run("prepared_gpu_rounds_captured", &mut || prepared_gpu_rounds_captured(side, k, ep));
     run("prepared_gpu_partitions", &mut || prepared_gpu_partitions(side, ep, k));
     run("prepared_gpu_kernel_rounds", &mut || prepared_gpu_kernel_rounds(side, ep, k));
+    run("prepared_kernel_triggered", &mut || prepared_kernel_triggered(side, ep, k, false));
+    run("prepared_gpu_kernel_triggered", &mut || prepared_kernel_triggered(side, ep, k, true));
     run("prepared_graph", &mut || prepared_graph(side, ep, k, false));
     run("prepared_gpu_graph", &mut || prepared_graph(side, ep, k, true));
     out

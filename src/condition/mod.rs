@@ -337,12 +337,22 @@ impl Condition {
                 let node = crate::cuda::add_prep_node(&kernels, crate::cuda::raw(graph), &round)? as usize;
                 Ok(ArmedOutputs { start_node: node, done_node: node, device_handle: 0 })
             }
-            Producer::KernelTriggered { .. } | Producer::Host(_) => Err(Error::unsupported(format!(
-                "a prepared transfer with GPU rounds cannot start on a {} condition: drive it from a kernel with the device API \
-                 on Prepared::device_handle (gsc_prep_ready/gsc_prep_send/gsc_prep_wait, gsc_pready in gsc_device.cuh), start it \
-                 on a CUDA stream or graph condition, or prepare it with the proxy engine (GSC_ENGINE=proxy)",
-                self.inner.category.name()
-            ))),
+            // Started by `prepared_kernel_handle` instead.
+            Producer::KernelTriggered { .. } => Err(Error::new(Status::Internal, "a kernel-triggered GPU round has no node or launch")),
+            Producer::Host(_) => Err(Error::unsupported(
+                "a prepared transfer with GPU rounds cannot start on a host-stream condition: start it with no condition, on a \
+                 CUDA stream, graph or kernel-triggered condition, or prepare it with the proxy engine (GSC_ENGINE=proxy)",
+            )),
+        }
+    }
+
+    /// For a kernel-triggered condition: a device handle, in the condition's context, on which
+    /// the user's kernels run a prepared transfer's GPU rounds with `gsc_trigger` / `gsc_wait`
+    /// (`descriptor`: that side's `gsc_prepared_device_t`). None for other categories.
+    pub(crate) fn prepared_kernel_handle(&self, descriptor: u64, recv: bool) -> Result<Option<crate::cuda::DeviceHandleSlot>> {
+        match self.inner.producer {
+            Producer::KernelTriggered { ctx } => crate::cuda::DeviceHandleSlot::prepared(crate::cuda::raw(ctx), descriptor, recv).map(Some),
+            _ => Ok(None),
         }
     }
 

@@ -72,7 +72,7 @@ impl Words {
         s.init_handle(base);
         if let Some(ctx) = gpu_ctx {
             let (t, d) = s.device_words();
-            self.gpu_handle = Some(crate::cuda::DeviceHandleSlot::new(crate::cuda::raw(ctx), [t, d, base])?);
+            self.gpu_handle = Some(crate::cuda::DeviceHandleSlot::new(crate::cuda::raw(ctx), t, d, base)?);
         }
         Ok(())
     }

@@ -71,6 +71,8 @@ pub(crate) struct GpuSide {
     descriptor: OnceLock<u64>,
     /// Rounds started from the host run here (created at the first).
     round_stream: OnceLock<Arc<RoundStream>>,
+    /// The device handle of starts on kernel-triggered conditions (made at the first).
+    kernel_handle: OnceLock<crate::cuda::DeviceHandleSlot>,
     /// A round started from the host is in flight.
     host_busy: Arc<AtomicBool>,
 }
@@ -190,6 +192,7 @@ impl GpuSide {
             mapped: OnceLock::new(),
             descriptor: OnceLock::new(),
             round_stream: OnceLock::new(),
+            kernel_handle: OnceLock::new(),
             host_busy: Arc::new(AtomicBool::new(false)),
         };
         Ok((side, hello))
@@ -216,6 +219,9 @@ impl GpuSide {
             ll,
         };
         let Some(cond) = params.condition.as_ref() else { return self.start_on_host(p, params, args) };
+        if cond.category() == crate::condition::Category::KernelTriggered {
+            return self.start_from_kernels(p, cond);
+        }
         let outputs = match self.dir {
             // The user's kernels send the partitions (`gsc_pready`) after this begins the round.
             PrepDir::Send if self.partitioned => cond.gpu_round(PrepArgs { role: PREP_BEGIN, ..args }, None)?,
@@ -226,6 +232,28 @@ impl GpuSide {
             PrepDir::Recv => cond.gpu_round(PrepArgs { role: PREP_READY_WAIT, ..args }, None)?,
         };
         Ok(Started::Armed(outputs))
+    }
+
+    /// Started on a kernel-triggered condition: a device handle on which the user's kernels
+    /// run the rounds themselves (`gsc_trigger`, `gsc_wait`: gsc_prep_trigger in
+    /// gsc_device.cuh), made at the first such start and returned by every later one.
+    fn start_from_kernels(&self, p: &Prepared, cond: &crate::condition::Condition) -> Result<Started> {
+        if self.partitioned && self.dir == PrepDir::Send {
+            return Err(Error::unsupported(
+                "a partitioned send with GPU rounds is begun on a CUDA stream or graph (its partitions are sent by kernels: gsc_pready)",
+            ));
+        }
+        let handle = match self.kernel_handle.get() {
+            Some(h) => h.addr(),
+            None => {
+                let descriptor = self.device_handle(p)?;
+                let slot = cond
+                    .prepared_kernel_handle(descriptor, self.dir == PrepDir::Recv)?
+                    .ok_or_else(|| Error::new(Status::Internal, "not a kernel-triggered condition"))?;
+                self.kernel_handle.get_or_init(|| slot).addr()
+            }
+        };
+        Ok(Started::Armed(crate::condition::ArmedOutputs { device_handle: handle, ..Default::default() }))
     }
 
     /// A round started without a condition: our kernel on this side's own stream

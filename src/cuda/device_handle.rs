@@ -1,6 +1,7 @@
 //! `gsc_device_handle_t`s in GPU memory, for kernels that trigger and wait in a loop.
 //!
-//! A handle says where a channel's trigger and done words are and holds the device's epoch.
+//! A handle says where a channel's trigger and done words are and holds the device's epoch (or,
+//! for a prepared transfer whose rounds run on the GPU, where its descriptor is).
 //! The words must be in page-locked host memory (the proxy reads one and writes the other), but
 //! the handle itself need not: kernel-triggered and graph conditions keep it in the GPU's own
 //! memory, so `gsc_trigger` reads and bumps the epoch without a round trip over PCIe (measured
@@ -21,6 +22,35 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 const SLOT: usize = 64;
+
+/// The `gsc_device_handle_t` layout (include/gsc_device.cuh).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct DeviceHandle {
+    /// Proxy operations: the trigger word the device writes and the done word the proxy writes.
+    pub(crate) trigger: u64,
+    pub(crate) done: u64,
+    /// The device's count of triggers.
+    pub(crate) epoch: u64,
+    /// A prepared transfer whose rounds run on the GPU: this side's `gsc_prepared_device_t`
+    /// (gsc_trigger and gsc_wait run the round in the calling thread), else 0.
+    pub(crate) prep: u64,
+    /// 1: `prep` is a receive.
+    pub(crate) prep_recv: u64,
+    /// Where `done` points for a prepared transfer (written by the device).
+    pub(crate) prep_done: u64,
+}
+
+impl DeviceHandle {
+    /// A handle of an operation the proxy performs.
+    pub(crate) fn proxy(trigger: u64, done: u64, epoch: u64) -> DeviceHandle {
+        DeviceHandle { trigger, done, epoch, ..Default::default() }
+    }
+}
+
+/// Offset of `prep_done` in a handle.
+const PREP_DONE_OFFSET: u64 = 40;
+const _: () = assert!(std::mem::size_of::<DeviceHandle>() <= SLOT && std::mem::offset_of!(DeviceHandle, prep_done) == 40);
 const BLOCK: usize = 64 << 10;
 
 struct Pool {
@@ -40,13 +70,30 @@ pub(crate) struct DeviceHandleSlot {
 }
 
 impl DeviceHandleSlot {
-    /// A slot in `ctx`'s memory holding `handle` (trigger, done, epoch), ready for kernels.
-    pub(crate) fn new(ctx: cu::CUcontext, handle: [u64; 3]) -> Result<DeviceHandleSlot> {
+    /// A slot in `ctx`'s memory holding the handle of a proxy operation (its trigger and done
+    /// words, the epoch at `epoch`), ready for kernels.
+    pub(crate) fn new(ctx: cu::CUcontext, trigger: u64, done: u64, epoch: u64) -> Result<DeviceHandleSlot> {
+        DeviceHandleSlot::with(ctx, |_| DeviceHandle::proxy(trigger, done, epoch))
+    }
+
+    /// A slot in `ctx`'s memory holding the handle of a prepared transfer whose rounds run on
+    /// the GPU (`descriptor`: its side's `gsc_prepared_device_t`): gsc_trigger / gsc_wait run
+    /// them in the calling thread, and the done word is in the slot itself.
+    pub(crate) fn prepared(ctx: cu::CUcontext, descriptor: u64, recv: bool) -> Result<DeviceHandleSlot> {
+        DeviceHandleSlot::with(ctx, |addr| DeviceHandle {
+            done: addr + PREP_DONE_OFFSET,
+            prep: descriptor,
+            prep_recv: u64::from(recv),
+            ..Default::default()
+        })
+    }
+
+    fn with(ctx: cu::CUcontext, handle: impl FnOnce(u64) -> DeviceHandle) -> Result<DeviceHandleSlot> {
         let _scope = CtxScope::enter(ctx)?;
         super::with_relaxed_capture(|| DeviceHandleSlot::write_new(ctx, handle))
     }
 
-    fn write_new(ctx: cu::CUcontext, handle: [u64; 3]) -> Result<DeviceHandleSlot> {
+    fn write_new(ctx: cu::CUcontext, handle: impl FnOnce(u64) -> DeviceHandle) -> Result<DeviceHandleSlot> {
         let (addr, stream) = {
             let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
             let pool = match pools.get_or_insert_with(HashMap::new).entry(ctx as usize) {
@@ -68,10 +115,11 @@ impl DeviceHandleSlot {
         };
         let slot = DeviceHandleSlot { ctx: ctx as usize, addr };
         let stream = stream as cu::CUstream;
+        let handle = handle(addr);
         // SAFETY: `addr` is a free slot of 64 bytes in this context's memory; `handle` is read by
         // the copy, which is complete when the synchronize returns (our stream holds nothing else).
         check(
-            unsafe { cu::cuMemcpyHtoDAsync_v2(addr, handle.as_ptr().cast(), std::mem::size_of_val(&handle), stream) },
+            unsafe { cu::cuMemcpyHtoDAsync_v2(addr, (&handle as *const DeviceHandle).cast(), std::mem::size_of_val(&handle), stream) },
             "cuMemcpyHtoDAsync (device handle)",
         )?;
         // SAFETY: our own stream.

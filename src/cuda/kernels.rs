@@ -279,19 +279,6 @@ typedef struct {
 } gsc_prep_args_t;
 typedef struct { unsigned long long n; gsc_prep_args_t op[GSC_PREP_GROUP_MAX]; } gsc_prep_group_t;
 
-/* Copy n bytes with this grid's threads numbered from t, stride apart (16 bytes at a time when
- * both sides allow it). */
-static __device__ void gsc_copy(unsigned char *d, const unsigned char *s, unsigned long long n,
-                                unsigned long long t, unsigned long long stride)
-{
-    if ((((unsigned long long)s | (unsigned long long)d) & 15) == 0) {
-        for (unsigned long long i = t; i < n / 16; i += stride) ((uint4 *)d)[i] = ((const uint4 *)s)[i];
-        for (unsigned long long i = n / 16 * 16 + t; i < n; i += stride) d[i] = s[i];
-    } else {
-        for (unsigned long long i = t; i < n; i += stride) d[i] = s[i];
-    }
-}
-
 /* Launched with programmatic dependent launch (captured rounds: GSC_CUDA_PDL), a prep kernel
  * may start before the previous kernel on its stream ends: wait for it (its memory operations
  * included) before anything else, and let the next one be scheduled at once. Without it both
@@ -346,7 +333,7 @@ static __device__ void gsc_prep_wait(const gsc_prep_args_t *a)
     }
     __syncthreads();
     if (ok && a->stage) {
-        gsc_copy(a->buf, a->stage, a->len, threadIdx.x, blockDim.x);
+        gsc_copy_lanes(a->buf, a->stage, a->len, threadIdx.x, blockDim.x);
         __syncthreads();
         /* The staging area is free again: the sender may write the next round now, before
          * this side starts it (the user's buffer is only written by that round's wait). */
@@ -381,7 +368,7 @@ static __device__ void gsc_prep_send_block(const gsc_prep_args_t *a)
         gsc_ll_write((unsigned long long *)a->dst + gsc_ll_slot(e, a->ll), a->src, a->len, e, first);
         return;
     }
-    gsc_copy(a->dst, a->src, a->len, threadIdx.x, blockDim.x);
+    gsc_copy_lanes(a->dst, a->src, a->len, threadIdx.x, blockDim.x);
     __syncthreads();
     /* Release is cumulative: the block's stores (ordered by the barrier) reach the peer first. */
     if (threadIdx.x == 0) {
@@ -418,8 +405,8 @@ extern "C" __global__ void gsc_prep_kernel(gsc_prep_args_t a)
     }
     __syncthreads();
     if (ok)
-        gsc_copy(a.dst, a.src, a.len, blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
-                 (unsigned long long)gridDim.x * blockDim.x);
+        gsc_copy_lanes(a.dst, a.src, a.len, blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x,
+                       (unsigned long long)gridDim.x * blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {
         /* Every block counts, failed or not, so the count is whole for the next round; our

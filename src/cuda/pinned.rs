@@ -8,6 +8,7 @@
 //! slots are reused with their words left as they are; a new channel continues counting from
 //! the values it finds (`base`), so a late wait on an old value is still satisfied.
 
+use super::device_handle::DeviceHandle;
 use super::{check, cu};
 use crate::error::Result;
 use std::ptr::NonNull;
@@ -16,14 +17,6 @@ use std::sync::atomic::AtomicU64;
 
 const SLOT: usize = 256;
 const BLOCK: usize = 64 << 10;
-
-/// The `gsc_device_handle_t` layout (include/gsc_device.cuh).
-#[repr(C)]
-struct DeviceHandle {
-    trigger: u64,
-    done: u64,
-    epoch: u64,
-}
 
 struct FreeList {
     /// (host address, device address) of free slots.
@@ -77,7 +70,7 @@ impl PinnedSlot {
     pub(crate) fn init_handle(&self, base: u64) {
         let (t, d) = self.device_words();
         // SAFETY: line 2 of the slot is ours and no kernel refers to it yet.
-        unsafe { std::ptr::write_volatile((self.host + 128) as *mut DeviceHandle, DeviceHandle { trigger: t, done: d, epoch: base }) };
+        unsafe { std::ptr::write_volatile((self.host + 128) as *mut DeviceHandle, DeviceHandle::proxy(t, d, base)) };
     }
 
     pub(crate) fn poison(&mut self) {

@@ -18,8 +18,8 @@
 //!   into the receive buffer, by the copy engine for GPU buffers).
 //! - gstream, ggraph: the same with the rounds run on the GPU (`gpu_rounds`): one kernel per
 //!   round on the stream writes into the peer's buffer over NVLink and raises its flag.
-//! - gkernel: GPU rounds driven by one kernel for all iterations (`gsc_prep_ready`,
-//!   `gsc_prep_send`, `gsc_prep_wait` from include/gsc_device.cuh): no launch per iteration.
+//! - gkernel: GPU rounds driven by one kernel for all iterations (`gsc_prep_cursor_ready`,
+//!   `_send`, `_wait` from include/gsc_device.cuh): no launch per iteration.
 //! - gping: gkernel as a ping-pong (rank 0 sends then waits, rank 1 waits then sends); the time
 //!   shown is HALF an iteration: one put+signal from a user kernel, one way.
 //! - nccl (`--nccl`): ncclSend + ncclRecv in a group per iteration on a stream, and the same
@@ -48,7 +48,7 @@ enum Mode {
     /// `PStream` and `PGraph` with the rounds run on the GPU (no proxy).
     GStream,
     GGraph,
-    /// GPU rounds driven by one user kernel (`gsc_prep_ready/send/wait`): no launch per round.
+    /// GPU rounds driven by one user kernel (`gsc_prep_cursor_*`): no launch per round.
     GKernel,
     /// `GKernel` as a ping-pong (rank 0 sends then waits, rank 1 waits then sends): the time
     /// reported is half a round trip, i.e. one kernel-initiated put+signal, one way.
@@ -150,28 +150,36 @@ const TAG: u64 = 77;
 
 /// The device kernel of the kernel mode: one thread runs `rounds` exchanges.
 const KERNEL_SRC: &str = r#"
-/* gkernel: `rounds` prepared exchanges with GPU rounds, all from this one block. */
+/* gkernel: `rounds` prepared exchanges with GPU rounds, all from this one block (cursors: the
+ * round counts stay in registers for the whole kernel). */
 extern "C" __global__ void prep_rounds(const gsc_prepared_device_t *send, const gsc_prepared_device_t *recv,
                                        unsigned long long rounds, unsigned long long *errors) {
+    gsc_prep_cursor_t tx = gsc_prep_open(send), rx = gsc_prep_open(recv);
     for (unsigned long long r = 0; r < rounds; r++) {
-        gsc_prep_ready(recv);
-        if (gsc_prep_send(send) != 0 || gsc_prep_wait(recv) != 0) {
+        gsc_prep_cursor_ready(&rx);
+        if ((gsc_prep_cursor_send(&tx) | gsc_prep_cursor_wait(&rx)) != 0) {
             if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
-            return;
+            break;
         }
     }
+    gsc_prep_close(&tx);
+    gsc_prep_close(&rx);
 }
 /* gping: the same as a ping-pong; `first`: this rank sends first. */
 extern "C" __global__ void prep_pingpong(const gsc_prepared_device_t *send, const gsc_prepared_device_t *recv,
                                          unsigned long long rounds, unsigned long long first, unsigned long long *errors) {
+    gsc_prep_cursor_t tx = gsc_prep_open(send), rx = gsc_prep_open(recv);
     for (unsigned long long r = 0; r < rounds; r++) {
-        gsc_prep_ready(recv);
-        int rc = first ? (gsc_prep_send(send) | gsc_prep_wait(recv)) : (gsc_prep_wait(recv) | gsc_prep_send(send));
+        gsc_prep_cursor_ready(&rx);
+        int rc = first ? (gsc_prep_cursor_send(&tx) | gsc_prep_cursor_wait(&rx))
+                       : (gsc_prep_cursor_wait(&rx) | gsc_prep_cursor_send(&tx));
         if (rc != 0) {
             if (threadIdx.x == 0) atomicAdd(errors, 1ULL);
-            return;
+            break;
         }
     }
+    gsc_prep_close(&tx);
+    gsc_prep_close(&rx);
 }
 extern "C" __global__ void exchange_rounds(gsc_device_handle_t *send, gsc_device_handle_t *recv,
                                            unsigned long long rounds, unsigned long long *errors) {
