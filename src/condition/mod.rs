@@ -307,6 +307,22 @@ impl Condition {
         }
     }
 
+    /// For a CUDA stream condition: its CUstream.
+    pub(crate) fn cuda_stream(&self) -> Result<usize> {
+        match self.inner.producer {
+            Producer::CudaStream { stream, .. } => Ok(stream),
+            _ => Err(Error::invalid_param(format!("a {} condition has no CUDA stream", self.inner.category.name()))),
+        }
+    }
+
+    /// For a graph condition: its CUgraph (nodes are added in the condition's context).
+    pub(crate) fn cuda_graph(&self) -> Result<(usize, usize)> {
+        match self.inner.producer {
+            Producer::Graph { graph, ctx } => Ok((graph, ctx)),
+            _ => Err(Error::invalid_param(format!("a {} condition has no CUDA graph", self.inner.category.name()))),
+        }
+    }
+
     /// For a CUDA stream condition: the stream and gscomm's kernels in its context (where
     /// prepared transfers' GPU rounds are launched, alone or as a group's; graph conditions add
     /// theirs as nodes instead, see `gpu_round`).

@@ -167,7 +167,12 @@ impl DeviceBuf {
     pub fn upload(&self, data: &[u8]) -> Result<()> {
         assert!(data.len() <= self.len);
         // SAFETY: in bounds of our allocation; `data` is readable for the whole call.
-        check(unsafe { cu::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const _, data.len()) }, "cuMemcpyHtoD")
+        check(unsafe { cu::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const _, data.len()) }, "cuMemcpyHtoD")?;
+        // From pageable memory the copy returns once the bytes are staged, before the DMA has
+        // written the buffer; a non-blocking stream does not wait for it. Found on the device:
+        // a kernel launched right after read the previous contents.
+        // SAFETY: no arguments.
+        check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
     /// Set every byte to `value` (synchronous).
     pub fn fill(&self, value: u8) -> Result<()> {

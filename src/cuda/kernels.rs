@@ -16,7 +16,7 @@ use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-const DEVICE_HEADER: &str = include_str!("../../include/gsc_device.cuh");
+pub(super) const DEVICE_HEADER: &str = include_str!("../../include/gsc_device.cuh");
 
 const KERNELS: &str = r#"
 /* gscomm's own nodes. One operation as they see it: its device handle (persistent operations;

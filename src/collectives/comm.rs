@@ -1,0 +1,287 @@
+//! Communicators: a group of ranks, one GPU each, that run collectives together.
+//!
+//! A communicator is made collectively over a bootstrap group (`Bootstrap`: a unique id and a
+//! TCP rendezvous, or a launcher's environment): each rank allocates its workspace
+//! (`cuda::coll::Workspace`), the ranks exchange the keys that open them, and each maps every
+//! peer's. After that a collective is one kernel launch per 64 KiB round on the caller's
+//! stream — or a node of the caller's graph — that writes straight into the peers' workspaces
+//! over NVLink and reads its own: no proxy, no host work after the launch.
+//!
+//! As in NCCL, every rank must call the same collectives in the same order with matching
+//! arguments (counts, datatype, operation, root). The round counter that keeps the ranks in
+//! step lives in GPU memory and is advanced by the kernels, so a captured collective replays
+//! any number of times.
+
+use super::types::{DataType, RedOp};
+use crate::bootstrap::Bootstrap;
+use crate::condition::{ArmedOutputs, Category, Condition};
+use crate::config::Config;
+use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace};
+use crate::error::{Error, Result, Status};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// One rank of a communicator.
+pub struct Communicator {
+    rank: usize,
+    nranks: usize,
+    device: i32,
+    workspace: Workspace,
+    timeout: Duration,
+    kernel_cache: Option<PathBuf>,
+    /// Kept for the collective teardown and for later host-side agreement (split).
+    _bootstrap: Bootstrap,
+}
+
+/// What one collective call asks for, before it is cut into rounds.
+struct Call {
+    kind: CollKind,
+    send: u64,
+    recv: u64,
+    /// Bytes each rank contributes per part (all-gather: its part; reduce-scatter: each
+    /// rank's part of the input; the others: the whole buffer).
+    part_bytes: usize,
+    dtype: DataType,
+    op: RedOp,
+    root: usize,
+}
+
+impl Communicator {
+    /// Join a communicator of `bootstrap.nranks()` ranks, this one on CUDA device `device`.
+    /// Collective: every rank of the bootstrap group calls it. `config` gives the timeout
+    /// (`GSC_TIMEOUT`: how long a kernel waits for a peer before it gives up) and the kernel
+    /// cache.
+    pub fn new(bootstrap: Bootstrap, device: i32, config: &Config) -> Result<Communicator> {
+        crate::cuda::init().map_err(|e| e.context("communicators need the CUDA driver"))?;
+        let (rank, nranks) = (bootstrap.rank() as usize, bootstrap.nranks() as usize);
+        if nranks > MAX_RANKS {
+            return Err(Error::unsupported(format!(
+                "a communicator of {nranks} ranks: collectives run between the GPUs of one host, at most {MAX_RANKS}"
+            )));
+        }
+        let (mut workspace, key) = Workspace::allocate(device, nranks)?;
+        let mut mine = workspace.base().to_le_bytes().to_vec();
+        mine.extend_from_slice(&key);
+        let all = bootstrap.allgather(&mine).map_err(|e| e.context("exchanging collective workspaces"))?;
+        let mut keys = Vec::with_capacity(nranks);
+        let mut bases = Vec::with_capacity(nranks);
+        for (r, entry) in all.iter().enumerate() {
+            if entry.len() < 8 {
+                return Err(Error::new(Status::ConnectionReset, format!("rank {r} sent a workspace entry of {} bytes", entry.len())));
+            }
+            bases.push(u64::from_le_bytes(entry[..8].try_into().expect("8 bytes")));
+            keys.push(entry[8..].to_vec());
+        }
+        workspace.map_peers(rank, &keys, &bases)?;
+        // Nobody launches before everyone has mapped (a kernel would wait for a peer that is
+        // still opening our workspace: harmless, but it would count against its timeout).
+        bootstrap.barrier()?;
+        Ok(Communicator {
+            rank,
+            nranks,
+            device,
+            workspace,
+            timeout: config.timeout.unwrap_or(Duration::from_secs(3600)),
+            kernel_cache: config.kernel_cache_dir.clone(),
+            _bootstrap: bootstrap,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+
+    /// Ok, or `TimedOut` when a kernel of this rank gave up waiting for a peer (its results
+    /// are then undefined; the communicator should be destroyed).
+    pub fn async_error(&self) -> Result<()> {
+        match self.workspace.error()? {
+            0 => Ok(()),
+            round => Err(Error::new(Status::TimedOut, format!("a collective (round {round}) gave up waiting for a peer"))),
+        }
+    }
+
+    /// `count` elements of `send` reduced with `op` across the ranks into `recv` of every rank
+    /// (`send == recv`: in place).
+    ///
+    /// # Safety
+    /// `send` and `recv` are GPU memory of this rank's device, valid for `count` elements until
+    /// the operation completed on `on` (as for any stream work).
+    pub unsafe fn all_reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        on: &Condition,
+    ) -> Result<ArmedOutputs> {
+        let part_bytes = self.bytes(count, dtype)?;
+        self.run(Call { kind: CollKind::AllReduce, send, recv, part_bytes, dtype, op, root: 0 }, on)
+    }
+
+    /// Every rank's `count` elements of `send` into `recv`, rank r's at element r × count
+    /// (in place: `send == recv + rank × count elements`).
+    ///
+    /// # Safety
+    /// As `all_reduce`; `recv` holds `nranks × count` elements.
+    pub unsafe fn all_gather(&self, send: u64, recv: u64, count: usize, dtype: DataType, on: &Condition) -> Result<ArmedOutputs> {
+        let part_bytes = self.bytes(count, dtype)?;
+        self.bytes(count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
+        self.run(Call { kind: CollKind::AllGather, send, recv, part_bytes, dtype, op: RedOp::Sum, root: 0 }, on)
+    }
+
+    /// `send` (`nranks × recv_count` elements) reduced across the ranks; rank r gets part r
+    /// in `recv` (in place: `recv == send + rank × recv_count elements`).
+    ///
+    /// # Safety
+    /// As `all_reduce`; `send` holds `nranks × recv_count` elements.
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        recv_count: usize,
+        dtype: DataType,
+        op: RedOp,
+        on: &Condition,
+    ) -> Result<ArmedOutputs> {
+        let part_bytes = self.bytes(recv_count, dtype)?;
+        self.bytes(recv_count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
+        self.run(Call { kind: CollKind::ReduceScatter, send, recv, part_bytes, dtype, op, root: 0 }, on)
+    }
+
+    /// Rank `root`'s `count` elements of `send` into `recv` of every rank (`send` is read on
+    /// the root only).
+    ///
+    /// # Safety
+    /// As `all_reduce`.
+    pub unsafe fn broadcast(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        on: &Condition,
+    ) -> Result<ArmedOutputs> {
+        let part_bytes = self.bytes(count, dtype)?;
+        self.check_root(root)?;
+        self.run(Call { kind: CollKind::Broadcast, send, recv, part_bytes, dtype, op: RedOp::Sum, root }, on)
+    }
+
+    /// `count` elements of `send` reduced with `op` across the ranks into `recv` of rank
+    /// `root` (`recv` is written on the root only).
+    ///
+    /// # Safety
+    /// As `all_reduce`.
+    pub unsafe fn reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        root: usize,
+        on: &Condition,
+    ) -> Result<ArmedOutputs> {
+        let part_bytes = self.bytes(count, dtype)?;
+        self.check_root(root)?;
+        self.run(Call { kind: CollKind::Reduce, send, recv, part_bytes, dtype, op, root }, on)
+    }
+
+    fn bytes(&self, count: usize, dtype: DataType) -> Result<usize> {
+        count.checked_mul(dtype.size()).filter(|b| *b <= isize::MAX as usize).ok_or_else(too_large)
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.nranks {
+            return Err(Error::invalid_param(format!("root {root} of a communicator of {} ranks", self.nranks)));
+        }
+        Ok(())
+    }
+
+    /// Check the call, then launch its rounds (or add them to the condition's graph).
+    fn run(&self, call: Call, on: &Condition) -> Result<ArmedOutputs> {
+        if call.part_bytes == 0 {
+            return Ok(ArmedOutputs::default());
+        }
+        let reads_send = call.kind != CollKind::Broadcast || call.root == self.rank;
+        let writes_recv = call.kind != CollKind::Reduce || call.root == self.rank;
+        if reads_send {
+            self.check_device_buffer(call.send, "send")?;
+        }
+        if writes_recv {
+            self.check_device_buffer(call.recv, "receive")?;
+        }
+        match on.category() {
+            Category::Stream | Category::Graph => {}
+            other => {
+                return Err(Error::unsupported(format!(
+                    "collectives start on CUDA stream and graph conditions (not yet on {} conditions)",
+                    other.name()
+                )));
+            }
+        }
+        let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
+        let mut outputs = ArmedOutputs::default();
+        let mut last_node = None;
+        // Rounds of at most one slot's payload, each at the same offset into every part.
+        let mut off = 0;
+        while off < call.part_bytes {
+            let bytes = (call.part_bytes - off).min(SLOT_PAYLOAD);
+            let (send_off, recv_off) = (off as u64, off as u64);
+            let args = CollArgs {
+                send: if reads_send { call.send + send_off } else { 0 },
+                recv: if writes_recv { call.recv + recv_off } else { 0 },
+                bytes: bytes as u64,
+                send_stride: if call.kind == CollKind::ReduceScatter { call.part_bytes as u64 } else { 0 },
+                recv_stride: if call.kind == CollKind::AllGather { call.part_bytes as u64 } else { 0 },
+                nranks: self.nranks as u64,
+                rank: self.rank as u64,
+                root: call.root as u64,
+                kind: call.kind as u64,
+                timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                ..Default::default()
+            };
+            let cache = self.kernel_cache.as_deref();
+            match on.category() {
+                Category::Graph => {
+                    let node = self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, last_node)?;
+                    if last_node.is_none() {
+                        outputs.start_node = node;
+                    }
+                    outputs.done_node = node;
+                    last_node = Some(node);
+                }
+                _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args)?,
+            }
+            off += bytes;
+        }
+        Ok(outputs)
+    }
+
+    fn check_device_buffer(&self, addr: u64, what: &str) -> Result<()> {
+        if addr == 0 {
+            return Err(Error::invalid_param(format!("a null {what} buffer")));
+        }
+        match crate::cuda::memory::device_ptr(addr as usize)? {
+            Some(p) if p.device == self.device => Ok(()),
+            Some(p) => Err(Error::invalid_param(format!(
+                "the {what} buffer is on GPU {}, the communicator's rank on GPU {}",
+                p.device, self.device
+            ))),
+            None => Err(Error::invalid_param(format!("the {what} buffer is not GPU memory (collectives move GPU buffers)"))),
+        }
+    }
+}
+
+fn too_large() -> Error {
+    Error::invalid_param("a collective's size in bytes overflows")
+}

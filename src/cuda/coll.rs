@@ -1,0 +1,413 @@
+//! The GPU side of collectives: each rank's workspace (GPU memory every peer maps and writes
+//! over NVLink) and the one-shot LL kernel that moves and reduces small collectives.
+//!
+//! **Workspace.** One allocation per communicator and rank, of its own (a peer opens it once;
+//! see `prep_ctl` for why allocations are not shared), zeroed, exported through CUDA IPC:
+//! `CTL_BYTES` of control words (round counter, blocks finished, error), then two parities of
+//! one slot per rank, each `SLOT_BYTES` of LL words. Rank r writes its contribution to round e
+//! into slot r of parity e % 2 of every peer that needs it, as NCCL's LL words (4 data bytes
+//! and the round's flag per 8-byte store), and reads its own slots: no barrier, no fence and no
+//! separate flag.
+//!
+//! **Why two parities suffice without a readiness handshake.** Rank r writes round e into q's
+//! parity e % 2 only after its kernel of round e - 1 ended, which needed q's round e - 1 data
+//! (or, for a rooted collective, q's presence word of round e - 1), which q wrote only after
+//! its kernel of round e - 2 had ended — that kernel's reads of the slot included. Rooted
+//! collectives (broadcast, reduce) move data one way only, so every rank also writes a presence
+//! word to every peer each round and waits for everyone's before its kernel ends.
+//!
+//! The round counter lives in the workspace and is advanced by the kernel (the last block to
+//! finish), so collectives captured into a CUDA graph replay any number of times. A spin that
+//! outlasts the timeout records the round in the error word and gives up: a dead peer never
+//! hangs the GPU (`Workspace::error`).
+
+use super::copy::primary_context;
+use super::kernels::{compile_cached, function, load_module};
+use super::replay::{self, ArgBlock};
+use super::{CtxScope, check, context_arch, cu, ipc};
+use crate::error::{Error, Result, Status};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Mutex, OnceLock};
+
+/// Ranks one communicator's kernels address directly (one host's GPUs).
+pub(crate) const MAX_RANKS: usize = 8;
+/// Payload bytes of one slot: what one rank contributes to one launch. Larger collectives go
+/// in several launches (rounds).
+pub(crate) const SLOT_PAYLOAD: usize = 64 << 10;
+/// A slot holds its payload as LL words: twice the bytes.
+const SLOT_BYTES: usize = 2 * SLOT_PAYLOAD;
+/// Control words (byte 0: round, 8: blocks finished, 16: error), presence words from byte 1024
+/// (one line per rank: the last round it began), slots from here (GSC_SLOTS_WORDS in the source).
+const CTL_BYTES: usize = 4096;
+/// Threads per block of the collective kernel.
+const THREADS: u32 = super::THREADS;
+
+/// What a collective kernel does with the slots (`kind` of `CollArgs`; the same numbers are in
+/// the kernel source).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum CollKind {
+    AllReduce = 0,
+    AllGather = 1,
+    ReduceScatter = 2,
+    Broadcast = 3,
+    Reduce = 4,
+}
+
+const SOURCE: &str = r#"
+#define GSC_COLL_MAX_RANKS 8
+#define GSC_PRESENCE_WORDS 128 /* word offset of the presence words in a workspace (a line per rank) */
+#define GSC_SLOTS_WORDS 512    /* word offset of the slots */
+typedef struct {
+    unsigned long long ctl;      /* this rank's workspace (control words, presence, slots) */
+    unsigned long long peer[GSC_COLL_MAX_RANKS]; /* every rank's workspace, mapped (ours too) */
+    unsigned long long send, recv;
+    unsigned long long bytes;    /* payload bytes per slot in this launch */
+    unsigned long long send_stride; /* reduce-scatter: bytes between the parts for each rank */
+    unsigned long long recv_stride; /* all-gather: bytes between the ranks' parts */
+    unsigned long long slot_words;
+    unsigned long long nranks, rank, root, kind, timeout_ns;
+} gsc_coll_args_t;
+
+enum { GSC_ALL_REDUCE = 0, GSC_ALL_GATHER = 1, GSC_REDUCE_SCATTER = 2, GSC_BROADCAST = 3, GSC_REDUCE = 4 };
+
+/* 16-bit floats as their bits; arithmetic in float, rounded back after every operation. */
+struct gsc_f16 { unsigned short v; };
+struct gsc_bf16 { unsigned short v; };
+static __device__ __forceinline__ float gsc_to_f(gsc_f16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.v)); return f; }
+static __device__ __forceinline__ float gsc_to_f(gsc_bf16 x) { return __uint_as_float((unsigned)x.v << 16); }
+static __device__ __forceinline__ gsc_f16 gsc_from_f(float f, gsc_f16) { gsc_f16 x; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x.v) : "f"(f)); return x; }
+static __device__ __forceinline__ gsc_bf16 gsc_from_f(float f, gsc_bf16) { gsc_bf16 x; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x.v) : "f"(f)); return x; }
+
+/* op: 0 sum (and avg before its division), 1 prod, 2 max, 3 min. Max and min keep the
+ * accumulator unless the new value is strictly greater (smaller). */
+template <int OP, typename T> static __device__ __forceinline__ T gsc_apply(T a, T b)
+{
+    if (OP == 1) return a * b;
+    if (OP == 2) return b > a ? b : a;
+    if (OP == 3) return b < a ? b : a;
+    return a + b;
+}
+template <int OP> static __device__ __forceinline__ gsc_f16 gsc_apply(gsc_f16 a, gsc_f16 b) { return gsc_from_f(gsc_apply<OP>(gsc_to_f(a), gsc_to_f(b)), a); }
+template <int OP> static __device__ __forceinline__ gsc_bf16 gsc_apply(gsc_bf16 a, gsc_bf16 b) { return gsc_from_f(gsc_apply<OP>(gsc_to_f(a), gsc_to_f(b)), a); }
+template <typename T> static __device__ __forceinline__ T gsc_div(T a, unsigned long long n) { return a / (T)n; }
+template <> __device__ __forceinline__ gsc_f16 gsc_div(gsc_f16 a, unsigned long long n) { return gsc_from_f(gsc_to_f(a) / (float)n, a); }
+template <> __device__ __forceinline__ gsc_bf16 gsc_div(gsc_bf16 a, unsigned long long n) { return gsc_from_f(gsc_to_f(a) / (float)n, a); }
+
+/* 8 bytes = one unit = two LL words; a unit holds whole elements of any type. */
+template <typename T> union gsc_unit { unsigned long long u; T v[8 / sizeof(T)]; };
+
+/* Up to 8 bytes of p (n of them; unaligned allowed), zero-padded. */
+static __device__ __forceinline__ unsigned long long gsc_load8(const unsigned char *p, unsigned long long n)
+{
+    if (n == 8 && ((unsigned long long)p & 7) == 0) return *(const unsigned long long *)p;
+    unsigned long long v = 0;
+    for (unsigned k = 0; k < n; k++) v |= (unsigned long long)p[k] << (8 * k);
+    return v;
+}
+static __device__ __forceinline__ void gsc_store8(unsigned char *p, unsigned long long v, unsigned long long n)
+{
+    if (n == 8 && ((unsigned long long)p & 7) == 0) { *(unsigned long long *)p = v; return; }
+    for (unsigned k = 0; k < n; k++) p[k] = (unsigned char)(v >> (8 * k));
+}
+
+static __device__ __forceinline__ void gsc_put_unit(unsigned long long *w, unsigned long long v, unsigned long long flag)
+{
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(w), "l"(flag | (v & 0xFFFFFFFFull)), "l"(flag | (v >> 32)) : "memory");
+}
+
+/* Wait for unit u of rank q's slot of this round in every rank of `mask` and return them in
+ * v[q]; 0 on timeout. The loads of all ranks are in flight together. */
+static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long *slots, unsigned long long u, unsigned flag,
+                                    unsigned mask, unsigned long long *v, unsigned long long t0)
+{
+    unsigned missing = mask;
+    while (missing) {
+        unsigned long long lo[GSC_COLL_MAX_RANKS], hi[GSC_COLL_MAX_RANKS];
+#pragma unroll
+        for (int q = 0; q < GSC_COLL_MAX_RANKS; q++)
+            if (missing & (1u << q))
+                asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(lo[q]), "=l"(hi[q]) : "l"(slots + q * a->slot_words + 2 * u) : "memory");
+#pragma unroll
+        for (int q = 0; q < GSC_COLL_MAX_RANKS; q++)
+            if ((missing & (1u << q)) && (unsigned)(lo[q] >> 32) == flag && (unsigned)(hi[q] >> 32) == flag) {
+                v[q] = (lo[q] & 0xFFFFFFFFull) | (hi[q] << 32);
+                missing &= ~(1u << q);
+            }
+        if (missing && gsc_globaltimer() - t0 > a->timeout_ns) return 0;
+    }
+    return 1;
+}
+
+template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const gsc_coll_args_t *a)
+{
+#if __CUDA_ARCH__ >= 900
+    /* Launched with programmatic dependent launch under capture: the previous kernel first. */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    unsigned long long *ctl = (unsigned long long *)a->ctl;
+    const unsigned long long e = *(volatile unsigned long long *)ctl + 1;
+    const unsigned flag32 = gsc_ll_flag(e);
+    const unsigned long long flag = (unsigned long long)flag32 << 32, parity = e & 1;
+    const unsigned long long n = a->nranks, me = a->rank, units = (a->bytes + 7) / 8;
+    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, threads = gridDim.x * (unsigned long long)blockDim.x;
+    const unsigned char *send = (const unsigned char *)a->send;
+    unsigned char *recv = (unsigned char *)a->recv;
+    const int rooted = a->kind == GSC_BROADCAST || a->kind == GSC_REDUCE;
+    /* Where slot q of this round is, in rank p's workspace. */
+    #define GSC_SLOT(p, q) ((unsigned long long *)a->peer[p] + GSC_SLOTS_WORDS + (parity * n + (q)) * a->slot_words)
+    int ok = 1;
+    unsigned long long t0 = gsc_globaltimer();
+
+    /* Presence (rooted collectives): one word to every peer, so nobody runs two rounds ahead. */
+    if (rooted && tid < n)
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"((unsigned long long *)a->peer[tid] + GSC_PRESENCE_WORDS + me * 8), "l"(e) : "memory");
+
+    /* Write: this rank's units into slot `me` of the ranks that need them. */
+    for (unsigned long long u = tid; u < units; u += threads) {
+        unsigned long long len = a->bytes - u * 8 < 8 ? a->bytes - u * 8 : 8;
+        if (a->kind == GSC_REDUCE_SCATTER) {
+            for (unsigned long long p = 0; p < n; p++) gsc_put_unit(GSC_SLOT(p, me) + 2 * u, gsc_load8(send + p * a->send_stride + u * 8, len), flag);
+        } else if (a->kind == GSC_REDUCE) {
+            gsc_put_unit(GSC_SLOT(a->root, me) + 2 * u, gsc_load8(send + u * 8, len), flag);
+        } else if (a->kind != GSC_BROADCAST || me == a->root) {
+            unsigned long long v = gsc_load8(send + u * 8, len);
+            for (unsigned long long p = 0; p < n; p++) gsc_put_unit(GSC_SLOT(p, me) + 2 * u, v, flag);
+        }
+    }
+
+    /* Read: our own slots, in rank order (every rank reduces alike: the same bits everywhere). */
+    unsigned long long *mine = GSC_SLOT(me, 0);
+    unsigned all = (unsigned)((1ull << n) - 1);
+    for (unsigned long long u = tid; ok && u < units; u += threads) {
+        unsigned long long len = a->bytes - u * 8 < 8 ? a->bytes - u * 8 : 8, v[GSC_COLL_MAX_RANKS];
+        switch (a->kind) {
+        case GSC_REDUCE:
+            if (me != a->root) break;
+            /* fall through */
+        case GSC_ALL_REDUCE:
+        case GSC_REDUCE_SCATTER: {
+            if (!(ok = gsc_get_units(a, mine, u, flag32, all, v, t0))) break;
+            gsc_unit<T> acc, x;
+            acc.u = v[0];
+            for (unsigned long long q = 1; q < n; q++) {
+                x.u = v[q];
+#pragma unroll
+                for (int k = 0; k < 8 / sizeof(T); k++) acc.v[k] = gsc_apply<OP>(acc.v[k], x.v[k]);
+            }
+            if (AVG)
+#pragma unroll
+                for (int k = 0; k < 8 / sizeof(T); k++) acc.v[k] = gsc_div(acc.v[k], n);
+            gsc_store8(recv + u * 8, acc.u, len);
+            break;
+        }
+        case GSC_ALL_GATHER:
+            if (!(ok = gsc_get_units(a, mine, u, flag32, all, v, t0))) break;
+            for (unsigned long long q = 0; q < n; q++) gsc_store8(recv + q * a->recv_stride + u * 8, v[q], len);
+            break;
+        case GSC_BROADCAST:
+            if (!(ok = gsc_get_units(a, mine, u, flag32, 1u << a->root, v, t0))) break;
+            gsc_store8(recv + u * 8, v[a->root], len);
+            break;
+        }
+    }
+    /* Rooted: everyone's presence of this round before this kernel may end. */
+    if (ok && rooted && tid < n) {
+        unsigned long long *w = ctl + GSC_PRESENCE_WORDS + tid * 8;
+        ok = gsc_spin_geq_as(w, e, a->timeout_ns, false);
+    }
+    if (!ok) ctl[2] = e;
+    /* The last block to finish advances the round (every block read it before it counts). */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&ctl[1], 1ull) == gridDim.x - 1) {
+            ctl[1] = 0;
+            *(volatile unsigned long long *)ctl = e;
+        }
+    }
+    #undef GSC_SLOT
+}
+
+#define GSC_COLL(T, TAG) \
+    extern "C" __global__ void gsc_coll_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_ll<T, 0, false>(&a); } \
+    extern "C" __global__ void gsc_coll_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_ll<T, 1, false>(&a); } \
+    extern "C" __global__ void gsc_coll_##TAG##_max(gsc_coll_args_t a) { gsc_coll_ll<T, 2, false>(&a); } \
+    extern "C" __global__ void gsc_coll_##TAG##_min(gsc_coll_args_t a) { gsc_coll_ll<T, 3, false>(&a); } \
+    extern "C" __global__ void gsc_coll_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_ll<T, 0, true>(&a); }
+GSC_COLL(signed char, i8)
+GSC_COLL(unsigned char, u8)
+GSC_COLL(int, i32)
+GSC_COLL(unsigned, u32)
+GSC_COLL(long long, i64)
+GSC_COLL(unsigned long long, u64)
+GSC_COLL(gsc_f16, f16)
+GSC_COLL(float, f32)
+GSC_COLL(double, f64)
+GSC_COLL(gsc_bf16, bf16)
+"#;
+
+/// `gsc_coll_args_t`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct CollArgs {
+    pub(crate) ctl: u64,
+    pub(crate) peer: [u64; MAX_RANKS],
+    pub(crate) send: u64,
+    pub(crate) recv: u64,
+    pub(crate) bytes: u64,
+    pub(crate) send_stride: u64,
+    pub(crate) recv_stride: u64,
+    pub(crate) slot_words: u64,
+    pub(crate) nranks: u64,
+    pub(crate) rank: u64,
+    pub(crate) root: u64,
+    pub(crate) kind: u64,
+    pub(crate) timeout_ns: u64,
+}
+impl ArgBlock for CollArgs {}
+
+/// The collective kernels of one context, by name (`gsc_coll_<type>_<op>`), loaded once.
+fn kernel(ctx: cu::CUcontext, name: &str, cache_dir: Option<&Path>) -> Result<cu::CUfunction> {
+    type Loaded = HashMap<(usize, String), usize>;
+    static LOADED: OnceLock<Mutex<(HashMap<usize, usize>, Loaded)>> = OnceLock::new();
+    let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let key = (ctx as usize, name.to_string());
+    if let Some(f) = loaded.1.get(&key) {
+        return Ok(*f as cu::CUfunction);
+    }
+    let module = match loaded.0.get(&(ctx as usize)) {
+        Some(m) => *m as cu::CUmodule,
+        None => {
+            let source = format!("{}\n{SOURCE}", super::kernels::DEVICE_HEADER);
+            let cubin = compile_cached(&source, context_arch(ctx)?, cache_dir)?;
+            let _scope = CtxScope::enter(ctx)?;
+            let m = load_module(&cubin)?;
+            loaded.0.insert(ctx as usize, m as usize);
+            m
+        }
+    };
+    let f = function(module, name)?;
+    loaded.1.insert(key, f as usize);
+    Ok(f)
+}
+
+/// One rank's workspace on `device`, and every rank's mapped into our GPU's address space.
+pub(crate) struct Workspace {
+    device: i32,
+    base: u64,
+    /// Every rank's workspace as we address it (ours at our rank).
+    peers: Vec<u64>,
+}
+
+impl Workspace {
+    /// Bytes of a workspace for `nranks` ranks.
+    fn bytes(nranks: usize) -> usize {
+        CTL_BYTES + 2 * nranks * SLOT_BYTES
+    }
+
+    /// A fresh, zeroed workspace on `device` and the key that lets a peer open it.
+    pub(crate) fn allocate(device: i32, nranks: usize) -> Result<(Workspace, Vec<u8>)> {
+        if nranks == 0 || nranks > MAX_RANKS {
+            return Err(Error::invalid_param(format!("a communicator of {nranks} ranks (1 to {MAX_RANKS} on one host)")));
+        }
+        let _scope = CtxScope::enter(primary_context(device)?)?;
+        // Its own allocation of at least 2 MiB: a peer opens each CUDA block once (prep_ctl).
+        let bytes = Workspace::bytes(nranks).max(2 << 20);
+        let mut base: cu::CUdeviceptr = 0;
+        // SAFETY: a valid out-pointer. Never freed: a peer may still write into it after this
+        // rank destroyed its communicator (a kernel of a round this rank gave up on).
+        check(unsafe { cu::cuMemAlloc_v2(&mut base, bytes) }, "cuMemAlloc (collective workspace)")?;
+        // SAFETY: the whole new allocation; a synchronous memset.
+        check(unsafe { cu::cuMemsetD8_v2(base, 0, bytes) }, "cuMemsetD8 (collective workspace)")?;
+        let ptr = super::memory::device_ptr(base as usize)?
+            .ok_or_else(|| Error::new(Status::Internal, "a fresh cuMemAlloc is not device memory"))?;
+        let key = ipc::export(base as usize, ptr)?.encode();
+        Ok((Workspace { device, base, peers: Vec::new() }, key))
+    }
+
+    /// Map every rank's workspace (`keys[r]`, `bases[r]`; ours at `rank`).
+    pub(crate) fn map_peers(&mut self, rank: usize, keys: &[Vec<u8>], bases: &[u64]) -> Result<()> {
+        let n = keys.len();
+        let mut peers = Vec::with_capacity(n);
+        for (r, (key, base)) in keys.iter().zip(bases).enumerate() {
+            if r == rank {
+                peers.push(self.base);
+                continue;
+            }
+            let key = ipc::DeviceKey::decode(key)?;
+            let at = ipc::map_peer(&key, *base, Workspace::bytes(n), self.device)
+                .map_err(|e| e.context(format!("opening the collective workspace of rank {r}")))?;
+            peers.push(at);
+        }
+        self.peers = peers;
+        Ok(())
+    }
+
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// 0, or the round a kernel of this rank gave up on (a peer did not answer in time).
+    pub(crate) fn error(&self) -> Result<u64> {
+        let _scope = CtxScope::enter(primary_context(self.device)?)?;
+        let mut v = 0u64;
+        // SAFETY: word 2 of our live workspace; `v` is written by the synchronous copy.
+        check(unsafe { cu::cuMemcpyDtoH_v2((&mut v as *mut u64).cast(), self.base + 16, 8) }, "cuMemcpyDtoH (collective error word)")?;
+        Ok(v)
+    }
+
+    /// Add one round to a graph (`graph`: the CUgraph and the context its nodes are built in),
+    /// after `after` when given; returns the node.
+    pub(crate) fn add_node(
+        &self,
+        graph: (usize, usize),
+        kernel_name: &str,
+        cache_dir: Option<&Path>,
+        args: CollArgs,
+        after: Option<usize>,
+    ) -> Result<usize> {
+        let ctx = super::raw::<std::ffi::c_void>(graph.1) as cu::CUcontext;
+        let f = kernel(ctx, kernel_name, cache_dir)?;
+        let a = self.fill(args);
+        let _scope = CtxScope::enter(ctx)?;
+        let mut params = [&a as *const CollArgs as *mut std::ffi::c_void];
+        // SAFETY: zero is a valid value for every field (null pointers, no extra).
+        let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+        p.func = f;
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (blocks(&a), 1, 1);
+        (p.blockDimX, p.blockDimY, p.blockDimZ) = (THREADS, 1, 1);
+        p.kernelParams = params.as_mut_ptr();
+        let deps: Vec<cu::CUgraphNode> = after.into_iter().map(|n| n as cu::CUgraphNode).collect();
+        let mut node: cu::CUgraphNode = std::ptr::null_mut();
+        // SAFETY: the user's live graph, dependencies that are nodes of it (the previous round),
+        // and parameters the driver copies (`a` matches the kernel's one by-value parameter).
+        check(
+            unsafe { cu::cuGraphAddKernelNode_v2(&mut node, super::raw(graph.0), deps.as_ptr(), deps.len(), &p) },
+            "cuGraphAddKernelNode (collective)",
+        )?;
+        Ok(node as usize)
+    }
+
+    /// `args` with this workspace's part: its control words, every rank's slots.
+    fn fill(&self, args: CollArgs) -> CollArgs {
+        let mut a = CollArgs { ctl: self.base, slot_words: (SLOT_BYTES / 8) as u64, ..args };
+        a.peer[..self.peers.len()].copy_from_slice(&self.peers);
+        a
+    }
+
+    /// Launch one round of `kind` on `stream` (the kernel `gsc_coll_<dtype>_<op>`): `args`
+    /// gives the buffers and sizes, the workspace fills in the rest.
+    pub(crate) fn launch(&self, stream: usize, kernel_name: &str, cache_dir: Option<&Path>, args: CollArgs) -> Result<()> {
+        let ctx = primary_context(self.device)?;
+        let f = kernel(ctx, kernel_name, cache_dir)?;
+        let a = self.fill(args);
+        replay::launch(ctx as usize, f, stream, blocks(&a), &a)
+    }
+}
+
+/// Blocks of a round: a thread per 8-byte unit, at most 32 blocks.
+fn blocks(a: &CollArgs) -> u32 {
+    a.bytes.div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32
+}

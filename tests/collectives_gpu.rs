@@ -1,0 +1,294 @@
+//! Collectives between processes, one GPU each, checked exactly against the host reference
+//! (`collectives::types::reduce_reference`, which computes the way the kernels do): every
+//! collective × datatype × operator, in place and out of place, sizes 1, odd, 2^k ± 1 and
+//! several 64 KiB rounds; then a captured all-reduce replayed with new data each time, and one
+//! built on a graph condition.
+//!
+//! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
+//! machines run it through `.gpu/run.sh collectives_gpu`.
+mod common;
+
+use common::*;
+use gscomm::bootstrap::{Bootstrap, UniqueId};
+use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, reduce_reference};
+use gscomm::collectives::{Communicator, DataType, RedOp};
+use gscomm::condition::{Category, Condition};
+use gscomm::cuda::api::{DeviceBuf, Graph, Stream, device_count, gpu_test_skip_reason, set_device};
+use gscomm::{Context, Status};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(240);
+
+/// Element counts: 1, odd, 2^k ± 1, and enough for several rounds of 64 KiB.
+const COUNTS: &[usize] = &[1, 3, 255, 257, 4097, 70_001];
+
+/// Rank `rank`'s input of `count` elements for `seed`: random bits for integers (sums and
+/// products wrap), small integers for floats (exact in every float type, so a result is wrong
+/// only when the data is).
+fn input(dtype: DataType, rank: usize, seed: u64, count: usize) -> Vec<u8> {
+    let raw = pattern(seed * 31 + rank as u64, count * 8);
+    if !dtype.is_float() {
+        return raw[..count * dtype.size()].to_vec();
+    }
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for i in 0..count {
+        let v = f32::from(raw[i * 8] % 5) - 2.0;
+        match dtype {
+            DataType::Float16 => out.extend_from_slice(&f32_to_f16(v).to_le_bytes()),
+            DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v).to_le_bytes()),
+            DataType::Float32 => out.extend_from_slice(&v.to_le_bytes()),
+            _ => out.extend_from_slice(&f64::from(v).to_le_bytes()),
+        }
+    }
+    out
+}
+
+struct Rank {
+    comm: Communicator,
+    stream: Stream,
+    cond: Condition,
+}
+
+impl Rank {
+    fn sync(&self) {
+        self.stream.synchronize().unwrap();
+    }
+}
+
+/// Upload `data` into a fresh device buffer of at least `len` bytes (the rest zero).
+fn device_with(data: &[u8], len: usize) -> DeviceBuf {
+    let b = DeviceBuf::new(len.max(1)).unwrap();
+    b.fill(0).unwrap();
+    if !data.is_empty() {
+        b.upload(data).unwrap();
+    }
+    b
+}
+
+/// Every collective on every datatype and operator; problems found, one per line.
+fn exact_results(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let mut seed = 1u64;
+    let mut check = |what: String, got: Vec<u8>, want: &[u8]| {
+        if got != want {
+            let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            bad.push(format!("rank {me}: {what}: first difference at byte {at}"));
+        }
+    };
+    for &count in COUNTS {
+        for dtype in DataType::ALL {
+            let sz = dtype.size();
+            for op in RedOp::ALL {
+                seed += 1;
+                let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, count)).collect();
+                let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+                let want = reduce_reference(dtype, op, &refs);
+                for in_place in [false, true] {
+                    // All-reduce.
+                    let send = device_with(&ins[me], count * sz);
+                    let recv = if in_place { None } else { Some(device_with(&[], count * sz)) };
+                    let rp = recv.as_ref().map_or(send.ptr(), DeviceBuf::ptr);
+                    unsafe { r.comm.all_reduce(send.ptr(), rp, count, dtype, op, &r.cond) }.unwrap();
+                    r.sync();
+                    let got = recv.as_ref().unwrap_or(&send).download().unwrap();
+                    check(format!("all_reduce {count} x {} {} in_place={in_place}", dtype.name(), op.name()), got, &want);
+
+                    // Reduce-scatter: rank q's input is the concatenation of n parts; rank me
+                    // gets part me of the reduction.
+                    let rs_ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed + 1000, count * n)).collect();
+                    let rs_refs: Vec<&[u8]> = rs_ins.iter().map(Vec::as_slice).collect();
+                    let rs_all = reduce_reference(dtype, op, &rs_refs);
+                    let rs_want = &rs_all[me * count * sz..(me + 1) * count * sz];
+                    let send = device_with(&rs_ins[me], count * n * sz);
+                    let recv = if in_place { None } else { Some(device_with(&[], count * sz)) };
+                    let rp = recv.as_ref().map_or(send.ptr() + (me * count * sz) as u64, DeviceBuf::ptr);
+                    unsafe { r.comm.reduce_scatter(send.ptr(), rp, count, dtype, op, &r.cond) }.unwrap();
+                    r.sync();
+                    let got = match &recv {
+                        Some(b) => b.download().unwrap(),
+                        None => send.download().unwrap()[me * count * sz..(me + 1) * count * sz].to_vec(),
+                    };
+                    check(format!("reduce_scatter {count} x {} {} in_place={in_place}", dtype.name(), op.name()), got, rs_want);
+
+                    // Reduce to a root that moves with the seed.
+                    let root = seed as usize % n;
+                    let send = device_with(&ins[me], count * sz);
+                    let recv = device_with(&[], count * sz);
+                    let rp = if in_place { send.ptr() } else { recv.ptr() };
+                    unsafe { r.comm.reduce(send.ptr(), rp, count, dtype, op, root, &r.cond) }.unwrap();
+                    r.sync();
+                    if me == root {
+                        let got = if in_place { send.download() } else { recv.download() }.unwrap();
+                        check(format!("reduce {count} x {} {} root {root} in_place={in_place}", dtype.name(), op.name()), got, &want);
+                    }
+                }
+            }
+            // Data movement only: once per datatype.
+            for in_place in [false, true] {
+                seed += 1;
+                let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, count)).collect();
+                let gathered: Vec<u8> = ins.concat();
+                let recv = device_with(&[], count * n * sz);
+                let send = if in_place {
+                    recv.upload(&[vec![0; me * count * sz], ins[me].clone()].concat()).unwrap();
+                    None
+                } else {
+                    Some(device_with(&ins[me], count * sz))
+                };
+                let sp = send.as_ref().map_or(recv.ptr() + (me * count * sz) as u64, DeviceBuf::ptr);
+                unsafe { r.comm.all_gather(sp, recv.ptr(), count, dtype, &r.cond) }.unwrap();
+                r.sync();
+                check(format!("all_gather {count} x {} in_place={in_place}", dtype.name()), recv.download().unwrap(), &gathered);
+
+                let root = (seed as usize + 1) % n;
+                let send = device_with(&ins[me], count * sz);
+                let recv = device_with(&[], count * sz);
+                let rp = if in_place { send.ptr() } else { recv.ptr() };
+                unsafe { r.comm.broadcast(send.ptr(), rp, count, dtype, root, &r.cond) }.unwrap();
+                r.sync();
+                let got = if in_place { send.download() } else { recv.download() }.unwrap();
+                check(format!("broadcast {count} x {} root {root} in_place={in_place}", dtype.name()), got, &ins[root]);
+            }
+        }
+    }
+    if let Err(e) = r.comm.async_error() {
+        bad.push(format!("rank {me}: async error {e}"));
+    }
+    bad
+}
+
+/// An all-reduce captured once and replayed with new data before every replay; and one added
+/// to a graph through a graph condition.
+fn graph_replays(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let (dtype, op, count) = (DataType::Float32, RedOp::Sum, 20_000);
+    let send = device_with(&[], count * 4);
+    let recv = device_with(&[], count * 4);
+    let cap = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    unsafe { r.comm.all_reduce(send.ptr(), recv.ptr(), count, dtype, op, &cond) }.unwrap();
+    let captured = cap.end_capture().unwrap().instantiate().unwrap();
+    let graph = Graph::new().unwrap();
+    let gc = Condition::cuda(Category::Graph, graph.raw(), None).unwrap();
+    let nodes = unsafe { r.comm.all_reduce(send.ptr(), recv.ptr(), count, dtype, op, &gc) }.unwrap();
+    if nodes.start_node == 0 || nodes.done_node == 0 {
+        bad.push(format!("rank {me}: a graph condition gave no nodes: {nodes:?}"));
+    }
+    let built = graph.instantiate().unwrap();
+    let t0 = Instant::now();
+    const REPLAYS: u64 = 200;
+    for i in 0..REPLAYS {
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 5000 + i, count)).collect();
+        send.upload(&ins[me]).unwrap();
+        if i % 2 == 0 { captured.launch(&r.stream) } else { built.launch(&r.stream) }.unwrap();
+        r.sync();
+        let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+        if recv.download().unwrap() != reduce_reference(dtype, op, &refs) {
+            bad.push(format!("rank {me}: replay {i} wrong"));
+            break;
+        }
+    }
+    eprintln!("rank {me}: {REPLAYS} checked replays in {:?}", t0.elapsed());
+    // A rough time per 8-byte all-reduce, 100 captured per graph (gsc-bench measures properly).
+    let cap = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    for _ in 0..100 {
+        unsafe { r.comm.all_reduce(send.ptr(), recv.ptr(), 2, dtype, op, &cond) }.unwrap();
+    }
+    let g = cap.end_capture().unwrap().instantiate().unwrap();
+    g.launch(&r.stream).unwrap();
+    r.sync();
+    let t0 = Instant::now();
+    for _ in 0..20 {
+        g.launch(&r.stream).unwrap();
+    }
+    r.sync();
+    eprintln!("rank {me}: 8 B all-reduce captured: {:.2} us each", t0.elapsed().as_secs_f64() * 1e6 / 2000.0);
+    bad
+}
+
+fn bad_input(r: &Rank) -> Vec<String> {
+    let mut bad = Vec::new();
+    let host = [0u8; 64];
+    let d = DeviceBuf::new(64).unwrap();
+    let e = unsafe { r.comm.all_reduce(host.as_ptr() as u64, d.ptr(), 8, DataType::Float32, RedOp::Sum, &r.cond) };
+    if !matches!(&e, Err(e) if e.status() == Status::InvalidParam) {
+        bad.push(format!("host memory as a send buffer: {e:?}"));
+    }
+    let e = unsafe { r.comm.broadcast(d.ptr(), d.ptr(), 8, DataType::Float32, r.comm.nranks(), &r.cond) };
+    if !matches!(&e, Err(e) if e.status() == Status::InvalidParam) {
+        bad.push(format!("root out of range: {e:?}"));
+    }
+    bad
+}
+
+fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
+    set_device(rank as i32).unwrap();
+    let uid = UniqueId::from_bytes(uid).unwrap();
+    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
+    let config = config_with(&[("GSC_TIMEOUT", "30s")]);
+    let comm = Communicator::new(boot, rank as i32, &config).unwrap();
+    let stream = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let r = Rank { comm, stream, cond };
+    let t0 = Instant::now();
+    let mut bad = bad_input(&r);
+    bad.extend(exact_results(&r));
+    eprintln!("rank {rank}: exact checks in {:?}", t0.elapsed());
+    bad.extend(graph_replays(&r));
+    bad.join("\n")
+}
+
+fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
+    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
+    let uid = chan.get("uid");
+    let v = run_rank(rank, n, &uid);
+    chan.put("result", v.as_bytes());
+}
+
+fn run_job(test: &str, n: usize) {
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    if device_count() < n as i32 {
+        eprintln!("skipped: needs {n} GPUs, found {}", device_count());
+        return;
+    }
+    let uid = UniqueId::create(None).unwrap();
+    let mut peers: Vec<Peer> = (1..n).map(|r| start_peer(Lane::Shm, test, &format!("rank{r}of{n}"), &[], roles)).collect();
+    for p in peers.iter_mut() {
+        p.put("uid", &uid.to_bytes());
+    }
+    let mine = run_rank(0, n, &uid.to_bytes());
+    let mut all = vec![mine];
+    for p in peers.iter_mut() {
+        all.push(String::from_utf8(p.get("result", T)).unwrap());
+    }
+    for p in peers.iter_mut() {
+        p.finish(T);
+    }
+    let problems: Vec<&String> = all.iter().filter(|s| !s.is_empty()).collect();
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+#[test]
+fn collectives_exact_on_two_gpus() {
+    if run_child_role(roles) {
+        return;
+    }
+    run_job("collectives_exact_on_two_gpus", 2);
+}
+
+#[test]
+fn collectives_exact_on_four_gpus() {
+    if run_child_role(roles) {
+        return;
+    }
+    run_job("collectives_exact_on_four_gpus", 4);
+}
