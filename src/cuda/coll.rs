@@ -218,11 +218,15 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
         ok = gsc_spin_geq_as(w, e, a->timeout_ns, false);
     }
     if (!ok) ctl[2] = e;
-    /* The last block to finish advances the round (every block read it before it counts). */
+    /* The last block to finish advances the round: every block has read it before it counts
+     * (its value is in every flag the block wrote). No fence: nothing this kernel wrote needs
+     * ordering against the count, the kernel boundary orders it all for the next round (a
+     * fence would wait for every store still crossing NVLink). */
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&ctl[1], 1ull) == gridDim.x - 1) {
+        if (gridDim.x == 1) {
+            *(volatile unsigned long long *)ctl = e;
+        } else if (atomicAdd(&ctl[1], 1ull) == gridDim.x - 1) {
             ctl[1] = 0;
             *(volatile unsigned long long *)ctl = e;
         }

@@ -461,7 +461,7 @@ fn rank_main(
     let nccl = o.nccl.then(|| Nccl::load().unwrap_or_else(|e| die("nccl", e)));
     let comm = nccl.as_ref().map(|l| {
         let id = nccl_id(ctl, l);
-        l.comm(id, rank).unwrap_or_else(|e| die("nccl", e))
+        l.comm(id, rank, 2).unwrap_or_else(|e| die("nccl", e))
     });
     let buf = |what| DeviceBuf::new(o.sweep.max.max(1)).unwrap_or_else(|e| die(what, e));
     let stream = Stream::new().unwrap_or_else(|e| die("stream", e));

@@ -15,10 +15,19 @@
 //! ncclSend/ncclRecv in the same run with `--nccl`. Beside each time, `proxy ops/iter`: the
 //! operations the proxy thread started per iteration (0.00 for the g* modes: no host work).
 //!
+//! Collectives between GPUs, one process per GPU (see `coll.rs`):
+//!   gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR]
+//!             [-n ITERS] [-w WARMUP] [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT]
+//!             [-m stream,graph] [--nccl]
+//! nccl-tests' collectives (sizes, algbw, busbw, #wrong as nccl-tests defines them) on a gscomm
+//! communicator of NGPUS ranks (default 2), each call started on a stream or replayed from a
+//! captured graph, and NCCL's same collective in the same run with `--nccl`.
+//!
 //! GSC_* knobs apply as usual (e.g. GSC_TLS=shm, GSC_LOG_LEVEL). The tool's own variables:
 //! GSC_BENCH_NCCL_LIB (where libnccl.so.2 is), GSC_BENCH_HOST_TIME=1 (gpu-sendrecv's stream
 //! modes print the host's enqueue time per iteration, to tell a host-bound mode).
 
+mod coll;
 mod gpu;
 mod host;
 mod nccl;
@@ -31,6 +40,10 @@ fn usage() -> ! {
         "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin] [--prepared]\n\
          \x20      gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]\n\
          \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]\n\
+         \x20      gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n\
+         \x20                             [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT] [-m stream,graph] [--nccl]\n\
+         \x20        TYPE: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)\n\
+         \x20        OP: sum prod max min avg (default sum); NGPUS: ranks, one GPU each (default 2); ROOT default 0\n\
          sizes accept K/M/G suffixes"
     );
     std::process::exit(2)
@@ -116,6 +129,21 @@ impl Control {
         Control { input: Box::new(BufReader::new(std::io::stdin())), output: Box::new(std::io::stdout()) }
     }
 
+    /// `of_parent` for a peer whose libraries may print to stdout (NCCL does with NCCL_DEBUG):
+    /// the channel writes to the parent's pipe through a duplicate of descriptor 1, and
+    /// descriptor 1 itself goes to stderr, so a stray line cannot break the protocol.
+    pub(crate) fn of_parent_stdout_to_stderr() -> Control {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain descriptor calls; the duplicate is owned by the File made from it.
+        let pipe = unsafe { libc::dup(1) };
+        if pipe < 0 || unsafe { libc::dup2(2, 1) } < 0 {
+            die("control channel", std::io::Error::last_os_error());
+        }
+        // SAFETY: `pipe` is a fresh descriptor nothing else owns.
+        let output = unsafe { std::fs::File::from_raw_fd(pipe) };
+        Control { input: Box::new(BufReader::new(std::io::stdin())), output: Box::new(output) }
+    }
+
     pub(crate) fn send(&mut self, key: &str, value: &str) {
         writeln!(self.output, "{key} {value}").unwrap_or_else(|e| die("control channel", e));
         self.output.flush().unwrap_or_else(|e| die("control channel", e));
@@ -177,7 +205,15 @@ fn main() {
             let o = gpu::parse_args(&args[1..]).unwrap_or_else(|| usage());
             if server { gpu::server(&o) } else { gpu::client(&o, &args) }
         }
-        _ => usage(),
+        // The collectives: one subcommand each, one code path.
+        Some(name) => match coll::Coll::parse(name) {
+            Some(c) => {
+                let o = coll::parse_args(c, &args[1..]).unwrap_or_else(|| usage());
+                if server { coll::server(&o) } else { coll::client(&o, &args) }
+            }
+            None => usage(),
+        },
+        None => usage(),
     }
 }
 

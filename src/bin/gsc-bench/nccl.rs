@@ -1,5 +1,6 @@
-//! NCCL, loaded at run time, for the side-by-side columns of `gpu-sendrecv`: just the calls
-//! nccl-tests' sendrecv makes (unique id, communicator, grouped send + receive on a stream).
+//! NCCL, loaded at run time, for the side-by-side columns of `gpu-sendrecv` and of the
+//! collectives (`coll.rs`): just the calls nccl-tests makes for those (unique id, communicator,
+//! grouped send + receive, and the five collectives, on a stream).
 //!
 //! The library is found as `libnccl.so.2` on the loader's path, or at `GSC_BENCH_NCCL_LIB`.
 //! Everything unsafe about NCCL is in this file.
@@ -17,6 +18,19 @@ type NcclComm = *mut c_void;
 type Res = c_int;
 const NCCL_INT8: c_int = 0;
 
+// The collectives' C signatures (nccl.h 2.28); datatype and operator are the C enums
+// `ncclDataType_t` / `ncclRedOp_t`, passed as ints.
+/// ncclAllReduce(sendbuff, recvbuff, count, datatype, op, comm, stream)
+type AllReduceFn = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> Res;
+/// ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)
+type AllGatherFn = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm, *mut c_void) -> Res;
+/// ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)
+type ReduceScatterFn = AllReduceFn;
+/// ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)
+type BroadcastFn = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> Res;
+/// ncclReduce(sendbuff, recvbuff, count, datatype, op, root, comm, stream)
+type ReduceFn = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, c_int, NcclComm, *mut c_void) -> Res;
+
 struct Api {
     get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Res,
     comm_init_rank: unsafe extern "C" fn(*mut NcclComm, c_int, UniqueId, c_int) -> Res,
@@ -27,6 +41,11 @@ struct Api {
     group_end: unsafe extern "C" fn() -> Res,
     error_string: unsafe extern "C" fn(Res) -> *const c_char,
     version: unsafe extern "C" fn(*mut c_int) -> Res,
+    all_reduce: AllReduceFn,
+    all_gather: AllGatherFn,
+    reduce_scatter: ReduceScatterFn,
+    broadcast: BroadcastFn,
+    reduce: ReduceFn,
 }
 
 /// A loaded NCCL.
@@ -34,7 +53,7 @@ pub(crate) struct Nccl {
     api: Api,
 }
 
-/// A two-rank communicator.
+/// A communicator (of 2 ranks for `gpu-sendrecv`, of `-g` for the collectives).
 pub(crate) struct Comm<'a> {
     nccl: &'a Nccl,
     comm: NcclComm,
@@ -71,6 +90,11 @@ impl Nccl {
                 group_end: std::mem::transmute::<*mut c_void, _>(sym("ncclGroupEnd")?),
                 error_string: std::mem::transmute::<*mut c_void, _>(sym("ncclGetErrorString")?),
                 version: std::mem::transmute::<*mut c_void, _>(sym("ncclGetVersion")?),
+                all_reduce: std::mem::transmute::<*mut c_void, AllReduceFn>(sym("ncclAllReduce")?),
+                all_gather: std::mem::transmute::<*mut c_void, AllGatherFn>(sym("ncclAllGather")?),
+                reduce_scatter: std::mem::transmute::<*mut c_void, ReduceScatterFn>(sym("ncclReduceScatter")?),
+                broadcast: std::mem::transmute::<*mut c_void, BroadcastFn>(sym("ncclBroadcast")?),
+                reduce: std::mem::transmute::<*mut c_void, ReduceFn>(sym("ncclReduce")?),
             }
         };
         Ok(Nccl { api })
@@ -100,12 +124,12 @@ impl Nccl {
         Ok(id)
     }
 
-    /// Join the communicator of `id` as `rank` of 2 (blocks until the other rank joins), on the
-    /// calling thread's current GPU.
-    pub(crate) fn comm(&self, id: UniqueId, rank: i32) -> Result<Comm<'_>, String> {
+    /// Join the communicator of `id` as `rank` of `nranks` (blocks until every rank joins), on
+    /// the calling thread's current GPU.
+    pub(crate) fn comm(&self, id: UniqueId, rank: i32, nranks: i32) -> Result<Comm<'_>, String> {
         let mut comm: NcclComm = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; `id` came from ncclGetUniqueId (on one of the ranks).
-        self.check(unsafe { (self.api.comm_init_rank)(&mut comm, 2, id, rank) }, "ncclCommInitRank")?;
+        self.check(unsafe { (self.api.comm_init_rank)(&mut comm, nranks, id, rank) }, "ncclCommInitRank")?;
         Ok(Comm { nccl: self, comm })
     }
 }
@@ -130,6 +154,87 @@ impl Comm<'_> {
             self.nccl.check(r2, "ncclRecv")?;
             self.nccl.check(r3, "ncclGroupEnd")
         }
+    }
+
+    // The collectives, enqueued on `stream`. `dtype` and `op` are `ncclDataType_t` /
+    // `ncclRedOp_t` values (`DataType::nccl()`, `RedOp::nccl()`); counts are elements, as
+    // NCCL takes them.
+    //
+    // # Safety (all five)
+    // `send` and `recv` are device buffers on this rank's GPU, large enough for the call as
+    // nccl.h defines it (all-gather: `recv` holds nranks × `sendcount`; reduce-scatter: `send`
+    // holds nranks × `recvcount`), live until the stream has run it; `stream` is a live stream
+    // of that GPU.
+
+    /// ncclAllReduce.
+    pub(crate) unsafe fn all_reduce(&self, send: u64, recv: u64, count: usize, dtype: i32, op: i32, stream: usize) -> Result<(), String> {
+        // SAFETY: the caller's promise.
+        let r = unsafe {
+            (self.nccl.api.all_reduce)(send as *const c_void, recv as *mut c_void, count, dtype, op, self.comm, stream as *mut c_void)
+        };
+        self.nccl.check(r, "ncclAllReduce")
+    }
+
+    /// ncclAllGather: `sendcount` elements from every rank.
+    pub(crate) unsafe fn all_gather(&self, send: u64, recv: u64, sendcount: usize, dtype: i32, stream: usize) -> Result<(), String> {
+        // SAFETY: the caller's promise.
+        let r = unsafe {
+            (self.nccl.api.all_gather)(send as *const c_void, recv as *mut c_void, sendcount, dtype, self.comm, stream as *mut c_void)
+        };
+        self.nccl.check(r, "ncclAllGather")
+    }
+
+    /// ncclReduceScatter: `recvcount` elements to every rank.
+    pub(crate) unsafe fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        recvcount: usize,
+        dtype: i32,
+        op: i32,
+        stream: usize,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's promise.
+        let r = unsafe {
+            (self.nccl.api.reduce_scatter)(
+                send as *const c_void,
+                recv as *mut c_void,
+                recvcount,
+                dtype,
+                op,
+                self.comm,
+                stream as *mut c_void,
+            )
+        };
+        self.nccl.check(r, "ncclReduceScatter")
+    }
+
+    /// ncclBroadcast from `root`.
+    pub(crate) unsafe fn broadcast(&self, send: u64, recv: u64, count: usize, dtype: i32, root: i32, stream: usize) -> Result<(), String> {
+        // SAFETY: the caller's promise.
+        let r = unsafe {
+            (self.nccl.api.broadcast)(send as *const c_void, recv as *mut c_void, count, dtype, root, self.comm, stream as *mut c_void)
+        };
+        self.nccl.check(r, "ncclBroadcast")
+    }
+
+    /// ncclReduce to `root`.
+    #[allow(clippy::too_many_arguments)] // NCCL's own argument list, plus `self`
+    pub(crate) unsafe fn reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: i32,
+        op: i32,
+        root: i32,
+        stream: usize,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's promise.
+        let r = unsafe {
+            (self.nccl.api.reduce)(send as *const c_void, recv as *mut c_void, count, dtype, op, root, self.comm, stream as *mut c_void)
+        };
+        self.nccl.check(r, "ncclReduce")
     }
 }
 

@@ -1,0 +1,677 @@
+//! The collectives: `all-reduce`, `all-gather`, `reduce-scatter`, `broadcast` and `reduce` of
+//! a gscomm `Communicator`, in nccl-tests' style: `-g` ranks, one process and one GPU each
+//! (rank r on GPU r), every rank calling the same collective on its own buffers.
+//!
+//! Sizes are nccl-tests' `size`: the bytes of the whole buffer, i.e. `count × element size` for
+//! all-reduce, broadcast and reduce, and the total of all ranks' parts for all-gather (what each
+//! rank receives) and reduce-scatter (what each rank sends), so a rank's part is size / nranks.
+//! A size is rounded down to whole elements (whole parts of every rank), and skipped when it
+//! holds none. Calls are out of place, from a send buffer into a separate receive buffer.
+//!
+//! Time is per call: wall clock over the timed iterations, from the first enqueue to the end
+//! of the stream, after a host barrier of all ranks; the larger over the ranks is shown.
+//! algbw = size / time; busbw = algbw × nccl-tests' factor for the collective (all-reduce
+//! 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast and reduce 1).
+//!
+//! How each mode starts the calls:
+//! - stream: one gscomm call per iteration on the stream's condition (its kernels launched on
+//!   the stream).
+//! - graph: `-G` calls captured into one CUDA graph, replayed (nccl-tests' `-G`; time is per
+//!   captured call).
+//! - nccl, nccl-graph (`--nccl`, one beside each mode of `-m`): NCCL's ncclAllReduce, ... on
+//!   the same buffers, the same way.
+//!
+//! `#wrong` (nccl-tests' column): after the timed loop of the first gscomm mode of each size,
+//! one more call on inputs every rank can compute (small integers, depending on the rank and
+//! the element, so float sums are exact), its result compared element by element with the host
+//! reference (`reduce_reference`, which computes what the kernels compute; the ranks' parts or
+//! the root's data for all-gather and broadcast); elements wrong, summed over the ranks. With
+//! `--nccl`, `nccl #wrong` is the same check of NCCL's first mode, on the same inputs (NCCL's
+//! `avg` may round differently from gscomm's sum-then-divide on non-power-of-two ranks).
+
+use crate::nccl::{self, Nccl};
+use crate::{Control, Sweep, config, die, hex, parse_size, spawn_peer, unhex};
+use gscomm::bootstrap::{Bootstrap, UniqueId};
+use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, reduce_reference};
+use gscomm::collectives::{Communicator, DataType, RedOp};
+use gscomm::condition::{Category, Condition};
+use gscomm::cuda::api::{DeviceBuf, Stream, device_count, set_device};
+use std::net::Ipv4Addr;
+use std::ops::Range;
+use std::time::Instant;
+
+/// The collective of the subcommand.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Coll {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Reduce,
+}
+
+impl Coll {
+    /// The collective a subcommand names.
+    pub(crate) fn parse(s: &str) -> Option<Coll> {
+        match s {
+            "all-reduce" => Some(Coll::AllReduce),
+            "all-gather" => Some(Coll::AllGather),
+            "reduce-scatter" => Some(Coll::ReduceScatter),
+            "broadcast" => Some(Coll::Broadcast),
+            "reduce" => Some(Coll::Reduce),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Coll::AllReduce => "all-reduce",
+            Coll::AllGather => "all-gather",
+            Coll::ReduceScatter => "reduce-scatter",
+            Coll::Broadcast => "broadcast",
+            Coll::Reduce => "reduce",
+        }
+    }
+
+    /// nccl-tests' busbw / algbw for `n` ranks.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter => (n - 1.0) / n,
+            Coll::Broadcast | Coll::Reduce => 1.0,
+        }
+    }
+
+    /// Whether the size is split into one part per rank (the count argument is a part).
+    fn split(self) -> bool {
+        matches!(self, Coll::AllGather | Coll::ReduceScatter)
+    }
+
+    fn reduces(self) -> bool {
+        matches!(self, Coll::AllReduce | Coll::ReduceScatter | Coll::Reduce)
+    }
+
+    fn rooted(self) -> bool {
+        matches!(self, Coll::Broadcast | Coll::Reduce)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Stream,
+    Graph,
+    Nccl,
+    NcclGraph,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Stream => "stream",
+            Mode::Graph => "graph",
+            Mode::Nccl => "nccl",
+            Mode::NcclGraph => "nccl-graph",
+        }
+    }
+
+    fn is_nccl(self) -> bool {
+        matches!(self, Mode::Nccl | Mode::NcclGraph)
+    }
+
+    fn is_graph(self) -> bool {
+        matches!(self, Mode::Graph | Mode::NcclGraph)
+    }
+
+    /// NCCL's mode started the same way.
+    fn nccl_twin(self) -> Mode {
+        if self.is_graph() { Mode::NcclGraph } else { Mode::Nccl }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Opts {
+    coll: Coll,
+    sweep: Sweep,
+    /// Ranks, one GPU each (`-g`).
+    nranks: usize,
+    graph_iters: usize,
+    dtype: DataType,
+    op: RedOp,
+    /// Broadcast's and reduce's root (`-r`).
+    root: usize,
+    /// gscomm's modes, then NCCL's with `--nccl`.
+    modes: Vec<Mode>,
+    nccl: bool,
+}
+
+/// The options after the subcommand (`args` does not hold it).
+pub(crate) fn parse_args(coll: Coll, args: &[String]) -> Option<Opts> {
+    let mut o = Opts {
+        coll,
+        sweep: Sweep { min: 8, max: 128 << 20, factor: 2, iters: 1000, warmup: 100 },
+        nranks: 2,
+        graph_iters: 100,
+        dtype: DataType::Float32,
+        op: RedOp::Sum,
+        root: 0,
+        modes: vec![Mode::Stream, Mode::Graph],
+        nccl: false,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().cloned();
+        if o.sweep.apply(a, &mut val)? {
+            continue;
+        }
+        match a.as_str() {
+            "-g" => o.nranks = val()?.parse().ok().filter(|n| *n >= 1)?,
+            "-G" => o.graph_iters = parse_size(&val()?).max(1),
+            "-d" => {
+                let v = val()?;
+                o.dtype = DataType::parse(&v).or_else(|| {
+                    let names: Vec<&str> = DataType::ALL.iter().map(|t| t.name()).collect();
+                    eprintln!("gsc-bench: unknown datatype {v:?} (one of {})", names.join(", "));
+                    None
+                })?;
+            }
+            "-o" => {
+                let v = val()?;
+                o.op = RedOp::parse(&v).or_else(|| {
+                    let names: Vec<&str> = RedOp::ALL.iter().map(|op| op.name()).collect();
+                    eprintln!("gsc-bench: unknown operator {v:?} (one of {})", names.join(", "));
+                    None
+                })?;
+            }
+            "-r" => o.root = val()?.parse().ok()?,
+            "-m" => {
+                o.modes = val()?
+                    .split(',')
+                    .map(|m| match m {
+                        "stream" => Some(Mode::Stream),
+                        "graph" => Some(Mode::Graph),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()?
+            }
+            "--nccl" => o.nccl = true,
+            _ => return None,
+        }
+    }
+    if coll.rooted() && o.root >= o.nranks {
+        eprintln!("gsc-bench: root {} is not one of the {} ranks", o.root, o.nranks);
+        return None;
+    }
+    if o.nccl {
+        let twins: Vec<Mode> = o.modes.iter().map(|m| m.nccl_twin()).collect();
+        o.modes.extend(twins);
+    }
+    Some(o)
+}
+
+/// One size of the sweep, as the calls take it.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    /// nccl-tests' size: bytes of the whole buffer (all-gather: what a rank receives;
+    /// reduce-scatter: what a rank sends).
+    bytes: usize,
+    /// The count argument of one call, in elements (all-gather: sendcount; reduce-scatter:
+    /// recvcount; the others: count).
+    count: usize,
+}
+
+/// The sweep's sizes rounded down to whole elements (whole parts of every rank for
+/// all-gather and reduce-scatter); those holding none are left out.
+fn shapes(o: &Opts) -> Vec<Shape> {
+    let ts = o.dtype.size();
+    let parts = if o.coll.split() { o.nranks } else { 1 };
+    let mut v: Vec<Shape> = o
+        .sweep
+        .sizes()
+        .into_iter()
+        .filter_map(|size| {
+            let count = size / ts / parts;
+            (count > 0).then_some(Shape { bytes: count * parts * ts, count })
+        })
+        .collect();
+    // Rounding can make neighbours equal (-b 8 -e 15 on double: both hold one element).
+    v.dedup_by_key(|s| s.bytes);
+    v
+}
+
+/// Iterations for one size: `-n`, fewer for large sizes (at most ~4 GiB per rank's buffer),
+/// a multiple of the graph's captured calls for the graph modes. (timed, warmup)
+fn iterations(o: &Opts, bytes: usize, mode: Mode) -> (usize, usize) {
+    let budget = ((4usize << 30) / bytes.max(1)).max(5);
+    let n = o.sweep.iters.min(budget);
+    let w = o.sweep.warmup.min(n);
+    if mode.is_graph() {
+        let g = o.graph_iters.min(n);
+        (n.div_ceil(g) * g, w.div_ceil(g).max(1) * g)
+    } else {
+        (n, w)
+    }
+}
+
+/// Rank `rank`'s input element `i`: a small integer in -2..=2 (exact in every datatype, and
+/// any sum or product of up to 8 of them is too), mixed so that a shifted or swapped element
+/// shows.
+fn value(rank: usize, i: usize) -> i64 {
+    let h = (i as u64 ^ ((rank as u64) << 48)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    ((h >> 32) % 5) as i64 - 2
+}
+
+/// Rank `rank`'s input elements `range`, little-endian in `dtype` (negative values wrap in the
+/// unsigned types, as `reduce_reference` expects).
+fn input(dtype: DataType, rank: usize, range: Range<usize>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(range.len() * dtype.size());
+    for i in range {
+        let v = value(rank, i);
+        match dtype {
+            DataType::Int8 | DataType::Uint8 => out.push(v as i8 as u8),
+            DataType::Int32 | DataType::Uint32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+            DataType::Int64 | DataType::Uint64 => out.extend_from_slice(&v.to_le_bytes()),
+            DataType::Float16 => out.extend_from_slice(&f32_to_f16(v as f32).to_le_bytes()),
+            DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v as f32).to_le_bytes()),
+            DataType::Float32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DataType::Float64 => out.extend_from_slice(&(v as f64).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Where a stretch of the expected result comes from.
+#[derive(Clone, Copy)]
+enum Source {
+    /// Every rank's input elements from `base` on, reduced.
+    Reduced { base: usize },
+    /// Rank `rank`'s input elements from `base` on.
+    Rank { rank: usize, base: usize },
+}
+
+/// Elements compared at a time (bounds the host memory of the check: nranks inputs of this
+/// many elements).
+const CHECK_CHUNK: usize = 1 << 20;
+
+/// Rank 0's control channels to ranks 1..n-1, or a child's to rank 0.
+enum Link {
+    Root(Vec<Control>),
+    Child(Control),
+}
+
+impl Link {
+    /// Every rank calls it; returns when all have. Rank 0 hears from every child before it
+    /// answers any, so no rank leaves before the last one has arrived.
+    fn barrier(&mut self) {
+        match self {
+            Link::Root(peers) => {
+                peers.iter_mut().for_each(|c| drop(c.expect("BARRIER")));
+                peers.iter_mut().for_each(|c| c.send("BARRIER", ""));
+            }
+            Link::Child(c) => c.barrier(),
+        }
+    }
+}
+
+/// One rank's state.
+struct Rank<'a> {
+    o: &'a Opts,
+    rank: usize,
+    comm: Communicator,
+    nccl: Option<nccl::Comm<'a>>,
+    /// gscomm's condition of `stream` (declared first: dropped first).
+    cond: Condition,
+    stream: Stream,
+    /// Both of the sweep's largest size: every call of the sweep fits (see `shapes`).
+    send: DeviceBuf,
+    recv: DeviceBuf,
+}
+
+impl Rank<'_> {
+    fn sync(&self) {
+        self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
+    }
+
+    /// Enqueue one call of `mode`'s library on `stream` (`cond`: gscomm's condition of it).
+    fn call(&self, mode: Mode, s: Shape, stream: &Stream, cond: &Condition) {
+        let o = self.o;
+        let (send, recv, count) = (self.send.ptr(), self.recv.ptr(), s.count);
+        if mode.is_nccl() {
+            let c = self.nccl.as_ref().expect("nccl modes come with a communicator");
+            let (dt, op, root, st) = (o.dtype.nccl(), o.op.nccl(), o.root as i32, stream.raw());
+            // SAFETY: our device buffers on this rank's GPU, each of the sweep's largest size,
+            // which holds every call of the sweep; every run ends with a stream synchronize,
+            // and the buffers live until the end of `rank_main`.
+            let r = unsafe {
+                match o.coll {
+                    Coll::AllReduce => c.all_reduce(send, recv, count, dt, op, st),
+                    Coll::AllGather => c.all_gather(send, recv, count, dt, st),
+                    Coll::ReduceScatter => c.reduce_scatter(send, recv, count, dt, op, st),
+                    Coll::Broadcast => c.broadcast(send, recv, count, dt, root, st),
+                    Coll::Reduce => c.reduce(send, recv, count, dt, op, root, st),
+                }
+            };
+            r.unwrap_or_else(|e| die("nccl", e));
+        } else {
+            let (c, dt, op, root) = (&self.comm, o.dtype, o.op, o.root);
+            // SAFETY: as above.
+            let r = unsafe {
+                match o.coll {
+                    Coll::AllReduce => c.all_reduce(send, recv, count, dt, op, cond),
+                    Coll::AllGather => c.all_gather(send, recv, count, dt, cond),
+                    Coll::ReduceScatter => c.reduce_scatter(send, recv, count, dt, op, cond),
+                    Coll::Broadcast => c.broadcast(send, recv, count, dt, root, cond),
+                    Coll::Reduce => c.reduce(send, recv, count, dt, op, root, cond),
+                }
+            };
+            if let Err(e) = r {
+                die(o.coll.name(), e);
+            }
+        }
+    }
+
+    /// Run `warmup` then `iters` calls of `mode`, timing the latter; seconds per call.
+    fn run(&self, link: &mut Link, mode: Mode, s: Shape) -> f64 {
+        let (iters, warmup) = iterations(self.o, s.bytes, mode);
+        let elapsed = if mode.is_graph() {
+            // `g` calls captured once, the graph replayed: per replay one launch, no host work
+            // per call.
+            let g = self.o.graph_iters.min(iters);
+            let cap = Stream::new().unwrap_or_else(|e| die("stream", e));
+            let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap_or_else(|e| die("condition", e));
+            cap.begin_capture().unwrap_or_else(|e| die("begin capture", e));
+            (0..g).for_each(|_| self.call(mode, s, &cap, &cond));
+            let graph = cap.end_capture().unwrap_or_else(|e| die("end capture", e));
+            let exec = graph.instantiate().unwrap_or_else(|e| die("instantiate", e));
+            let launch = |times: usize| (0..times).for_each(|_| exec.launch(&self.stream).unwrap_or_else(|e| die("graph launch", e)));
+            launch(warmup / g);
+            self.sync();
+            link.barrier();
+            let t0 = Instant::now();
+            launch(iters / g);
+            self.sync();
+            t0.elapsed()
+        } else {
+            (0..warmup).for_each(|_| self.call(mode, s, &self.stream, &self.cond));
+            self.sync();
+            link.barrier();
+            let t0 = Instant::now();
+            (0..iters).for_each(|_| self.call(mode, s, &self.stream, &self.cond));
+            self.sync();
+            t0.elapsed()
+        };
+        if !mode.is_nccl() {
+            // A kernel that gave up waiting for a peer leaves wrong results and a stream that
+            // still completes: say so rather than print its time.
+            self.comm.async_error().unwrap_or_else(|e| die(self.o.coll.name(), e));
+        }
+        elapsed.as_secs_f64() / iters as f64
+    }
+
+    /// Where this rank's expected result comes from: (first element of the receive buffer,
+    /// elements, source) stretches. The send buffer holds `input(rank, 0..)` (see `rank_main`).
+    fn expected(&self, s: Shape) -> Vec<(usize, usize, Source)> {
+        let (me, count) = (self.rank, s.count);
+        match self.o.coll {
+            Coll::AllReduce => vec![(0, count, Source::Reduced { base: 0 })],
+            // Our part of the reduction of every rank's nranks parts.
+            Coll::ReduceScatter => vec![(0, count, Source::Reduced { base: me * count })],
+            // Only the root's receive buffer is written.
+            Coll::Reduce if me == self.o.root => vec![(0, count, Source::Reduced { base: 0 })],
+            Coll::Reduce => Vec::new(),
+            Coll::Broadcast => vec![(0, count, Source::Rank { rank: self.o.root, base: 0 })],
+            // Rank q's part at q × count.
+            Coll::AllGather => (0..self.o.nranks).map(|q| (q * count, count, Source::Rank { rank: q, base: 0 })).collect(),
+        }
+    }
+
+    /// One call of `mode` on the known inputs, checked exactly: the elements of this rank's
+    /// result that differ from the host reference.
+    fn wrong(&self, mode: Mode, s: Shape) -> usize {
+        let (dtype, ts) = (self.o.dtype, self.o.dtype.size());
+        // A pattern no result has (small integers), so an element never written shows.
+        self.recv.fill(0xab).unwrap_or_else(|e| die("memset", e));
+        self.call(mode, s, &self.stream, &self.cond);
+        self.sync();
+        if !mode.is_nccl() {
+            self.comm.async_error().unwrap_or_else(|e| die(self.o.coll.name(), e));
+        }
+        let got = self.recv.download().unwrap_or_else(|e| die("download", e));
+        let mut bad = 0;
+        for (at, len, source) in self.expected(s) {
+            // In chunks: the inputs of every rank for the whole buffer would be nranks × size
+            // on the host, in every rank's process.
+            for a in (0..len).step_by(CHECK_CHUNK) {
+                let b = (a + CHECK_CHUNK).min(len);
+                let want = match source {
+                    Source::Rank { rank, base } => input(dtype, rank, base + a..base + b),
+                    Source::Reduced { base } => {
+                        let ins: Vec<Vec<u8>> = (0..self.o.nranks).map(|q| input(dtype, q, base + a..base + b)).collect();
+                        let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+                        reduce_reference(dtype, self.o.op, &refs)
+                    }
+                };
+                let got = &got[(at + a) * ts..(at + b) * ts];
+                bad += got.chunks_exact(ts).zip(want.chunks_exact(ts)).filter(|(x, y)| x != y).count();
+            }
+        }
+        bad
+    }
+}
+
+/// One size's results on one rank: seconds per call for each mode, then the #wrong of each
+/// library checked (gscomm, then NCCL with `--nccl`).
+struct Row {
+    secs: Vec<f64>,
+    wrong: Vec<usize>,
+}
+
+impl Row {
+    /// "secs,secs,...;wrong,wrong" for the control channel.
+    fn encode(&self) -> String {
+        let secs: Vec<String> = self.secs.iter().map(f64::to_string).collect();
+        let wrong: Vec<String> = self.wrong.iter().map(usize::to_string).collect();
+        format!("{};{}", secs.join(","), wrong.join(","))
+    }
+
+    /// Fold in another rank's row (`encode`d): the larger time, the sum of the wrong elements.
+    fn merge(&mut self, theirs: &str) {
+        let bad = || -> ! { die("control channel", format!("bad row {theirs:?}")) };
+        let (secs, wrong) = theirs.split_once(';').unwrap_or_else(|| bad());
+        let secs: Vec<f64> = secs.split(',').map(|t| t.parse().unwrap_or_else(|_| bad())).collect();
+        let wrong: Vec<usize> = wrong.split(',').filter(|w| !w.is_empty()).map(|w| w.parse().unwrap_or_else(|_| bad())).collect();
+        if secs.len() != self.secs.len() || wrong.len() != self.wrong.len() {
+            bad();
+        }
+        self.secs.iter_mut().zip(secs).for_each(|(a, b)| *a = a.max(b));
+        self.wrong.iter_mut().zip(wrong).for_each(|(a, b)| *a += b);
+    }
+}
+
+fn print_header(o: &Opts, nccl_version: Option<String>) {
+    let what = if o.coll.reduces() { format!("type {} op {}", o.dtype.name(), o.op.name()) } else { format!("type {}", o.dtype.name()) };
+    println!(
+        "# gsc-bench {} | gscomm {} | {} ranks on GPUs 0..{}, one process each | {what}{} | -n {} -w {} -G {}{}",
+        o.coll.name(),
+        gscomm::VERSION,
+        o.nranks,
+        o.nranks - 1,
+        if o.coll.rooted() { format!(" root {}", o.root) } else { String::new() },
+        o.sweep.iters,
+        o.sweep.warmup,
+        o.graph_iters,
+        nccl_version.map(|v| format!(" | NCCL {v}")).unwrap_or_default()
+    );
+    println!(
+        "# out of place; time per call (us), the largest over the ranks; algbw = size / time (GB/s); busbw = algbw x {:.3}",
+        o.coll.bus_factor(o.nranks)
+    );
+    println!("# #wrong: elements of one checked call that differ from the host reference, summed over the ranks");
+    let mut head = format!("{:>12} {:>12} {:>8} {:>6} {:>6}", "size(B)", "count", "type", "redop", "root");
+    for m in &o.modes {
+        head += &format!(" {:>14} {:>8} {:>8}", format!("{}(us)", m.label()), "algbw", "busbw");
+    }
+    head += &format!(" {:>7}", "#wrong");
+    if o.nccl {
+        head += &format!(" {:>11}", "nccl #wrong");
+    }
+    println!("{head}");
+}
+
+fn print_row(o: &Opts, s: Shape, row: &Row) {
+    let op = if o.coll.reduces() { o.op.name() } else { "none" };
+    let root = if o.coll.rooted() { o.root as i64 } else { -1 };
+    let mut line = format!("{:>12} {:>12} {:>8} {op:>6} {root:>6}", s.bytes, s.bytes / o.dtype.size(), o.dtype.name());
+    for t in &row.secs {
+        let algbw = s.bytes as f64 / t / 1e9;
+        line += &format!(" {:>14.2} {:>8.2} {:>8.2}", t * 1e6, algbw, algbw * o.coll.bus_factor(o.nranks));
+    }
+    line += &format!(" {:>7}", row.wrong[0]);
+    if let Some(w) = row.wrong.get(1) {
+        line += &format!(" {w:>11}");
+    }
+    println!("{line}");
+}
+
+/// Everything every rank does: set up, then every (size, mode) in the same order; rank 0
+/// prints a row per size as the ranks report them.
+fn rank_main(o: &Opts, rank: usize, link: &mut Link, uid: &UniqueId, nccl: Option<(&Nccl, nccl::UniqueId)>, cfg: &gscomm::Config) {
+    set_device(rank as i32).unwrap_or_else(|e| die("set_device", e));
+    let boot = Bootstrap::init(uid, rank as u32, o.nranks as u32, cfg.bootstrap_timeout).unwrap_or_else(|e| die("bootstrap", e));
+    let comm = Communicator::new(boot, rank as i32, cfg).unwrap_or_else(|e| die("communicator", e));
+    // After gscomm's on every rank, so the two collective set-ups come in the same order.
+    let nccl = nccl.map(|(lib, id)| lib.comm(id, rank as i32, o.nranks as i32).unwrap_or_else(|e| die("nccl", e)));
+    let shapes = shapes(o);
+    let max = shapes.iter().map(|s| s.bytes).max().unwrap_or(1);
+    let buf = |what| DeviceBuf::new(max).unwrap_or_else(|e| die(what, e));
+    let stream = Stream::new().unwrap_or_else(|e| die("stream", e));
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap_or_else(|e| die("condition", e));
+    let r = Rank { o, rank, comm, nccl, cond, stream, send: buf("send buffer"), recv: buf("receive buffer") };
+    // The checked inputs, once: calls are out of place, so the send buffer keeps them, and
+    // every size reads a prefix of them (reduce-scatter: all nranks parts).
+    r.send.upload(&input(o.dtype, rank, 0..max / o.dtype.size())).unwrap_or_else(|e| die("upload", e));
+    for s in shapes {
+        let mut row = Row { secs: Vec::new(), wrong: Vec::new() };
+        for (i, &mode) in o.modes.iter().enumerate() {
+            row.secs.push(r.run(link, mode, s));
+            // The first mode of each library is checked, after its timed loop.
+            if !o.modes[..i].iter().any(|m| m.is_nccl() == mode.is_nccl()) {
+                row.wrong.push(r.wrong(mode, s));
+            }
+        }
+        match link {
+            Link::Child(c) => c.send("ROW", &row.encode()),
+            Link::Root(peers) => {
+                peers.iter_mut().for_each(|c| row.merge(&c.expect("ROW")));
+                print_row(o, s, &row);
+            }
+        }
+    }
+    // Nobody tears down before everyone is done.
+    match link {
+        Link::Child(c) => drop(c.expect("BYE")),
+        Link::Root(peers) => peers.iter_mut().for_each(|c| c.send("BYE", "")),
+    }
+}
+
+/// Ranks 1..n-1: started by rank 0 (`spawn_peer`), which sends the rank and the unique ids.
+pub(crate) fn server(o: &Opts) {
+    let cfg = config();
+    let mut ctl = Control::of_parent_stdout_to_stderr();
+    let rank: usize = ctl.expect("RANK").parse().unwrap_or_else(|e| die("control channel", e));
+    let uid = UniqueId::from_bytes(&unhex(&ctl.expect("UID"))).unwrap_or_else(|e| die("unique id", e));
+    let lib = o.nccl.then(|| Nccl::load().unwrap_or_else(|e| die("nccl", e)));
+    let nccl_id = o.nccl.then(|| {
+        let b = unhex(&ctl.expect("NCCLID"));
+        nccl::UniqueId { internal: b.try_into().unwrap_or_else(|_| die("nccl", "bad unique id")) }
+    });
+    rank_main(o, rank, &mut Link::Child(ctl), &uid, lib.as_ref().zip(nccl_id), &cfg);
+}
+
+/// Rank 0: start the other ranks, run with them, print the table.
+pub(crate) fn client(o: &Opts, args: &[String]) {
+    let cfg = config();
+    let gpus = device_count();
+    if gpus < o.nranks as i32 {
+        die("GPUs", format!("-g {} needs {} GPUs, this machine has {gpus}", o.nranks, o.nranks));
+    }
+    if shapes(o).is_empty() {
+        die("sizes", format!("no size from -b {} to -e {} holds one {} per rank", o.sweep.min, o.sweep.max, o.dtype.name()));
+    }
+    let lib = o.nccl.then(|| Nccl::load().unwrap_or_else(|e| die("nccl", e)));
+    // Every rank runs on this host: the rendezvous listens on loopback.
+    let uid = UniqueId::create(Some(Ipv4Addr::LOCALHOST.into())).unwrap_or_else(|e| die("unique id", e));
+    let nccl_id = lib.as_ref().map(|l| l.unique_id().unwrap_or_else(|e| die("nccl", e)));
+    let (mut children, mut peers) = (Vec::new(), Vec::new());
+    for rank in 1..o.nranks {
+        let (child, mut ctl) = spawn_peer(args);
+        ctl.send("RANK", &rank.to_string());
+        ctl.send("UID", &hex(&uid.to_bytes()));
+        if let Some(id) = &nccl_id {
+            ctl.send("NCCLID", &hex(&id.internal));
+        }
+        children.push(child);
+        peers.push(ctl);
+    }
+    print_header(o, lib.as_ref().map(Nccl::version));
+    rank_main(o, 0, &mut Link::Root(peers), &uid, lib.as_ref().zip(nccl_id), &cfg);
+    for (i, mut child) in children.into_iter().enumerate() {
+        match child.wait() {
+            Ok(st) if st.success() => {}
+            Ok(st) => die(&format!("rank {}", i + 1), st),
+            Err(e) => die(&format!("rank {}", i + 1), e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(coll: &str, args: &[&str]) -> Option<Opts> {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        parse_args(Coll::parse(coll)?, &args)
+    }
+
+    #[test]
+    fn options() {
+        let o = opts("all-reduce", &["-g", "4", "-d", "half", "-o", "max", "--nccl", "-m", "graph"]).unwrap();
+        assert_eq!((o.nranks, o.dtype, o.op), (4, DataType::Float16, RedOp::Max));
+        assert_eq!(o.modes, vec![Mode::Graph, Mode::NcclGraph], "one NCCL mode beside each of -m");
+        assert!(opts("all-reduce", &["-d", "float8"]).is_none(), "an unknown datatype is a usage error");
+        assert!(opts("all-reduce", &["-o", "xor"]).is_none(), "an unknown operator is a usage error");
+        assert!(opts("all-reduce", &["-g", "0"]).is_none());
+        assert!(opts("broadcast", &["-g", "2", "-r", "2"]).is_none(), "the root is one of the ranks");
+        assert!(opts("all-reduce", &["-r", "2"]).is_some(), "no root to check");
+        assert!(Coll::parse("sendrecv").is_none());
+    }
+
+    #[test]
+    fn sizes_as_nccl_tests_counts_them() {
+        let o = opts("all-gather", &["-g", "4", "-b", "8", "-e", "100", "-f", "2"]).unwrap();
+        // float, 4 ranks: a size holds whole parts of 4 floats (16 bytes); 8 holds none.
+        let s: Vec<(usize, usize)> = shapes(&o).iter().map(|s| (s.bytes, s.count)).collect();
+        assert_eq!(s, vec![(16, 1), (32, 2), (64, 4), (96, 6)]);
+        let o = opts("all-reduce", &["-b", "4", "-e", "24", "-f", "3", "-d", "double"]).unwrap();
+        let s: Vec<(usize, usize)> = shapes(&o).iter().map(|s| (s.bytes, s.count)).collect();
+        assert_eq!(s, vec![(8, 1), (24, 3)], "4 holds no double; 12 rounds down to 8, 36 is past -e 24");
+        let o = opts("all-reduce", &["-b", "8", "-e", "15", "-d", "double"]).unwrap();
+        assert_eq!(shapes(&o).len(), 1, "8 and 15 both hold one double: one row");
+    }
+
+    #[test]
+    fn inputs_are_small_integers() {
+        let f: Vec<f32> = input(DataType::Float32, 3, 0..1000).chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        assert!(f.iter().all(|v| (-2.0..=2.0).contains(v) && v.fract() == 0.0));
+        assert_ne!(input(DataType::Int8, 0, 0..64), input(DataType::Int8, 1, 0..64), "ranks differ");
+        assert_eq!(input(DataType::Float64, 2, 10..20).len(), 80);
+    }
+
+    #[test]
+    fn rows_merge_max_time_and_sum_wrong() {
+        let mut row = Row { secs: vec![1e-6, 3e-6], wrong: vec![0, 2] };
+        row.merge(&Row { secs: vec![2e-6, 1e-6], wrong: vec![5, 1] }.encode());
+        assert_eq!(row.secs, vec![2e-6, 3e-6]);
+        assert_eq!(row.wrong, vec![5, 3]);
+    }
+}
