@@ -3,9 +3,10 @@
 //! A communicator is made collectively over a bootstrap group (`Bootstrap`: a unique id and a
 //! TCP rendezvous, or a launcher's environment): each rank allocates its workspace
 //! (`cuda::coll::Workspace`), the ranks exchange the keys that open them, and each maps every
-//! peer's. After that a collective is one kernel launch per 64 KiB round on the caller's
-//! stream — or a node of the caller's graph — that writes straight into the peers' workspaces
-//! over NVLink and reads its own: no proxy, no host work after the launch.
+//! peer's. After that a collective is one kernel launch on the caller's stream — or a node of
+//! the caller's graph — that writes straight into the peers' workspaces over NVLink and reads
+//! its own, in rounds of 64 KiB per rank (rooted collectives: a launch per round): no proxy, no
+//! host work after the launch.
 //!
 //! As in NCCL, every rank must call the same collectives in the same order with matching
 //! arguments (counts, datatype, operation, root). The round counter that keeps the ranks in
@@ -232,15 +233,21 @@ impl Communicator {
         let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
         let mut outputs = ArmedOutputs::default();
         let mut last_node = None;
-        // Rounds of at most one slot's payload, each at the same offset into every part.
+        // All-pairs collectives run every round in one launch; rooted ones a round per launch
+        // (see `cuda::coll`: their data flows one way, so only a kernel boundary keeps a rank
+        // from lapping another).
+        let rooted = matches!(call.kind, CollKind::Broadcast | CollKind::Reduce);
+        let per_launch = if rooted { SLOT_PAYLOAD } else { call.part_bytes };
+        let repeats = call.part_bytes <= per_launch;
         let mut off = 0;
         while off < call.part_bytes {
-            let bytes = (call.part_bytes - off).min(SLOT_PAYLOAD);
-            let (send_off, recv_off) = (off as u64, off as u64);
+            let bytes = (call.part_bytes - off).min(per_launch);
             let args = CollArgs {
-                send: if reads_send { call.send + send_off } else { 0 },
-                recv: if writes_recv { call.recv + recv_off } else { 0 },
+                send: if reads_send { call.send + off as u64 } else { 0 },
+                recv: if writes_recv { call.recv + off as u64 } else { 0 },
                 bytes: bytes as u64,
+                chunk: SLOT_PAYLOAD as u64,
+                rounds: bytes.div_ceil(SLOT_PAYLOAD) as u64,
                 send_stride: if call.kind == CollKind::ReduceScatter { call.part_bytes as u64 } else { 0 },
                 recv_stride: if call.kind == CollKind::AllGather { call.part_bytes as u64 } else { 0 },
                 nranks: self.nranks as u64,
@@ -260,7 +267,7 @@ impl Communicator {
                     outputs.done_node = node;
                     last_node = Some(node);
                 }
-                _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args)?,
+                _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, repeats)?,
             }
             off += bytes;
         }

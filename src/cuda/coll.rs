@@ -32,8 +32,8 @@ use std::sync::{Mutex, OnceLock};
 
 /// Ranks one communicator's kernels address directly (one host's GPUs).
 pub(crate) const MAX_RANKS: usize = 8;
-/// Payload bytes of one slot: what one rank contributes to one launch. Larger collectives go
-/// in several launches (rounds).
+/// Payload bytes of one slot: what one rank contributes to one round. Larger collectives take
+/// several rounds: in one launch, or (rooted ones) one launch each.
 pub(crate) const SLOT_PAYLOAD: usize = 64 << 10;
 /// A slot holds its payload as LL words: twice the bytes.
 const SLOT_BYTES: usize = 2 * SLOT_PAYLOAD;
@@ -62,7 +62,9 @@ typedef struct {
     unsigned long long ctl;      /* this rank's workspace (control words, presence, slots) */
     unsigned long long peer[GSC_COLL_MAX_RANKS]; /* every rank's workspace, mapped (ours too) */
     unsigned long long send, recv;
-    unsigned long long bytes;    /* payload bytes per slot in this launch */
+    unsigned long long bytes;    /* payload bytes per part in this launch */
+    unsigned long long chunk;    /* payload bytes per part and round (at most a slot's) */
+    unsigned long long rounds;   /* rounds in this launch: bytes / chunk, rounded up */
     unsigned long long send_stride; /* reduce-scatter: bytes between the parts for each rank */
     unsigned long long recv_stride; /* all-gather: bytes between the ranks' parts */
     unsigned long long slot_words;
@@ -139,34 +141,23 @@ static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long
     return 1;
 }
 
-template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const gsc_coll_args_t *a)
+/* One round: this rank's units of `bytes` at offset `off` of every part into the slots of
+ * round e, then its own slots read and reduced (or copied) into recv. 0 on timeout. */
+template <typename T, int OP, bool AVG>
+static __device__ int gsc_coll_round(const gsc_coll_args_t *a, unsigned long long e, unsigned long long off, unsigned long long bytes,
+                                     unsigned long long tid, unsigned long long threads, unsigned long long t0)
 {
-#if __CUDA_ARCH__ >= 900
-    /* Launched with programmatic dependent launch under capture: the previous kernel first. */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    unsigned long long *ctl = (unsigned long long *)a->ctl;
-    const unsigned long long e = *(volatile unsigned long long *)ctl + 1;
     const unsigned flag32 = gsc_ll_flag(e);
     const unsigned long long flag = (unsigned long long)flag32 << 32, parity = e & 1;
-    const unsigned long long n = a->nranks, me = a->rank, units = (a->bytes + 7) / 8;
-    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, threads = gridDim.x * (unsigned long long)blockDim.x;
-    const unsigned char *send = (const unsigned char *)a->send;
-    unsigned char *recv = (unsigned char *)a->recv;
-    const int rooted = a->kind == GSC_BROADCAST || a->kind == GSC_REDUCE;
+    const unsigned long long n = a->nranks, me = a->rank, units = (bytes + 7) / 8;
+    const unsigned char *send = (const unsigned char *)a->send + off;
+    unsigned char *recv = (unsigned char *)a->recv + off;
     /* Where slot q of this round is, in rank p's workspace. */
     #define GSC_SLOT(p, q) ((unsigned long long *)a->peer[p] + GSC_SLOTS_WORDS + (parity * n + (q)) * a->slot_words)
-    int ok = 1;
-    unsigned long long t0 = gsc_globaltimer();
-
-    /* Presence (rooted collectives): one word to every peer, so nobody runs two rounds ahead. */
-    if (rooted && tid < n)
-        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"((unsigned long long *)a->peer[tid] + GSC_PRESENCE_WORDS + me * 8), "l"(e) : "memory");
 
     /* Write: this rank's units into slot `me` of the ranks that need them. */
     for (unsigned long long u = tid; u < units; u += threads) {
-        unsigned long long len = a->bytes - u * 8 < 8 ? a->bytes - u * 8 : 8;
+        unsigned long long len = bytes - u * 8 < 8 ? bytes - u * 8 : 8;
         if (a->kind == GSC_REDUCE_SCATTER) {
             for (unsigned long long p = 0; p < n; p++) gsc_put_unit(GSC_SLOT(p, me) + 2 * u, gsc_load8(send + p * a->send_stride + u * 8, len), flag);
         } else if (a->kind == GSC_REDUCE) {
@@ -180,15 +171,15 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     /* Read: our own slots, in rank order (every rank reduces alike: the same bits everywhere). */
     unsigned long long *mine = GSC_SLOT(me, 0);
     unsigned all = (unsigned)((1ull << n) - 1);
-    for (unsigned long long u = tid; ok && u < units; u += threads) {
-        unsigned long long len = a->bytes - u * 8 < 8 ? a->bytes - u * 8 : 8, v[GSC_COLL_MAX_RANKS];
+    for (unsigned long long u = tid; u < units; u += threads) {
+        unsigned long long len = bytes - u * 8 < 8 ? bytes - u * 8 : 8, v[GSC_COLL_MAX_RANKS];
         switch (a->kind) {
         case GSC_REDUCE:
             if (me != a->root) break;
             /* fall through */
         case GSC_ALL_REDUCE:
         case GSC_REDUCE_SCATTER: {
-            if (!(ok = gsc_get_units(a, mine, u, flag32, all, v, t0))) break;
+            if (!gsc_get_units(a, mine, u, flag32, all, v, t0)) return 0;
             gsc_unit<T> acc, x;
             acc.u = v[0];
             for (unsigned long long q = 1; q < n; q++) {
@@ -203,20 +194,50 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
             break;
         }
         case GSC_ALL_GATHER:
-            if (!(ok = gsc_get_units(a, mine, u, flag32, all, v, t0))) break;
+            if (!gsc_get_units(a, mine, u, flag32, all, v, t0)) return 0;
             for (unsigned long long q = 0; q < n; q++) gsc_store8(recv + q * a->recv_stride + u * 8, v[q], len);
             break;
         case GSC_BROADCAST:
-            if (!(ok = gsc_get_units(a, mine, u, flag32, 1u << a->root, v, t0))) break;
+            if (!gsc_get_units(a, mine, u, flag32, 1u << a->root, v, t0)) return 0;
             gsc_store8(recv + u * 8, v[a->root], len);
             break;
         }
     }
-    /* Rooted: everyone's presence of this round before this kernel may end. */
-    if (ok && rooted && tid < n) {
-        unsigned long long *w = ctl + GSC_PRESENCE_WORDS + tid * 8;
-        ok = gsc_spin_geq_as(w, e, a->timeout_ns, false);
+    #undef GSC_SLOT
+    return 1;
+}
+
+/* `rounds` rounds of at most `chunk` bytes per part. Inside one launch no barrier separates
+ * them: a thread handles the same units in every round and on every rank (the grid depends
+ * only on the sizes), so the thread that writes unit u of round e + 2 into a peer's slot has
+ * read that peer's unit u of round e + 1, which the peer's thread wrote only after it had read
+ * unit u of round e there — the two-parity argument of the workspace, per unit. Rooted
+ * collectives break that chain (data flows one way) and come one round per launch. */
+template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const gsc_coll_args_t *a)
+{
+#if __CUDA_ARCH__ >= 900
+    /* Launched with programmatic dependent launch under capture: the previous kernel first. */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    unsigned long long *ctl = (unsigned long long *)a->ctl;
+    const unsigned long long e0 = *(volatile unsigned long long *)ctl + 1, n = a->nranks, me = a->rank;
+    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, threads = gridDim.x * (unsigned long long)blockDim.x;
+    const int rooted = a->kind == GSC_BROADCAST || a->kind == GSC_REDUCE;
+    unsigned long long t0 = gsc_globaltimer();
+
+    /* Presence (rooted collectives): one word to every peer, so nobody runs two rounds ahead. */
+    if (rooted && tid < n)
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"((unsigned long long *)a->peer[tid] + GSC_PRESENCE_WORDS + me * 8), "l"(e0) : "memory");
+    int ok = 1;
+    for (unsigned long long c = 0; ok && c < a->rounds; c++) {
+        unsigned long long off = c * a->chunk, bytes = a->bytes - off < a->chunk ? a->bytes - off : a->chunk;
+        ok = gsc_coll_round<T, OP, AVG>(a, e0 + c, off, bytes, tid, threads, t0);
     }
+    const unsigned long long e = e0 + a->rounds - 1;
+    /* Rooted: everyone's presence of this round before this kernel may end. */
+    if (ok && rooted && tid < n)
+        ok = gsc_spin_geq_as(ctl + GSC_PRESENCE_WORDS + tid * 8, e0, a->timeout_ns, false);
     if (!ok) ctl[2] = e;
     /* The last block to finish advances the round: every block has read it before it counts
      * (its value is in every flag the block wrote). No fence: nothing this kernel wrote needs
@@ -231,7 +252,6 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
             *(volatile unsigned long long *)ctl = e;
         }
     }
-    #undef GSC_SLOT
 }
 
 #define GSC_COLL(T, TAG) \
@@ -261,6 +281,8 @@ pub(crate) struct CollArgs {
     pub(crate) send: u64,
     pub(crate) recv: u64,
     pub(crate) bytes: u64,
+    pub(crate) chunk: u64,
+    pub(crate) rounds: u64,
     pub(crate) send_stride: u64,
     pub(crate) recv_stride: u64,
     pub(crate) slot_words: u64,
@@ -401,17 +423,22 @@ impl Workspace {
         a
     }
 
-    /// Launch one round of `kind` on `stream` (the kernel `gsc_coll_<dtype>_<op>`): `args`
-    /// gives the buffers and sizes, the workspace fills in the rest.
-    pub(crate) fn launch(&self, stream: usize, kernel_name: &str, cache_dir: Option<&Path>, args: CollArgs) -> Result<()> {
+    /// Launch `args.rounds` rounds on `stream` (the kernel `gsc_coll_<dtype>_<op>`): `args`
+    /// gives the buffers and sizes, the workspace fills in the rest. `repeats`: the same
+    /// launch is likely to come again (a call of one launch), so it is replayed from a cached
+    /// one-node graph (`replay`); the launches of a call cut in several differ every time.
+    pub(crate) fn launch(&self, stream: usize, kernel_name: &str, cache_dir: Option<&Path>, args: CollArgs, repeats: bool) -> Result<()> {
         let ctx = primary_context(self.device)?;
         let f = kernel(ctx, kernel_name, cache_dir)?;
         let a = self.fill(args);
-        replay::launch(ctx as usize, f, stream, blocks(&a), &a)
+        match repeats {
+            true => replay::launch(ctx as usize, f, stream, blocks(&a), &a),
+            false => replay::launch_uncached(f, stream, blocks(&a), &a),
+        }
     }
 }
 
-/// Blocks of a round: a thread per 8-byte unit, at most 32 blocks.
+/// Blocks of a launch: a thread per 8-byte unit of a round, at most 32 blocks.
 fn blocks(a: &CollArgs) -> u32 {
-    a.bytes.div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32
+    a.bytes.min(a.chunk).div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32
 }

@@ -54,10 +54,7 @@ static CACHE: Mutex<Option<HashMap<u64, Arc<Entry>>>> = Mutex::new(None);
 /// the stream is being captured.
 pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
     if capturing(stream)? {
-        return match super::pdl_enabled() {
-            true => super::launch_struct_grid_pdl(f, stream, blocks, args),
-            false => super::launch_struct_grid(f, stream, blocks, args),
-        };
+        return launch_direct(f, stream, blocks, args);
     }
     let bytes = bytes_of(args);
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -81,6 +78,24 @@ pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, 
     };
     // SAFETY: our executable graph (kept alive by `entry`) and the user's live stream.
     check(unsafe { cu::cuGraphLaunch(raw(entry.exec), raw(stream)) }, "cuGraphLaunch")
+}
+
+/// Launch `f` as `launch` does, without the cache: for launches whose arguments change from
+/// one to the next (a replay of each would cost an instantiation, and evict the others).
+pub(crate) fn launch_uncached<T: ArgBlock>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+    match capturing(stream)? {
+        true => launch_direct(f, stream, blocks, args),
+        false => super::launch_struct_grid(f, stream, blocks, args),
+    }
+}
+
+/// Under capture: the kernel itself, with a programmatic edge from the node before it when
+/// `GSC_CUDA_PDL` is on.
+fn launch_direct<T: ArgBlock>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+    match super::pdl_enabled() {
+        true => super::launch_struct_grid_pdl(f, stream, blocks, args),
+        false => super::launch_struct_grid(f, stream, blocks, args),
+    }
 }
 
 fn capturing(stream: usize) -> Result<bool> {
