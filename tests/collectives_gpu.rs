@@ -158,12 +158,40 @@ fn exact_results(r: &Rank) -> Vec<String> {
     bad
 }
 
+/// The large all-reduce (reduce-scatter + all-gather by direct reads) over several 8 MiB
+/// rounds, in place and not, on the datatypes of each size.
+fn large_all_reduce(r: &Rank) -> Vec<String> {
+    let me = r.comm.rank();
+    let mut bad = Vec::new();
+    let count = 2_500_001;
+    for dtype in [DataType::Int8, DataType::Bfloat16, DataType::Float32, DataType::Uint64, DataType::Float64] {
+        for op in RedOp::ALL {
+            let seed = 90_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64;
+            let ins: Vec<Vec<u8>> = (0..r.comm.nranks()).map(|q| input(dtype, q, seed, count)).collect();
+            let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+            let want = reduce_reference(dtype, op, &refs);
+            for in_place in [false, true] {
+                let send = device_with(&ins[me], count * dtype.size());
+                let recv = if in_place { None } else { Some(device_with(&[], count * dtype.size())) };
+                let rp = recv.as_ref().map_or(send.ptr(), DeviceBuf::ptr);
+                unsafe { r.comm.all_reduce(send.ptr(), rp, count, dtype, op, &r.cond) }.unwrap();
+                r.sync();
+                if recv.as_ref().unwrap_or(&send).download().unwrap() != want {
+                    bad.push(format!("rank {me}: large all_reduce {count} x {} {} in_place={in_place}", dtype.name(), op.name()));
+                }
+            }
+        }
+    }
+    bad
+}
+
 /// An all-reduce captured once and replayed with new data before every replay; and one added
-/// to a graph through a graph condition.
-fn graph_replays(r: &Rank) -> Vec<String> {
+/// to a graph through a graph condition. `count`: elements (small: one-shot; large: the
+/// reduce-scatter + all-gather kernel).
+fn graph_replays(r: &Rank, count: usize) -> Vec<String> {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
     let mut bad = Vec::new();
-    let (dtype, op, count) = (DataType::Float32, RedOp::Sum, 20_000);
+    let (dtype, op) = (DataType::Float32, RedOp::Sum);
     let send = device_with(&[], count * 4);
     let recv = device_with(&[], count * 4);
     let cap = Stream::new().unwrap();
@@ -191,7 +219,7 @@ fn graph_replays(r: &Rank) -> Vec<String> {
             break;
         }
     }
-    eprintln!("rank {me}: {REPLAYS} checked replays in {:?}", t0.elapsed());
+    eprintln!("rank {me}: {REPLAYS} checked replays of {count} floats in {:?}", t0.elapsed());
     // A rough time per 8-byte all-reduce, 100 captured per graph (gsc-bench measures properly).
     let cap = Stream::new().unwrap();
     let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
@@ -239,7 +267,11 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     let mut bad = bad_input(&r);
     bad.extend(exact_results(&r));
     eprintln!("rank {rank}: exact checks in {:?}", t0.elapsed());
-    bad.extend(graph_replays(&r));
+    let t0 = Instant::now();
+    bad.extend(large_all_reduce(&r));
+    eprintln!("rank {rank}: large all-reduce checks in {:?}", t0.elapsed());
+    bad.extend(graph_replays(&r, 20_000));
+    bad.extend(graph_replays(&r, 300_000));
     bad.join("\n")
 }
 

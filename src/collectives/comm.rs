@@ -17,10 +17,14 @@ use super::types::{DataType, RedOp};
 use crate::bootstrap::Bootstrap;
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::Config;
-use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace};
+use crate::cuda::coll::{BIG_BLOCKS, BIG_ROUND_MAX, CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace};
 use crate::error::{Error, Result, Status};
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// All-reduces from this size take the large algorithm (reduce-scatter + all-gather by direct
+/// reads); below it the one-shot LL exchange is faster (measured: docs/PERF.md, 2026-11-22).
+const LARGE_ALL_REDUCE_MIN: usize = 256 << 10;
 
 /// One rank of a communicator.
 pub struct Communicator {
@@ -35,6 +39,7 @@ pub struct Communicator {
 }
 
 /// What one collective call asks for, before it is cut into rounds.
+#[derive(Copy, Clone)]
 struct Call {
     kind: CollKind,
     send: u64,
@@ -221,6 +226,8 @@ impl Communicator {
         if writes_recv {
             self.check_device_buffer(call.recv, "receive")?;
         }
+        // A buffer this rank does not touch is not passed on (0), checked or not.
+        let call = Call { send: if reads_send { call.send } else { 0 }, recv: if writes_recv { call.recv } else { 0 }, ..call };
         match on.category() {
             Category::Stream | Category::Graph => {}
             other => {
@@ -230,9 +237,18 @@ impl Communicator {
                 )));
             }
         }
+        if self.large_all_reduce(&call) {
+            return self.launch_large_all_reduce(&call, on);
+        }
+        self.launch_one_shot(&call, on, None)
+    }
+
+    /// The one-shot LL exchange (`gsc_coll_<type>_<op>`), after graph node `after` if given.
+    fn launch_one_shot(&self, call: &Call, on: &Condition, after: Option<usize>) -> Result<ArmedOutputs> {
+        let (reads_send, writes_recv) = (call.send != 0, call.recv != 0);
         let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
         let mut outputs = ArmedOutputs::default();
-        let mut last_node = None;
+        let mut last_node = after;
         // All-pairs collectives run every round in one launch; rooted ones a round per launch
         // (see `cuda::coll`: their data flows one way, so only a kernel boundary keeps a rank
         // from lapping another).
@@ -272,6 +288,55 @@ impl Communicator {
             off += bytes;
         }
         Ok(outputs)
+    }
+
+    /// Whether an all-reduce takes the large algorithm (reduce-scatter + all-gather by direct
+    /// reads, `cuda::coll`): from `LARGE_ALL_REDUCE_MIN` bytes, both buffers on 16 bytes.
+    fn large_all_reduce(&self, call: &Call) -> bool {
+        call.kind == CollKind::AllReduce && call.part_bytes >= LARGE_ALL_REDUCE_MIN && (call.send | call.recv) % 16 == 0
+    }
+
+    /// The large all-reduce: one launch of `BIG_BLOCKS` channels, each owning a region of every
+    /// round (at most `BIG_ROUND_MAX / BIG_BLOCKS` bytes, so small calls still use them all).
+    /// The kernel moves whole 16-byte pieces; a tail of fewer bytes (whole elements: 16 is a
+    /// multiple of every datatype's size) follows as a one-shot exchange.
+    fn launch_large_all_reduce(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
+        let bytes = call.part_bytes & !15;
+        // Regions of whole slices (16 bytes × nranks), as even as the size allows.
+        let unit = 16 * self.nranks;
+        let region = bytes.div_ceil(BIG_BLOCKS).next_multiple_of(unit).min(BIG_ROUND_MAX / BIG_BLOCKS / unit * unit);
+        let args = CollArgs {
+            send: call.send,
+            recv: call.recv,
+            bytes: bytes as u64,
+            chunk: region as u64,
+            rounds: bytes.div_ceil(region * BIG_BLOCKS) as u64,
+            nranks: self.nranks as u64,
+            rank: self.rank as u64,
+            kind: call.kind as u64,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            ..Default::default()
+        };
+        let kernel = format!("gsc_coll_big_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
+        let cache = self.kernel_cache.as_deref();
+        let tail = Call { send: call.send + bytes as u64, recv: call.recv + bytes as u64, part_bytes: call.part_bytes - bytes, ..*call };
+        match on.category() {
+            Category::Graph => {
+                let node = self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, None)?;
+                let done = match tail.part_bytes {
+                    0 => node,
+                    _ => self.launch_one_shot(&tail, on, Some(node))?.done_node,
+                };
+                Ok(ArmedOutputs { start_node: node, done_node: done, device_handle: 0 })
+            }
+            _ => {
+                self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, true)?;
+                if tail.part_bytes > 0 {
+                    self.launch_one_shot(&tail, on, None)?;
+                }
+                Ok(ArmedOutputs::default())
+            }
+        }
     }
 
     fn check_device_buffer(&self, addr: u64, what: &str) -> Result<()> {

@@ -40,6 +40,17 @@ const SLOT_BYTES: usize = 2 * SLOT_PAYLOAD;
 /// Control words (byte 0: round, 8: blocks finished, 16: error), presence words from byte 1024
 /// (one line per rank: the last round it began), slots from here (GSC_SLOTS_WORDS in the source).
 const CTL_BYTES: usize = 4096;
+/// The large all-reduce's flags (per block, "in" and "out", one word per rank), after the
+/// slots of the largest communicator.
+const FLAGS_OFFSET: usize = 3 << 20;
+const _: () = assert!(CTL_BYTES + 2 * MAX_RANKS * SLOT_BYTES <= FLAGS_OFFSET && FLAGS_OFFSET + BIG_BLOCKS * 2 * MAX_RANKS * 8 <= BIG_OFFSET);
+/// Its in and out areas, two parities each, of at most `BIG_ROUND_MAX` bytes.
+const BIG_OFFSET: usize = 4 << 20;
+pub(crate) const BIG_ROUND_MAX: usize = 8 << 20;
+/// Blocks of the large all-reduce: each owns a region of every round (its "channel").
+pub(crate) const BIG_BLOCKS: usize = 64;
+/// Bytes of a workspace.
+const WORKSPACE_BYTES: usize = BIG_OFFSET + 4 * BIG_ROUND_MAX;
 /// Threads per block of the collective kernel.
 const THREADS: u32 = super::THREADS;
 
@@ -254,12 +265,139 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     }
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Large all-reduce: reduce-scatter then all-gather, both by NVLink writes, block by block.    */
+/* Block b of every rank owns the same region of each round (`chunk` bytes at b × chunk, a    */
+/* multiple of 16 × nranks), cut into one slice per rank. The block pushes slice q of its      */
+/* input into rank q's "in" area (at its own rank's place), raises "in" at every rank; waits   */
+/* for everyone's, reduces its own slice from the n copies now in its memory and pushes the    */
+/* result into every rank's "out" area; raises "out"; waits for everyone's and copies its      */
+/* "out" area into the receive buffer. Every NVLink access is a write (posted: no load waits a */
+/* round trip), every read is local. Only block b of each rank waits on block b of the others, */
+/* so the blocks of a rank never synchronize with each other. Rounds alternate between two    */
+/* parities of the areas: a rank that pushes round e + 2 into a peer passed round e + 1's      */
+/* "out" wait, so that peer had reduced round e + 1 and thus finished reading round e's "in";  */
+/* and a peer pushes its round e + 2 sums only after our round e + 2 "in", which we raise      */
+/* after copying out round e + 1, so after round e.                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A load that skips L1: for memory peers wrote (announced by a flag this block acquired). */
+static __device__ __forceinline__ uint4 gsc_ld_cg(const void *p)
+{
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+
+template <typename T> union gsc_vec { uint4 v; T e[16 / sizeof(T)]; };
+
+/* Raise flag `which` (0 in, 1 out) of block b for round e at every rank, then wait for every
+ * rank's. A barrier before (the block's writes come first: the release is cumulative over
+ * them) and after (the block reads what the flags announce). 0 on timeout. */
+static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long which, unsigned long long e)
+{
+    const unsigned long long n = a->nranks, me = a->rank, b = blockIdx.x;
+    int ok = 1;
+    __syncthreads();
+    if (threadIdx.x < n) {
+        unsigned long long q = threadIdx.x;
+        unsigned long long *at = (unsigned long long *)a->peer[q] + GSC_FLAGS_WORDS + ((b * 2 + which) * GSC_COLL_MAX_RANKS + me);
+        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(at), "l"(e) : "memory");
+        unsigned long long *mine = (unsigned long long *)a->ctl + GSC_FLAGS_WORDS + ((b * 2 + which) * GSC_COLL_MAX_RANKS + q);
+        ok = gsc_spin_geq(mine, e, a->timeout_ns);
+    }
+    return __syncthreads_and(ok);
+}
+
+/* Block: copy len bytes (a multiple of 16, both sides on 16 bytes), four 16-byte pieces in
+ * flight per thread. `cg`: the source was written by peers (loads skip L1). */
+static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsigned char *s, unsigned long long len, bool cg)
+{
+    const unsigned long long step = blockDim.x * 16ull;
+    for (unsigned long long i = threadIdx.x * 16ull; i < len; i += 4 * step) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (i + k * step < len) v[k] = cg ? gsc_ld_cg(s + i + k * step) : *(const uint4 *)(s + i + k * step);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (i + k * step < len) *(uint4 *)(t + i + k * step) = v[k];
+    }
+}
+
+template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(const gsc_coll_args_t *a)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    unsigned long long *ctl = (unsigned long long *)a->ctl;
+    const unsigned long long e0 = *(volatile unsigned long long *)ctl + 1, n = a->nranks, me = a->rank, b = blockIdx.x;
+    const unsigned long long region = a->chunk, round_bytes = region * gridDim.x;
+    int ok = 1;
+    for (unsigned long long k = 0; ok && k < a->rounds; k++) {
+        const unsigned long long e = e0 + k, par = e & 1;
+        const unsigned long long off = k * round_bytes + b * region;
+        if (off >= a->bytes) continue; /* every rank skips the same regions */
+        const unsigned long long len = a->bytes - off < region ? a->bytes - off : region;
+        /* Slices of whole 16-byte pieces (the buffers' bytes are whole pieces: see the host). */
+        const unsigned long long slice = (len + 16 * n - 1) / (16 * n) * 16;
+        #define GSC_SLICE_END(q) ((q + 1) * slice < len ? (q + 1) * slice : len)
+        #define GSC_BIG_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * region)
+        #define GSC_BIG_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * region)
+        const unsigned char *send = (const unsigned char *)a->send + off;
+        /* Push slice q of our input to rank q, at our place in its "in" area. */
+        for (unsigned long long q = 0; q < n; q++) {
+            const unsigned long long q0 = q * slice, q1 = GSC_SLICE_END(q);
+            if (q0 < q1) gsc_big_copy(GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, false);
+        }
+        if (!(ok = gsc_big_flags(a, 0, e))) break;
+        /* Reduce our slice from the n copies (rank order) and push the sum to every rank. */
+        const unsigned long long s1 = GSC_SLICE_END(me) > me * slice ? GSC_SLICE_END(me) - me * slice : 0;
+        const unsigned char *in = GSC_BIG_IN(me);
+        for (unsigned long long i = threadIdx.x * 16ull; i < s1; i += blockDim.x * 16ull) {
+            gsc_vec<T> acc, x;
+            acc.v = gsc_ld_cg(in + i);
+            for (unsigned long long q = 1; q < n; q++) {
+                x.v = gsc_ld_cg(in + q * slice + i);
+#pragma unroll
+                for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_apply<OP>(acc.e[j], x.e[j]);
+            }
+            if (AVG)
+#pragma unroll
+                for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_div(acc.e[j], n);
+            for (unsigned long long q = 0; q < n; q++) *(uint4 *)(GSC_BIG_OUT(q) + me * slice + i) = acc.v;
+        }
+        if (!(ok = gsc_big_flags(a, 1, e))) break;
+        /* Every slice's sum is in our "out" area: into the receive buffer. */
+        gsc_big_copy((unsigned char *)a->recv + off, GSC_BIG_OUT(me), len, true);
+        #undef GSC_SLICE_END
+        #undef GSC_BIG_IN
+        #undef GSC_BIG_OUT
+    }
+    if (!ok) ctl[2] = e0 + a->rounds - 1;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (gridDim.x == 1) {
+            *(volatile unsigned long long *)ctl = e0 + a->rounds - 1;
+        } else if (atomicAdd(&ctl[1], 1ull) == gridDim.x - 1) {
+            ctl[1] = 0;
+            *(volatile unsigned long long *)ctl = e0 + a->rounds - 1;
+        }
+    }
+}
+
 #define GSC_COLL(T, TAG) \
     extern "C" __global__ void gsc_coll_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_ll<T, 0, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_ll<T, 1, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_max(gsc_coll_args_t a) { gsc_coll_ll<T, 2, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_min(gsc_coll_args_t a) { gsc_coll_ll<T, 3, false>(&a); } \
-    extern "C" __global__ void gsc_coll_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_ll<T, 0, true>(&a); }
+    extern "C" __global__ void gsc_coll_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_ll<T, 0, true>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_big<T, 0, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_big<T, 1, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_max(gsc_coll_args_t a) { gsc_coll_big<T, 2, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_min(gsc_coll_args_t a) { gsc_coll_big<T, 3, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true>(&a); }
 GSC_COLL(signed char, i8)
 GSC_COLL(unsigned char, u8)
 GSC_COLL(int, i32)
@@ -306,7 +444,13 @@ fn kernel(ctx: cu::CUcontext, name: &str, cache_dir: Option<&Path>) -> Result<cu
     let module = match loaded.0.get(&(ctx as usize)) {
         Some(m) => *m as cu::CUmodule,
         None => {
-            let source = format!("{}\n{SOURCE}", super::kernels::DEVICE_HEADER);
+            let source = format!(
+                "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n{SOURCE}",
+                super::kernels::DEVICE_HEADER,
+                FLAGS_OFFSET / 8,
+                BIG_OFFSET,
+                BIG_ROUND_MAX
+            );
             let cubin = compile_cached(&source, context_arch(ctx)?, cache_dir)?;
             let _scope = CtxScope::enter(ctx)?;
             let m = load_module(&cubin)?;
@@ -328,10 +472,6 @@ pub(crate) struct Workspace {
 }
 
 impl Workspace {
-    /// Bytes of a workspace for `nranks` ranks.
-    fn bytes(nranks: usize) -> usize {
-        CTL_BYTES + 2 * nranks * SLOT_BYTES
-    }
 
     /// A fresh, zeroed workspace on `device` and the key that lets a peer open it.
     pub(crate) fn allocate(device: i32, nranks: usize) -> Result<(Workspace, Vec<u8>)> {
@@ -339,8 +479,8 @@ impl Workspace {
             return Err(Error::invalid_param(format!("a communicator of {nranks} ranks (1 to {MAX_RANKS} on one host)")));
         }
         let _scope = CtxScope::enter(primary_context(device)?)?;
-        // Its own allocation of at least 2 MiB: a peer opens each CUDA block once (prep_ctl).
-        let bytes = Workspace::bytes(nranks).max(2 << 20);
+        // Its own allocation (a peer opens each CUDA block once: prep_ctl).
+        let bytes = WORKSPACE_BYTES;
         let mut base: cu::CUdeviceptr = 0;
         // SAFETY: a valid out-pointer. Never freed: a peer may still write into it after this
         // rank destroyed its communicator (a kernel of a round this rank gave up on).
@@ -363,7 +503,7 @@ impl Workspace {
                 continue;
             }
             let key = ipc::DeviceKey::decode(key)?;
-            let at = ipc::map_peer(&key, *base, Workspace::bytes(n), self.device)
+            let at = ipc::map_peer(&key, *base, WORKSPACE_BYTES, self.device)
                 .map_err(|e| e.context(format!("opening the collective workspace of rank {r}")))?;
             peers.push(at);
         }
@@ -402,7 +542,7 @@ impl Workspace {
         // SAFETY: zero is a valid value for every field (null pointers, no extra).
         let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
         p.func = f;
-        (p.gridDimX, p.gridDimY, p.gridDimZ) = (blocks(&a), 1, 1);
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (blocks(kernel_name, &a), 1, 1);
         (p.blockDimX, p.blockDimY, p.blockDimZ) = (THREADS, 1, 1);
         p.kernelParams = params.as_mut_ptr();
         let deps: Vec<cu::CUgraphNode> = after.into_iter().map(|n| n as cu::CUgraphNode).collect();
@@ -432,13 +572,17 @@ impl Workspace {
         let f = kernel(ctx, kernel_name, cache_dir)?;
         let a = self.fill(args);
         match repeats {
-            true => replay::launch(ctx as usize, f, stream, blocks(&a), &a),
-            false => replay::launch_uncached(f, stream, blocks(&a), &a),
+            true => replay::launch(ctx as usize, f, stream, blocks(kernel_name, &a), &a),
+            false => replay::launch_uncached(f, stream, blocks(kernel_name, &a), &a),
         }
     }
 }
 
-/// Blocks of a launch: a thread per 8-byte unit of a round, at most 32 blocks.
-fn blocks(a: &CollArgs) -> u32 {
+/// Blocks of a launch: the large all-reduce's channels, else a thread per 8-byte unit of a
+/// round, at most 32 blocks.
+fn blocks(kernel_name: &str, a: &CollArgs) -> u32 {
+    if kernel_name.starts_with("gsc_coll_big_") {
+        return BIG_BLOCKS as u32;
+    }
     a.bytes.min(a.chunk).div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32
 }
