@@ -304,13 +304,14 @@ impl Communicator {
         let bytes = call.part_bytes & !15;
         // Regions of whole slices (16 bytes × nranks), as even as the size allows.
         let unit = 16 * self.nranks;
-        let region = bytes.div_ceil(BIG_BLOCKS).next_multiple_of(unit).min(BIG_ROUND_MAX / BIG_BLOCKS / unit * unit);
+        let blocks = BIG_BLOCKS;
+        let region = bytes.div_ceil(blocks).next_multiple_of(unit).min(BIG_ROUND_MAX / blocks / unit * unit);
         let args = CollArgs {
             send: call.send,
             recv: call.recv,
             bytes: bytes as u64,
             chunk: region as u64,
-            rounds: bytes.div_ceil(region * BIG_BLOCKS) as u64,
+            rounds: bytes.div_ceil(region * blocks) as u64,
             nranks: self.nranks as u64,
             rank: self.rank as u64,
             kind: call.kind as u64,
