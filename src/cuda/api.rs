@@ -17,6 +17,44 @@ pub fn set_device(ordinal: i32) -> Result<()> {
     check(unsafe { cu::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
 }
 
+/// The device of the calling thread's current context (what the CUDA runtime calls the
+/// current device); device 0's primary context is made current when there is none, as the
+/// runtime does.
+pub fn current_device() -> Result<i32> {
+    init()?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    check(unsafe { cu::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
+    if ctx.is_null() {
+        set_device(0)?;
+        return Ok(0);
+    }
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: a valid out-pointer; a context is current.
+    check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    Ok(dev)
+}
+
+/// `len` bytes of device memory on the current device (`cuMemAlloc`), for callers that manage
+/// it themselves (the NCCL-compatible library's `ncclMemAlloc`); free with `mem_free`.
+pub fn mem_alloc(len: usize) -> Result<u64> {
+    current_device()?;
+    let mut p: cu::CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer.
+    check(unsafe { cu::cuMemAlloc_v2(&mut p, len.max(1)) }, "cuMemAlloc")?;
+    Ok(p)
+}
+
+/// Free memory from `mem_alloc`.
+///
+/// # Safety
+/// `ptr` came from `mem_alloc`, is freed once, and no work still uses it.
+pub unsafe fn mem_free(ptr: u64) -> Result<()> {
+    init()?;
+    // SAFETY: the caller's contract.
+    check(unsafe { cu::cuMemFree_v2(ptr) }, "cuMemFree")
+}
+
 /// Number of GPUs (0 when the driver is missing).
 pub fn device_count() -> i32 {
     if init().is_err() {
