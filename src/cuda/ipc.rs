@@ -303,11 +303,19 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     type Mappings = HashMap<(u32, u64, i32), Mapping>;
     static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
     let offset = key.offset_of(addr, len)?;
+    // Our own allocation (described for a worker of this process, or for a peer in another
+    // process): used directly — from `device`'s kernels too, when it lives on another GPU (two
+    // ranks of one process).
+    let ours = || -> Result<u64> {
+        if let Some(p) = super::memory::device_ptr(addr as usize)? {
+            super::enable_peer_access(device, p.device)?;
+        }
+        Ok(addr)
+    };
     let ident = match &key.kind {
         KeyKind::SameProcess if key.pid != own_pid() => return Err(bad_key("a same-process device key from another process")),
-        KeyKind::SameProcess => return Ok(addr),
-        // Our own allocation, described for a peer in another process: use it directly.
-        KeyKind::Legacy(_) if key.pid == own_pid() => return Ok(addr),
+        KeyKind::SameProcess => return ours(),
+        KeyKind::Legacy(_) if key.pid == own_pid() => return ours(),
         KeyKind::Legacy(h) => Ident::Legacy(*h),
         // Ours when it names our own exporter (the pid alone could be another namespace's).
         KeyKind::Vmm(r) if vmm::own_socket() == Some(r.socket(key.pid)) => return Ok(addr),

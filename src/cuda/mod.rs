@@ -55,6 +55,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuDeviceGetCount",
     "cuDeviceGetAttribute",
     "cuDeviceCanAccessPeer",
+    "cuCtxEnablePeerAccess",
     "cuDevicePrimaryCtxRetain",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
@@ -179,6 +180,22 @@ pub(crate) fn peer_access_everywhere() -> Result<bool> {
             Ok(true)
         })
         .clone()
+}
+
+/// Let kernels on `from` (its primary context) reach memory of device `to` by address: what
+/// one process needs to use another GPU's allocation directly (between processes, opening an
+/// IPC handle does this). Idempotent.
+pub(crate) fn enable_peer_access(from: i32, to: i32) -> Result<()> {
+    if from == to {
+        return Ok(());
+    }
+    let peer = copy::primary_context(to)?;
+    let _scope = CtxScope::enter(copy::primary_context(from)?)?;
+    // SAFETY: the peer's primary context (retained for the process); flags must be 0.
+    match unsafe { cu::cuCtxEnablePeerAccess(peer, 0) } {
+        cu::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        r => check(r, "cuCtxEnablePeerAccess"),
+    }
 }
 
 /// `Ok` for CUDA_SUCCESS, else an error naming the call and the driver's error.
