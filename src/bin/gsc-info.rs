@@ -19,7 +19,8 @@ Without options: the version, the lanes and the RDMA NICs.
   -c, --config    print every GSC_* variable with its current value and description
   -s, --status    print the status code table (code, C name, meaning)
   -l, --lanes     print the lanes and whether GSC_TLS enables them
-  -p, --protocols print the protocol selection table for each enabled lane
+  -p, --protocols print the protocol selection table for each enabled lane, the
+                  prepared transfers' engine and the collectives' algorithms
   -r, --rdma      print the RDMA NICs the GDA verbs engine can use (or why there are none)
   -h, --help      print this help
 
@@ -164,6 +165,7 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     }
     if let (true, Some(load)) = (wanted.protocols, &load) {
         out.write_all(gscomm::protocols::selection_table(&load.config).as_bytes()).map_err(io_failed)?;
+        out.write_all(gscomm::collectives::select::describe(load.config.coll_large_min).as_bytes()).map_err(io_failed)?;
     }
     if wanted.rdma {
         print_rdma(&mut out).map_err(io_failed)?;

@@ -13,6 +13,7 @@
 //! step lives in GPU memory and is advanced by the kernels, so a captured collective replays
 //! any number of times.
 
+use super::select::{self, Algorithm, Collective};
 use super::types::{DataType, RedOp};
 use crate::bootstrap::Bootstrap;
 use crate::condition::{ArmedOutputs, Category, Condition};
@@ -22,10 +23,6 @@ use crate::error::{Error, Result, Status};
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// All-reduces from this size take the large algorithm (reduce-scatter + all-gather by direct
-/// reads); below it the one-shot LL exchange is faster (measured: docs/PERF.md, 2026-11-22).
-const LARGE_ALL_REDUCE_MIN: usize = 256 << 10;
-
 /// One rank of a communicator.
 pub struct Communicator {
     rank: usize,
@@ -34,6 +31,8 @@ pub struct Communicator {
     workspace: Workspace,
     timeout: Duration,
     kernel_cache: Option<PathBuf>,
+    /// `GSC_COLL_LARGE_MIN` (see `select`).
+    large_min: usize,
     /// Kept for the collective teardown and for later host-side agreement (split).
     _bootstrap: Bootstrap,
 }
@@ -89,6 +88,7 @@ impl Communicator {
             workspace,
             timeout: config.timeout.unwrap_or(Duration::from_secs(3600)),
             kernel_cache: config.kernel_cache_dir.clone(),
+            large_min: config.coll_large_min,
             _bootstrap: bootstrap,
         })
     }
@@ -187,6 +187,7 @@ impl Communicator {
     ///
     /// # Safety
     /// As `all_reduce`.
+    #[allow(clippy::too_many_arguments)] // NCCL's ncclReduce, with the condition for the stream
     pub unsafe fn reduce(
         &self,
         send: u64,
@@ -290,14 +291,19 @@ impl Communicator {
         Ok(outputs)
     }
 
-    /// Whether an all-reduce takes the large algorithm (reduce-scatter + all-gather by direct
-    /// reads, `cuda::coll`): from `LARGE_ALL_REDUCE_MIN` bytes, both buffers on 16 bytes.
+    /// Whether the call takes the large algorithm (the table in `select`).
     fn large_all_reduce(&self, call: &Call) -> bool {
-        call.kind == CollKind::AllReduce && call.part_bytes >= LARGE_ALL_REDUCE_MIN && (call.send | call.recv) % 16 == 0
+        let coll = match call.kind {
+            CollKind::AllReduce => Collective::AllReduce,
+            CollKind::AllGather => Collective::AllGather,
+            CollKind::ReduceScatter => Collective::ReduceScatter,
+            CollKind::Broadcast => Collective::Broadcast,
+            CollKind::Reduce => Collective::Reduce,
+        };
+        let aligned = (call.send | call.recv).is_multiple_of(16);
+        select::choose(coll, call.part_bytes, aligned, self.large_min) == Algorithm::TwoShotPush
     }
 
-    /// The large all-reduce: one launch of `BIG_BLOCKS` channels, each owning a region of every
-    /// round (at most `BIG_ROUND_MAX / BIG_BLOCKS` bytes, so small calls still use them all).
     /// The kernel moves whole 16-byte pieces; a tail of fewer bytes (whole elements: 16 is a
     /// multiple of every datatype's size) follows as a one-shot exchange.
     fn launch_large_all_reduce(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {

@@ -8,6 +8,7 @@
 //! large messages, split/abort, groups, registration, and the NCCL-ABI library.
 
 pub mod comm;
+pub mod select;
 pub mod types;
 
 pub use comm::Communicator;

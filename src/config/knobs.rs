@@ -388,6 +388,19 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.engine_gpu_max as u64),
     },
     Knob {
+        name: "GSC_COLL_LARGE_MIN",
+        default: "256K",
+        doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \
+              + all-gather by NVLink writes, 128 channels) instead of the one-shot LL exchange; \
+              gsc-info -p prints the collectives' table",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.coll_large_min = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_large_min as u64),
+    },
+    Knob {
         name: "GSC_CUDA_COPY_STREAMS",
         default: "1",
         doc: "Copy streams per GPU that one large GPU read is spread over (1..=16); on H200 \

@@ -1,0 +1,111 @@
+//! The collectives' algorithm table: which kernel runs a call, decided in one place from the
+//! collective, its bytes per rank, the ranks and the buffers' alignment, and printed by
+//! `gsc-info -p`. The kernels are in `cuda::coll`; measurements behind the thresholds are in
+//! docs/PERF.md.
+
+use std::fmt::Write;
+
+/// The collectives a communicator runs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Reduce,
+}
+
+impl Collective {
+    pub const ALL: [Collective; 5] =
+        [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast, Collective::Reduce];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+        }
+    }
+
+    /// Data flows one way (from or to a root): no all-pairs exchange keeps the ranks in step.
+    pub fn rooted(self) -> bool {
+        matches!(self, Collective::Broadcast | Collective::Reduce)
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Every rank writes its part as LL words into every peer's slot and reads its own slots;
+    /// rounds of 64 KiB per rank, all in one launch (rooted collectives: a launch per round).
+    OneShotLl,
+    /// Reduce-scatter then all-gather by NVLink writes, 128 channels, rounds of 8 MiB; a tail
+    /// under 16 bytes by `OneShotLl`.
+    TwoShotPush,
+}
+
+impl Algorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::OneShotLl => "one-shot LL (all pairs, flags in the data)",
+            Algorithm::TwoShotPush => "reduce-scatter + all-gather by NVLink writes, 128 channels",
+        }
+    }
+}
+
+/// The algorithm of a call moving `bytes` per rank; `aligned`: both buffers on 16 bytes;
+/// `large_min`: `GSC_COLL_LARGE_MIN`.
+pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize) -> Algorithm {
+    match coll {
+        Collective::AllReduce if bytes >= large_min.max(16) && aligned => Algorithm::TwoShotPush,
+        _ => Algorithm::OneShotLl,
+    }
+}
+
+/// The table as `gsc-info -p` prints it.
+pub fn describe(large_min: usize) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# collectives (GSC_COLL_LARGE_MIN={}), bytes per rank", crate::config::format_size(large_min as u64));
+    for coll in Collective::ALL {
+        let line = match choose(coll, usize::MAX, true, large_min) {
+            Algorithm::OneShotLl if coll.rooted() => format!("{} at every size, a launch per 64 KiB round", Algorithm::OneShotLl.name()),
+            Algorithm::OneShotLl => format!("{} at every size", Algorithm::OneShotLl.name()),
+            large => format!(
+                "{} below {}, {} from there (buffers on 16 bytes; otherwise one-shot)",
+                Algorithm::OneShotLl.name(),
+                crate::config::format_size(large_min.max(16) as u64),
+                large.name()
+            ),
+        };
+        let _ = writeln!(out, "[{}] {line}", coll.name());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_reduce_switches_at_the_threshold_when_aligned() {
+        let min = 256 << 10;
+        assert_eq!(choose(Collective::AllReduce, min - 1, true, min), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, min, true, min), Algorithm::TwoShotPush);
+        assert_eq!(choose(Collective::AllReduce, min, false, min), Algorithm::OneShotLl, "unaligned buffers stay one-shot");
+        // A threshold of 0 still leaves calls under one 16-byte piece to the one-shot kernel.
+        assert_eq!(choose(Collective::AllReduce, 8, true, 0), Algorithm::OneShotLl);
+        for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast, Collective::Reduce] {
+            assert_eq!(choose(coll, 1 << 30, true, min), Algorithm::OneShotLl, "{}", coll.name());
+        }
+    }
+
+    #[test]
+    fn the_table_names_every_collective() {
+        let t = describe(256 << 10);
+        for coll in Collective::ALL {
+            assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
+        }
+        assert!(t.contains("256K") || t.contains("256 KiB"), "{t}");
+    }
+}
