@@ -398,6 +398,25 @@ fn root_of(root: c_int) -> Result<usize, Fail> {
     usize::try_from(root).map_err(|_| invalid(format!("root {root}")))
 }
 
+/// A collective entry point: `run` gets the communicator, the stream's condition and the
+/// datatype and operator (`op`: None for those without one).
+fn collective(
+    name: &str,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+    datatype: c_int,
+    op: Option<c_int>,
+    run: impl FnOnce(&Communicator, &Condition, DataType, RedOp) -> gscomm::Result<gscomm::condition::ArmedOutputs>,
+) -> ncclResult_t {
+    gate(name, || {
+        let c = comm_ref(comm)?;
+        let (dtype, op) = types(datatype, op)?;
+        let on = on_stream(c, stream)?;
+        run(&c.comm, &on, dtype, op)?;
+        Ok(())
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclAllReduce(
     sendbuff: *const c_void,
@@ -408,13 +427,9 @@ pub unsafe extern "C" fn ncclAllReduce(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
-    gate("ncclAllReduce", || {
-        let c = comm_ref(comm)?;
-        let (dtype, op) = types(datatype, Some(op))?;
-        let on = on_stream(c, stream)?;
-        // SAFETY: nccl.h's contract on the buffers and the stream.
-        unsafe { c.comm.all_reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, &on) }?;
-        Ok(())
+    // SAFETY (each entry point): nccl.h's contract on the buffers and the stream.
+    collective("ncclAllReduce", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
+        c.all_reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, on)
     })
 }
 
@@ -428,13 +443,10 @@ pub unsafe extern "C" fn ncclBroadcast(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
-    gate("ncclBroadcast", || {
-        let c = comm_ref(comm)?;
-        let (dtype, _) = types(datatype, None)?;
-        let on = on_stream(c, stream)?;
-        // SAFETY: as ncclAllReduce.
-        unsafe { c.comm.broadcast(sendbuff as u64, recvbuff as u64, count, dtype, root_of(root)?, &on) }?;
-        Ok(())
+    let Ok(root) = root_of(root) else { return gate("ncclBroadcast", || Err(invalid(format!("root {root}")))) };
+    // SAFETY: as ncclAllReduce.
+    collective("ncclBroadcast", comm, stream, datatype, None, |c, on, dtype, _| unsafe {
+        c.broadcast(sendbuff as u64, recvbuff as u64, count, dtype, root, on)
     })
 }
 
@@ -463,13 +475,10 @@ pub unsafe extern "C" fn ncclReduce(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
-    gate("ncclReduce", || {
-        let c = comm_ref(comm)?;
-        let (dtype, op) = types(datatype, Some(op))?;
-        let on = on_stream(c, stream)?;
-        // SAFETY: as ncclAllReduce.
-        unsafe { c.comm.reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, root_of(root)?, &on) }?;
-        Ok(())
+    let Ok(root) = root_of(root) else { return gate("ncclReduce", || Err(invalid(format!("root {root}")))) };
+    // SAFETY: as ncclAllReduce.
+    collective("ncclReduce", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
+        c.reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, root, on)
     })
 }
 
@@ -482,13 +491,9 @@ pub unsafe extern "C" fn ncclAllGather(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
-    gate("ncclAllGather", || {
-        let c = comm_ref(comm)?;
-        let (dtype, _) = types(datatype, None)?;
-        let on = on_stream(c, stream)?;
-        // SAFETY: as ncclAllReduce.
-        unsafe { c.comm.all_gather(sendbuff as u64, recvbuff as u64, sendcount, dtype, &on) }?;
-        Ok(())
+    // SAFETY: as ncclAllReduce.
+    collective("ncclAllGather", comm, stream, datatype, None, |c, on, dtype, _| unsafe {
+        c.all_gather(sendbuff as u64, recvbuff as u64, sendcount, dtype, on)
     })
 }
 
@@ -502,13 +507,9 @@ pub unsafe extern "C" fn ncclReduceScatter(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
-    gate("ncclReduceScatter", || {
-        let c = comm_ref(comm)?;
-        let (dtype, op) = types(datatype, Some(op))?;
-        let on = on_stream(c, stream)?;
-        // SAFETY: as ncclAllReduce.
-        unsafe { c.comm.reduce_scatter(sendbuff as u64, recvbuff as u64, recvcount, dtype, op, &on) }?;
-        Ok(())
+    // SAFETY: as ncclAllReduce.
+    collective("ncclReduceScatter", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
+        c.reduce_scatter(sendbuff as u64, recvbuff as u64, recvcount, dtype, op, on)
     })
 }
 

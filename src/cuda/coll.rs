@@ -155,6 +155,38 @@ static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long
     return 1;
 }
 
+/* Every collective kernel begins here: after the previous kernel on its stream (launched with
+ * programmatic dependent launch under capture, it may be scheduled before that one ended), and
+ * returns the first round of this launch. */
+static __device__ __forceinline__ unsigned long long gsc_coll_begin(const gsc_coll_args_t *a)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    return *(volatile unsigned long long *)a->ctl + 1;
+}
+
+/* ... and ends here: `last` is the launch's last round; ok == 0 records it as failed. The last
+ * block to finish advances the round: every block has read it before it counts (its value is
+ * in every flag the block wrote). No fence: nothing this kernel wrote needs ordering against
+ * the count, the kernel boundary orders it all for the next round (a fence would wait for
+ * every store still crossing NVLink). */
+static __device__ void gsc_coll_end(const gsc_coll_args_t *a, unsigned long long last, int ok)
+{
+    unsigned long long *ctl = (unsigned long long *)a->ctl;
+    if (!ok) ctl[2] = last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (gridDim.x == 1) {
+            *(volatile unsigned long long *)ctl = last;
+        } else if (atomicAdd(&ctl[1], 1ull) == gridDim.x - 1) {
+            ctl[1] = 0;
+            *(volatile unsigned long long *)ctl = last;
+        }
+    }
+}
+
 /* One round: this rank's units of `bytes` at offset `off` of every part into the slots of
  * round e, then its own slots read and reduced (or copied) into recv. 0 on timeout. */
 template <typename T, int OP, bool AVG>
@@ -229,13 +261,8 @@ static __device__ int gsc_coll_round(const gsc_coll_args_t *a, unsigned long lon
  * collectives break that chain (data flows one way) and come one round per launch. */
 template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const gsc_coll_args_t *a)
 {
-#if __CUDA_ARCH__ >= 900
-    /* Launched with programmatic dependent launch under capture: the previous kernel first. */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+    const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank;
     unsigned long long *ctl = (unsigned long long *)a->ctl;
-    const unsigned long long e0 = *(volatile unsigned long long *)ctl + 1, n = a->nranks, me = a->rank;
     const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, threads = gridDim.x * (unsigned long long)blockDim.x;
     const int rooted = a->kind == GSC_BROADCAST || a->kind == GSC_REDUCE;
     unsigned long long t0 = gsc_globaltimer();
@@ -252,20 +279,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     /* Rooted: everyone's presence of this round before this kernel may end. */
     if (ok && rooted && tid < n)
         ok = gsc_spin_geq_as(ctl + GSC_PRESENCE_WORDS + tid * 8, e0, a->timeout_ns, false);
-    if (!ok) ctl[2] = e;
-    /* The last block to finish advances the round: every block has read it before it counts
-     * (its value is in every flag the block wrote). No fence: nothing this kernel wrote needs
-     * ordering against the count, the kernel boundary orders it all for the next round (a
-     * fence would wait for every store still crossing NVLink). */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (gridDim.x == 1) {
-            *(volatile unsigned long long *)ctl = e;
-        } else if (atomicAdd(&ctl[1], 1ull) == gridDim.x - 1) {
-            ctl[1] = 0;
-            *(volatile unsigned long long *)ctl = e;
-        }
-    }
+    gsc_coll_end(a, e, ok);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -330,12 +344,7 @@ static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsi
 
 template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(const gsc_coll_args_t *a)
 {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    unsigned long long *ctl = (unsigned long long *)a->ctl;
-    const unsigned long long e0 = *(volatile unsigned long long *)ctl + 1, n = a->nranks, me = a->rank, b = blockIdx.x;
+    const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank, b = blockIdx.x;
     const unsigned long long region = a->chunk, round_bytes = region * gridDim.x;
     int ok = 1;
     for (unsigned long long k = 0; ok && k < a->rounds; k++) {
@@ -378,16 +387,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
         #undef GSC_BIG_IN
         #undef GSC_BIG_OUT
     }
-    if (!ok) ctl[2] = e0 + a->rounds - 1;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (gridDim.x == 1) {
-            *(volatile unsigned long long *)ctl = e0 + a->rounds - 1;
-        } else if (atomicAdd(&ctl[1], 1ull) == gridDim.x - 1) {
-            ctl[1] = 0;
-            *(volatile unsigned long long *)ctl = e0 + a->rounds - 1;
-        }
-    }
+    gsc_coll_end(a, e0 + a->rounds - 1, ok);
 }
 
 #define GSC_COLL(T, TAG) \
