@@ -1,8 +1,9 @@
 //! Collectives between processes, one GPU each, checked exactly against the host reference
 //! (`collectives::types::reduce_reference`, which computes the way the kernels do): every
 //! collective × datatype × operator, in place and out of place, sizes 1, odd, 2^k ± 1 and
-//! several 64 KiB rounds; then a captured all-reduce replayed with new data each time, and one
-//! built on a graph condition.
+//! several 64 KiB rounds; the large all-reduce, all-gather and reduce-scatter over several
+//! rounds; then a captured all-reduce replayed with new data each time, and one built on a
+//! graph condition.
 //!
 //! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
 //! machines run it through `.gpu/run.sh collectives_gpu`.
@@ -185,6 +186,52 @@ fn large_all_reduce(r: &Rank) -> Vec<String> {
     bad
 }
 
+/// The large all-gather and reduce-scatter (the halves of the large all-reduce), parts of whole
+/// 16-byte pieces over several rounds, in place and not.
+fn large_halves(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let count = 1 << 20;
+    for (dtype, op) in [(DataType::Float32, RedOp::Sum), (DataType::Bfloat16, RedOp::Max), (DataType::Uint64, RedOp::Prod)] {
+        let sz = dtype.size();
+        let seed = 70_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64;
+        for in_place in [false, true] {
+            // Reduce-scatter.
+            let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, count * n)).collect();
+            let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+            let all = reduce_reference(dtype, op, &refs);
+            let send = device_with(&ins[me], count * n * sz);
+            let recv = if in_place { None } else { Some(device_with(&[], count * sz)) };
+            let rp = recv.as_ref().map_or(send.ptr() + (me * count * sz) as u64, DeviceBuf::ptr);
+            unsafe { r.comm.reduce_scatter(send.ptr(), rp, count, dtype, op, &r.cond) }.unwrap();
+            r.sync();
+            let got = match &recv {
+                Some(b) => b.download().unwrap(),
+                None => send.download().unwrap()[me * count * sz..(me + 1) * count * sz].to_vec(),
+            };
+            if got != all[me * count * sz..(me + 1) * count * sz] {
+                bad.push(format!("rank {me}: large reduce_scatter {count} x {} {} in_place={in_place}", dtype.name(), op.name()));
+            }
+            // All-gather.
+            let parts: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed + 1, count)).collect();
+            let recv = device_with(&[], count * n * sz);
+            let send = if in_place {
+                recv.upload(&[vec![0; me * count * sz], parts[me].clone()].concat()).unwrap();
+                None
+            } else {
+                Some(device_with(&parts[me], count * sz))
+            };
+            let sp = send.as_ref().map_or(recv.ptr() + (me * count * sz) as u64, DeviceBuf::ptr);
+            unsafe { r.comm.all_gather(sp, recv.ptr(), count, dtype, &r.cond) }.unwrap();
+            r.sync();
+            if recv.download().unwrap() != parts.concat() {
+                bad.push(format!("rank {me}: large all_gather {count} x {} in_place={in_place}", dtype.name()));
+            }
+        }
+    }
+    bad
+}
+
 /// An all-reduce captured once and replayed with new data before every replay; and one added
 /// to a graph through a graph condition. `count`: elements (small: one-shot; large: the
 /// reduce-scatter + all-gather kernel).
@@ -270,6 +317,7 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     let t0 = Instant::now();
     bad.extend(large_all_reduce(&r));
     eprintln!("rank {rank}: large all-reduce checks in {:?}", t0.elapsed());
+    bad.extend(large_halves(&r));
     bad.extend(graph_replays(&r, 20_000));
     bad.extend(graph_replays(&r, 300_000));
     bad.join("\n")

@@ -238,8 +238,11 @@ impl Communicator {
                 )));
             }
         }
-        if self.large_all_reduce(&call) {
-            return self.launch_large_all_reduce(&call, on);
+        if self.large(&call) {
+            return match call.kind {
+                CollKind::AllReduce => self.launch_large_all_reduce(&call, on),
+                _ => self.launch_large_halves(&call, on),
+            };
         }
         self.launch_one_shot(&call, on, None)
     }
@@ -292,7 +295,7 @@ impl Communicator {
     }
 
     /// Whether the call takes the large algorithm (the table in `select`).
-    fn large_all_reduce(&self, call: &Call) -> bool {
+    fn large(&self, call: &Call) -> bool {
         let coll = match call.kind {
             CollKind::AllReduce => Collective::AllReduce,
             CollKind::AllGather => Collective::AllGather,
@@ -300,8 +303,43 @@ impl Communicator {
             CollKind::Broadcast => Collective::Broadcast,
             CollKind::Reduce => Collective::Reduce,
         };
+        // A rank that does not touch a buffer passes 0 for it, which is aligned.
         let aligned = (call.send | call.recv).is_multiple_of(16);
         select::choose(coll, call.part_bytes, aligned, self.large_min) == Algorithm::TwoShotPush
+    }
+
+    /// Large all-gather and reduce-scatter: the halves of the large all-reduce, each channel
+    /// owning a region of every part in every round (n regions per channel per round), one
+    /// launch. Parts are whole 16-byte pieces (`select`).
+    fn launch_large_halves(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
+        let (blocks, part) = (BIG_BLOCKS, call.part_bytes);
+        let region = part.div_ceil(blocks).next_multiple_of(16).min(BIG_ROUND_MAX / (self.nranks * blocks) / 16 * 16);
+        let args = CollArgs {
+            send: call.send,
+            recv: call.recv,
+            bytes: part as u64,
+            chunk: region as u64,
+            rounds: part.div_ceil(region * blocks) as u64,
+            send_stride: if call.kind == CollKind::ReduceScatter { part as u64 } else { 0 },
+            recv_stride: if call.kind == CollKind::AllGather { part as u64 } else { 0 },
+            nranks: self.nranks as u64,
+            rank: self.rank as u64,
+            kind: call.kind as u64,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            ..Default::default()
+        };
+        self.launch_large_kernel(call, on, args).map(|node| ArmedOutputs { start_node: node, done_node: node, device_handle: 0 })
+    }
+
+    /// One launch of the large kernel (`gsc_coll_big_<type>_<op>`): on the stream, or as a node
+    /// of the graph (returned; 0 on a stream).
+    fn launch_large_kernel(&self, call: &Call, on: &Condition, args: CollArgs) -> Result<usize> {
+        let kernel = format!("gsc_coll_big_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
+        let cache = self.kernel_cache.as_deref();
+        match on.category() {
+            Category::Graph => self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, None),
+            _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, true).map(|()| 0),
+        }
     }
 
     /// The kernel moves whole 16-byte pieces; a tail of fewer bytes (whole elements: 16 is a
@@ -324,26 +362,14 @@ impl Communicator {
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             ..Default::default()
         };
-        let kernel = format!("gsc_coll_big_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
-        let cache = self.kernel_cache.as_deref();
         let tail = Call { send: call.send + bytes as u64, recv: call.recv + bytes as u64, part_bytes: call.part_bytes - bytes, ..*call };
-        match on.category() {
-            Category::Graph => {
-                let node = self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, None)?;
-                let done = match tail.part_bytes {
-                    0 => node,
-                    _ => self.launch_one_shot(&tail, on, Some(node))?.done_node,
-                };
-                Ok(ArmedOutputs { start_node: node, done_node: done, device_handle: 0 })
-            }
-            _ => {
-                self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, true)?;
-                if tail.part_bytes > 0 {
-                    self.launch_one_shot(&tail, on, None)?;
-                }
-                Ok(ArmedOutputs::default())
-            }
-        }
+        let node = self.launch_large_kernel(call, on, args)?;
+        let done = match (tail.part_bytes, on.category()) {
+            (0, _) => node,
+            (_, Category::Graph) => self.launch_one_shot(&tail, on, Some(node))?.done_node,
+            _ => self.launch_one_shot(&tail, on, None).map(|_| 0)?,
+        };
+        Ok(ArmedOutputs { start_node: node, done_node: done, device_handle: 0 })
     }
 
     fn check_device_buffer(&self, addr: u64, what: &str) -> Result<()> {

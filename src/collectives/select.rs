@@ -41,7 +41,7 @@ pub enum Algorithm {
     /// rounds of 64 KiB per rank, all in one launch (rooted collectives: a launch per round).
     OneShotLl,
     /// Reduce-scatter then all-gather by NVLink writes, 128 channels, rounds of 8 MiB; a tail
-    /// under 16 bytes by `OneShotLl`.
+    /// under 16 bytes by `OneShotLl`. All-gather and reduce-scatter run its halves.
     TwoShotPush,
 }
 
@@ -49,16 +49,19 @@ impl Algorithm {
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::OneShotLl => "one-shot LL (all pairs, flags in the data)",
-            Algorithm::TwoShotPush => "reduce-scatter + all-gather by NVLink writes, 128 channels",
+            Algorithm::TwoShotPush => "NVLink writes into every rank's workspace, 128 channels (all-reduce: reduce-scatter + all-gather)",
         }
     }
 }
 
-/// The algorithm of a call moving `bytes` per rank; `aligned`: both buffers on 16 bytes;
+/// The algorithm of a call moving `bytes` per rank; `aligned`: both buffers on 16 bytes (and,
+/// for all-gather and reduce-scatter, every rank's part too: `bytes` a multiple of 16);
 /// `large_min`: `GSC_COLL_LARGE_MIN`.
 pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize) -> Algorithm {
+    let large = bytes >= large_min.max(16) && aligned;
     match coll {
-        Collective::AllReduce if bytes >= large_min.max(16) && aligned => Algorithm::TwoShotPush,
+        Collective::AllReduce if large => Algorithm::TwoShotPush,
+        Collective::AllGather | Collective::ReduceScatter if large && bytes.is_multiple_of(16) => Algorithm::TwoShotPush,
         _ => Algorithm::OneShotLl,
     }
 }
@@ -72,7 +75,7 @@ pub fn describe(large_min: usize) -> String {
             Algorithm::OneShotLl if coll.rooted() => format!("{} at every size, a launch per 64 KiB round", Algorithm::OneShotLl.name()),
             Algorithm::OneShotLl => format!("{} at every size", Algorithm::OneShotLl.name()),
             large => format!(
-                "{} below {}, {} from there (buffers on 16 bytes; otherwise one-shot)",
+                "{} below {}, {} from there (buffers on 16 bytes, and for all-gather and reduce-scatter parts of whole 16 bytes; otherwise one-shot)",
                 Algorithm::OneShotLl.name(),
                 crate::config::format_size(large_min.max(16) as u64),
                 large.name()
@@ -95,7 +98,11 @@ mod tests {
         assert_eq!(choose(Collective::AllReduce, min, false, min), Algorithm::OneShotLl, "unaligned buffers stay one-shot");
         // A threshold of 0 still leaves calls under one 16-byte piece to the one-shot kernel.
         assert_eq!(choose(Collective::AllReduce, 8, true, 0), Algorithm::OneShotLl);
-        for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast, Collective::Reduce] {
+        for coll in [Collective::AllGather, Collective::ReduceScatter] {
+            assert_eq!(choose(coll, 1 << 30, true, min), Algorithm::TwoShotPush, "{}", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 4, true, min), Algorithm::OneShotLl, "{}: parts of whole 16 bytes", coll.name());
+        }
+        for coll in [Collective::Broadcast, Collective::Reduce] {
             assert_eq!(choose(coll, 1 << 30, true, min), Algorithm::OneShotLl, "{}", coll.name());
         }
     }

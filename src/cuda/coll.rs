@@ -283,7 +283,8 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Large all-reduce: reduce-scatter then all-gather, both by NVLink writes, block by block.    */
+/* Large all-reduce (and, as its halves, large reduce-scatter and all-gather, below): reduce-  */
+/* scatter then all-gather, both by NVLink writes, block by block.                             */
 /* Block b of every rank owns the same region of each round (`chunk` bytes at b × chunk, a    */
 /* multiple of 16 × nranks), cut into one slice per rank. The block pushes slice q of its      */
 /* input into rank q's "in" area (at its own rank's place), raises "in" at every rank; waits   */
@@ -350,9 +351,48 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
     for (unsigned long long k = 0; ok && k < a->rounds; k++) {
         const unsigned long long e = e0 + k, par = e & 1;
         const unsigned long long off = k * round_bytes + b * region;
-        if (off >= a->bytes) continue; /* every rank skips the same regions */
-        const unsigned long long len = a->bytes - off < region ? a->bytes - off : region;
-        /* Slices of whole 16-byte pieces (the buffers' bytes are whole pieces: see the host). */
+        /* A block past the end still raises and waits for its flags (len 0): every channel takes
+         * part in every round, which the parity argument needs for all-gather and
+         * reduce-scatter, whose rounds have one flag each. */
+        const unsigned long long len = off >= a->bytes ? 0 : a->bytes - off < region ? a->bytes - off : region;
+        if (a->kind == GSC_REDUCE_SCATTER) {
+            /* Part q's region goes to rank q, at our place in its "in" area (n regions per
+             * channel); the n copies of ours are reduced into the receive buffer. */
+            #define GSC_RS_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * n * region)
+            for (unsigned long long q = 0; q < n; q++)
+                gsc_big_copy(GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, false);
+            if (!(ok = gsc_big_flags(a, 0, e))) break;
+            const unsigned char *in = GSC_RS_IN(me);
+            unsigned char *recv = (unsigned char *)a->recv + off;
+            for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
+                gsc_vec<T> acc, x;
+                acc.v = gsc_ld_cg(in + i);
+                for (unsigned long long q = 1; q < n; q++) {
+                    x.v = gsc_ld_cg(in + q * region + i);
+#pragma unroll
+                    for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_apply<OP>(acc.e[j], x.e[j]);
+                }
+                if (AVG)
+#pragma unroll
+                    for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_div(acc.e[j], n);
+                *(uint4 *)(recv + i) = acc.v;
+            }
+            #undef GSC_RS_IN
+            continue;
+        }
+        if (a->kind == GSC_ALL_GATHER) {
+            /* Our region goes to every rank's "out" area at our place; then every rank's region
+             * from ours into the receive buffer. */
+            #define GSC_AG_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * n * region)
+            for (unsigned long long q = 0; q < n; q++) gsc_big_copy(GSC_AG_OUT(q) + me * region, (const unsigned char *)a->send + off, len, false);
+            if (!(ok = gsc_big_flags(a, 1, e))) break;
+            for (unsigned long long q = 0; q < n; q++)
+                gsc_big_copy((unsigned char *)a->recv + q * a->recv_stride + off, GSC_AG_OUT(me) + q * region, len, true);
+            #undef GSC_AG_OUT
+            continue;
+        }
+        /* All-reduce. Slices of whole 16-byte pieces (the buffers' bytes are whole pieces: see
+         * the host). */
         const unsigned long long slice = (len + 16 * n - 1) / (16 * n) * 16;
         #define GSC_SLICE_END(q) ((q + 1) * slice < len ? (q + 1) * slice : len)
         #define GSC_BIG_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * region)
