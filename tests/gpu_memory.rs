@@ -566,10 +566,10 @@ fn prepared_host_starts(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> Strin
                 }
             };
             // A second start while the first is in flight is refused, like any unconditioned start.
-            if let (Some(_), Err(e)) = (hs, tx.start(RequestParams::default())) {
-                if e.status() != Status::Busy {
-                    out += &format!("{n} B: second start gave {e}; ");
-                }
+            if let (Some(_), Err(e)) = (hs, tx.start(RequestParams::default()))
+                && e.status() != Status::Busy
+            {
+                out += &format!("{n} B: second start gave {e}; ");
             }
             let statuses = wait_all(w, hr.into_iter().chain(hs).collect());
             if statuses.iter().any(|s| *s != Status::Ok) {

@@ -343,10 +343,10 @@ impl Bootstrap {
                 return Ok(msg);
             }
             let st = &mail.peers[peer as usize];
-            if st.open == 0 {
-                if let Some(e) = &st.closed {
-                    return Err(e.clone().context(format!("bootstrap rank {}: {op} waiting for rank {peer}", self.rank)));
-                }
+            if st.open == 0
+                && let Some(e) = &st.closed
+            {
+                return Err(e.clone().context(format!("bootstrap rank {}: {op} waiting for rank {peer}", self.rank)));
             }
             let Some(rem) = wire::remaining(deadline) else {
                 return Err(Error::new(

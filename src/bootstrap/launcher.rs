@@ -140,14 +140,14 @@ pub fn detect_with(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<Lau
                     Some(n) => parse_u32(lookup, n)?,
                     None => None,
                 };
-                if let (Some(lr), Some(ls)) = (local_rank, local_size) {
-                    if lr >= ls {
-                        return Err(Error::invalid_param(format!(
-                            "{}={lr} is not below {}={ls}",
-                            v.local_rank.unwrap_or("local rank"),
-                            v.local_size.unwrap_or("local size")
-                        )));
-                    }
+                if let (Some(lr), Some(ls)) = (local_rank, local_size)
+                    && lr >= ls
+                {
+                    return Err(Error::invalid_param(format!(
+                        "{}={lr} is not below {}={ls}",
+                        v.local_rank.unwrap_or("local rank"),
+                        v.local_size.unwrap_or("local size")
+                    )));
                 }
                 return Ok(Some(LaunchInfo { rank, size, local_rank, local_size, launcher: v.launcher }));
             }

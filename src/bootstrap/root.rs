@@ -164,13 +164,13 @@ fn validate(regs: &BTreeMap<u32, Registration>, new: &Registration) -> Result<()
     if new.rank >= new.nranks {
         return Err(Error::invalid_param(format!("rank {} announced nranks={}: rank out of range", new.rank, new.nranks)));
     }
-    if let Some(first) = regs.values().next() {
-        if first.nranks != new.nranks {
-            return Err(Error::invalid_param(format!(
-                "rank {} announced nranks={} but rank {} announced nranks={}",
-                new.rank, new.nranks, first.rank, first.nranks
-            )));
-        }
+    if let Some(first) = regs.values().next()
+        && first.nranks != new.nranks
+    {
+        return Err(Error::invalid_param(format!(
+            "rank {} announced nranks={} but rank {} announced nranks={}",
+            new.rank, new.nranks, first.rank, first.nranks
+        )));
     }
     if let Some(prev) = regs.get(&new.rank) {
         return Err(Error::invalid_param(format!("rank {} registered twice (from {} and from {})", new.rank, prev.from, new.from)));
@@ -223,23 +223,23 @@ fn coordinate(addr: SocketAddr, opts: &RootOptions, deadline: Instant, rx: cross
                 }
             }
             Err(RecvTimeoutError::Timeout) => {
-                if failed.is_none() {
-                    if let Some(first) = regs.values().next() {
-                        let err = Error::new(
-                            Status::TimedOut,
-                            format!(
-                                "root {addr} gave up after {:?} with {} of {} ranks registered; \
+                if failed.is_none()
+                    && let Some(first) = regs.values().next()
+                {
+                    let err = Error::new(
+                        Status::TimedOut,
+                        format!(
+                            "root {addr} gave up after {:?} with {} of {} ranks registered; \
                                  missing ranks: {}",
-                                opts.timeout,
-                                regs.len(),
-                                first.nranks,
-                                missing_ranks(&regs, first.nranks)
-                            ),
-                        );
-                        tracing::warn!(target: "gsc::bootstrap", err = %err, "root: timed out");
-                        for r in regs.values() {
-                            send_error(r, &err, opts);
-                        }
+                            opts.timeout,
+                            regs.len(),
+                            first.nranks,
+                            missing_ranks(&regs, first.nranks)
+                        ),
+                    );
+                    tracing::warn!(target: "gsc::bootstrap", err = %err, "root: timed out");
+                    for r in regs.values() {
+                        send_error(r, &err, opts);
                     }
                 }
                 return;

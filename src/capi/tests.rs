@@ -37,11 +37,11 @@ fn header_bits() -> HashMap<String, u64> {
         let Some(rest) = line.strip_prefix("#define ") else { continue };
         let mut it = rest.split_whitespace();
         let (Some(name), Some(_)) = (it.next(), it.next()) else { continue };
-        if let Some(n) = rest.split("<<").nth(1) {
-            if rest.contains("UINT64_C(1)") {
-                let n: u32 = n.trim().trim_end_matches(')').trim().parse().unwrap();
-                out.insert(name.to_string(), 1u64 << n);
-            }
+        if let Some(n) = rest.split("<<").nth(1)
+            && rest.contains("UINT64_C(1)")
+        {
+            let n: u32 = n.trim().trim_end_matches(')').trim().parse().unwrap();
+            out.insert(name.to_string(), 1u64 << n);
         }
     }
     out

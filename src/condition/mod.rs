@@ -236,15 +236,15 @@ impl Condition {
             }
         }
         self.launch_device_waits()?;
-        if let Producer::CudaStream { stream, ctx } = self.inner.producer {
-            if crate::cuda::capture_graph(stream)?.is_some() {
-                // Captured operations have a channel each: wait for each with a kernel node.
-                let kernels = self.kernels(ctx)?;
-                let mut pending = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
-                crate::cuda::launch_ops(&kernels, stream, &[], &descs(&pending, StageDir::Recv), false)?;
-                pending.clear();
-                return Ok(());
-            }
+        if let Producer::CudaStream { stream, ctx } = self.inner.producer
+            && crate::cuda::capture_graph(stream)?.is_some()
+        {
+            // Captured operations have a channel each: wait for each with a kernel node.
+            let kernels = self.kernels(ctx)?;
+            let mut pending = self.inner.captured_unwaited.lock().unwrap_or_else(|e| e.into_inner());
+            crate::cuda::launch_ops(&kernels, stream, &[], &descs(&pending, StageDir::Recv), false)?;
+            pending.clear();
+            return Ok(());
         }
         let issued = channel.issue.lock().unwrap_or_else(|e| e.into_inner());
         self.enqueue(&channel, None, Some(*issued), &[], false)
@@ -288,18 +288,18 @@ impl Condition {
     }
 
     fn flush_group(&self, channel: &Arc<Channel>, g: &Group) -> Result<()> {
-        if let Producer::CudaStream { stream, ctx } = self.inner.producer {
-            if !g.captured_triggers.is_empty() || !g.captured_waits.is_empty() {
-                let now = crate::cuda::capture_graph(stream)?.map(|gr| gr as usize);
-                if now != g.graph {
-                    return Err(Error::invalid_param("group_end: the stream's capture ended (or began) inside the group"));
-                }
-                // One node: every trigger of the group, then every wait.
-                let kernels = self.kernels(ctx)?;
-                let (trig, wait) = (descs(&g.captured_triggers, StageDir::Send), descs(&g.captured_waits, StageDir::Recv));
-                let fence = g.captured_triggers.iter().any(|c| c.orders);
-                crate::cuda::launch_ops(&kernels, stream, &trig, &wait, fence)?;
+        if let Producer::CudaStream { stream, ctx } = self.inner.producer
+            && (!g.captured_triggers.is_empty() || !g.captured_waits.is_empty())
+        {
+            let now = crate::cuda::capture_graph(stream)?.map(|gr| gr as usize);
+            if now != g.graph {
+                return Err(Error::invalid_param("group_end: the stream's capture ended (or began) inside the group"));
             }
+            // One node: every trigger of the group, then every wait.
+            let kernels = self.kernels(ctx)?;
+            let (trig, wait) = (descs(&g.captured_triggers, StageDir::Send), descs(&g.captured_waits, StageDir::Recv));
+            let fence = g.captured_triggers.iter().any(|c| c.orders);
+            crate::cuda::launch_ops(&kernels, stream, &trig, &wait, fence)?;
         }
         match (g.trigger, g.wait) {
             (None, None) => Ok(()),

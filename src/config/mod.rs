@@ -510,10 +510,10 @@ impl Config {
         let mut config = Config::default();
         let mut errors = Vec::new();
         for (knob, value) in KNOBS.iter().zip(&values) {
-            if let Some(value) = value {
-                if let Err(reason) = (knob.parse)(&mut config, value) {
-                    errors.push(value_error(knob, value, &reason).message().to_string());
-                }
+            if let Some(value) = value
+                && let Err(reason) = (knob.parse)(&mut config, value)
+            {
+                errors.push(value_error(knob, value, &reason).message().to_string());
             }
         }
         if !errors.is_empty() {
@@ -577,10 +577,10 @@ impl Config {
                 size(self.shm_ring_size)
             ));
         }
-        if let (Some(rank), Some(nranks)) = (self.rank, self.nranks) {
-            if rank >= nranks {
-                return fail(format!("GSC_RANK={rank} must be less than GSC_NRANKS={nranks}"));
-            }
+        if let (Some(rank), Some(nranks)) = (self.rank, self.nranks)
+            && rank >= nranks
+        {
+            return fail(format!("GSC_RANK={rank} must be less than GSC_NRANKS={nranks}"));
         }
         Ok(())
     }

@@ -112,13 +112,13 @@ impl Endpoint {
         let key = rkey_unpack(packed)?;
         let st = self.worker.lock();
         let conn = self.usable(&st)?;
-        if let Some(peer) = st.conns[conn].peer_process {
-            if peer != key.owner {
-                return Err(Error::invalid_param(format!(
-                    "remote key belongs to process {} but this endpoint leads to process {}",
-                    key.owner.pid, peer.pid
-                )));
-            }
+        if let Some(peer) = st.conns[conn].peer_process
+            && peer != key.owner
+        {
+            return Err(Error::invalid_param(format!(
+                "remote key belongs to process {} but this endpoint leads to process {}",
+                key.owner.pid, peer.pid
+            )));
         }
         Ok(key)
     }
@@ -223,12 +223,12 @@ impl Drop for Endpoint {
     fn drop(&mut self) {
         // Without a close the connection stays up for the peer; only the endpoint goes away.
         let mut st = self.worker.lock();
-        if let Some(c) = st.conns.get_mut(self.conn) {
-            if c.generation == self.generation {
-                c.has_user_ep = false;
-                if c.failed.is_some() {
-                    st.conns.remove(self.conn);
-                }
+        if let Some(c) = st.conns.get_mut(self.conn)
+            && c.generation == self.generation
+        {
+            c.has_user_ep = false;
+            if c.failed.is_some() {
+                st.conns.remove(self.conn);
             }
         }
     }

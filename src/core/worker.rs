@@ -581,10 +581,11 @@ impl Worker {
             Started::Pending(h) => h,
         };
         let r = self.request_wait(handle);
-        if matches!(&r, Err(e) if e.status() == Status::TimedOut) && on_timeout == OnTimeout::Withdraw {
-            if self.request_cancel(handle).is_err() {
-                self.break_link_of(handle);
-            }
+        if matches!(&r, Err(e) if e.status() == Status::TimedOut)
+            && on_timeout == OnTimeout::Withdraw
+            && self.request_cancel(handle).is_err()
+        {
+            self.break_link_of(handle);
         }
         let _ = self.request_release(handle);
         r
@@ -635,10 +636,10 @@ impl Worker {
             if events == 0 {
                 spins += 1;
                 if spins % 1024 == 0 {
-                    if let Some(t) = timeout {
-                        if start.elapsed() >= t {
-                            return Err(Error::new(Status::TimedOut, format!("request not complete after {t:?} (GSC_TIMEOUT)")));
-                        }
+                    if let Some(t) = timeout
+                        && start.elapsed() >= t
+                    {
+                        return Err(Error::new(Status::TimedOut, format!("request not complete after {t:?} (GSC_TIMEOUT)")));
                     }
                     std::thread::yield_now();
                 }
@@ -909,10 +910,10 @@ impl State {
     }
 
     fn free_slot(&mut self, req: ReqId) {
-        if let Some((_, generation, key)) = request::decode(req) {
-            if self.requests.get(key).is_some_and(|s| s.generation == generation) {
-                self.requests.remove(key);
-            }
+        if let Some((_, generation, key)) = request::decode(req)
+            && self.requests.get(key).is_some_and(|s| s.generation == generation)
+        {
+            self.requests.remove(key);
         }
     }
 
@@ -958,11 +959,11 @@ impl State {
             for (write, result) in done {
                 // The round already ended (its link failed or the peer left): its buffer is
                 // the user's again only now.
-                if !self.device.writing(write.req) {
-                    if let Some((status, info)) = self.device.take_held(write.req) {
-                        actions.push(Action::Complete { req: write.req, status, info });
-                        continue;
-                    }
+                if !self.device.writing(write.req)
+                    && let Some((status, info)) = self.device.take_held(write.req)
+                {
+                    actions.push(Action::Complete { req: write.req, status, info });
+                    continue;
                 }
                 if self.slot(write.req).is_none_or(|s| s.result.is_some()) || self.device.is_held(write.req) {
                     continue; // the round ended while this write ran: nothing more to announce
@@ -1337,14 +1338,13 @@ impl State {
             }
             return;
         }
-        if slot.kind == ReqKind::Close {
-            if let Some(conn) = slot.conn {
-                if let Some(mut c) = self.conns.try_remove(conn) {
-                    c.link.close();
-                    // Anything still tied to the link (receives mid-message from the peer) ends.
-                    self.engine.conn_failed(out, conn, Status::NotConnected);
-                }
-            }
+        if slot.kind == ReqKind::Close
+            && let Some(conn) = slot.conn
+            && let Some(mut c) = self.conns.try_remove(conn)
+        {
+            c.link.close();
+            // Anything still tied to the link (receives mid-message from the peer) ends.
+            self.engine.conn_failed(out, conn, Status::NotConnected);
         }
         let slot = self.slot_mut(req).expect("checked above");
         slot.result = Some((status, info));

@@ -613,12 +613,12 @@ pub(crate) fn compile_cached(source: &str, arch: (i32, i32), cache_dir: Option<&
     let digest: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
     let dir: Option<PathBuf> = cache_dir.map(Path::to_path_buf).or_else(crate::config::default_kernel_cache_dir);
     let path = dir.as_ref().map(|d| d.join(format!("{digest}-sm_{}{}.cubin", arch.0, arch.1)));
-    if let Some(p) = &path {
-        if let Ok(bytes) = std::fs::read(p) {
-            // A cubin is an ELF file; anything else is a damaged entry, compiled again below.
-            if bytes.starts_with(b"\x7fELF") {
-                return Ok(bytes);
-            }
+    if let Some(p) = &path
+        && let Ok(bytes) = std::fs::read(p)
+    {
+        // A cubin is an ELF file; anything else is a damaged entry, compiled again below.
+        if bytes.starts_with(b"\x7fELF") {
+            return Ok(bytes);
         }
     }
     let cubin = compile(source, &options)?;

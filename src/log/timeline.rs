@@ -131,11 +131,11 @@ pub(crate) fn flush() -> std::io::Result<()> {
     out.flush()?;
     // Keep the reservation for the next run of this process.
     let mut st = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, v)) = st.as_mut() {
-        if v.is_empty() {
-            *v = events;
-            v.clear();
-        }
+    if let Some((_, v)) = st.as_mut()
+        && v.is_empty()
+    {
+        *v = events;
+        v.clear();
     }
     Ok(())
 }

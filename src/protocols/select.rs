@@ -139,10 +139,10 @@ impl ProtoId {
 /// The protocol for a tagged send of `size` bytes.
 pub fn select(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps, size: usize) -> Result<ProtoId> {
     for p in REGISTRY {
-        if let Some((lo, hi)) = (p.probe)(cfg, mem, lane) {
-            if (lo..=hi).contains(&size) {
-                return Ok(p.id);
-            }
+        if let Some((lo, hi)) = (p.probe)(cfg, mem, lane)
+            && (lo..=hi).contains(&size)
+        {
+            return Ok(p.id);
         }
     }
     Err(Error::unsupported(format!("no protocol sends {size} bytes of {} memory over the {} lane", mem.name(), lane.lane.name())))

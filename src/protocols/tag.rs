@@ -535,10 +535,10 @@ impl TagEngine {
                 }
                 out.push(Action::CopyFromFrame { dst: buf.addr + offset, mem: buf.mem, src_offset: 0, len: payload.len() });
                 *received += payload.len();
-                if *received >= *want {
-                    if let Some(RecvState::Pushed { buf, info, .. }) = self.recvs.remove(&rreq) {
-                        out.push(Action::Complete { req: rreq, status: status_of(info.length, buf), info });
-                    }
+                if *received >= *want
+                    && let Some(RecvState::Pushed { buf, info, .. }) = self.recvs.remove(&rreq)
+                {
+                    out.push(Action::Complete { req: rreq, status: status_of(info.length, buf), info });
                 }
             }
             Header::Ats { sreq, status } => {
@@ -576,10 +576,10 @@ impl TagEngine {
             }
             let complete = !matches!(u.body, UnexpectedBody::Eager { .. }) || first.len() >= u.total;
             let seq = self.unexpected.push(tag, u);
-            if let (Some(id), false) = (msg_id, complete) {
-                if let Some(cs) = self.conns.get_mut(&conn) {
-                    cs.assembling.insert(id, Assembly::Unexpected(seq));
-                }
+            if let (Some(id), false) = (msg_id, complete)
+                && let Some(cs) = self.conns.get_mut(&conn)
+            {
+                cs.assembling.insert(id, Assembly::Unexpected(seq));
             }
         }
     }
@@ -648,12 +648,11 @@ impl TagEngine {
     }
 
     fn redirect_assembly(&mut self, u: &Unexpected, to: Assembly) {
-        if let UnexpectedBody::Eager { msg_id: Some(id), .. } = u.body {
-            if let Some(cs) = self.conns.get_mut(&u.conn) {
-                if let Some(a) = cs.assembling.get_mut(&id) {
-                    *a = to;
-                }
-            }
+        if let UnexpectedBody::Eager { msg_id: Some(id), .. } = u.body
+            && let Some(cs) = self.conns.get_mut(&u.conn)
+            && let Some(a) = cs.assembling.get_mut(&id)
+        {
+            *a = to;
         }
     }
 

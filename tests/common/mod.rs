@@ -144,10 +144,10 @@ impl Parent {
             let stdin = std::io::stdin();
             for line in stdin.lock().lines() {
                 let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix("@@") {
-                    if tx.send(rest.to_string()).is_err() {
-                        break;
-                    }
+                if let Some(rest) = line.strip_prefix("@@")
+                    && tx.send(rest.to_string()).is_err()
+                {
+                    break;
                 }
             }
             // The parent went away (or closed our stdin on purpose): nothing left to do.
@@ -201,10 +201,10 @@ pub fn spawn_child(test: &str, role: &str, cfg: &[(&str, &str)]) -> ChildProc {
             let Ok(line) = line else { break };
             // libtest prints "test name ... " without a newline before the test body runs, so
             // the first message shares its line: look for the marker anywhere.
-            if let Some(at) = line.find("@@") {
-                if tx.send(line[at + 2..].to_string()).is_err() {
-                    break;
-                }
+            if let Some(at) = line.find("@@")
+                && tx.send(line[at + 2..].to_string()).is_err()
+            {
+                break;
             }
         }
     });

@@ -112,11 +112,12 @@ fn post(area: &WorkerArea, uuid: u128, path: &[u8], listener: &ProcessIdentity, 
         // All slots busy. Free the ones held by connectors that died while writing them.
         for slot in &area.slots {
             let s = slot.state.load(Ordering::Relaxed);
-            if let Some(pid) = slot_writer(s) {
-                if pid != me && matches!(proc_identity::read(pid), Ok(None)) {
-                    tracing::info!(target: "gsc::shm", pid, "reclaiming accept slot of dead connector");
-                    let _ = slot.state.compare_exchange(s, SLOT_FREE, Ordering::Relaxed, Ordering::Relaxed);
-                }
+            if let Some(pid) = slot_writer(s)
+                && pid != me
+                && matches!(proc_identity::read(pid), Ok(None))
+            {
+                tracing::info!(target: "gsc::shm", pid, "reclaiming accept slot of dead connector");
+                let _ = slot.state.compare_exchange(s, SLOT_FREE, Ordering::Relaxed, Ordering::Relaxed);
             }
         }
         if !proc_identity::is_alive(listener) {

@@ -265,10 +265,10 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        if self.owner {
-            if let Err(e) = self.unlink() {
-                tracing::warn!(target: "gsc::shm", error = %e, "segment left behind");
-            }
+        if self.owner
+            && let Err(e) = self.unlink()
+        {
+            tracing::warn!(target: "gsc::shm", error = %e, "segment left behind");
         }
         // SAFETY: `base`/`len` describe the mapping made in create/open, unmapped only here.
         // Every pointer into it is owned by a structure that holds this Segment, so none outlives
