@@ -76,6 +76,14 @@ impl Endpoint {
         check_buffer(buf, len, "tag_send_nbx")?;
         let (key, addr) = (self.key(), buf as usize);
         let mem = resolve_memtype(&params, addr, len)?;
+        // The common small host send: straight into the link, no request (UCX's am_short path).
+        if mem == MemType::Host
+            && params.condition.is_none()
+            && !params.no_immediate_completion
+            && self.worker.try_send_short(key, tag, UserBuf::host(addr, len))
+        {
+            return Ok(Started::Done(RecvInfo::default()));
+        }
         // A small GPU buffer of a stream or graph operation is staged: sent from its slot.
         let stage = self.worker.stage_for(&params, StageDir::Send, addr, len, mem)?;
         let (addr, mem) = match &stage {

@@ -295,6 +295,25 @@ impl Worker {
         result
     }
 
+    /// Send `buf` as one eager-short frame written straight into the link, when that is what the
+    /// general path would do and can do now: the endpoint usable, the protocol eager-short, no
+    /// frame queued before it (order), room in the link. True when sent; false changes nothing
+    /// and the caller takes the general path (which also reports any error).
+    pub(super) fn try_send_short(&self, key: super::endpoint::EpKey, tag: u64, buf: UserBuf) -> bool {
+        let mut st = self.lock();
+        let Ok(conn) = key.usable(&st) else { return false };
+        let Some(header) = st.engine.tag.short_send_header(conn, tag, buf) else { return false };
+        let c = &mut st.conns[conn];
+        if !c.outq.is_empty() {
+            return false;
+        }
+        if let Ok(true) = c.link.try_send(&[header.as_bytes(), user_slice(buf.addr, buf.len)]) {
+            timeline::record(Event::FrameOut, header.as_bytes()[0] as u64);
+            return true;
+        }
+        false
+    }
+
     /// Start an operation under the lock: allocate its request, run `start`, execute what it
     /// emitted, and decide between immediate completion and a pending handle. With a condition,
     /// the operation is armed instead and `start` runs when the condition is met.

@@ -5,17 +5,18 @@
 //! from one link that both match a receive are taken in the order they arrived, and two receives
 //! that both match a message are satisfied in the order they were posted.
 //!
-//! Exact receives (mask = all ones, the common MPI case) are found through a hash bucket per tag;
-//! wildcard receives are kept in post order and scanned. Both carry a global sequence number so
-//! the oldest candidate across the two structures wins. Removal is lazy in the buckets: the ordered
-//! map is the source of truth and stale sequence numbers are skipped when met.
+//! Exact receives (mask = all ones, the common MPI case) are kept in a hash bucket per tag;
+//! wildcard receives in one list in post order. Both carry a global sequence number so the oldest
+//! candidate across the two wins. Posting and matching an exact receive is one hash lookup and a
+//! deque push/pop (ordered maps here cost a visible share of the small-message path).
 
 use super::idmap::IdMap;
 use std::collections::{BTreeMap, VecDeque};
 
 pub const FULL_MASK: u64 = u64::MAX;
 
-/// Exact-tag buckets kept allocated while empty, before empties are swept.
+/// Empty exact-tag buckets kept allocated (for the next receive with that tag) before they are
+/// swept.
 const MAX_IDLE_BUCKETS: usize = 256;
 
 #[inline]
@@ -23,84 +24,104 @@ pub fn tag_matches(msg_tag: u64, recv_tag: u64, mask: u64) -> bool {
     (msg_tag & mask) == (recv_tag & mask)
 }
 
+/// A wildcard receive: sequence number, tag, mask, receive.
+type Wild<R> = (u64, u64, u64, R);
+
 /// Receives waiting for a message, in post order.
 pub struct PostedQueue<R> {
-    entries: BTreeMap<u64, (u64, u64, R)>,
-    exact: IdMap<u64, VecDeque<u64>>,
-    wild: BTreeMap<u64, ()>,
+    /// Exact receives by tag, each bucket in post order: (sequence number, receive).
+    exact: IdMap<u64, VecDeque<(u64, R)>>,
+    /// Buckets in `exact` that are empty.
+    idle_buckets: usize,
+    /// Wildcard receives in post order.
+    wild: VecDeque<Wild<R>>,
+    len: usize,
     next_seq: u64,
 }
 
 impl<R: Copy + PartialEq> Default for PostedQueue<R> {
     fn default() -> Self {
-        PostedQueue { entries: BTreeMap::new(), exact: IdMap::default(), wild: BTreeMap::new(), next_seq: 0 }
+        PostedQueue { exact: IdMap::default(), idle_buckets: 0, wild: VecDeque::new(), len: 0, next_seq: 0 }
     }
 }
 
 impl<R: Copy + PartialEq> PostedQueue<R> {
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
     }
 
     pub fn post(&mut self, tag: u64, mask: u64, r: R) {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.entries.insert(seq, (tag, mask, r));
+        self.len += 1;
         if mask == FULL_MASK {
-            self.exact.entry(tag).or_default().push_back(seq);
+            let bucket = self.exact.entry(tag).or_default();
+            if bucket.is_empty() && bucket.capacity() > 0 {
+                self.idle_buckets -= 1;
+            }
+            bucket.push_back((seq, r));
         } else {
-            self.wild.insert(seq, ());
+            self.wild.push_back((seq, tag, mask, r));
         }
     }
 
     /// Remove and return the oldest receive that matches `msg_tag`.
     pub fn take_match(&mut self, msg_tag: u64) -> Option<R> {
-        let exact_seq = match self.exact.get_mut(&msg_tag) {
-            Some(bucket) => {
-                while bucket.front().is_some_and(|s| !self.entries.contains_key(s)) {
-                    bucket.pop_front();
-                }
-                bucket.front().copied()
-            }
-            None => None,
-        };
+        let exact_seq = self.exact.get(&msg_tag).and_then(|b| b.front()).map(|&(seq, _)| seq);
         // Only wildcards older than the exact candidate can win, so stop the scan there.
         let limit = exact_seq.unwrap_or(u64::MAX);
-        let wild_seq = self.wild.range(..limit).map(|(s, _)| *s).find(|s| {
-            let (tag, mask, _) = self.entries[s];
-            tag_matches(msg_tag, tag, mask)
-        });
-        let seq = wild_seq.or(exact_seq)?;
-        if wild_seq.is_some() {
-            self.wild.remove(&seq);
-        } else if let Some(bucket) = self.exact.get_mut(&msg_tag) {
-            bucket.pop_front();
-            // An empty bucket is kept for the next receive with this tag (the common case is a
-            // few tags used over and over); only when many tags were seen are empties dropped.
-            if bucket.is_empty() && self.exact.len() > MAX_IDLE_BUCKETS {
-                self.exact.retain(|_, b| !b.is_empty());
+        let wild = self.wild.iter().take_while(|w| w.0 < limit).position(|&(_, tag, mask, _)| tag_matches(msg_tag, tag, mask));
+        let r = match wild {
+            Some(i) => self.wild.remove(i).map(|w| w.3),
+            None => {
+                let bucket = self.exact.get_mut(&msg_tag)?;
+                let r = bucket.pop_front().map(|(_, r)| r);
+                if bucket.is_empty() {
+                    self.bucket_emptied();
+                }
+                r
             }
-        }
-        self.entries.remove(&seq).map(|(_, _, r)| r)
+        };
+        self.len -= r.is_some() as usize;
+        r
     }
 
-    /// Remove a specific receive (cancel). Returns whether it was posted.
-    pub fn remove(&mut self, r: R) -> bool {
-        let Some(seq) = self.entries.iter().find(|(_, e)| e.2 == r).map(|(s, _)| *s) else {
-            return false;
-        };
-        self.entries.remove(&seq);
-        self.wild.remove(&seq);
-        // The exact bucket keeps a stale seq; it is skipped lazily by take_match.
-        true
+    /// An exact bucket became empty. It is kept for the next receive with its tag (the common
+    /// case is a few tags used over and over); only when many are idle are they dropped.
+    fn bucket_emptied(&mut self) {
+        self.idle_buckets += 1;
+        if self.idle_buckets > MAX_IDLE_BUCKETS {
+            self.exact.retain(|_, b| !b.is_empty());
+            self.idle_buckets = 0;
+        }
+    }
+
+    /// Remove the oldest receive `which` picks (cancel) and return it.
+    pub fn remove(&mut self, which: impl Fn(&R) -> bool) -> Option<R> {
+        if let Some(i) = self.wild.iter().position(|w| which(&w.3)) {
+            self.len -= 1;
+            return self.wild.remove(i).map(|w| w.3);
+        }
+        let found = self.exact.values_mut().find_map(|b| b.iter().position(|e| which(&e.1)).map(|i| (b, i)));
+        let (bucket, i) = found?;
+        let r = bucket.remove(i).map(|e| e.1);
+        let emptied = bucket.is_empty();
+        self.len -= 1;
+        if emptied {
+            self.bucket_emptied();
+        }
+        r
     }
 }
 
 /// Messages that arrived before a matching receive, in arrival order.
+///
+/// The ordered map is the source of truth (wildcard receives scan it in arrival order); the
+/// per-tag buckets hold sequence numbers and are cleaned lazily: stale ones are skipped when met.
 pub struct UnexpectedQueue<M> {
     entries: BTreeMap<u64, (u64, M)>,
     by_tag: IdMap<u64, VecDeque<u64>>,
@@ -208,11 +229,28 @@ mod tests {
         q.post(1, FULL_MASK, 1);
         q.post(1, FULL_MASK, 2);
         q.post(2, 0, 3);
-        assert!(q.remove(1));
-        assert!(!q.remove(1));
-        assert!(q.remove(3));
+        assert_eq!(q.remove(|&r| r == 1), Some(1));
+        assert_eq!(q.remove(|&r| r == 1), None);
+        assert_eq!(q.remove(|&r| r == 3), Some(3));
         assert_eq!(q.take_match(1), Some(2));
         assert_eq!(q.len(), 0);
+    }
+
+    #[test]
+    fn many_tags_keep_matching_after_idle_buckets_are_swept() {
+        let mut q = PostedQueue::default();
+        for round in 0..3u64 {
+            for t in 0..(3 * MAX_IDLE_BUCKETS as u64) {
+                q.post(t, FULL_MASK, round * 10_000 + t);
+            }
+            q.post(1 << 40, FULL_MASK, 7); // stays posted across the sweeps
+            for t in 0..(3 * MAX_IDLE_BUCKETS as u64) {
+                assert_eq!(q.take_match(t), Some(round * 10_000 + t));
+            }
+            assert!(q.exact.len() <= MAX_IDLE_BUCKETS + 2, "idle buckets were swept ({})", q.exact.len());
+            assert_eq!(q.remove(|&r| r == 7), Some(7));
+            assert_eq!(q.len(), 0);
+        }
     }
 
     #[test]

@@ -670,12 +670,12 @@ impl PreparedEngine {
                     len: pl,
                     req,
                     device_key,
-                    then: OutFrameEq(OutFrame {
+                    then: Box::new(OutFrameEq(OutFrame {
                         header: header.encode(),
                         payload: Payload::None,
                         on_sent: Some(req),
                         copy_if_queued: false,
-                    }),
+                    })),
                 });
                 continue;
             }

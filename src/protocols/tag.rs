@@ -138,7 +138,9 @@ pub enum Action {
         len: usize,
         req: ReqId,
         device_key: Option<std::sync::Arc<[u8]>>,
-        then: OutFrameEq,
+        /// Boxed: the rare large variant would otherwise set the size of every action (all
+        /// are moved several times per message).
+        then: Box<OutFrameEq>,
     },
     Complete {
         req: ReqId,
@@ -173,31 +175,12 @@ enum SendState {
 
 #[derive(Debug)]
 enum RecvState {
-    Posted {
-        buf: UserBuf,
-    },
     /// Matched an eager message that is still arriving in fragments.
-    Eager {
-        conn: ConnId,
-        buf: UserBuf,
-        info: RecvInfo,
-        received: usize,
-    },
+    Eager { conn: ConnId, buf: UserBuf, info: RecvInfo, received: usize },
     /// Matched an RTS; reading the sender's buffer.
-    Reading {
-        conn: ConnId,
-        buf: UserBuf,
-        info: RecvInfo,
-        sreq: ReqId,
-    },
+    Reading { conn: ConnId, buf: UserBuf, info: RecvInfo, sreq: ReqId },
     /// Matched an RTS; the sender is pushing `want` bytes.
-    Pushed {
-        conn: ConnId,
-        buf: UserBuf,
-        info: RecvInfo,
-        want: usize,
-        received: usize,
-    },
+    Pushed { conn: ConnId, buf: UserBuf, info: RecvInfo, want: usize, received: usize },
 }
 
 /// An unexpected (or probed, not yet received) message.
@@ -259,7 +242,9 @@ pub struct ProbeInfo {
 pub struct TagEngine {
     cfg: ProtoConfig,
     conns: IdMap<ConnId, ConnState>,
-    posted: PostedQueue<ReqId>,
+    /// Receives not matched yet, with their buffers (they have no `recvs` entry).
+    posted: PostedQueue<(ReqId, UserBuf)>,
+    /// Receives that matched a message that is still arriving.
     recvs: IdMap<ReqId, RecvState>,
     unexpected: UnexpectedQueue<Unexpected>,
     probed: IdMap<u64, (u64, Unexpected)>,
@@ -304,13 +289,12 @@ impl TagEngine {
 
     /// Requests the engine still tracks (sends awaiting completion, matched or posted receives).
     pub fn in_flight(&self) -> usize {
-        self.sends.len() + self.recvs.len()
+        self.sends.len() + self.recvs.len() + self.posted.len()
     }
 
     /// The link a matched receive is tied to (posted, unmatched receives have none).
     pub fn conn_of(&self, req: ReqId) -> Option<ConnId> {
         match self.recvs.get(&req)? {
-            RecvState::Posted { .. } => None,
             RecvState::Eager { conn, .. } | RecvState::Reading { conn, .. } | RecvState::Pushed { conn, .. } => Some(*conn),
         }
     }
@@ -336,6 +320,18 @@ impl TagEngine {
         select::select(&self.cfg, buf.mem, &cs.props, buf.len)
     }
 
+    /// The whole frame header of `buf`'s send when the send is eager-short: such a send keeps no
+    /// state here and is complete once the frame is in the link, so the worker may write it
+    /// straight into the link (its fast path) instead of going through `send`'s actions.
+    pub fn short_send_header(&self, conn: ConnId, tag: u64, buf: UserBuf) -> Option<Encoded> {
+        let cs = self.conns.get(&conn)?;
+        matches!(select::select(&self.cfg, buf.mem, &cs.props, buf.len), Ok(ProtoId::EagerShort)).then(|| Self::short_header(tag))
+    }
+
+    fn short_header(tag: u64) -> Encoded {
+        Header::EagerOnly { tag }.encode()
+    }
+
     /// Start a tagged send. Selection errors leave the engine unchanged. `device_key` opens a GPU
     /// buffer for the receiver (rendezvous only); without one the receiver asks for a push.
     pub fn send(
@@ -355,7 +351,7 @@ impl TagEngine {
         let proto = select::select(&self.cfg, buf.mem, &props, buf.len)?;
         match proto {
             ProtoId::EagerShort => {
-                let header = Header::EagerOnly { tag }.encode();
+                let header = Self::short_header(tag);
                 // The frame either goes into the link now or is copied into the queue by the
                 // worker (`copy_if_queued`), so the send is complete as soon as it is handed over:
                 // no send state, no sent notification.
@@ -397,8 +393,7 @@ impl TagEngine {
             let (msg_tag, u) = self.unexpected.take(seq).expect("found entry exists");
             self.match_unexpected(out, req, msg_tag, u, buf);
         } else {
-            self.posted.post(tag, mask, req);
-            self.recvs.insert(req, RecvState::Posted { buf });
+            self.posted.post(tag, mask, (req, buf));
         }
     }
 
@@ -433,13 +428,11 @@ impl TagEngine {
     /// Cancel a receive that has not matched yet. Matched receives and started sends cannot be
     /// withdrawn: the peer may already be writing.
     pub fn cancel(&mut self, out: &mut Actions, req: ReqId) -> Result<()> {
+        if self.posted.remove(|&(r, _)| r == req).is_some() {
+            out.push(Action::Complete { req, status: Status::Canceled, info: RecvInfo::default() });
+            return Ok(());
+        }
         match self.recvs.get(&req) {
-            Some(RecvState::Posted { .. }) => {
-                self.posted.remove(req);
-                self.recvs.remove(&req);
-                out.push(Action::Complete { req, status: Status::Canceled, info: RecvInfo::default() });
-                Ok(())
-            }
             Some(_) => Err(Error::new(Status::Busy, "the receive already matched a message; it can no longer be canceled")),
             None if self.sends.contains_key(&req) => Err(Error::new(Status::Busy, "a send that has started cannot be canceled")),
             None => Err(Error::new(Status::InvalidHandle, "request is not in progress")),
@@ -558,8 +551,7 @@ impl TagEngine {
 
     /// A message envelope arrived: match it or queue it as unexpected.
     fn arrive(&mut self, out: &mut Actions, conn: ConnId, tag: u64, mut u: Unexpected, first: &[u8], msg_id: Option<u64>) {
-        if let Some(req) = self.posted.take_match(tag) {
-            let Some(RecvState::Posted { buf }) = self.recvs.remove(&req) else { unreachable!("a posted request is in Posted state") };
+        if let Some((req, buf)) = self.posted.take_match(tag) {
             let info = RecvInfo { tag, length: u.total };
             match u.body {
                 UnexpectedBody::Eager { .. } => {

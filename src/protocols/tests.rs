@@ -152,7 +152,7 @@ impl Pair {
                         None => {
                             let data = self.sides[s].mem.read(src, len);
                             self.sides[1 - s].mem.write(remote as usize, &data);
-                            out.push(Action::Transmit { conn: 0, frame: then });
+                            out.push(Action::Transmit { conn: 0, frame: *then });
                         }
                     }
                     followups.push(out);
