@@ -93,7 +93,9 @@ pub(crate) struct State {
     /// Callbacks to fire once the lock is released.
     ready: Vec<(u64, Callback, Status, RecvInfo)>,
     polls: u64,
+    /// The connections' keys, and (next generation, count) when they were listed.
     conn_keys: Vec<ConnId>,
+    conn_keys_stamp: (u32, usize),
     /// Emptied action lists kept for reuse, so the per-message path does not allocate.
     spare_actions: Vec<Actions>,
     frame_scratch: Actions,
@@ -200,6 +202,7 @@ impl Worker {
             ready: Vec::new(),
             polls: 0,
             conn_keys: Vec::new(),
+            conn_keys_stamp: (0, 0),
             spare_actions: Vec::new(),
             frame_scratch: Actions::new(),
             last_peer_check: Instant::now(),
@@ -808,6 +811,9 @@ impl Drop for WorkerInner {
 }
 
 fn fire(ready: Vec<(u64, Callback, Status, RecvInfo)>) {
+    if ready.is_empty() {
+        return; // nearly every call: keep it to a test
+    }
     for (h, cb, status, info) in ready {
         // A panicking user callback must not unwind through the progress engine's callers (C).
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(h, status, info))).is_err() {
@@ -945,19 +951,32 @@ impl State {
         if self.polls % 16 == 1 {
             events += self.accept_all();
         }
-        // The key list is kept between passes so a progress call allocates nothing.
-        let mut keys = std::mem::take(&mut self.conn_keys);
-        keys.clear();
-        keys.extend(self.conns.iter().filter(|(_, c)| c.failed.is_none()).map(|(k, _)| k));
+        // The key list is rebuilt only when connections came or went (adding one moves the
+        // generation counter; removing one changes the count), so a pass allocates nothing.
+        let stamp = (self.next_conn_generation, self.conns.len());
+        if self.conn_keys_stamp != stamp {
+            self.conn_keys.clear();
+            self.conn_keys.extend(self.conns.iter().map(|(k, _)| k));
+            self.conn_keys_stamp = stamp;
+        }
         let mut actions = self.take_actions();
-        for &conn in &keys {
-            events += self.flush_outq(conn, &mut actions);
+        for i in 0..self.conn_keys.len() {
+            let conn = self.conn_keys[i];
+            let Some(c) = self.conns.get_mut(conn) else { continue };
+            if c.failed.is_some() {
+                continue;
+            }
+            if c.outq.is_empty() && c.closing.is_none() && !c.link.may_have_news() {
+                continue; // idle: the common case of a pass, kept to a couple of loads
+            }
+            if !c.outq.is_empty() {
+                events += self.flush_outq(conn, &mut actions);
+            }
             events += self.poll_conn(ctx, conn, &mut actions);
             if self.conns.get(conn).is_some_and(|c| c.closing.is_some()) {
                 self.maybe_finish_close(conn, &mut actions);
             }
         }
-        self.conn_keys = keys;
         if self.device.reads_in_flight() > 0 {
             let mut done = std::mem::take(&mut self.reads_done);
             self.device.poll_reads(&mut done);

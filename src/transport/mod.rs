@@ -86,6 +86,12 @@ pub trait Link: Send {
     /// failure or close); frames received before the failure have been delivered first.
     fn poll_recv(&mut self, max: usize, deliver: &mut dyn FnMut(&[u8])) -> Result<usize>;
 
+    /// False only when `poll_recv` would certainly deliver nothing and report no failure: a
+    /// cheap look that lets an idle progress pass skip the poll. A lane that cannot tell says true.
+    fn may_have_news(&mut self) -> bool {
+        true
+    }
+
     /// Copy `len` bytes from the peer's address `remote` into `local`.
     ///
     /// # Safety

@@ -178,6 +178,12 @@ impl Link for ShmLink {
         if n > 0 { Ok(n) } else { Err(e) }
     }
 
+    fn may_have_news(&mut self) -> bool {
+        // The peer's state word is read-mostly (written once, at close), so this stays a
+        // cache hit until something happens.
+        !self.rx.is_empty() || self.failure.is_some() || self.peer_state() != SIDE_OPEN
+    }
+
     unsafe fn read_remote(&self, local: *mut u8, remote: u64, len: usize) -> Result<()> {
         self.remote_op(local, remote, len, Dir::Read)
     }
