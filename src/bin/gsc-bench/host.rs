@@ -21,6 +21,8 @@ pub(crate) struct Opts {
     pin: bool,
     /// tag-lat: also time a prepared (persistent) ping-pong of each size, in the same run.
     prepared: bool,
+    /// tag-bw: a buffer per message of the window instead of one shared buffer.
+    buffer_per_send: bool,
 }
 
 const TAG_DATA: u64 = 1;
@@ -45,6 +47,7 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
         ucx: false,
         pin: true,
         prepared: false,
+        buffer_per_send: false,
     };
     let mut it = args[1..].iter();
     while let Some(a) = it.next() {
@@ -57,6 +60,7 @@ pub(crate) fn parse_args(args: &[String]) -> Option<Opts> {
             "--ucx" => o.ucx = true,
             "--no-pin" => o.pin = false,
             "--prepared" if test == Test::Lat => o.prepared = true,
+            "--buffer-per-send" if test == Test::Bw => o.buffer_per_send = true,
             _ => return None,
         }
     }
@@ -173,19 +177,22 @@ fn run_size(o: &Opts, w: &Worker, ep: &Endpoint, size: usize, client: bool) -> f
             }
         }
         Test::Bw => {
-            let mut bufs: Vec<Vec<u8>> = (0..o.window).map(|_| vec![0x5Au8; size]).collect();
+            // ucx_perftest sends the whole window from one buffer and receives it into one; so
+            // do we by default, so that both measure the same cache behaviour.
+            let mut bufs: Vec<Vec<u8>> = (0..if o.buffer_per_send { o.window } else { 1 }).map(|_| vec![0x5Au8; size]).collect();
             for i in 0..total {
                 if i == o.sweep.warmup {
                     start = Instant::now();
                 }
                 if client {
-                    let reqs: Vec<Started> = bufs.iter().map(|b| send_nb(ep, b, TAG_DATA)).collect();
+                    let reqs: Vec<Started> = (0..o.window).map(|k| send_nb(ep, &bufs[k % bufs.len()], TAG_DATA)).collect();
                     for r in reqs {
                         wait(w, r);
                     }
                     wait(w, recv_nb(w, &mut ack, TAG_ACK));
                 } else {
-                    let reqs: Vec<Started> = bufs.iter_mut().map(|b| recv_nb(w, b, TAG_DATA)).collect();
+                    let n = bufs.len();
+                    let reqs: Vec<Started> = (0..o.window).map(|k| recv_nb(w, &mut bufs[k % n], TAG_DATA)).collect();
                     for r in reqs {
                         wait(w, r);
                     }

@@ -2,7 +2,7 @@
 //!
 //! Host point-to-point between two processes on this machine:
 //!   gsc-bench tag-lat [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [--ucx]
-//!   gsc-bench tag-bw  [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx]
+//!   gsc-bench tag-bw  [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--buffer-per-send]
 //! Latency is half the round trip of a ping-pong; bandwidth streams WINDOW outstanding sends per
 //! iteration. `--ucx` runs UCX's `ucx_perftest` on the same sizes in the same run (Debian package
 //! ucx-utils) and prints both side by side.
@@ -37,7 +37,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 fn usage() -> ! {
     eprintln!(
-        "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin] [--prepared]\n\
+        "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin] [--prepared] [--buffer-per-send]\n\
          \x20      gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]\n\
          \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]\n\
          \x20      gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n\

@@ -1,7 +1,8 @@
 //! A single-producer single-consumer ring of variable-size frames in shared memory.
 //!
-//! Layout of a ring region: a 128-byte control block (`head` and `tail` byte counters, each on its
-//! own 64-byte cache line) followed by `capacity` bytes of data, `capacity` a power of two.
+//! Layout of a ring region: a 256-byte control block (`head` and `tail` byte counters, each on its
+//! own 128-byte block: CPUs that fetch cache lines in adjacent pairs would otherwise bounce one
+//! side's counter along with the other's) followed by `capacity` bytes of data, `capacity` a power of two.
 //! Counters only grow; a position's index in the data is `pos & (capacity - 1)`.
 //!
 //! A frame is `[u32 len][u32 flags][payload, padded to 8 bytes]`. When a frame does not fit
@@ -24,7 +25,7 @@ use crate::error::{Error, Result, Status};
 /// Bytes of the frame header.
 pub const FRAME_HEADER: usize = 8;
 /// Bytes of the control block in front of the data.
-pub const CTL_SIZE: usize = 128;
+pub const CTL_SIZE: usize = 256;
 /// Smallest ring data size accepted.
 pub const MIN_CAPACITY: usize = 256;
 /// Largest ring data size accepted (keeps all size arithmetic far from overflow).
@@ -32,7 +33,7 @@ pub const MAX_CAPACITY: usize = 1 << 30;
 
 const FLAG_SKIP: u32 = 1;
 
-#[repr(C, align(64))]
+#[repr(C, align(128))]
 struct CacheLine(AtomicU64);
 
 #[repr(C)]
