@@ -60,8 +60,9 @@ impl<R: Copy + PartialEq> PostedQueue<R> {
         self.len += 1;
         if mask == FULL_MASK {
             let bucket = self.exact.entry(tag).or_default();
+            // An emptied bucket keeps its allocation; a new one has none.
             if bucket.is_empty() && bucket.capacity() > 0 {
-                self.idle_buckets -= 1;
+                self.idle_buckets = self.idle_buckets.saturating_sub(1);
             }
             bucket.push_back((seq, r));
         } else {
@@ -100,7 +101,7 @@ impl<R: Copy + PartialEq> PostedQueue<R> {
         }
     }
 
-    /// Remove the oldest receive `which` picks (cancel) and return it.
+    /// Remove the receive `which` picks (cancel, by its unique request id) and return it.
     pub fn remove(&mut self, which: impl Fn(&R) -> bool) -> Option<R> {
         if let Some(i) = self.wild.iter().position(|w| which(&w.3)) {
             self.len -= 1;
