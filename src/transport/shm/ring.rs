@@ -33,18 +33,23 @@ pub const MAX_CAPACITY: usize = 1 << 30;
 
 const FLAG_SKIP: u32 = 1;
 
-#[repr(C, align(128))]
+#[repr(C, align(64))]
 struct CacheLine(AtomicU64);
 
+/// Each counter is followed by an unused line, so the two are 128 bytes apart while the block
+/// needs only the 64-byte alignment that segments guarantee.
 #[repr(C)]
 struct RingCtl {
     /// Bytes ever published by the producer; written only by the producer.
     head: CacheLine,
+    _head_pad: CacheLine,
     /// Bytes ever released by the consumer; written only by the consumer.
     tail: CacheLine,
+    _tail_pad: CacheLine,
 }
 
 const _: () = assert!(std::mem::size_of::<RingCtl>() == CTL_SIZE);
+const _: () = assert!(std::mem::align_of::<RingCtl>() == 64);
 
 /// Bytes a frame of `len` payload bytes occupies in the ring.
 pub fn frame_size(len: usize) -> usize {
