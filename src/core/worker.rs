@@ -15,8 +15,8 @@ use crate::condition::{Condition, Issued, Signal, Stage, StageDir};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
 use crate::protocols::{
-    Action, Actions, ConnId, Engine, FrameOutcome, LaneProps, MemType, OutFrame, Payload, ProbeInfo, ProtoConfig, RecvInfo, ReqId, UserBuf,
-    wire,
+    Action, Actions, ConnId, EagerDelivery, Engine, FrameOutcome, LaneProps, MemType, OutFrame, Payload, ProbeInfo, ProtoConfig, RecvInfo,
+    ReqId, UserBuf, wire,
 };
 use crate::proxy::{ArmedOp, Msg, PersistentOp, Proxy};
 use crate::transport::{LaneKind, Link, Listener, ProcessIdentity, loopback, shm};
@@ -99,6 +99,8 @@ pub(crate) struct State {
     /// Emptied action lists kept for reuse, so the per-message path does not allocate.
     spare_actions: Vec<Actions>,
     frame_scratch: Actions,
+    /// Eager-only messages that `poll_conn` matched and copied, to complete after the poll.
+    deliveries: Vec<EagerDelivery>,
     last_peer_check: Instant,
     peer_check_interval: Duration,
     /// GPU-memory copies (IPC reads, host staging).
@@ -205,6 +207,7 @@ impl Worker {
             conn_keys_stamp: (0, 0),
             spare_actions: Vec::new(),
             frame_scratch: Actions::new(),
+            deliveries: Vec::new(),
             last_peer_check: Instant::now(),
             peer_check_interval: cfg.peer_check_interval,
             device: DeviceMem::new(cfg),
@@ -1062,8 +1065,9 @@ impl State {
     }
 
     fn poll_conn(&mut self, ctx: &Context, conn: ConnId, deferred: &mut Actions) -> usize {
-        // A field, not the spare pool: this runs on every pass for every link, busy or not.
+        // Fields, not the spare pool: this runs on every pass for every link, busy or not.
         let mut scratch = std::mem::take(&mut self.frame_scratch);
+        let mut deliveries = std::mem::take(&mut self.deliveries);
         let State { engine, conns, device, .. } = self;
         let Some(c) = conns.get_mut(conn) else { return 0 };
         let mut violation: Option<Error> = None;
@@ -1074,6 +1078,15 @@ impl State {
                 return;
             }
             timeline::record(Event::FrameIn, frame.first().copied().unwrap_or(0) as u64);
+            // The commonest frame, a small message someone waits for, skips the action lists.
+            if let Some((mut delivery, data)) = engine.tag.take_eager_only_match(frame) {
+                if let Err(e) = copy_in(device, delivery.buf.addr, delivery.buf.mem, data) {
+                    delivery.status = e.status();
+                    violation = Some(e.context("receiving into a GPU buffer"));
+                }
+                deliveries.push(delivery);
+                return;
+            }
             match engine.on_frame(&mut scratch, conn, frame, regions) {
                 Ok(FrameOutcome::Handled) => {}
                 Ok(FrameOutcome::PeerClosed) => peer_closed = true,
@@ -1095,6 +1108,10 @@ impl State {
         });
         scratch.clear();
         self.frame_scratch = scratch;
+        for d in deliveries.drain(..) {
+            self.complete(d.req, d.status, d.info, deferred);
+        }
+        self.deliveries = deliveries;
         let failure = match (result, violation) {
             (Err(e), _) | (Ok(_), Some(e)) => e,
             (Ok(_), None) if peer_closed => Error::new(Status::ConnectionReset, "the peer closed its endpoint"),

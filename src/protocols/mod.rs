@@ -16,7 +16,7 @@ pub mod wire;
 
 pub use rma::RegionLookup;
 pub use select::{EngineOffer, EngineQuery, LaneProps, MemType, ProtoConfig, ProtoId, RndvScheme};
-pub use tag::{Action, Actions, ConnId, OutFrame, Payload, ProbeInfo, RecvInfo, ReqId, UserBuf};
+pub use tag::{Action, Actions, ConnId, EagerDelivery, OutFrame, Payload, ProbeInfo, RecvInfo, ReqId, UserBuf};
 
 use crate::error::{Error, Result, Status};
 use idmap::IdMap;
@@ -68,7 +68,7 @@ impl Engine {
                 self.prepared.on_frame(out, conn, header, payload)?;
             }
             Header::Close => return Ok(FrameOutcome::PeerClosed),
-            _ => self.tag.on_frame(out, conn, frame)?,
+            _ => self.tag.on_frame(out, conn, header, payload)?,
         }
         Ok(FrameOutcome::Handled)
     }

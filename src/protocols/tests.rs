@@ -73,6 +73,9 @@ struct Pair {
     keys_seen: Vec<Vec<u8>>,
     /// Fail direct writes of prepared transfers with this status.
     fail_writes: Option<Status>,
+    /// Deliver eager-only frames for posted receives through `take_eager_only_match`, as the
+    /// worker does; off, through `on_frame` like every other frame.
+    eager_fast_path: bool,
 }
 
 impl Pair {
@@ -93,6 +96,7 @@ impl Pair {
             refuse_device_reads: false,
             keys_seen: Vec::new(),
             fail_writes: None,
+            eager_fast_path: true,
         }
     }
 
@@ -172,6 +176,16 @@ impl Pair {
         while let Some((to, f)) = self.wire[0].pop_front().map(|f| (1, f)).or_else(|| self.wire[1].pop_front().map(|f| (0, f))) {
             let mut out = Actions::new();
             let side = &mut self.sides[to];
+            if self.eager_fast_path
+                && let Some((d, data)) = side.engine.tag.take_eager_only_match(&f)
+            {
+                assert!(data.len() <= d.buf.len, "the fast path clips to the buffer");
+                if !data.is_empty() {
+                    side.mem.write(d.buf.addr, data);
+                }
+                assert!(side.done.insert(d.req, (d.status, d.info)).is_none(), "request {} completed twice", d.req);
+                continue;
+            }
             let outcome = side.engine.on_frame(&mut out, 0, &f, &side.regions).expect("frame accepted");
             assert_eq!(outcome, FrameOutcome::Handled);
             let (_, payload) = wire::Header::decode(&f).unwrap();
@@ -281,17 +295,31 @@ fn messages_that_match_one_receive_are_taken_in_send_order() {
 
 #[test]
 fn posted_wildcards_and_exact_receives_are_satisfied_in_post_order() {
-    let mut p = Pair::new(cfg(), true, 1024);
-    let (a, _) = p.recv(64, 0x100, 0xF00); // matches 0x1??
-    let (b, _) = p.recv(64, 0x105, u64::MAX);
-    let (c, _) = p.recv(64, 0, 0);
-    p.send(b"first", 0x105);
-    p.send(b"second", 0x105);
-    p.send(b"third", 0x999);
-    p.pump();
-    assert_eq!(p.sides[1].done[&a].1.length, 5, "oldest matching receive takes the first message");
-    assert_eq!(p.sides[1].done[&b].1.length, 6);
-    assert_eq!(p.sides[1].done[&c].1, RecvInfo { tag: 0x999, length: 5 });
+    // The eager-only fast path and the general frame path must agree.
+    for fast in [true, false] {
+        let mut p = Pair::new(cfg(), true, 1024);
+        p.eager_fast_path = fast;
+        let (a, abuf) = p.recv(64, 0x100, 0xF00); // matches 0x1??
+        let (b, _) = p.recv(64, 0x105, u64::MAX);
+        let (c, _) = p.recv(64, 0, 0);
+        let (d, dbuf) = p.recv(4, 0x7, u64::MAX);
+        p.send(b"first", 0x105);
+        p.send(b"second", 0x105);
+        p.send(b"third", 0x999);
+        p.send(b"truncated", 0x7);
+        p.send(b"nobody", 0x8);
+        p.pump();
+        assert_eq!(p.sides[1].done[&a].1.length, 5, "oldest matching receive takes the first message (fast {fast})");
+        p.check_received(abuf, b"first", "first message");
+        assert_eq!(p.sides[1].done[&b].1.length, 6);
+        assert_eq!(p.sides[1].done[&c].1, RecvInfo { tag: 0x999, length: 5 });
+        assert_eq!(p.sides[1].done[&d], (Status::MessageTruncated, RecvInfo { tag: 0x7, length: 9 }));
+        p.check_received(dbuf, b"trun", "nothing past the buffer is written");
+        assert_eq!(p.sides[1].engine.tag.unexpected_len(), 1, "an unmatched message stays unexpected");
+        let (e, ebuf) = p.recv(64, 0x8, u64::MAX);
+        assert_eq!(p.sides[1].done[&e], (Status::Ok, RecvInfo { tag: 0x8, length: 6 }));
+        p.check_received(ebuf, b"nobody", "unexpected message");
+    }
 }
 
 #[test]

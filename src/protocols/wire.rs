@@ -365,6 +365,17 @@ impl Header {
 }
 
 /// The payload of a frame that `Header::decode` accepted (empty if the frame is malformed).
+/// The tag and payload of an eager-only frame; `None` for any other (or a malformed) frame.
+/// Decodes only what the receive fast path needs.
+#[inline]
+pub fn eager_only(frame: &[u8]) -> Option<(u64, &[u8])> {
+    if frame.len() < 16 || frame[0] != kind::EAGER_ONLY {
+        return None;
+    }
+    let tag = u64::from_le_bytes(frame[8..16].try_into().expect("8 bytes"));
+    Some((tag, &frame[16..]))
+}
+
 pub fn payload_of(frame: &[u8]) -> &[u8] {
     match frame.first().and_then(|k| Header::fields(*k)) {
         Some(f) if frame.len() >= 8 + 8 * f => &frame[8 + 8 * f..],
@@ -396,6 +407,23 @@ mod tests {
             Header::PrepData { id: 6, round: 2, offset: 3, len: 4, flags: PREP_LAST, status: -43 },
             Header::PrepBye { id: 6 },
         ]
+    }
+
+    #[test]
+    fn eager_only_shortcut_agrees_with_decode() {
+        for h in [Header::EagerOnly { tag: 0 }, Header::EagerOnly { tag: u64::MAX }, Header::EagerOnly { tag: 0x1234_5678_9abc }] {
+            let enc = h.encode();
+            let mut frame = enc.as_bytes().to_vec();
+            frame.extend_from_slice(b"payload");
+            let (decoded, payload) = Header::decode(&frame).unwrap();
+            let Header::EagerOnly { tag } = decoded else { unreachable!() };
+            assert_eq!(eager_only(&frame), Some((tag, payload)));
+            assert_eq!(eager_only(&frame[..16]), Some((tag, &[][..])), "empty message");
+            assert_eq!(eager_only(&frame[..15]), None, "short frame");
+        }
+        let other = Header::EagerNext { msg_id: 1, offset: 2 }.encode();
+        assert_eq!(eager_only(other.as_bytes()), None);
+        assert_eq!(eager_only(&[]), None);
     }
 
     #[test]

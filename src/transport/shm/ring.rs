@@ -9,11 +9,17 @@
 //! between its start and the end of the data, the producer writes a header with `FLAG_SKIP` there
 //! and starts the frame at index 0; the consumer skips to the wrap.
 //!
-//! The producer writes a frame, then publishes it with a Release store of `head`; the consumer
-//! reads `head` with Acquire, reads the frame in place, and only then releases the space with a
-//! Release store of `tail`. Each side keeps a private copy of its own counter and a cached copy of
-//! the other side's, reloading it only when the cache says "empty" (consumer) or "full"
-//! (producer), so in the steady state each side's cache line moves only when it must.
+//! Publication is in the frame itself, not in `head`: the consumer polls the header word at its
+//! position, and a frame is there when the word carries `FLAG_READY`. This way a message costs the
+//! consumer one cache-line transfer (the frame's) instead of two (`head`, then the frame), which
+//! is most of a small message's latency between cores. For the header word to be trusted, the
+//! word after every frame must not be stale data from an earlier lap: the producer writes the
+//! frame, zeroes the header word after it, then stores the frame's header with Release (so it
+//! always keeps 8 bytes of room for that word). The consumer loads the header with Acquire, reads
+//! the frame in place, and only then releases the space with a Release store of `tail`. The
+//! producer still advances `head` (only a reattaching producer and the consumer's attach check
+//! read it) and reloads the consumer's `tail` only when its cached copy says "full", so in the
+//! steady state each side's counter line stays in its own cache.
 //!
 //! The consumer treats everything it reads from the ring as untrusted: a header or counter that
 //! violates the format is reported as an error, never followed out of bounds.
@@ -31,7 +37,10 @@ pub const MIN_CAPACITY: usize = 256;
 /// Largest ring data size accepted (keeps all size arithmetic far from overflow).
 pub const MAX_CAPACITY: usize = 1 << 30;
 
-const FLAG_SKIP: u32 = 1;
+/// The frame (or skip marker) at this header is published.
+const FLAG_READY: u32 = 1;
+/// The rest of the data up to the wrap is padding; the next frame starts at index 0.
+const FLAG_SKIP: u32 = 2;
 
 #[repr(C, align(64))]
 struct CacheLine(AtomicU64);
@@ -114,6 +123,20 @@ impl Shared {
     fn index(&self, pos: u64) -> usize {
         (pos as usize) & (self.capacity - 1)
     }
+
+    /// The header word at data index `idx`.
+    ///
+    /// # Safety
+    /// `idx` must be a multiple of 8 below `capacity`.
+    unsafe fn header(&self, idx: usize) -> &AtomicU64 {
+        // SAFETY: the word is inside the data (contract), 8-aligned (the data is 64-aligned), and
+        // header words are only ever accessed through atomics.
+        unsafe { &*self.data.add(idx).cast::<AtomicU64>() }
+    }
+}
+
+fn header_word(len: u32, flags: u32) -> u64 {
+    u64::from(len) | (u64::from(flags) << 32)
 }
 
 /// The producing end of a ring. Exactly one may exist per ring, across all processes.
@@ -163,45 +186,58 @@ impl RingProducer {
         let contiguous = cap - idx;
         let total = if need > contiguous { contiguous + need } else { need };
         // Wrapping arithmetic: `tail` comes from the other process, and a corrupt value (beyond
-        // `head`) must read as "no room", never as an overflow.
-        let fits = |tail: u64| self.head.wrapping_sub(tail).saturating_add(total as u64) <= cap as u64;
+        // `head`) must read as "no room", never as an overflow. The 8 extra bytes are the header
+        // word after the frame, zeroed before publication.
+        let fits = |tail: u64| self.head.wrapping_sub(tail).saturating_add(total as u64 + 8) <= cap as u64;
         if !fits(self.tail_cache) {
             self.tail_cache = self.sh.ctl().tail.0.load(Ordering::Acquire);
             if !fits(self.tail_cache) {
                 return false;
             }
         }
-        let mut at = idx;
-        if need > contiguous {
-            // SAFETY: `contiguous >= 8` (all frames are multiples of 8, so is `idx`) and the space
-            // from `idx` to the end is free (checked above), so the header fits and is ours.
-            unsafe { write_header(self.sh.data.add(idx), 0, FLAG_SKIP) };
-            at = 0;
-        }
+        let at = if need > contiguous { 0 } else { idx };
         // SAFETY: `[at, at + need)` lies inside the data (it fits before the end by construction)
         // and is free space: the consumer released it (tail check above, Acquire) and will not read
-        // it until we publish `head`. `len` fits u32 because max_frame does (validate).
+        // past the header at its position until we publish it. `len` fits u32 because max_frame
+        // does (validate).
         unsafe {
-            let frame = self.sh.data.add(at);
-            let mut dst = frame.add(FRAME_HEADER);
+            let mut dst = self.sh.data.add(at + FRAME_HEADER);
             for p in parts {
                 std::ptr::copy_nonoverlapping(p.as_ptr(), dst, p.len());
                 dst = dst.add(p.len());
             }
-            write_header(frame, len as u32, 0);
+        }
+        // SAFETY (the three header accesses): every index is a multiple of 8 below the capacity.
+        // The word after the frame is free (the `+ 8` of the room check); zeroing it before the
+        // Release below means the consumer, arriving there, reads "not yet" instead of whatever an
+        // earlier lap left.
+        unsafe { self.sh.header(self.sh.index(self.head + total as u64)).store(0, Ordering::Relaxed) };
+        unsafe { self.sh.header(at).store(header_word(len as u32, FLAG_READY), Ordering::Release) };
+        if at != idx {
+            // The skip marker is published last: a consumer that sees it finds the frame at 0.
+            // `contiguous >= 8` since all frames and indexes are multiples of 8.
+            unsafe { self.sh.header(idx).store(header_word(0, FLAG_READY | FLAG_SKIP), Ordering::Release) };
         }
         self.head += total as u64;
         self.sh.ctl().head.0.store(self.head, Ordering::Release);
+        self.prefetch_next_line();
         true
     }
 }
 
-/// # Safety
-/// `at` must be 8-byte aligned and valid for 8 bytes of writes.
-unsafe fn write_header(at: *mut u8, len: u32, flags: u32) {
-    let word = u64::from(len) | (u64::from(flags) << 32);
-    // SAFETY: per contract.
-    unsafe { at.cast::<u64>().write(word.to_le()) };
+impl RingProducer {
+    /// Ask for the line after the one `head` is in, for writing, now that the frame is out.
+    /// The next frame's zeroed header word lands there often (every other 32-byte frame), and
+    /// stores become visible in order: a miss on that line would delay the frame's own header.
+    /// Fetched now, while the peer answers, the miss leaves the critical path.
+    fn prefetch_next_line(&self) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let idx = self.sh.index((self.head & !63) + 64);
+            // SAFETY: `idx` is inside the data; a prefetch never faults and changes no memory.
+            unsafe { core::arch::asm!("prefetchw [{0}]", in(reg) self.sh.data.add(idx), options(nostack, preserves_flags, readonly)) };
+        }
+    }
 }
 
 /// The consuming end of a ring. Exactly one may exist per ring, across all processes.
@@ -209,8 +245,6 @@ pub struct RingConsumer {
     sh: Shared,
     /// Our own released position.
     tail: u64,
-    /// Last `head` read from the producer.
-    head_cache: u64,
 }
 
 // SAFETY: as for `RingProducer`, with roles swapped: the consumer is the only writer of `tail`.
@@ -225,9 +259,12 @@ impl RingConsumer {
         // SAFETY: forwarded contract.
         let sh = unsafe { Shared::new(region, capacity, max_frame)? };
         let tail = sh.ctl().tail.0.load(Ordering::Relaxed);
-        let head_cache = sh.ctl().head.0.load(Ordering::Acquire);
-        let c = RingConsumer { sh, tail, head_cache };
-        c.check_head()?;
+        let c = RingConsumer { sh, tail };
+        let head = sh.ctl().head.0.load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail);
+        if used > capacity as u64 || used % 8 != 0 || tail % 8 != 0 {
+            return Err(c.corrupt(format!("producer head {head} is invalid")));
+        }
         Ok(c)
     }
 
@@ -235,21 +272,17 @@ impl RingConsumer {
         Error::new(Status::PeerFailed, format!("shared ring corrupt at position {}: {what}", self.tail))
     }
 
-    fn check_head(&self) -> Result<()> {
-        let used = self.head_cache.wrapping_sub(self.tail);
-        if used > self.sh.capacity as u64 || used % 8 != 0 {
-            return Err(self.corrupt(format!("producer head {} is invalid", self.head_cache)));
-        }
-        Ok(())
+    /// The header word at our position (Acquire: a ready header makes its frame visible).
+    fn next_header(&self) -> u64 {
+        // SAFETY: `tail` only moves by multiples of 8 (checked at attach, frame sizes and skips
+        // are multiples of 8), so its index is a multiple of 8 below the capacity.
+        unsafe { self.sh.header(self.sh.index(self.tail)).load(Ordering::Acquire) }
     }
 
-    /// True when no published frame is waiting (reloads the producer's head when needed).
-    pub fn is_empty(&mut self) -> bool {
-        if self.tail != self.head_cache {
-            return false;
-        }
-        self.head_cache = self.sh.ctl().head.0.load(Ordering::Acquire);
-        self.tail == self.head_cache
+    /// True when no published frame is waiting. One load of a line the producer writes only
+    /// when it publishes, so polling an idle ring stays in our cache.
+    pub fn is_empty(&self) -> bool {
+        (self.next_header() >> 32) as u32 & FLAG_READY == 0
     }
 
     /// Hand the next frame to `f`, in place in shared memory, then release its space.
@@ -257,33 +290,27 @@ impl RingConsumer {
     pub fn pop(&mut self, f: impl FnOnce(&[u8])) -> Result<bool> {
         // At most one skip marker precedes a frame (after it the index is 0).
         for _ in 0..2 {
-            if self.is_empty() {
+            let word = self.next_header();
+            let (len, flags) = ((word & 0xffff_ffff) as usize, (word >> 32) as u32);
+            if flags & FLAG_READY == 0 {
                 return Ok(false);
             }
-            self.check_head()?;
-            let avail = (self.head_cache - self.tail) as usize;
             let idx = self.sh.index(self.tail);
             let contiguous = self.sh.capacity - idx;
-            // SAFETY: `idx` is 8-aligned (all counters move in multiples of 8, checked) and at
-            // least 8 bytes remain before the end; the header is published (Acquire on head).
-            let word = u64::from_le(unsafe { self.sh.data.add(idx).cast::<u64>().read() });
-            let (len, flags) = ((word & 0xffff_ffff) as usize, (word >> 32) as u32);
             if flags & FLAG_SKIP != 0 {
-                if contiguous > avail {
-                    return Err(self.corrupt(format!("skip of {contiguous} beyond {avail} published")));
+                if idx == 0 {
+                    return Err(self.corrupt("skip marker at the start of the data".into()));
                 }
                 self.tail += contiguous as u64;
                 continue;
             }
             let need = frame_size(len);
-            if len > self.sh.max_frame || need > contiguous || need > avail {
-                return Err(
-                    self.corrupt(format!("frame of {len} bytes (max {}, {contiguous} before wrap, {avail} published)", self.sh.max_frame))
-                );
+            if len > self.sh.max_frame || need > contiguous {
+                return Err(self.corrupt(format!("frame of {len} bytes (max {}, {contiguous} before wrap)", self.sh.max_frame)));
             }
             // SAFETY: `[idx + 8, idx + 8 + len)` is inside the data (need <= contiguous) and
-            // published; the producer does not touch it until we advance `tail` below, so the
-            // slice is immutable for the duration of `f`.
+            // published (Acquire on its ready header); the producer does not touch it until we
+            // advance `tail` below, so the slice is immutable for the duration of `f`.
             let frame = unsafe { std::slice::from_raw_parts(self.sh.data.add(idx + FRAME_HEADER).cast_const(), len) };
             f(frame);
             self.tail += need as u64;
@@ -393,20 +420,55 @@ mod tests {
         let mut n = 0;
         while p.try_push(&[&payload]) {
             n += 1;
-            assert!(n <= cap / 64);
+            assert!(n < cap / 64);
         }
-        assert_eq!(n, cap / 64, "exactly full");
-        assert!(!p.try_push(&[]), "even an empty frame has no room");
+        // One frame's worth less than the capacity: the producer always keeps the header word
+        // after its last frame.
+        assert_eq!(n, cap / 64 - 1, "exactly full");
+        // The last 64 bytes take seven empty frames (8 bytes each) plus the reserved word.
+        let mut empties = 0;
+        while p.try_push(&[]) {
+            empties += 1;
+        }
+        assert_eq!(empties, 7, "the room left is exact");
         assert!(!p.try_push(&[&[0u8; 101]]), "over max_frame never fits");
         assert!(c.pop(|f| assert_eq!(f, &payload)).unwrap());
-        assert!(p.try_push(&[&payload]), "room again after one pop");
-        let mut m = 0;
-        while c.pop(|f| assert_eq!(f, &payload)).unwrap() {
+        // The frame has to wrap (8 bytes left before the end): skip, frame and reserved word.
+        assert!(!p.try_push(&[&payload]), "80 bytes needed, 64 free");
+        assert!(c.pop(|f| assert_eq!(f, &payload)).unwrap());
+        assert!(p.try_push(&[&payload]), "room again after two pops");
+        let mut m = 2;
+        while c.pop(|f| assert!(f == payload || f.is_empty())).unwrap() {
             m += 1;
         }
-        assert_eq!(m, n);
+        assert_eq!(m, n + empties + 1);
         assert!(c.is_empty());
         assert!(!c.pop(|_| panic!("empty")).unwrap());
+    }
+
+    /// Payload that looks like ready headers, left behind at positions a later lap reads as
+    /// headers, must never be taken for a frame: the word after each frame is zeroed first.
+    #[test]
+    fn stale_payload_is_never_read_as_a_frame() {
+        let (cap, max) = (1024, 120);
+        let r = Region::new(cap);
+        let (mut p, mut c) = pair(&r, cap, max);
+        let fake: Vec<u8> = (0..max / 8).flat_map(|_| header_word(16, FLAG_READY).to_le_bytes()).collect();
+        let (mut sent, mut recvd) = (0u64, 0u64);
+        while recvd < 3000 {
+            // Sizes that move frame starts across each other's old payload from lap to lap.
+            let len = 8 * (1 + (sent * 7 % 15) as usize);
+            if p.try_push(&[&fake[..len]]) {
+                sent += 1;
+            }
+            // Drain everything, then the ring must read empty, whatever the old bytes say.
+            while c.pop(|f| assert!(f.len() % 8 == 0 && f.iter().zip(fake.iter()).all(|(a, b)| a == b))).unwrap() {
+                recvd += 1;
+            }
+            assert_eq!(recvd, sent, "a frame appeared that was never sent, or one went missing");
+            assert!(c.is_empty());
+        }
+        assert!(p.head > 10 * cap as u64, "the test wrapped many times");
     }
 
     #[test]
@@ -416,7 +478,7 @@ mod tests {
         let (mut p, mut c) = pair(&r, cap, max);
         assert!(p.try_push(&[b"hello"]));
         // SAFETY: single thread; overwrite the published header with an oversized length.
-        unsafe { write_header(r.ptr.add(CTL_SIZE), 5000, 0) };
+        unsafe { (*r.ptr.add(CTL_SIZE).cast::<AtomicU64>()).store(header_word(5000, FLAG_READY), Ordering::Relaxed) };
         let e = c.pop(|_| panic!("must not deliver")).unwrap_err();
         assert_eq!(e.status(), Status::PeerFailed, "{e:?}");
         // A head beyond the capacity is rejected too.
