@@ -81,7 +81,17 @@ pub(crate) struct Conn {
     pub(crate) has_user_ep: bool,
     /// The user asked to close; `close_req` completes once nothing is left to send.
     closing: Option<u64>,
+    /// Host sends up to this size go eager-short (from the selection table, at connect).
+    short_max: Option<usize>,
+    /// Frames one poll may take from the link: 1 while traffic is sparse, doubling (to
+    /// `MAX_POLL_WINDOW`) while every poll fills it. Looking for a next frame that is not there
+    /// yet reads the producer's newest line, a cross-core miss in the middle of a ping-pong's
+    /// critical path; UCX's shared-memory FIFO adapts its poll count the same way.
+    poll_window: usize,
 }
+
+/// Most frames one poll of a link delivers.
+const MAX_POLL_WINDOW: usize = 64;
 
 pub(crate) struct State {
     pub(crate) engine: Engine,
@@ -308,13 +318,13 @@ impl Worker {
     pub(super) fn try_send_short(&self, key: super::endpoint::EpKey, tag: u64, buf: UserBuf) -> bool {
         let mut st = self.lock();
         let Ok(conn) = key.usable(&st) else { return false };
-        let Some(header) = st.engine.tag.short_send_header(conn, tag, buf) else { return false };
         let c = &mut st.conns[conn];
-        if !c.outq.is_empty() {
+        if c.short_max.is_none_or(|max| buf.len > max) || !c.outq.is_empty() {
             return false;
         }
-        if let Ok(true) = c.link.try_send(&[header.as_bytes(), user_slice(buf.addr, buf.len)]) {
-            timeline::record(Event::FrameOut, header.as_bytes()[0] as u64);
+        let header = wire::eager_only_header(tag);
+        if let Ok(true) = c.link.try_send(&[&header, user_slice(buf.addr, buf.len)]) {
+            timeline::record(Event::FrameOut, header[0] as u64);
             return true;
         }
         false
@@ -897,6 +907,8 @@ impl State {
             failed: None,
             has_user_ep,
             closing: None,
+            short_max: self.engine.tag.eager_short_limit(&props),
+            poll_window: 1,
         });
         self.engine.add_conn(conn, props, peer_worker);
         (conn, generation)
@@ -1073,7 +1085,8 @@ impl State {
         let mut violation: Option<Error> = None;
         let mut peer_closed = false;
         let regions = &ctx.inner.regions;
-        let result = c.link.poll_recv(64, &mut |frame| {
+        let window = c.poll_window;
+        let result = c.link.poll_recv(window, &mut |frame| {
             if violation.is_some() || peer_closed {
                 return;
             }
@@ -1106,6 +1119,9 @@ impl State {
                 }
             }
         });
+        if let Ok(n) = result {
+            c.poll_window = if n == window { (window * 2).min(MAX_POLL_WINDOW) } else { 1 };
+        }
         scratch.clear();
         self.frame_scratch = scratch;
         for d in deliveries.drain(..) {

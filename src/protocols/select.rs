@@ -148,6 +148,18 @@ pub fn select(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps, size: usize) ->
     Err(Error::unsupported(format!("no protocol sends {size} bytes of {} memory over the {} lane", mem.name(), lane.lane.name())))
 }
 
+/// The largest host-memory send that `select` makes eager-short on `lane`: every size from 0
+/// up to it is, none above. `None` when no size is. Lets the send fast path decide with one
+/// comparison per message while the table stays the one place that decides.
+pub fn eager_short_limit(cfg: &ProtoConfig, lane: &LaneProps) -> Option<usize> {
+    // Eager-short is first in the registry and starts at 0, so its probe range is exactly where
+    // `select` picks it.
+    matches!(select(cfg, MemType::Host, lane, 0), Ok(ProtoId::EagerShort))
+        .then(|| eager_short(cfg, MemType::Host, lane))
+        .flatten()
+        .map(|r| r.1)
+}
+
 /// The selection table as text, one block per (lane, memory type), for `gsc-info -p`.
 pub fn describe(cfg: &ProtoConfig, lanes: &[LaneProps]) -> String {
     let mut out = String::new();
@@ -327,6 +339,30 @@ mod tests {
         let get = ProtoConfig { rndv_scheme: RndvScheme::Get, ..cfg };
         assert_eq!(select(&get, MemType::Host, &l, 16384).unwrap(), ProtoId::RndvGet);
         assert_eq!(select(&get, MemType::Host, &shm(false), 16384).unwrap(), ProtoId::RndvPipeline, "get needs remote memory");
+    }
+
+    /// The send fast path's one comparison must say what the table says, at the edges too.
+    #[test]
+    fn eager_short_limit_is_where_select_stops_choosing_eager_short() {
+        let lanes = [
+            shm(true),
+            LaneProps { lane: LaneKind::Shm, max_frame: 256, remote_memory: true, device_ipc: false },
+            LaneProps { lane: LaneKind::Loopback, max_frame: 65536, remote_memory: true, device_ipc: true },
+            LaneProps { lane: LaneKind::Shm, max_frame: 8, remote_memory: false, device_ipc: false },
+        ];
+        for (short, thresh) in [(128, 16384), (4096, 1000), (0, 1), (1 << 20, 1 << 20), (64, 0)] {
+            let cfg = ProtoConfig { eager_short_max: short, rndv_thresh: thresh, rndv_scheme: RndvScheme::Auto };
+            for lane in &lanes {
+                let is_short = |n| matches!(select(&cfg, MemType::Host, lane, n), Ok(ProtoId::EagerShort));
+                match eager_short_limit(&cfg, lane) {
+                    Some(max) => {
+                        assert!(is_short(0) && is_short(max), "{cfg:?} {lane:?}: up to {max}");
+                        assert!(!is_short(max + 1), "{cfg:?} {lane:?}: not above {max}");
+                    }
+                    None => assert!(!is_short(0), "{cfg:?} {lane:?}: no size is eager-short"),
+                }
+            }
+        }
     }
 
     #[test]

@@ -330,12 +330,12 @@ impl TagEngine {
         select::select(&self.cfg, buf.mem, &cs.props, buf.len)
     }
 
-    /// The whole frame header of `buf`'s send when the send is eager-short: such a send keeps no
-    /// state here and is complete once the frame is in the link, so the worker may write it
-    /// straight into the link (its fast path) instead of going through `send`'s actions.
-    pub fn short_send_header(&self, conn: ConnId, tag: u64, buf: UserBuf) -> Option<Encoded> {
-        let cs = self.conns.get(&conn)?;
-        matches!(select::select(&self.cfg, buf.mem, &cs.props, buf.len), Ok(ProtoId::EagerShort)).then(|| Self::short_header(tag))
+    /// The largest host send that goes eager-short on a link with `props` (see
+    /// `select::eager_short_limit`). Such a send keeps no state here and is complete once its
+    /// frame (`wire::eager_only_header`, then the data) is in the link, so the worker may write
+    /// it straight into the link (its fast path) instead of going through `send`'s actions.
+    pub fn eager_short_limit(&self, props: &LaneProps) -> Option<usize> {
+        select::eager_short_limit(&self.cfg, props)
     }
 
     fn short_header(tag: u64) -> Encoded {

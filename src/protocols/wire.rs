@@ -365,6 +365,16 @@ impl Header {
 }
 
 /// The payload of a frame that `Header::decode` accepted (empty if the frame is malformed).
+/// The encoded `Header::EagerOnly { tag }`, built without the general encoder (the send fast
+/// path writes it for every small message).
+#[inline]
+pub fn eager_only_header(tag: u64) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[0] = kind::EAGER_ONLY;
+    h[8..].copy_from_slice(&tag.to_le_bytes());
+    h
+}
+
 /// The tag and payload of an eager-only frame; `None` for any other (or a malformed) frame.
 /// Decodes only what the receive fast path needs.
 #[inline]
@@ -418,6 +428,7 @@ mod tests {
             let (decoded, payload) = Header::decode(&frame).unwrap();
             let Header::EagerOnly { tag } = decoded else { unreachable!() };
             assert_eq!(eager_only(&frame), Some((tag, payload)));
+            assert_eq!(&eager_only_header(tag)[..], enc.as_bytes(), "the fast encoder agrees");
             assert_eq!(eager_only(&frame[..16]), Some((tag, &[][..])), "empty message");
             assert_eq!(eager_only(&frame[..15]), None, "short frame");
         }
