@@ -250,7 +250,8 @@ pub(super) static KNOBS: &[Knob] = &[
         name: "GSC_RNDV_SCHEME",
         default: "auto",
         doc: "Rendezvous data movement: get (read the sender's memory), pipeline (fragments \
-              through frames) or auto (get where the lane can, else pipeline)",
+              through frames) or auto (loopback: get; shm: the receiver takes whichever it \
+              measured faster; else pipeline)",
         kind: KnobKind::RndvScheme,
         parse: |c, v| {
             c.rndv_scheme = RndvScheme::parse(v)?;

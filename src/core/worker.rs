@@ -1326,6 +1326,7 @@ impl State {
                         }
                     }
                     Action::ReadRemote { conn, dst, remote, len, req, device_key: None } => {
+                        let started = Instant::now();
                         let result = match self.conns.get(conn) {
                             Some(c) if c.failed.is_none() => {
                                 // SAFETY: `dst..dst+len` is inside the pending receive's host
@@ -1335,6 +1336,9 @@ impl State {
                             }
                             _ => Err(Error::new(Status::NotConnected, "connection gone before the rendezvous read")),
                         };
+                        if result.is_ok() {
+                            self.engine.tag.remote_read_took(req, started.elapsed().as_nanos() as u64);
+                        }
                         self.engine.tag.remote_read_done(&mut next, req, result);
                     }
                     Action::WriteRemote { conn, src, remote, len, req, device_key: Some(key), then } => {

@@ -10,6 +10,7 @@ pub mod idmap;
 pub mod matching;
 pub mod prepared;
 pub mod rma;
+pub mod rndv_tuner;
 pub mod select;
 pub mod tag;
 pub mod wire;

@@ -95,13 +95,12 @@ fn eager_copy(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usiz
 }
 
 fn rndv_get(cfg: &ProtoConfig, mem: MemType, lane: &LaneProps) -> Option<(usize, usize)> {
+    // Under Auto the sender offers its buffer for reading wherever the lane can read remote
+    // memory, and the receiver decides: on loopback a read is one memcpy; on shm it reads or
+    // asks for a push, whichever it has measured faster (`rndv_tuner`: neither wins everywhere).
     let wanted = match cfg.rndv_scheme {
-        RndvScheme::Get => true,
+        RndvScheme::Get | RndvScheme::Auto => true,
         RndvScheme::Pipeline => false,
-        // Measured (docs/PERF.md, 2026-11-21): on shm, process_vm_readv moved 4 MiB in 449 us
-        // where the ring pipeline took 167 us, and it lost at every size from 256 KiB to 16 MiB.
-        // On loopback a get is a single memcpy in one address space.
-        RndvScheme::Auto => lane.lane == LaneKind::Loopback,
     };
     match mem {
         MemType::Host => (lane.remote_memory && wanted).then_some((cfg.rndv_thresh, usize::MAX)),
@@ -187,7 +186,16 @@ pub fn describe(cfg: &ProtoConfig, lanes: &[LaneProps]) -> String {
                     None => lo,
                 };
                 let hi_text = if hi == usize::MAX { "inf".to_string() } else { hi.to_string() };
-                let _ = writeln!(out, "  {lo:>10} .. {hi_text:<10} {}", p.name);
+                let note = if p.id == ProtoId::RndvGet
+                    && mem == MemType::Host
+                    && cfg.rndv_scheme == RndvScheme::Auto
+                    && lane.lane == LaneKind::Shm
+                {
+                    " (or rndv_pipeline: the receiver measures both and takes the faster)"
+                } else {
+                    ""
+                };
+                let _ = writeln!(out, "  {lo:>10} .. {hi_text:<10} {}{note}", p.name);
                 covered_to = Some(hi);
                 any = true;
             }
@@ -332,8 +340,10 @@ mod tests {
         assert_eq!(select(&cfg, MemType::Host, &l, 128).unwrap(), ProtoId::EagerShort);
         assert_eq!(select(&cfg, MemType::Host, &l, 129).unwrap(), ProtoId::EagerCopy);
         assert_eq!(select(&cfg, MemType::Host, &l, 16383).unwrap(), ProtoId::EagerCopy);
-        // Auto: pipeline on shm (measured faster), get on loopback.
-        assert_eq!(select(&cfg, MemType::Host, &l, 16384).unwrap(), ProtoId::RndvPipeline);
+        // Auto: the read is offered wherever the lane can read remote memory (the receiver
+        // may still ask for a push, see rndv_tuner).
+        assert_eq!(select(&cfg, MemType::Host, &l, 16384).unwrap(), ProtoId::RndvGet);
+        assert_eq!(select(&cfg, MemType::Host, &shm(false), 16384).unwrap(), ProtoId::RndvPipeline);
         assert_eq!(select(&cfg, MemType::Host, &lb, 16384).unwrap(), ProtoId::RndvGet);
         assert_eq!(select(&cfg, MemType::Host, &lb, 64 << 20).unwrap(), ProtoId::RndvGet);
         let get = ProtoConfig { rndv_scheme: RndvScheme::Get, ..cfg };

@@ -11,9 +11,11 @@
 
 use super::idmap::IdMap;
 use super::matching::{PostedQueue, UnexpectedQueue};
-use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId};
+use super::rndv_tuner::{RndvTuner, RndvWay};
+use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId, RndvScheme};
 use super::wire::{self, Encoded, Header, RTS_DEVICE_KEY, RTS_REMOTE_MEMORY};
 use crate::error::{Error, Result, Status};
+use crate::transport::LaneKind;
 
 pub type ConnId = usize;
 pub type ReqId = u64;
@@ -177,10 +179,22 @@ enum SendState {
 enum RecvState {
     /// Matched an eager message that is still arriving in fragments.
     Eager { conn: ConnId, buf: UserBuf, info: RecvInfo, received: usize },
-    /// Matched an RTS; reading the sender's buffer.
-    Reading { conn: ConnId, buf: UserBuf, info: RecvInfo, sreq: ReqId },
-    /// Matched an RTS; the sender is pushing `want` bytes.
-    Pushed { conn: ConnId, buf: UserBuf, info: RecvInfo, want: usize, received: usize },
+    /// Matched an RTS; reading the sender's buffer. `tuned`: the tuner chose this way and wants
+    /// to hear how long the read took (`remote_read_took`).
+    Reading { conn: ConnId, buf: UserBuf, info: RecvInfo, sreq: ReqId, tuned: bool },
+    /// Matched an RTS; the sender is pushing `want` bytes. `timer` times it for the tuner.
+    Pushed { conn: ConnId, buf: UserBuf, info: RecvInfo, want: usize, received: usize, timer: PushTimer },
+}
+
+/// Timing a pushed rendezvous for the tuner: from its first data frame to its last, so that the
+/// wait behind earlier messages of a window does not count against pushing (a read is timed
+/// around the read itself, for the same reason).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum PushTimer {
+    Off,
+    AwaitingData,
+    /// Clock at the first data frame, and that frame's bytes.
+    Since(u64, usize),
 }
 
 /// An unexpected (or probed, not yet received) message.
@@ -250,6 +264,15 @@ pub struct TagEngine {
     probed: IdMap<u64, (u64, Unexpected)>,
     next_probe_id: u64,
     sends: IdMap<ReqId, SendState>,
+    /// Host rendezvous on shm under `RndvScheme::Auto`: read or push, by measured speed.
+    tuner: RndvTuner,
+    /// Nanoseconds on a monotonic clock, for the tuner (replaceable in tests).
+    clock: fn() -> u64,
+}
+
+fn monotonic_ns() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64
 }
 
 fn header_room(frame: usize, h: &Header) -> usize {
@@ -286,7 +309,15 @@ impl TagEngine {
             probed: IdMap::default(),
             next_probe_id: 1,
             sends: IdMap::default(),
+            tuner: RndvTuner::default(),
+            clock: monotonic_ns,
         }
+    }
+
+    /// Replace the tuner's clock (tests drive it by hand).
+    #[cfg(test)]
+    pub(crate) fn set_clock(&mut self, clock: fn() -> u64) {
+        self.clock = clock;
     }
 
     pub fn config(&self) -> &ProtoConfig {
@@ -460,15 +491,24 @@ impl TagEngine {
     /// This side cannot read the memory a `ReadRemote` named (no GPU here, the key does not
     /// open, the peer is not reachable by the copy engine): ask the sender to push instead.
     pub fn remote_read_refused(&mut self, out: &mut Actions, req: ReqId) {
-        let Some(RecvState::Reading { conn, buf, info, sreq }) = self.recvs.remove(&req) else { return };
+        let Some(RecvState::Reading { conn, buf, info, sreq, .. }) = self.recvs.remove(&req) else { return };
         let want = info.length.min(buf.len);
         transmit(out, conn, Header::Rtr { sreq, rreq: req, len: want as u64 }, Payload::None, None);
-        self.recvs.insert(req, RecvState::Pushed { conn, buf, info, want, received: 0 });
+        // Not timed: a fallback after a refusal says nothing about how fast pushing is.
+        self.recvs.insert(req, RecvState::Pushed { conn, buf, info, want, received: 0, timer: PushTimer::Off });
+    }
+
+    /// A host `ReadRemote` took `ns` (the worker times the read itself); call before
+    /// `remote_read_done`. Counts only when the tuner chose the read.
+    pub fn remote_read_took(&mut self, req: ReqId, ns: u64) {
+        if let Some(RecvState::Reading { buf, info, tuned: true, .. }) = self.recvs.get(&req) {
+            self.tuner.record(info.length.min(buf.len), RndvWay::Read, ns);
+        }
     }
 
     /// A `ReadRemote` finished.
     pub fn remote_read_done(&mut self, out: &mut Actions, req: ReqId, result: Result<()>) {
-        let Some(RecvState::Reading { conn, buf, info, sreq }) = self.recvs.remove(&req) else { return };
+        let Some(RecvState::Reading { conn, buf, info, sreq, .. }) = self.recvs.remove(&req) else { return };
         let status = match &result {
             Ok(()) => Status::Ok,
             Err(e) => {
@@ -525,7 +565,7 @@ impl TagEngine {
                 self.sends.insert(sreq, SendState::Frames { conn });
             }
             Header::RndvData { rreq, offset } => {
-                let Some(RecvState::Pushed { conn: c, buf, want, received, .. }) = self.recvs.get_mut(&rreq) else {
+                let Some(RecvState::Pushed { conn: c, buf, want, received, timer, .. }) = self.recvs.get_mut(&rreq) else {
                     return Err(protocol_error("rendezvous data for an unknown receive"));
                 };
                 let offset = offset as usize;
@@ -535,10 +575,21 @@ impl TagEngine {
                     return Err(protocol_error("rendezvous data out of order or outside the receive window"));
                 }
                 out.push(Action::CopyFromFrame { dst: buf.addr + offset, mem: buf.mem, src_offset: 0, len: payload.len() });
+                if *timer == PushTimer::AwaitingData {
+                    *timer = PushTimer::Since((self.clock)(), payload.len());
+                }
                 *received += payload.len();
                 if *received >= *want
-                    && let Some(RecvState::Pushed { buf, info, .. }) = self.recvs.remove(&rreq)
+                    && let Some(RecvState::Pushed { buf, info, want, timer, .. }) = self.recvs.remove(&rreq)
                 {
+                    if let PushTimer::Since(t0, first) = timer
+                        && want > first
+                    {
+                        // The frames after the first took this long; scaled to the whole
+                        // message (the first frame's own transfer was not seen).
+                        let ns = (self.clock)().saturating_sub(t0) as u128 * want as u128 / (want - first) as u128;
+                        self.tuner.record(want, RndvWay::Push, ns.min(u64::MAX as u128) as u64);
+                    }
                     out.push(Action::Complete { req: rreq, status: status_of(info.length, buf), info });
                 }
             }
@@ -625,19 +676,30 @@ impl TagEngine {
     fn match_rts(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, buf: UserBuf, info: RecvInfo, rts: RtsFrom) {
         let RtsFrom { sreq, remote_addr, remote_memory, device_key } = rts;
         let want = info.length.min(buf.len);
-        let local_remote_memory = self.conns.get(&conn).is_some_and(|c| c.props.remote_memory);
+        let local = self.conns.get(&conn).map(|c| c.props);
+        let host_read = remote_memory && local.is_some_and(|p| p.remote_memory) && buf.mem == MemType::Host;
+        // How a host read offer is taken: as the knob says, except that under Auto on shm the
+        // tuner decides (and the transfer is timed for it). Loopback reads are one memcpy.
+        let (read, tuned) = match (host_read, self.cfg.rndv_scheme) {
+            _ if device_key.is_some() => (true, false),
+            (false, _) => (false, false),
+            (true, RndvScheme::Pipeline) => (false, false),
+            (true, RndvScheme::Auto) if local.is_some_and(|p| p.lane == LaneKind::Shm) => (self.tuner.choose(want) == RndvWay::Read, true),
+            (true, _) => (true, false),
+        };
         if want == 0 {
             // Nothing to move (empty message or empty buffer): release the sender at once.
             transmit(out, conn, Header::Ats { sreq, status: Status::Ok.code() }, Payload::None, None);
             out.push(Action::Complete { req, status: status_of(info.length, buf), info });
-        } else if device_key.is_some() || (remote_memory && local_remote_memory && buf.mem == MemType::Host) {
+        } else if read {
             // GPU memory is read by the copy engine through the key; host memory by the lane's
             // remote read (which cannot write into GPU memory, hence the host-only condition).
-            self.recvs.insert(req, RecvState::Reading { conn, buf, info, sreq });
+            self.recvs.insert(req, RecvState::Reading { conn, buf, info, sreq, tuned });
             out.push(Action::ReadRemote { conn, dst: buf, remote: remote_addr, len: want, req, device_key });
         } else {
             transmit(out, conn, Header::Rtr { sreq, rreq: req, len: want as u64 }, Payload::None, None);
-            self.recvs.insert(req, RecvState::Pushed { conn, buf, info, want, received: 0 });
+            let timer = if tuned { PushTimer::AwaitingData } else { PushTimer::Off };
+            self.recvs.insert(req, RecvState::Pushed { conn, buf, info, want, received: 0, timer });
         }
     }
 

@@ -76,6 +76,24 @@ struct Pair {
     /// Deliver eager-only frames for posted receives through `take_eager_only_match`, as the
     /// worker does; off, through `on_frame` like every other frame.
     eager_fast_path: bool,
+    /// Simulated time (`fake_clock`) one host remote read takes, and one pushed data frame.
+    read_cost_ns: u64,
+    push_frame_cost_ns: u64,
+    /// Host remote reads performed.
+    host_reads: usize,
+}
+
+thread_local! {
+    static FAKE_NOW: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The clock tests give the tag engine; the simulation advances it (`Pair::*_cost_ns`).
+fn fake_clock() -> u64 {
+    FAKE_NOW.with(|c| c.get())
+}
+
+fn advance_fake_clock(ns: u64) {
+    FAKE_NOW.with(|c| c.set(c.get() + ns));
 }
 
 impl Pair {
@@ -97,7 +115,22 @@ impl Pair {
             keys_seen: Vec::new(),
             fail_writes: None,
             eager_fast_path: true,
+            read_cost_ns: 0,
+            push_frame_cost_ns: 0,
+            host_reads: 0,
         }
+    }
+
+    /// A pair on a shm lane whose peers can read each other's memory (CMA), where Auto lets the
+    /// receiver choose between reading and asking for a push.
+    fn shm_with_remote_memory(cfg: ProtoConfig, max_frame: usize) -> Pair {
+        let mut p = Pair::new(cfg, true, max_frame);
+        let props = LaneProps { lane: LaneKind::Shm, max_frame, remote_memory: true, device_ipc: false };
+        for side in &mut p.sides {
+            side.engine = Engine::new(cfg);
+            side.engine.add_conn(0, props, 0);
+        }
+        p
     }
 
     fn req(&mut self) -> ReqId {
@@ -139,6 +172,11 @@ impl Pair {
                     followups.push(out);
                 }
                 Action::ReadRemote { dst, remote, len, req, device_key, .. } => {
+                    if device_key.is_none() {
+                        self.host_reads += 1;
+                        advance_fake_clock(self.read_cost_ns);
+                        self.sides[s].engine.tag.remote_read_took(req, self.read_cost_ns);
+                    }
                     self.keys_seen.extend(device_key);
                     let peer = 1 - s;
                     let result = self.sides[peer].mem.locate(remote as usize, len).map(|(v, off)| v[off..off + len].to_vec());
@@ -185,6 +223,9 @@ impl Pair {
                 }
                 assert!(side.done.insert(d.req, (d.status, d.info)).is_none(), "request {} completed twice", d.req);
                 continue;
+            }
+            if f.first() == Some(&wire::kind::RNDV_DATA) {
+                advance_fake_clock(self.push_frame_cost_ns);
             }
             let outcome = side.engine.on_frame(&mut out, 0, &f, &side.regions).expect("frame accepted");
             assert_eq!(outcome, FrameOutcome::Handled);
@@ -320,6 +361,42 @@ fn posted_wildcards_and_exact_receives_are_satisfied_in_post_order() {
         assert_eq!(p.sides[1].done[&e], (Status::Ok, RecvInfo { tag: 0x8, length: 6 }));
         p.check_received(ebuf, b"nobody", "unexpected message");
     }
+}
+
+/// Under Auto on shm the receiver tries reading and pushing, then keeps to the one it measured
+/// faster, and turns when conditions change; the data is right whichever way it went.
+#[test]
+fn shm_rendezvous_takes_the_way_measured_faster() {
+    let mut p = Pair::shm_with_remote_memory(cfg(), 4096);
+    p.sides[1].engine.tag.set_clock(fake_clock);
+    let len = 64 * 1024; // 16 pushed frames
+    let mut exchange = |p: &mut Pair, n: usize| -> usize {
+        let before = p.host_reads;
+        for i in 0..n {
+            let data = pattern(len, i as u8);
+            let (r, addr) = p.recv(len, 5, u64::MAX);
+            let s = p.send(&data, 5);
+            p.pump();
+            assert_eq!(p.sides[1].done[&r].0, Status::Ok);
+            assert_eq!(p.sides[0].done[&s].0, Status::Ok);
+            p.check_received(addr, &data, "rendezvous data");
+        }
+        p.host_reads - before
+    };
+    // Pushing is cheap (16 x 1 us), reading dear (1 ms): after two tries of each, pushes win
+    // (an exploring read comes only every 64th decision).
+    p.read_cost_ns = 1_000_000;
+    p.push_frame_cost_ns = 1_000;
+    assert_eq!(exchange(&mut p, 36), 2, "only the warm-up reads");
+    // Conditions change: reading becomes cheap, pushing dear. Pushes measure slower than the
+    // reads did, so reads take over.
+    p.read_cost_ns = 1_000;
+    p.push_frame_cost_ns = 1_000_000;
+    let reads = exchange(&mut p, 48);
+    assert!(reads >= 40, "reads should take over once measured faster, got {reads} of 48");
+    // The knob still forces a way: Pipeline never reads.
+    let mut forced = Pair::shm_with_remote_memory(ProtoConfig { rndv_scheme: RndvScheme::Pipeline, ..cfg() }, 4096);
+    assert_eq!(exchange(&mut forced, 3), 0);
 }
 
 #[test]

@@ -156,7 +156,7 @@ impl fmt::Display for WireError {
     }
 }
 
-mod kind {
+pub mod kind {
     pub const EAGER_ONLY: u8 = 1;
     pub const EAGER_FIRST: u8 = 2;
     pub const EAGER_NEXT: u8 = 3;
