@@ -536,19 +536,39 @@ impl Worker {
     /// # Safety
     /// `buf` must be valid for `len` bytes of writes until the request completes (or is
     /// canceled), and not accessed by the caller in the meantime.
-    pub unsafe fn tag_recv_nbx(&self, buf: *mut u8, len: usize, tag: u64, tag_mask: u64, params: RequestParams) -> Result<Started> {
+    pub unsafe fn tag_recv_nbx(&self, buf: *mut u8, len: usize, tag: u64, tag_mask: u64, mut params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_recv_nbx")?;
-        let (stage, user) = self.recv_buffer(&params, buf as usize, len)?;
+        let mem = resolve_memtype(&params, buf as usize, len)?;
+        // The common receive (host buffer, no condition, no message waiting for it) is posted
+        // under one lock with no action list, the counterpart of the send fast path.
+        if mem == MemType::Host
+            && params.condition.is_none()
+            && let Some(started) = self.try_post_recv(tag, tag_mask, UserBuf::host(buf as usize, len), &mut params)
+        {
+            return Ok(started);
+        }
+        let (stage, user) = self.recv_buffer(&params, buf as usize, len, mem)?;
         self.start_staged_op(ReqKind::Recv, None, params, stage, move |st, req, out| {
             st.engine.tag.recv(out, req, tag, tag_mask, user);
             Ok(())
         })
     }
 
-    /// Where a receive into `addr..addr+len` lands: a staging slot (a small GPU buffer of a
-    /// stream or graph operation), or the buffer itself.
-    fn recv_buffer(&self, params: &RequestParams, addr: usize, len: usize) -> Result<(Option<Arc<Stage>>, UserBuf)> {
-        let mem = resolve_memtype(params, addr, len)?;
+    /// Post a host receive when no message that matches it is here yet; `None` (the callback
+    /// still in `params`) otherwise, for the general path.
+    fn try_post_recv(&self, tag: u64, tag_mask: u64, buf: UserBuf, params: &mut RequestParams) -> Option<Started> {
+        let mut st = self.lock();
+        if st.engine.tag.has_unexpected_match(tag, tag_mask) {
+            return None;
+        }
+        let req = st.alloc_request(self.inner.id, ReqKind::Recv, None, params.callback.take());
+        st.engine.tag.post(req, tag, tag_mask, buf);
+        Some(Started::Pending(req))
+    }
+
+    /// Where a receive into `addr..addr+len` of memory type `mem` lands: a staging slot (a small
+    /// GPU buffer of a stream or graph operation), or the buffer itself.
+    fn recv_buffer(&self, params: &RequestParams, addr: usize, len: usize, mem: MemType) -> Result<(Option<Arc<Stage>>, UserBuf)> {
         let stage = self.stage_for(params, StageDir::Recv, addr, len, mem)?;
         Ok(match stage {
             Some(s) => {
@@ -586,7 +606,8 @@ impl Worker {
     /// As for `tag_recv_nbx`.
     pub unsafe fn tag_msg_recv_nbx(&self, buf: *mut u8, len: usize, msg: u64, params: RequestParams) -> Result<Started> {
         check_buffer(buf as *const u8, len, "tag_msg_recv_nbx")?;
-        let (stage, user) = self.recv_buffer(&params, buf as usize, len)?;
+        let mem = resolve_memtype(&params, buf as usize, len)?;
+        let (stage, user) = self.recv_buffer(&params, buf as usize, len, mem)?;
         self.start_staged_op(ReqKind::Recv, None, params, stage, move |st, req, out| st.engine.tag.msg_recv(out, req, msg, user))
     }
 

@@ -438,6 +438,18 @@ impl TagEngine {
         }
     }
 
+    /// Whether a message that a receive for `(tag, mask)` would take is already here.
+    pub fn has_unexpected_match(&mut self, tag: u64, mask: u64) -> bool {
+        self.unexpected.find(tag, mask).is_some()
+    }
+
+    /// `recv` when `has_unexpected_match` said no: the receive waits for its message. Emits
+    /// nothing, so the worker's fast path needs no action list.
+    pub fn post(&mut self, req: ReqId, tag: u64, mask: u64, buf: UserBuf) {
+        debug_assert!(!self.has_unexpected_match(tag, mask), "post would overtake a waiting message");
+        self.posted.post(tag, mask, (req, buf));
+    }
+
     /// Look for an unexpected message; with `remove`, take it out of matching for `msg_recv`.
     pub fn probe(&mut self, tag: u64, mask: u64, remove: bool) -> Option<ProbeInfo> {
         let seq = self.unexpected.find(tag, mask)?;
