@@ -370,7 +370,7 @@ fn shm_rendezvous_takes_the_way_measured_faster() {
     let mut p = Pair::shm_with_remote_memory(cfg(), 4096);
     p.sides[1].engine.tag.set_clock(fake_clock);
     let len = 64 * 1024; // 16 pushed frames
-    let mut exchange = |p: &mut Pair, n: usize| -> usize {
+    let exchange = |p: &mut Pair, n: usize| -> usize {
         let before = p.host_reads;
         for i in 0..n {
             let data = pattern(len, i as u8);
