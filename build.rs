@@ -1,5 +1,6 @@
 //! Build checks: include/gsc.h's version macros must equal the crate version, so a C program
-//! never compiles against a header that describes another library.
+//! never compiles against a header that describes another library. Also gives the shared
+//! library its soname.
 
 use std::process::exit;
 
@@ -13,7 +14,19 @@ fn header_macro(header: &str, name: &str) -> Option<String> {
     })
 }
 
+/// The soname of libgscomm.so: `libgscomm.so.<major>`, or `libgscomm.so.0.<minor>` while the
+/// major version is 0 (a minor release may break the ABI then), as cargo-c names them.
+/// scripts/install.sh and tests/c_support compute the same name.
+fn soname() -> String {
+    let major = std::env::var("CARGO_PKG_VERSION_MAJOR").unwrap_or_default();
+    let minor = std::env::var("CARGO_PKG_VERSION_MINOR").unwrap_or_default();
+    if major == "0" { format!("libgscomm.so.0.{minor}") } else { format!("libgscomm.so.{major}") }
+}
+
 fn main() {
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{}", soname());
+    }
     println!("cargo:rerun-if-changed=include/gsc.h");
     println!("cargo:rerun-if-changed=build.rs");
     let header = match std::fs::read_to_string("include/gsc.h") {

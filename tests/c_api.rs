@@ -10,126 +10,10 @@
 //!
 //! Needs a C and a C++ compiler (`cc`, `c++`, or `CC`/`CXX`).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod c_support;
 
-const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The directory holding the libgscomm.so of this build. `cargo test` builds the library with
-/// all its crate types into target/<profile>/deps/ (this test's own directory) but copies it up
-/// to target/<profile>/ only for `cargo build`; prefer the copy next to this test, which is
-/// never stale, and fall back to target/<profile>/.
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let deps = exe.parent().expect("target/<profile>/deps").to_path_buf();
-    let candidates = [deps.clone(), deps.parent().expect("target/<profile>").to_path_buf()];
-    candidates.iter().find(|d| d.join("libgscomm.so").exists()).cloned().unwrap_or_else(|| {
-        panic!(
-            "libgscomm.so not found in {} or {}: `cargo test` builds it with the library target; is `cdylib` still in Cargo.toml's crate-type?",
-            candidates[0].display(),
-            candidates[1].display()
-        )
-    })
-}
-
-/// A fresh scratch directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gsc-c-api-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn cc() -> String {
-    std::env::var("CC").unwrap_or_else(|_| "cc".to_string())
-}
-
-fn cxx() -> String {
-    std::env::var("CXX").unwrap_or_else(|_| "c++".to_string())
-}
-
-/// Compile a C99 program against include/gsc.h and libgscomm.so, with every warning an error.
-fn build_c(src: &Path, exe: &Path) {
-    let lib = lib_dir();
-    let out = Command::new(cc())
-        .args(["-std=c99", "-Wall", "-Werror", "-pedantic", "-I"])
-        .arg(root().join("include"))
-        .arg(src)
-        .arg("-o")
-        .arg(exe)
-        .arg("-L")
-        .arg(&lib)
-        .arg("-lgscomm")
-        .arg("-ldl")
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", cc()));
-    assert!(
-        out.status.success(),
-        "compiling {} failed:\n{}{}",
-        src.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Start `cmd` with captured output.
-fn spawn(cmd: &mut Command) -> std::process::Child {
-    // cargo puts target/<profile> on LD_LIBRARY_PATH for tests, and LD_LIBRARY_PATH beats the
-    // rpath: a stale target/<profile>/libgscomm.so from an earlier `cargo build` would be loaded
-    // instead of the library this test linked against. Point the loader at that one only.
-    cmd.env("LD_LIBRARY_PATH", lib_dir());
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn")
-}
-
-/// Wait for every child, killing all of them if any is still running after `TIMEOUT`.
-/// Returns (name, success, output) per child.
-fn wait_all(children: Vec<(&str, std::process::Child)>) -> Vec<(String, bool, String)> {
-    let start = Instant::now();
-    let mut children: Vec<(String, std::process::Child, Option<std::process::ExitStatus>)> =
-        children.into_iter().map(|(n, c)| (n.to_string(), c, None)).collect();
-    loop {
-        for (_, c, status) in children.iter_mut() {
-            if status.is_none() {
-                *status = c.try_wait().expect("try_wait");
-            }
-        }
-        if children.iter().all(|(_, _, s)| s.is_some()) {
-            break;
-        }
-        if start.elapsed() > TIMEOUT {
-            for (_, c, s) in children.iter_mut() {
-                if s.is_none() {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-            }
-            let mut report = String::new();
-            for (name, c, s) in children {
-                let out = c
-                    .wait_with_output()
-                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr))
-                    .unwrap_or_default();
-                report += &format!("--- {name} ({}):\n{out}\n", if s.is_some() { "finished" } else { "killed" });
-            }
-            panic!("timed out after {TIMEOUT:?}; processes killed\n{report}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    children
-        .into_iter()
-        .map(|(name, c, s)| {
-            let o = c.wait_with_output().expect("output");
-            let text = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-            (name, s.expect("finished").success(), text)
-        })
-        .collect()
-}
+use c_support::{build_c, cxx, root, run_halo_alone, run_pingpong_ranks, scratch, spawn, wait_all};
+use std::process::Command;
 
 #[test]
 fn header_compiles_as_cxx11() {
@@ -156,25 +40,7 @@ fn pingpong_example_runs_as_two_processes() {
     let dir = scratch("pingpong");
     let exe = dir.join("pingpong");
     build_c(&root().join("examples/c/01_tag_pingpong/pingpong.c"), &exe);
-    // Launcher-style bootstrap: rank 0 serves the rendezvous on a free local port.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let secret = format!("c-api-test-{}-{:?}", std::process::id(), Instant::now());
-    let rank = |r: &str| {
-        let mut c = Command::new(&exe);
-        c.env("GSC_RANK", r)
-            .env("GSC_NRANKS", "2")
-            .env("GSC_BOOTSTRAP_ADDR", format!("127.0.0.1:{port}"))
-            .env("GSC_BOOTSTRAP_SECRET", &secret)
-            .env("GSC_BOOTSTRAP_TIMEOUT", "30s");
-        spawn(&mut c)
-    };
-    let r0 = rank("0");
-    let r1 = rank("1");
-    let results = wait_all(vec![("rank 0", r0), ("rank 1", r1)]);
-    for (name, ok, out) in &results {
-        assert!(*ok, "{name} failed:\n{out}");
-        assert!(out.contains("all checks passed"), "{name}:\n{out}");
-    }
+    run_pingpong_ranks(&exe);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -185,15 +51,7 @@ fn prepared_halo_example_builds_and_runs_or_says_why_not() {
     let dir = scratch("halo");
     let exe = dir.join("halo");
     build_c(&root().join("examples/c/02_prepared_halo/halo.c"), &exe);
-    let out = Command::new(&exe).env("GSC_RANK", "0").env("GSC_NRANKS", "1").output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    if text.contains("skipped: no CUDA driver") {
-        eprintln!("halo example: {}", text.trim());
-        assert!(out.status.success());
-    } else {
-        // A single rank cannot exchange halos: the example refuses with a clear message.
-        assert!(text.contains("needs at least 2 ranks"), "{text}");
-    }
+    run_halo_alone(&exe);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
