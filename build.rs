@@ -25,7 +25,11 @@ fn soname() -> String {
 
 fn main() {
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
-        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{}", soname());
+        // Not `rustc-cdylib-link-arg`: cargo passes that one on to every package that depends
+        // on this one (kept for compatibility), and it overrode nccl/'s libnccl.so.2 soname.
+        // `rustc-link-arg` stays within this package; on its executables (tests, examples,
+        // gsc-bench) a soname is inert.
+        println!("cargo:rustc-link-arg=-Wl,-soname,{}", soname());
     }
     println!("cargo:rerun-if-changed=include/gsc.h");
     println!("cargo:rerun-if-changed=build.rs");

@@ -178,12 +178,31 @@ typedef struct gsc_config_pair {
 
 /** gsc_params_t.field_mask: `config` and `config_count` are set. */
 #define GSC_PARAM_FIELD_CONFIG (UINT64_C(1) << 0)
+/** gsc_params_t.field_mask: `request_size` is set. */
+#define GSC_PARAM_FIELD_REQUEST_SIZE (UINT64_C(1) << 1)
+/** gsc_params_t.field_mask: `request_init` is set. */
+#define GSC_PARAM_FIELD_REQUEST_INIT (UINT64_C(1) << 2)
+/** gsc_params_t.field_mask: `request_cleanup` is set. */
+#define GSC_PARAM_FIELD_REQUEST_CLEANUP (UINT64_C(1) << 3)
+
+/** Runs on a request area (see gsc_params_t.request_size and gsc_request_area()). */
+typedef void (*gsc_request_area_callback_t)(void *area);
 
 /** Parameters of gsc_init(). A zero field_mask (or a NULL pointer) means defaults. */
 typedef struct gsc_params {
     uint64_t field_mask;              /**< GSC_PARAM_FIELD_* bits of the fields that are set. */
     const gsc_config_pair_t *config;  /**< Overrides applied on top of the environment. */
     size_t config_count;              /**< Number of entries in `config`. */
+    /** Bytes of caller state every request carries (1 to 65536; UCP's request_size): an MPI
+     *  library keeps its per-request data there, reached with gsc_request_area(). Areas are
+     *  16-byte aligned and zeroed when first allocated. */
+    size_t request_size;
+    /** Called once on each area when it is first allocated, not on every reuse (UCP's
+     *  request_init): areas are pooled per worker and handed back unchanged. Needs request_size. */
+    gsc_request_area_callback_t request_init;
+    /** Called once on each area before it is freed (worker destroyed, or more areas pooled
+     *  than the worker keeps). Needs request_size. */
+    gsc_request_area_callback_t request_cleanup;
 } gsc_params_t;
 
 /**
@@ -463,6 +482,16 @@ gsc_status_t gsc_request_wait(void *request, gsc_tag_recv_info_t *info);
  * Fails with GSC_ERR_BUSY once matched, GSC_ERR_UNSUPPORTED for other operations.
  */
 gsc_status_t gsc_request_cancel(gsc_worker_h worker, void *request);
+
+/**
+ * The caller's area of a request (gsc_params_t.request_size bytes): valid from the call that
+ * returned the request until gsc_request_free(), and during the request's completion callback
+ * even when the handle was freed while the request was in progress. Operations that complete at
+ * once return no request and so use no area.
+ * @return GSC_OK with *area_p set; GSC_ERR_UNSUPPORTED when the context was created without a
+ *         request size; GSC_ERR_INVALID_HANDLE for anything that is not a live request.
+ */
+gsc_status_t gsc_request_area(void *request, void **area_p);
 
 /**
  * Release a request handle. A request still in progress completes anyway (its callback still

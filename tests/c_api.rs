@@ -685,6 +685,97 @@ static void lifetimes(gsc_context_h ctx)
     EXPECT_STATUS(gsc_worker_destroy(w3), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
 }
 
+/* Request areas (request_size / request_init / request_cleanup), as an MPI library uses them. */
+struct area { unsigned magic; int mpi_req; int seen_in_callback; };
+static int area_inits = 0, area_cleanups = 0;
+static void area_init(void *a) { ((struct area *)a)->magic = 0xA5EAu; area_inits++; }
+static void area_cleanup(void *a) { EXPECT(((struct area *)a)->magic == 0xA5EAu); area_cleanups++; }
+static void on_area_recv(void *request, gsc_status_t status, const gsc_tag_recv_info_t *info,
+                         void *user_data)
+{
+    struct area *a = NULL;
+    (void)status; (void)info; (void)user_data;
+    EXPECT(gsc_request_area(request, (void **)&a) == GSC_OK);
+    if (a != NULL) {
+        a->seen_in_callback = a->mpi_req;
+    }
+}
+
+static void request_areas(void)
+{
+    gsc_context_h c;
+    gsc_params_t params;
+    gsc_ep_params_t ep_params;
+    gsc_worker_h save_a = wa, save_b = wb;
+    gsc_ep_h e;
+    gsc_request_param_t rp;
+    gsc_status_ptr_t r, r2;
+    struct area *a = NULL, *a2 = NULL;
+    void *addr, *p = NULL;
+    size_t len;
+    char buf[8];
+
+    memset(&params, 0, sizeof(params));
+    params.field_mask = GSC_PARAM_FIELD_REQUEST_INIT;
+    params.request_init = area_init;
+    EXPECT_STATUS(gsc_init(&params, &c), GSC_ERR_INVALID_PARAM, "without request_size");
+    params.field_mask |= GSC_PARAM_FIELD_REQUEST_SIZE;
+    params.request_size = 0;
+    EXPECT_STATUS(gsc_init(&params, &c), GSC_ERR_INVALID_PARAM, "request_size");
+    params.field_mask |= GSC_PARAM_FIELD_REQUEST_CLEANUP;
+    params.request_size = sizeof(struct area);
+    params.request_cleanup = area_cleanup;
+    EXPECT(gsc_init(&params, &c) == GSC_OK);
+    EXPECT(gsc_worker_create(c, NULL, &wa) == GSC_OK);
+    EXPECT(gsc_worker_create(c, NULL, &wb) == GSC_OK);
+    EXPECT(gsc_worker_get_address(wb, &addr, &len) == GSC_OK);
+    memset(&ep_params, 0, sizeof(ep_params));
+    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS;
+    ep_params.address = addr;
+    EXPECT(gsc_ep_create(wa, &ep_params, &e) == GSC_OK);
+    EXPECT(gsc_worker_release_address(wb, addr) == GSC_OK);
+
+    /* A pending receive's area: initialized once, ours until the request is freed. */
+    r = gsc_tag_recv_nbx(wb, buf, sizeof(buf), 1, ~(uint64_t)0, NULL);
+    EXPECT(GSC_PTR_IS_PTR(r));
+    EXPECT(gsc_request_area(r, (void **)&a) == GSC_OK && a != NULL);
+    EXPECT(a != NULL && a->magic == 0xA5EAu && ((size_t)a % 16) == 0);
+    EXPECT_STATUS(gsc_request_area(r, NULL), GSC_ERR_INVALID_PARAM, "area_p");
+    EXPECT(area_inits == 1);
+    EXPECT(finish2(gsc_tag_send_nbx(e, "ping", 5, 1, NULL), NULL) == GSC_OK);
+    EXPECT(finish2(r, NULL) == GSC_OK);
+    EXPECT_STATUS(gsc_request_area(r, &p), GSC_ERR_INVALID_HANDLE, "");
+
+    /* Freed while in progress: its callback still reaches the area. The area is the one the
+     * first request gave back, not initialized again. */
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = GSC_OP_ATTR_FIELD_CALLBACK;
+    rp.cb.recv = on_area_recv;
+    r2 = gsc_tag_recv_nbx(wb, buf, sizeof(buf), 2, ~(uint64_t)0, &rp);
+    EXPECT(GSC_PTR_IS_PTR(r2));
+    EXPECT(gsc_request_area(r2, (void **)&a2) == GSC_OK && a2 == a);
+    EXPECT(area_inits == 1);
+    if (a2 != NULL) {
+        a2->mpi_req = 42;
+    }
+    gsc_request_free(r2);
+    EXPECT(finish2(gsc_tag_send_nbx(e, "pong", 5, 2, NULL), NULL) == GSC_OK);
+    {
+        time_t start = time(NULL);
+        while ((a2 == NULL || a2->seen_in_callback != 42) && time(NULL) - start < 20) {
+            gsc_worker_progress(wb);
+        }
+    }
+    EXPECT(a2 != NULL && a2->seen_in_callback == 42);
+
+    EXPECT(gsc_worker_destroy(wa) == GSC_OK);
+    EXPECT(gsc_worker_destroy(wb) == GSC_OK);
+    EXPECT(gsc_cleanup(c) == GSC_OK);
+    EXPECT(area_cleanups == area_inits);
+    wa = save_a;
+    wb = save_b;
+}
+
 int main(void)
 {
     gsc_context_h ctx;
@@ -727,10 +818,19 @@ int main(void)
     truncation(ep, 64 * 1024, 1);
     truncation(ep, 64 * 1024, 0);
     requests(ep);
+    {
+        char b[1];
+        void *area = NULL;
+        gsc_status_ptr_t r = gsc_tag_recv_nbx(wa, b, 1, 777, ~(uint64_t)0, NULL);
+        EXPECT_STATUS(gsc_request_area(r, &area), GSC_ERR_UNSUPPORTED, "request size");
+        EXPECT(gsc_request_cancel(wa, r) == GSC_OK);
+        EXPECT(finish2(r, NULL) == GSC_ERR_CANCELED);
+    }
     prepared(ep);
     memory(ctx, ep);
     lifetimes(ctx);
     bootstrap();
+    request_areas();
 
     {
         gsc_request_param_t p;

@@ -4,10 +4,10 @@ use super::handles::{self, BufKind, MemObj};
 use super::panic::ffi_guard;
 use super::params::{
     ConfigPair, MEM_MAP_ALLOCATE, MEM_MAP_PARAM_FIELD_ADDRESS, MEM_MAP_PARAM_FIELD_FLAGS, MEM_MAP_PARAM_FIELD_LENGTH, MemMapParams,
-    PARAM_FIELD_CONFIG, Params,
+    PARAM_FIELD_CONFIG, PARAM_FIELD_REQUEST_CLEANUP, PARAM_FIELD_REQUEST_INIT, PARAM_FIELD_REQUEST_SIZE, Params,
 };
 use crate::config::{Config, ConfigLoad};
-use crate::core::{Context, MapRequest};
+use crate::core::{Context, MapRequest, RequestAreaSpec};
 use crate::error::{Error, Result, Status};
 use std::ffi::{CStr, c_void};
 
@@ -41,8 +41,9 @@ unsafe fn load_config(params: *const Params) -> Result<ConfigLoad> {
     if !params.is_null() {
         // SAFETY: non-NULL; the caller passes a readable gsc_params_t.
         let p = unsafe { &*params };
-        if p.field_mask & !PARAM_FIELD_CONFIG != 0 {
-            return Err(Error::invalid_param(format!("params->field_mask has unknown bits {:#x}", p.field_mask & !PARAM_FIELD_CONFIG)));
+        let known = PARAM_FIELD_CONFIG | PARAM_FIELD_REQUEST_SIZE | PARAM_FIELD_REQUEST_INIT | PARAM_FIELD_REQUEST_CLEANUP;
+        if p.field_mask & !known != 0 {
+            return Err(Error::invalid_param(format!("params->field_mask has unknown bits {:#x}", p.field_mask & !known)));
         }
         if p.field_mask & PARAM_FIELD_CONFIG != 0 && p.config_count > 0 {
             if p.config.is_null() {
@@ -99,12 +100,40 @@ pub unsafe extern "C" fn gsc_init(params: *const Params, context_p: *mut *mut CC
         // The C user cannot install a tracing subscriber; the Rust library never does on its own.
         crate::log::init(&load.config)?;
         load.warn_unknown();
-        let ctx = Context::new(load.config)?;
+        // SAFETY: forwarded caller contract (read before anything is created).
+        let ctx = match unsafe { request_area_of(params) }? {
+            Some(spec) => Context::with_request_area(load.config, spec)?,
+            None => Context::new(load.config)?,
+        };
         let h = handles::register(ctx, std::ptr::null());
         // SAFETY: non-NULL (checked) and writable by the caller's contract.
         unsafe { context_p.write(h as *mut CContext) };
         Ok(Status::Ok.code())
     })
+}
+
+/// The request area `params` asks for (`request_size`, `request_init`, `request_cleanup`).
+///
+/// # Safety
+/// `params` is NULL or a readable `gsc_params_t`.
+unsafe fn request_area_of(params: *const Params) -> Result<Option<RequestAreaSpec>> {
+    if params.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL; the caller passes a readable gsc_params_t.
+    let p = unsafe { &*params };
+    let has = |bit: u64| p.field_mask & bit != 0;
+    let init = if has(PARAM_FIELD_REQUEST_INIT) { p.request_init } else { None };
+    let cleanup = if has(PARAM_FIELD_REQUEST_CLEANUP) { p.request_cleanup } else { None };
+    if !has(PARAM_FIELD_REQUEST_SIZE) {
+        if init.is_some() || cleanup.is_some() {
+            return Err(Error::invalid_param("params->request_init or request_cleanup is set without request_size"));
+        }
+        return Ok(None);
+    }
+    let spec = RequestAreaSpec { size: p.request_size, init, cleanup };
+    spec.validate().map_err(|e| e.context("params->request_size"))?;
+    Ok(Some(spec))
 }
 
 /// `gsc_cleanup`

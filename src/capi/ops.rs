@@ -203,6 +203,24 @@ pub extern "C" fn gsc_request_cancel(worker: *mut CWorker, request: *mut c_void)
     })
 }
 
+/// `gsc_request_area`
+///
+/// # Safety
+/// `area_p` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_request_area(request: *mut c_void, area_p: *mut *mut c_void) -> i32 {
+    ffi_guard("gsc_request_area", || {
+        if area_p.is_null() {
+            return Err(Error::invalid_param("area_p is NULL"));
+        }
+        let h = request_handle(request)?;
+        let area = worker_of_request(h)?.request_area(h)?;
+        // SAFETY: non-NULL (checked) and writable by the caller's contract.
+        unsafe { area_p.write(area) };
+        Ok(Status::Ok.code())
+    })
+}
+
 /// `gsc_request_free`
 #[unsafe(no_mangle)]
 pub extern "C" fn gsc_request_free(request: *mut c_void) {

@@ -26,6 +26,9 @@ pub(crate) const MEMORY_TYPE_HOST: u32 = 0;
 pub(crate) const MEMORY_TYPE_CUDA: u32 = 1;
 
 pub(crate) const PARAM_FIELD_CONFIG: u64 = 1 << 0;
+pub(crate) const PARAM_FIELD_REQUEST_SIZE: u64 = 1 << 1;
+pub(crate) const PARAM_FIELD_REQUEST_INIT: u64 = 1 << 2;
+pub(crate) const PARAM_FIELD_REQUEST_CLEANUP: u64 = 1 << 3;
 pub(crate) const EP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub(crate) const EP_PARAM_FIELD_ADDRESS_LENGTH: u64 = 1 << 1;
 pub(crate) const MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
@@ -104,6 +107,9 @@ pub struct Params {
     pub field_mask: u64,
     pub config: *const ConfigPair,
     pub config_count: usize,
+    pub request_size: usize,
+    pub request_init: Option<crate::core::request_area::AreaHook>,
+    pub request_cleanup: Option<crate::core::request_area::AreaHook>,
 }
 
 /// `gsc_worker_params_t`

@@ -61,6 +61,9 @@ fn header_bits_equal_the_rust_constants() {
         ("GSC_OP_ATTR_FLAG_NO_IMM_CMPL", OP_ATTR_FLAG_NO_IMM_CMPL),
         ("GSC_EP_CLOSE_FLAG_FORCE", EP_CLOSE_FLAG_FORCE),
         ("GSC_PARAM_FIELD_CONFIG", PARAM_FIELD_CONFIG),
+        ("GSC_PARAM_FIELD_REQUEST_SIZE", PARAM_FIELD_REQUEST_SIZE),
+        ("GSC_PARAM_FIELD_REQUEST_INIT", PARAM_FIELD_REQUEST_INIT),
+        ("GSC_PARAM_FIELD_REQUEST_CLEANUP", PARAM_FIELD_REQUEST_CLEANUP),
         ("GSC_EP_PARAM_FIELD_ADDRESS", EP_PARAM_FIELD_ADDRESS),
         ("GSC_EP_PARAM_FIELD_ADDRESS_LENGTH", EP_PARAM_FIELD_ADDRESS_LENGTH),
         ("GSC_MEM_MAP_PARAM_FIELD_ADDRESS", MEM_MAP_PARAM_FIELD_ADDRESS),
@@ -119,6 +122,7 @@ int main(void) {
     S(gsc_condition_param_t); O(gsc_condition_param_t, category); O(gsc_condition_param_t, context);
     S(gsc_tag_recv_info_t); O(gsc_tag_recv_info_t, length);
     S(gsc_params_t); O(gsc_params_t, config); O(gsc_params_t, config_count);
+    O(gsc_params_t, request_size); O(gsc_params_t, request_init); O(gsc_params_t, request_cleanup);
     S(gsc_config_pair_t); O(gsc_config_pair_t, value);
     S(gsc_worker_params_t);
     S(gsc_ep_params_t); O(gsc_ep_params_t, address); O(gsc_ep_params_t, address_length);
@@ -166,6 +170,9 @@ int main(void) {
         ("gsc_params_t", size_of::<Params>()),
         ("gsc_params_t.config", offset_of!(Params, config)),
         ("gsc_params_t.config_count", offset_of!(Params, config_count)),
+        ("gsc_params_t.request_size", offset_of!(Params, request_size)),
+        ("gsc_params_t.request_init", offset_of!(Params, request_init)),
+        ("gsc_params_t.request_cleanup", offset_of!(Params, request_cleanup)),
         ("gsc_config_pair_t", size_of::<ConfigPair>()),
         ("gsc_config_pair_t.value", offset_of!(ConfigPair, value)),
         ("gsc_worker_params_t", size_of::<WorkerParams>()),

@@ -1,6 +1,7 @@
 //! The context: configuration, identity and the memory registry shared by a process's workers.
 
 use super::memory::{self, MapRequest, MemHandle, RegionTable};
+use super::request_area::RequestAreaSpec;
 use super::worker::Worker;
 use crate::config::Config;
 use crate::error::{Error, Result, Status};
@@ -18,6 +19,8 @@ pub(crate) struct ContextInner {
     pub(crate) process: ProcessIdentity,
     pub(crate) host_id: u64,
     pub(crate) regions: RegionTable,
+    /// Space every request of this context's workers carries for the caller (`with_request_area`).
+    pub(crate) request_area: Option<RequestAreaSpec>,
 }
 
 /// 128 random bits, for worker and context identities.
@@ -30,6 +33,17 @@ pub(crate) fn random_u128() -> Result<u128> {
 impl Context {
     /// A context with the given configuration (see `Config::from_env`).
     pub fn new(config: Config) -> Result<Context> {
+        Context::build(config, None)
+    }
+
+    /// A context whose requests each carry `spec.size` bytes for the caller
+    /// (`Worker::request_area`), as UCP's `request_size` / `request_init` give MPI libraries.
+    pub fn with_request_area(config: Config, spec: RequestAreaSpec) -> Result<Context> {
+        spec.validate()?;
+        Context::build(config, Some(spec))
+    }
+
+    fn build(config: Config, request_area: Option<RequestAreaSpec>) -> Result<Context> {
         if let Some(pattern) = &config.timeline {
             crate::log::timeline::enable(crate::log::file_path(pattern, "GSC_TIMELINE")?);
         }
@@ -40,6 +54,7 @@ impl Context {
                 process: proc_identity::current(),
                 host_id: proc_identity::host_id(),
                 regions: RegionTable::default(),
+                request_area,
             }),
         })
     }

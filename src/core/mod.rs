@@ -10,6 +10,7 @@ mod gpu_rounds;
 pub mod memory;
 pub mod prepared;
 pub mod request;
+pub mod request_area;
 pub mod worker;
 
 pub use address::WorkerAddress;
@@ -18,4 +19,5 @@ pub use endpoint::{CloseMode, Endpoint};
 pub use memory::{MapRequest, MemHandle, Rkey};
 pub use prepared::{Direction, Engine, PrepareParams, Prepared};
 pub use request::{Callback, RequestParams, Started};
+pub use request_area::RequestAreaSpec;
 pub use worker::{Completion, Worker, WorkerStats, worker_of_request};

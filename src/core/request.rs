@@ -72,6 +72,8 @@ pub(crate) struct Slot {
     pub(crate) signal: Option<Signal>,
     /// Armed on a condition that has not triggered yet: the operation has not started.
     pub(crate) armed: bool,
+    /// The caller's space (`Context::with_request_area`).
+    pub(crate) area: Option<super::request_area::Area>,
 }
 
 impl Slot {
@@ -87,6 +89,7 @@ impl Slot {
             first_error: None,
             signal: None,
             armed: false,
+            area: None,
         }
     }
 }

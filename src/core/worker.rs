@@ -11,6 +11,7 @@ use super::context::{Context, random_u128};
 use super::device_mem::{DeviceMem, PendingWrite, ReadStart};
 use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
+use super::request_area::AreaPool;
 use crate::condition::{Condition, Issued, Signal, Stage, StageDir};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
@@ -101,7 +102,9 @@ pub(crate) struct State {
     next_conn_generation: u32,
     listeners: Vec<Box<dyn Listener>>,
     /// Callbacks to fire once the lock is released.
-    ready: Vec<(u64, Callback, Status, RecvInfo)>,
+    ready: Vec<Due>,
+    /// Request areas for the caller (`Context::with_request_area`), pooled.
+    areas: AreaPool,
     polls: u64,
     /// The connections' keys, and (next generation, count) when they were listed.
     conn_keys: Vec<ConnId>,
@@ -212,6 +215,7 @@ impl Worker {
             next_conn_generation: 1,
             listeners,
             ready: Vec::new(),
+            areas: AreaPool::new(context.inner.request_area),
             polls: 0,
             conn_keys: Vec::new(),
             conn_keys_stamp: (0, 0),
@@ -293,7 +297,7 @@ impl Worker {
             let n = st.progress(&self.inner.context);
             (n, std::mem::take(&mut st.ready))
         };
-        fire(ready);
+        self.fire(ready);
         n
     }
 
@@ -307,7 +311,7 @@ impl Worker {
             st.execute(&self.inner.context, actions);
             (result, std::mem::take(&mut st.ready))
         };
-        fire(ready);
+        self.fire(ready);
         result
     }
 
@@ -382,8 +386,8 @@ impl Worker {
                 // A failure inside the call (e.g. truncation) stays a request, so the caller gets
                 // its status *and* its receive info the usual way.
                 Some((Status::Ok, info)) if !no_immediate_completion => {
-                    if let Some(i) = st.ready.iter().position(|(h, ..)| *h == req) {
-                        unused.push(st.ready.remove(i).1);
+                    if let Some(i) = st.ready.iter().position(|d| d.req == req) {
+                        unused.push(st.ready.remove(i).callback);
                     }
                     st.free_slot(req);
                     Started::Done(info)
@@ -393,7 +397,7 @@ impl Worker {
             (started, std::mem::take(&mut st.ready))
         };
         drop(unused);
-        fire(ready);
+        self.fire(ready);
         Ok(started)
     }
 
@@ -492,7 +496,7 @@ impl Worker {
             st.execute(&self.inner.context, actions);
             std::mem::take(&mut st.ready)
         };
-        fire(ready);
+        self.fire(ready);
     }
 
     /// Proxy side: a persistent operation's trigger advanced; run one more instance of it (or
@@ -516,7 +520,7 @@ impl Worker {
             st.execute(&self.inner.context, actions);
             std::mem::take(&mut st.ready)
         };
-        fire(ready);
+        self.fire(ready);
     }
 
     /// Before a send of GPU memory on `conn`: make the copy stream exist and the IPC key the
@@ -668,7 +672,7 @@ impl Worker {
             st.execute(&self.inner.context, out);
             std::mem::take(&mut st.ready)
         };
-        fire(ready);
+        self.fire(ready);
     }
 
     /// The request's result if it completed, `None` while it is in progress.
@@ -716,8 +720,28 @@ impl Worker {
             };
             (events, done.map(|(status, info)| Completion { status, info }), std::mem::take(&mut st.ready))
         };
-        fire(ready);
+        self.fire(ready);
         Ok((events, done))
+    }
+
+    /// The caller's space of a request (`Context::with_request_area`): valid until the request
+    /// is freed (and during its callback). An error when the context has none or the handle is
+    /// not a live request of this worker.
+    pub fn request_area(&self, handle: u64) -> Result<*mut std::ffi::c_void> {
+        let st = self.lock();
+        // A released handle whose request completed is still alive while its callback runs
+        // (`Due::then_free`); that callback may ask for the area.
+        let slot = match st.checked_slot(self.inner.id, handle) {
+            Ok(slot) => slot,
+            Err(e) => match request::decode(handle).filter(|(w, ..)| *w == self.inner.id).and_then(|_| st.slot(handle)) {
+                Some(slot) if slot.released && slot.result.is_some() => slot,
+                _ => return Err(e),
+            },
+        };
+        slot.area
+            .as_ref()
+            .map(|a| a.as_ptr())
+            .ok_or_else(|| Error::new(Status::Unsupported, "requests carry no area: the context was created without a request size"))
     }
 
     /// Give the handle back. A pending request still completes (its callback fires), then its
@@ -755,7 +779,7 @@ impl Worker {
             st.execute(&self.inner.context, out);
             std::mem::take(&mut st.ready)
         };
-        fire(ready);
+        self.fire(ready);
         Ok(())
     }
 
@@ -844,14 +868,39 @@ impl Drop for WorkerInner {
     }
 }
 
-fn fire(ready: Vec<(u64, Callback, Status, RecvInfo)>) {
-    if ready.is_empty() {
-        return; // nearly every call: keep it to a test
-    }
-    for (h, cb, status, info) in ready {
-        // A panicking user callback must not unwind through the progress engine's callers (C).
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(h, status, info))).is_err() {
-            tracing::error!(target: "gsc::core", request = h, "a completion callback panicked; continuing");
+/// A completion callback that became due under the lock, to run after it is released.
+pub(crate) struct Due {
+    req: ReqId,
+    callback: Callback,
+    status: Status,
+    info: RecvInfo,
+    /// The handle was released before completion: free the slot once the callback ran (its
+    /// request area stays valid during the callback).
+    then_free: bool,
+}
+
+impl Worker {
+    /// Run callbacks that became due (without the lock), then free the slots of those whose
+    /// handles were already released.
+    fn fire(&self, ready: Vec<Due>) {
+        if ready.is_empty() {
+            return; // nearly every call: keep it to a test
+        }
+        let mut free = Vec::new();
+        for Due { req, callback, status, info, then_free } in ready {
+            // A panicking user callback must not unwind through the progress engine's callers (C).
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback(req, status, info))).is_err() {
+                tracing::error!(target: "gsc::core", request = req, "a completion callback panicked; continuing");
+            }
+            if then_free {
+                free.push(req);
+            }
+        }
+        if !free.is_empty() {
+            let mut st = self.lock();
+            for req in free {
+                st.free_slot(req);
+            }
         }
     }
 }
@@ -938,7 +987,9 @@ impl State {
     pub(crate) fn alloc_request(&mut self, worker: u16, kind: ReqKind, conn: Option<ConnId>, callback: Option<Callback>) -> ReqId {
         let generation = self.next_generation;
         self.next_generation = self.next_generation.wrapping_add(1);
-        let key = self.requests.insert(Slot::new(kind, conn, generation, callback));
+        let mut slot = Slot::new(kind, conn, generation, callback);
+        slot.area = self.areas.take();
+        let key = self.requests.insert(slot);
         request::encode(worker, generation, key)
     }
 
@@ -974,7 +1025,10 @@ impl State {
         if let Some((_, generation, key)) = request::decode(req)
             && self.requests.get(key).is_some_and(|s| s.generation == generation)
         {
-            self.requests.remove(key);
+            let slot = self.requests.remove(key);
+            if let Some(area) = slot.area {
+                self.areas.give(area);
+            }
         }
     }
 
@@ -1448,10 +1502,10 @@ impl State {
             signal.fire(status, info.length);
             timeline::record(Event::Done, req as u64);
         }
-        if let Some(cb) = slot.callback.take() {
-            self.ready.push((req, cb, status, info));
-        }
-        if self.slot(req).is_some_and(|s| s.released) {
+        let released = slot.released;
+        if let Some(callback) = slot.callback.take() {
+            self.ready.push(Due { req, callback, status, info, then_free: released });
+        } else if released {
             self.free_slot(req);
         }
     }
