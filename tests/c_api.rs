@@ -554,26 +554,34 @@ static void host_stream_conditions(gsc_ep_h ep)
     EXPECT_STATUS(gsc_host_stream_synchronize(sa, 0), GSC_ERR_INVALID_HANDLE, "gsc_host_stream_h");
 }
 
+/* An endpoint from worker `from` to worker `to` (through `to`'s packed address). */
+static gsc_ep_h connect_ep(gsc_worker_h from, gsc_worker_h to)
+{
+    gsc_ep_params_t ep_params;
+    gsc_ep_h ep = NULL;
+    void *addr = NULL;
+    size_t len;
+    EXPECT(gsc_worker_get_address(to, &addr, &len) == GSC_OK);
+    memset(&ep_params, 0, sizeof(ep_params));
+    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS;
+    ep_params.address = addr;
+    EXPECT(gsc_ep_create(from, &ep_params, &ep) == GSC_OK);
+    EXPECT(gsc_worker_release_address(to, addr) == GSC_OK);
+    return ep;
+}
+
 /* Prepared transfers between wa (send, 4 partitions) and wb (receive, 2 partitions), each on
  * its own endpoint; partitions readied out of order, new data every round, and misuse. */
 static void prepared(gsc_ep_h ep)
 {
     gsc_ep_h back;
-    gsc_ep_params_t ep_params;
     gsc_buffer_param_t bp;
     gsc_prepared_h tx = NULL, rx = NULL, other = NULL;
     gsc_status_ptr_t s, r;
-    void *addr;
-    size_t len;
     static unsigned char src[4096], dst[4096];
     int round, part, flag, i, wrong = 0;
 
-    EXPECT(gsc_worker_get_address(wa, &addr, &len) == GSC_OK);
-    memset(&ep_params, 0, sizeof(ep_params));
-    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS;
-    ep_params.address = addr;
-    EXPECT(gsc_ep_create(wb, &ep_params, &back) == GSC_OK);
-    EXPECT(gsc_worker_release_address(wa, addr) == GSC_OK);
+    back = connect_ep(wb, wa);
 
     memset(&bp, 0, sizeof(bp));
     bp.field_mask = GSC_BUFFER_PARAM_FIELD_PARTITIONS;
@@ -705,14 +713,12 @@ static void request_areas(void)
 {
     gsc_context_h c;
     gsc_params_t params;
-    gsc_ep_params_t ep_params;
     gsc_worker_h save_a = wa, save_b = wb;
     gsc_ep_h e;
     gsc_request_param_t rp;
     gsc_status_ptr_t r, r2;
     struct area *a = NULL, *a2 = NULL;
-    void *addr, *p = NULL;
-    size_t len;
+    void *p = NULL;
     char buf[8];
 
     memset(&params, 0, sizeof(params));
@@ -728,12 +734,7 @@ static void request_areas(void)
     EXPECT(gsc_init(&params, &c) == GSC_OK);
     EXPECT(gsc_worker_create(c, NULL, &wa) == GSC_OK);
     EXPECT(gsc_worker_create(c, NULL, &wb) == GSC_OK);
-    EXPECT(gsc_worker_get_address(wb, &addr, &len) == GSC_OK);
-    memset(&ep_params, 0, sizeof(ep_params));
-    ep_params.field_mask = GSC_EP_PARAM_FIELD_ADDRESS;
-    ep_params.address = addr;
-    EXPECT(gsc_ep_create(wa, &ep_params, &e) == GSC_OK);
-    EXPECT(gsc_worker_release_address(wb, addr) == GSC_OK);
+    e = connect_ep(wa, wb);
 
     /* A pending receive's area: initialized once, ours until the request is freed. */
     r = gsc_tag_recv_nbx(wb, buf, sizeof(buf), 1, ~(uint64_t)0, NULL);
