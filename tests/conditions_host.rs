@@ -184,13 +184,19 @@ struct Setup {
 
 impl Setup {
     fn new(lane: Lane, test: &'static str) -> Setup {
+        Setup::with(lane, test, &[])
+    }
+
+    /// `new` with more `GSC_*` overrides, for this process and the peer.
+    fn with(lane: Lane, test: &'static str, extra: &[(&str, &str)]) -> Setup {
         let dir = ShmDir::new(test);
-        let cfg = vec![
+        let mut cfg = vec![
             ("GSC_TLS".to_string(), lane.tls().to_string()),
             ("GSC_SHM_DIR".to_string(), dir.as_str().to_string()),
             ("GSC_TIMEOUT".to_string(), "60s".to_string()),
             ("GSC_PEER_CHECK_INTERVAL".to_string(), "50ms".to_string()),
         ];
+        cfg.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         let w = ctx_with(&refs(&cfg)).create_worker().unwrap();
         Setup { lane, test, _dir: dir, cfg, w }
     }
@@ -305,6 +311,45 @@ fn proxy_counters_count_each_armed_and_started_operation_loopback() {
         let done = s.w.stats();
         assert_eq!((done.proxy_armed, done.proxy_started), (ops, ops), "all triggered: {done:?}");
         assert!(done.proxy_passes > 0, "the proxy started them in its passes: {done:?}");
+        p.get_progress("echoed", T, &s.w);
+        s.finish(p, ep);
+    });
+}
+
+/// `GSC_PROXY_THREAD=off` (both processes): no thread watches the triggers, the application's
+/// progress calls do. Operations the stream has passed do not start while nobody progresses the
+/// worker; once it is progressed the echo completes as with a proxy thread.
+#[test]
+fn caller_run_proxy_starts_operations_only_inside_progress_shm() {
+    child_or(|| {
+        let test = "caller_run_proxy_starts_operations_only_inside_progress_shm";
+        let s = Setup::with(Lane::Shm, test, &[("GSC_PROXY_THREAD", "off")]);
+        let (mut p, ep) = s.peer("echo");
+        let sizes = [100usize, 1 << 20];
+        p.put("sizes", &sizes_to_bytes(&sizes));
+        let stream = HostStream::new().unwrap();
+        let cond = Condition::host_stream(&stream);
+        let srcs: Vec<Vec<u8>> = sizes.iter().zip(5u64..).map(|(&n, seed)| pattern(seed, n)).collect();
+        let backs: Vec<Buf> = sizes.iter().map(|&n| Buf::new(n)).collect();
+        let mut reqs = Vec::new();
+        for (i, (src, b)) in srcs.iter().zip(&backs).enumerate() {
+            reqs.push(pending(unsafe { ep.tag_send_nbx(src.as_ptr(), src.len(), i as u64, on(&cond, true)).unwrap() }));
+            reqs.push(pending(unsafe { s.w.tag_recv_nbx(b.ptr(), b.len(), 1000 + i as u64, u64::MAX, on(&cond, true)).unwrap() }));
+        }
+        let ops = reqs.len() as u64;
+        // The stream reaches the first send at once; without a progress call nothing starts it.
+        std::thread::sleep(Duration::from_millis(200));
+        let idle = s.w.stats();
+        assert_eq!((idle.proxy_armed, idle.proxy_started, idle.proxy_passes), (ops, 0, 0), "no thread ran them: {idle:?}");
+        let st = wait_all(&s.w, reqs);
+        assert!(st.iter().all(|x| *x == Status::Ok), "{st:?}");
+        stream.synchronize(Some(T)).unwrap();
+        for (i, b) in backs.iter().enumerate() {
+            let want: Vec<u8> = srcs[i].iter().map(|x| x ^ 0x5A).collect();
+            assert_same(&b.0.lock().unwrap(), &want, &format!("echo of message {i}"));
+        }
+        let done = s.w.stats();
+        assert_eq!(done.proxy_started, ops, "{done:?}");
         p.get_progress("echoed", T, &s.w);
         s.finish(p, ep);
     });

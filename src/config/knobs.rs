@@ -505,6 +505,20 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_duration(c.proxy_spin),
     },
     Knob {
+        name: "GSC_PROXY_THREAD",
+        default: "on",
+        doc: "Watch conditioned operations' triggers on a proxy thread per worker (on), or only \
+              inside the application's calls that progress the worker (off: gsc_worker_progress, \
+              request tests and waits), for callers that drive progress themselves. Off, a GPU \
+              stream waiting on such an operation waits until the host progresses the worker",
+        kind: KnobKind::Bool,
+        parse: |c, v| {
+            c.proxy_thread = parse_bool(v)?;
+            Ok(())
+        },
+        show: |c| show_bool(c.proxy_thread),
+    },
+    Knob {
         name: "GSC_PROXY_POLL",
         default: "50us",
         doc: "Polling period of an idle proxy that has graph/kernel triggers armed",

@@ -299,6 +299,10 @@ pub struct Config {
     pub proxy_spin: Duration,
     /// `GSC_PROXY_POLL`: the idle proxy's polling period for persistent triggers.
     pub proxy_poll: Duration,
+    /// `GSC_PROXY_THREAD`: conditioned operations are watched by a proxy thread (true) or by the
+    /// application's own calls to progress (false), as an MPI library that drives progress may
+    /// prefer.
+    pub proxy_thread: bool,
     /// `GSC_KERNEL_CACHE_DIR`, absolute: where compiled kernels are kept; `None`: the default
     /// place (see [`default_kernel_cache_dir`]).
     pub kernel_cache_dir: Option<PathBuf>,
@@ -357,6 +361,7 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(10),
             proxy_spin: Duration::from_millis(100),
             proxy_poll: Duration::from_micros(50),
+            proxy_thread: true,
             kernel_cache_dir: None,
             bootstrap_addr: None,
             bootstrap_secret: None,

@@ -292,6 +292,15 @@ impl Worker {
     /// Make progress: accept connections, move frames, complete requests, fire callbacks.
     /// Returns the number of events handled (0 = nothing happened).
     pub fn progress(&self) -> usize {
+        match self.inner.proxy.get().and_then(|p| p.run_in_caller(self)) {
+            Some(events) => events,
+            None => self.progress_core(),
+        }
+    }
+
+    /// `progress` without running a caller-run proxy (`GSC_PROXY_THREAD=off`): what a proxy
+    /// pass itself calls.
+    pub(crate) fn progress_core(&self) -> usize {
         let (n, ready) = {
             let mut st = self.lock();
             let n = st.progress(&self.inner.context);
@@ -460,7 +469,11 @@ impl Worker {
         let _starting = self.inner.proxy_start.lock().unwrap_or_else(|e| e.into_inner());
         if self.inner.proxy.get().is_none() {
             let cfg = &self.inner.context.inner.config;
-            let proxy = Proxy::spawn(Arc::downgrade(&self.inner), cfg.proxy_spin, cfg.proxy_poll)?;
+            let proxy = if cfg.proxy_thread {
+                Proxy::spawn(Arc::downgrade(&self.inner), cfg.proxy_spin, cfg.proxy_poll)?
+            } else {
+                Proxy::in_caller(Arc::downgrade(&self.inner))
+            };
             // Under `proxy_start` nobody else sets it: this is the one proxy.
             let _ = self.inner.proxy.set(proxy);
         }
@@ -710,6 +723,10 @@ impl Worker {
     /// One progress pass and a test of `handle` under a single lock acquisition (the wait loop's
     /// step: two acquisitions per spin were a visible share of small-message latency).
     pub fn progress_and_test(&self, handle: u64) -> Result<(usize, Option<Completion>)> {
+        // A caller-run proxy's pass progresses the worker too; then only the test is left.
+        if let Some(events) = self.inner.proxy.get().and_then(|p| p.run_in_caller(self)) {
+            return Ok((events, self.request_test(handle)?));
+        }
         let (events, done, ready) = {
             let mut st = self.lock();
             let first = st.checked_slot(self.inner.id, handle)?.result;

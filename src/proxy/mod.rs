@@ -26,7 +26,7 @@ use crate::protocols::ReqId;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -107,12 +107,21 @@ pub(crate) enum Msg {
     Persist(PersistentOp),
 }
 
-/// The worker's handle on its proxy thread.
+/// The worker's handle on its proxy: a thread, or an engine the application's progress calls
+/// run (`GSC_PROXY_THREAD=off`).
 pub(crate) struct Proxy {
     tx: Option<Sender<Msg>>,
-    thread: Option<JoinHandle<()>>,
-    thread_id: ThreadId,
+    runner: Runner,
     counters: Arc<ProxyCounters>,
+}
+
+enum Runner {
+    Thread {
+        thread: Option<JoinHandle<()>>,
+        thread_id: ThreadId,
+    },
+    /// Run by `Proxy::run_in_caller`; one caller at a time (others skip, they would only spin).
+    Caller(Mutex<Engine>),
 }
 
 impl Proxy {
@@ -125,7 +134,26 @@ impl Proxy {
             .spawn(move || engine.run())
             .map_err(|e| Error::new(Status::NoResource, format!("cannot start the proxy thread: {e}")))?;
         let thread_id = thread.thread().id();
-        Ok(Proxy { tx: Some(tx), thread: Some(thread), thread_id, counters })
+        Ok(Proxy { tx: Some(tx), runner: Runner::Thread { thread: Some(thread), thread_id }, counters })
+    }
+
+    /// A proxy without a thread: `run_in_caller` does its passes.
+    pub(crate) fn in_caller(worker: Weak<WorkerInner>) -> Proxy {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let counters = Arc::new(ProxyCounters::default());
+        // Spin and poll periods only pace a thread's sleeping; a caller decides its own pace.
+        let engine = Engine::new(worker, rx, Duration::ZERO, Duration::ZERO, counters.clone());
+        Proxy { tx: Some(tx), runner: Runner::Caller(Mutex::new(engine)), counters }
+    }
+
+    /// One pass of a caller-run proxy: take what was armed, start what triggered, progress the
+    /// worker (`Worker::progress_core`), and return the events. `None` (nothing done) for a
+    /// thread proxy, or while another thread is in a pass.
+    pub(crate) fn run_in_caller(&self, worker: &Worker) -> Option<usize> {
+        let Runner::Caller(engine) = &self.runner else { return None };
+        let Ok(mut engine) = engine.try_lock() else { return None };
+        engine.take_pending();
+        Some(engine.pass(worker))
     }
 
     pub(crate) fn send(&self, msg: Msg) -> Result<()> {
@@ -148,11 +176,21 @@ impl Drop for Proxy {
     fn drop(&mut self) {
         // Disconnecting the channel tells the thread to finish; it fails what it still holds.
         drop(self.tx.take());
-        if let Some(t) = self.thread.take() {
-            // The worker's last reference can be dropped by the proxy thread itself (it holds
-            // one while it works); joining itself would deadlock, and it is exiting anyway.
-            if std::thread::current().id() != self.thread_id {
-                let _ = t.join();
+        match &mut self.runner {
+            Runner::Thread { thread, thread_id } => {
+                if let Some(t) = thread.take() {
+                    // The worker's last reference can be dropped by the proxy thread itself (it
+                    // holds one while it works); joining itself would deadlock, and it is
+                    // exiting anyway.
+                    if std::thread::current().id() != *thread_id {
+                        let _ = t.join();
+                    }
+                }
+            }
+            Runner::Caller(engine) => {
+                let engine = engine.get_mut().unwrap_or_else(|e| e.into_inner());
+                engine.take_pending();
+                engine.shutdown();
             }
         }
     }
@@ -271,6 +309,13 @@ impl Engine {
         !self.disconnected || busy
     }
 
+    /// Take every message waiting in the channel (a caller-run proxy's start of a pass).
+    fn take_pending(&mut self) {
+        while let Ok(m) = self.rx.try_recv() {
+            self.take(m);
+        }
+    }
+
     fn take(&mut self, msg: Msg) {
         self.last_activity = Instant::now();
         match msg {
@@ -332,7 +377,7 @@ impl Engine {
         // already here, unexpected, when it does, and completes the receive at once. Only the
         // proxy's own operations count as activity (keep it spinning); traffic of the
         // application's host operations does not.
-        let progressed = worker.progress();
+        let progressed = worker.progress_core();
         if !self.in_flight.is_empty() || !self.armed.is_empty() {
             events += progressed;
         }
