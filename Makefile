@@ -11,6 +11,8 @@ PREFIX ?= /usr/local
 LIBDIR ?= $(PREFIX)/lib
 INCLUDEDIR ?= $(PREFIX)/include
 CARGO ?= cargo
+# Where cargo puts what it builds (cargo's own CARGO_TARGET_DIR, when set, else target/).
+CARGO_TARGET_DIR ?= target
 
 .PHONY: all build install uninstall check
 
@@ -21,7 +23,7 @@ build:
 
 install: build
 	scripts/install.sh --prefix "$(PREFIX)" --libdir "$(LIBDIR)" --includedir "$(INCLUDEDIR)" \
-		--from target/release --destdir "$(DESTDIR)"
+		--from "$(CARGO_TARGET_DIR)/release" --destdir "$(DESTDIR)"
 
 uninstall:
 	rm -f "$(DESTDIR)$(LIBDIR)"/libgscomm.so "$(DESTDIR)$(LIBDIR)"/libgscomm.so.* \

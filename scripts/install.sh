@@ -6,7 +6,8 @@
 #   --prefix      where it goes (default /usr/local)
 #   --libdir      default PREFIX/lib; --includedir default PREFIX/include
 #   --from        the directory holding the built libgscomm.so and libgscomm.a
-#                 (default target/release: run `cargo build --release` first, or `make install`)
+#                 (default $CARGO_TARGET_DIR/release or target/release: run
+#                 `cargo build --release` first, or `make install`)
 #   --destdir     staging root prepended to every path (packagers); the .pc file still names PREFIX
 #
 # Installs LIBDIR/libgscomm.so.VERSION with the soname link (libgscomm.so.0.MINOR while the
@@ -20,7 +21,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 prefix=/usr/local
 libdir=
 includedir=
-from="$root/target/release"
+from="${CARGO_TARGET_DIR:-$root/target}/release"
 destdir=
 
 while [ $# -gt 0 ]; do
