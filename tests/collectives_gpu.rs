@@ -3,7 +3,8 @@
 //! collective × datatype × operator, in place and out of place, sizes 1, odd, 2^k ± 1 and
 //! several 64 KiB rounds; the large all-reduce, all-gather and reduce-scatter over several
 //! rounds; then a captured all-reduce replayed with new data each time, and one built on a
-//! graph condition.
+//! graph condition. All of it with `GSC_COLL_CHECK=on`, which also gets a mismatched call of
+//! its own.
 //!
 //! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
 //! machines run it through `.gpu/run.sh collectives_gpu`.
@@ -301,17 +302,39 @@ fn bad_input(r: &Rank) -> Vec<String> {
     bad
 }
 
+/// `GSC_COLL_CHECK=on` (this test's config): the last rank asks for a different count; every
+/// rank's call fails naming it, nothing starts (nobody hangs), and the next matching call works.
+fn mismatch(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let d = DeviceBuf::new(64).unwrap();
+    let count = if me == n - 1 { 16 } else { 8 };
+    let e = unsafe { r.comm.all_reduce(d.ptr(), d.ptr(), count, DataType::Float32, RedOp::Sum, &r.cond) };
+    let named = format!("rank {} called all_reduce of 16 float elements", n - 1);
+    match e {
+        Err(e) if e.status() == Status::InvalidParam && e.to_string().contains(&named) => {}
+        other => bad.push(format!("rank {me}: a mismatched all-reduce should fail naming rank {}: {other:?}", n - 1)),
+    }
+    let e = unsafe { r.comm.all_reduce(d.ptr(), d.ptr(), 8, DataType::Float32, RedOp::Sum, &r.cond) };
+    r.sync();
+    if let Err(e) = e {
+        bad.push(format!("rank {me}: the matching all-reduce after a mismatch failed: {e}"));
+    }
+    bad
+}
+
 fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     set_device(rank as i32).unwrap();
     let uid = UniqueId::from_bytes(uid).unwrap();
     let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
-    let config = config_with(&[("GSC_TIMEOUT", "30s")]);
+    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")]);
     let comm = Communicator::new(boot, rank as i32, &config).unwrap();
     let stream = Stream::new().unwrap();
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
     let r = Rank { comm, stream, cond };
     let t0 = Instant::now();
     let mut bad = bad_input(&r);
+    bad.extend(mismatch(&r));
     bad.extend(exact_results(&r));
     eprintln!("rank {rank}: exact checks in {:?}", t0.elapsed());
     let t0 = Instant::now();

@@ -13,6 +13,7 @@
 //! step lives in GPU memory and is advanced by the kernels, so a captured collective replays
 //! any number of times.
 
+use super::agreement::{self, Signature};
 use super::select::{self, Algorithm, Collective};
 use super::types::{DataType, RedOp};
 use crate::bootstrap::Bootstrap;
@@ -33,8 +34,10 @@ pub struct Communicator {
     kernel_cache: Option<PathBuf>,
     /// `GSC_COLL_LARGE_MIN` (see `select`).
     large_min: usize,
-    /// Kept for the collective teardown and for later host-side agreement (split).
-    _bootstrap: Bootstrap,
+    /// `GSC_COLL_CHECK`: every call is compared across the ranks first (`agreement`).
+    check_calls: bool,
+    /// Kept for the collective teardown, the call check and later host-side agreement (split).
+    bootstrap: Bootstrap,
 }
 
 /// What one collective call asks for, before it is cut into rounds.
@@ -89,7 +92,8 @@ impl Communicator {
             timeout: config.timeout.unwrap_or(Duration::from_secs(3600)),
             kernel_cache: config.kernel_cache_dir.clone(),
             large_min: config.coll_large_min,
-            _bootstrap: bootstrap,
+            check_calls: config.coll_check,
+            bootstrap,
         })
     }
 
@@ -216,6 +220,11 @@ impl Communicator {
 
     /// Check the call, then launch its rounds (or add them to the condition's graph).
     fn run(&self, call: Call, on: &Condition) -> Result<ArmedOutputs> {
+        // First, before any check of our own that could fail on this rank alone and leave the
+        // others waiting in the exchange.
+        if self.check_calls {
+            self.agree(&call)?;
+        }
         if call.part_bytes == 0 {
             return Ok(ArmedOutputs::default());
         }
@@ -245,6 +254,15 @@ impl Communicator {
             };
         }
         self.launch_one_shot(&call, on, None)
+    }
+
+    /// `GSC_COLL_CHECK`: every rank made the same call, or an error naming the one that did not.
+    fn agree(&self, call: &Call) -> Result<()> {
+        let count = call.part_bytes / call.dtype.size();
+        let mine = Signature::new(call.kind, call.dtype, call.op, count, call.root);
+        let all = self.bootstrap.allgather(&mine.encode()).map_err(|e| e.context("comparing the collective call (GSC_COLL_CHECK)"))?;
+        let all = all.iter().map(|b| Signature::decode(b)).collect::<Result<Vec<_>>>()?;
+        agreement::check(&all)
     }
 
     /// The one-shot LL exchange (`gsc_coll_<type>_<op>`), after graph node `after` if given.

@@ -389,6 +389,20 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.engine_gpu_max as u64),
     },
     Knob {
+        name: "GSC_COLL_CHECK",
+        default: "off",
+        doc: "Debug mode: before every collective the ranks compare the call (collective, type, \
+              operator, count, root) through the bootstrap; a mismatch fails the call on every \
+              rank, naming the rank that differs, and starts nothing. Costs a host round trip \
+              per call",
+        kind: KnobKind::Bool,
+        parse: |c, v| {
+            c.coll_check = parse_bool(v)?;
+            Ok(())
+        },
+        show: |c| show_bool(c.coll_check),
+    },
+    Knob {
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
         doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \
