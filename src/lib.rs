@@ -12,6 +12,8 @@ pub mod config;
 pub mod core;
 pub mod cuda;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod gda;
 pub mod log;
 pub mod protocols;

@@ -411,7 +411,7 @@ fn split_u32<'a>(msg: &'a [u8], op: &str, from: u32) -> Result<(u32, &'a [u8])> 
     Ok((u32::from_le_bytes([msg[0], msg[1], msg[2], msg[3]]), &msg[4..]))
 }
 
-fn decode_table(p: &[u8], nranks: u32, what: &str) -> Result<Vec<SocketAddr>> {
+pub(crate) fn decode_table(p: &[u8], nranks: u32, what: &str) -> Result<Vec<SocketAddr>> {
     if p.len() != 4 + nranks as usize * ADDR_BYTES {
         return Err(Error::new(Status::Internal, format!("{what}: table of {} bytes for {nranks} ranks", p.len())));
     }

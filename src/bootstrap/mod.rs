@@ -57,11 +57,11 @@
 //!   timeout (at most 256 unauthenticated connections are serviced at once; extra ones are
 //!   closed at once), and an authenticated member can make its peers buffer large messages.
 
-mod comm;
+pub(crate) mod comm;
 mod launcher;
 mod root;
-mod uid;
-mod wire;
+pub(crate) mod uid;
+pub(crate) mod wire;
 
 #[cfg(test)]
 mod tests;

@@ -89,6 +89,11 @@ impl UniqueId {
         self.root
     }
 
+    /// An id from its parts, serving nothing (fuzz seeds).
+    pub(crate) fn from_parts(root: SocketAddr, secret: [u8; SECRET_BYTES]) -> UniqueId {
+        UniqueId { root, secret }
+    }
+
     pub(crate) fn secret(&self) -> &[u8; SECRET_BYTES] {
         &self.secret
     }

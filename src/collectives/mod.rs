@@ -7,7 +7,7 @@
 //! round, larger ones in rounds of 64 KiB per rank. Not built yet: the bandwidth algorithms for
 //! large messages, split/abort, groups, registration, and the NCCL-ABI library.
 
-mod agreement;
+pub(crate) mod agreement;
 pub mod comm;
 pub mod select;
 pub mod types;

@@ -44,7 +44,7 @@ use std::sync::Mutex;
 const KIND_LEGACY_IPC: u8 = 1;
 const KIND_SAME_PROCESS: u8 = 2;
 const KIND_VMM_FD: u8 = 3;
-const HANDLE_LEN: usize = 64;
+pub(crate) const HANDLE_LEN: usize = 64;
 /// Every kind starts with: kind, 3 reserved (zero), pid, base, size.
 const HEADER_LEN: usize = 1 + 3 + 4 + 8 + 8;
 /// Encoded size of a legacy or same-process key: the header, then the handle (zeros for the

@@ -18,7 +18,7 @@
 //! peer can always corrupt our shared state; what we guarantee is that a buggy peer yields an
 //! error on the link, never an out-of-bounds access on our side.
 
-mod address;
+pub(crate) mod address;
 mod cma;
 mod connector;
 mod layout;
