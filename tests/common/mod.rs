@@ -20,7 +20,12 @@ pub const CHILD_ENV: &str = "GSC_TEST_CHILD";
 pub const CHILD_CFG_ENV: &str = "GSC_TEST_CFG";
 /// Hard limit of a child's life: a child that outlives it exits on its own (a parent that died
 /// without killing it must not leave it spinning).
-pub const CHILD_MAX_LIFE: Duration = Duration::from_secs(60);
+///
+/// `GSC_TEST_CHILD_LIFE=<seconds>` stretches it for runs under tools that slow everything
+/// down (compute-sanitizer's racecheck, valgrind); the parent's own deadlines are the tests'.
+pub fn child_max_life() -> Duration {
+    std::env::var("GSC_TEST_CHILD_LIFE").ok().and_then(|v| v.parse().ok()).map_or(Duration::from_secs(60), Duration::from_secs)
+}
 
 /// A context over `tls` with the given `GSC_*` overrides (applied after the defaults, in order).
 pub fn ctx_with(overrides: &[(&str, &str)]) -> Context {
@@ -127,7 +132,7 @@ pub fn child_ctx() -> Context {
 }
 
 /// The child's end of the line protocol. Creating it arms a watchdog that ends the process after
-/// `CHILD_MAX_LIFE`, and stdin EOF (the parent died) ends it too.
+/// `child_max_life()`, and stdin EOF (the parent died) ends it too.
 pub struct Parent {
     lines: Receiver<String>,
 }
@@ -135,7 +140,7 @@ pub struct Parent {
 impl Parent {
     pub fn new() -> Parent {
         std::thread::spawn(|| {
-            std::thread::sleep(CHILD_MAX_LIFE);
+            std::thread::sleep(child_max_life());
             eprintln!("child {}: watchdog expired; exiting", std::process::id());
             std::process::exit(97);
         });
@@ -163,7 +168,7 @@ impl Parent {
     }
 
     pub fn get(&self, key: &str) -> Vec<u8> {
-        let line = self.lines.recv_timeout(CHILD_MAX_LIFE).unwrap_or_else(|_| panic!("child: no `{key}` from parent"));
+        let line = self.lines.recv_timeout(child_max_life()).unwrap_or_else(|_| panic!("child: no `{key}` from parent"));
         let (k, v) = line.split_once('=').expect("key=value");
         assert_eq!(k, key, "child: expected `{key}`, got `{k}`");
         unhex(v)
@@ -440,7 +445,7 @@ impl Chan for ThreadChan {
         let _ = self.tx.send((key.to_string(), value.to_vec()));
     }
     fn get(&self, key: &str) -> Vec<u8> {
-        let (k, v) = self.rx.lock().unwrap().recv_timeout(CHILD_MAX_LIFE).unwrap_or_else(|_| panic!("role thread: no `{key}`"));
+        let (k, v) = self.rx.lock().unwrap().recv_timeout(child_max_life()).unwrap_or_else(|_| panic!("role thread: no `{key}`"));
         assert_eq!(k, key, "role thread: expected `{key}`");
         v
     }
