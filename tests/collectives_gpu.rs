@@ -4,7 +4,8 @@
 //! several 64 KiB rounds; the large all-reduce, all-gather and reduce-scatter over several
 //! rounds; then a captured all-reduce replayed with new data each time, and one built on a
 //! graph condition. All of it with `GSC_COLL_CHECK=on`, which also gets a mismatched call of
-//! its own.
+//! its own. Then send/recv (an all-to-all in a group at 1 B – 16 MiB, and captured into a graph
+//! and replayed with new data) and split (by parity, one rank without a color on four GPUs).
 //!
 //! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
 //! machines run it through `.gpu/run.sh collectives_gpu`.
@@ -287,6 +288,117 @@ fn graph_replays(r: &Rank, count: usize) -> Vec<String> {
     bad
 }
 
+/// Rank `from`'s message to rank `to` in `round`, `len` bytes.
+fn p2p_message(from: usize, to: usize, round: u64, len: usize) -> Vec<u8> {
+    pattern(round * 1000 + from as u64 * 10 + to as u64, len)
+}
+
+/// One all-to-all of `len` bytes per pair on `cond` (a group: every send and receive in flight
+/// together, self included), receives posted before sends on odd ranks and after on even ones.
+fn all_to_all(r: &Rank, cond: &Condition, sends: &[DeviceBuf], recvs: &[DeviceBuf], len: usize) {
+    let me = r.comm.rank();
+    cond.group_start().unwrap();
+    let post_recvs = || {
+        for (q, b) in recvs.iter().enumerate() {
+            unsafe { r.comm.recv(b.ptr(), len, DataType::Uint8, q, cond) }.unwrap();
+        }
+    };
+    if me % 2 == 1 {
+        post_recvs();
+    }
+    for (q, b) in sends.iter().enumerate() {
+        unsafe { r.comm.send(b.ptr(), len, DataType::Uint8, q, cond) }.unwrap();
+    }
+    if me.is_multiple_of(2) {
+        post_recvs();
+    }
+    cond.group_end().unwrap();
+}
+
+/// Send/recv: all-to-all on a stream at sizes from 1 B (staged) to 16 MiB (copy-engine reads),
+/// then the same exchange captured into a graph and replayed with new data each time.
+fn point_to_point(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let check = |bad: &mut Vec<String>, recvs: &[DeviceBuf], round: u64, len: usize, what: &str| {
+        for (q, b) in recvs.iter().enumerate() {
+            if b.download().unwrap()[..len] != p2p_message(q, me, round, len)[..] {
+                bad.push(format!("rank {me}: {what}: {len} B from rank {q} wrong (round {round})"));
+            }
+        }
+    };
+    for (round, len) in [1usize, 4096, 70_001, 16 << 20].into_iter().enumerate() {
+        let round = round as u64;
+        let sends: Vec<DeviceBuf> = (0..n).map(|q| device_with(&p2p_message(me, q, round, len), len)).collect();
+        let recvs: Vec<DeviceBuf> = (0..n).map(|_| device_with(&[], len)).collect();
+        all_to_all(r, &r.cond, &sends, &recvs, len);
+        r.sync();
+        check(&mut bad, &recvs, round, len, "all-to-all on a stream");
+    }
+    if let Err(e) = r.cond.query() {
+        bad.push(format!("rank {me}: the stream condition failed: {e}"));
+    }
+    // Captured: the graph's replays each perform the exchange again, on the data of the time.
+    let len = 65_536;
+    let sends: Vec<DeviceBuf> = (0..n).map(|_| device_with(&[], len)).collect();
+    let recvs: Vec<DeviceBuf> = (0..n).map(|_| device_with(&[], len)).collect();
+    let cap = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    all_to_all(r, &cond, &sends, &recvs, len);
+    let graph = cap.end_capture().unwrap().instantiate().unwrap();
+    let t0 = Instant::now();
+    const REPLAYS: u64 = 100;
+    for round in 100..100 + REPLAYS {
+        for (q, b) in sends.iter().enumerate() {
+            b.upload(&p2p_message(me, q, round, len)).unwrap();
+        }
+        graph.launch(&r.stream).unwrap();
+        r.sync();
+        check(&mut bad, &recvs, round, len, "captured all-to-all");
+    }
+    eprintln!("rank {me}: {REPLAYS} checked replays of a captured {n}-rank all-to-all of 64 KiB in {:?}", t0.elapsed());
+    bad
+}
+
+/// Split by parity, keys reversing the order (the last rank of four takes no color), then an
+/// all-reduce on the new communicator: its ranks, size and sums are the members' own.
+fn split(r: &Rank, config: &gscomm::Config) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let color = (n < 4 || me != n - 1).then_some((me % 2) as u32);
+    let sub = match r.comm.split(color, -(me as i32), config) {
+        Ok(s) => s,
+        Err(e) => return vec![format!("rank {me}: split failed: {e}")],
+    };
+    let members: Vec<usize> = match color {
+        None => Vec::new(),
+        Some(c) => (0..n).rev().filter(|&q| q % 2 == c as usize && (n < 4 || q != n - 1)).collect(),
+    };
+    match (sub, color) {
+        (None, None) => {}
+        (Some(sub), Some(_)) => {
+            let want_rank = members.iter().position(|&q| q == me).unwrap();
+            if sub.rank() != want_rank || sub.nranks() != members.len() {
+                bad.push(format!("rank {me}: split gave rank {} of {}, want {want_rank} of {}", sub.rank(), sub.nranks(), members.len()));
+            }
+            let count = 1000;
+            let ins: Vec<Vec<u8>> = members.iter().map(|&q| input(DataType::Int32, q, 777, count)).collect();
+            let send = device_with(&ins[want_rank], count * 4);
+            let recv = device_with(&[], count * 4);
+            let cond = Condition::cuda(Category::Stream, r.stream.raw(), None).unwrap();
+            unsafe { sub.all_reduce(send.ptr(), recv.ptr(), count, DataType::Int32, RedOp::Sum, &cond) }.unwrap();
+            r.sync();
+            let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+            if recv.download().unwrap() != reduce_reference(DataType::Int32, RedOp::Sum, &refs) {
+                bad.push(format!("rank {me}: all-reduce on the split communicator wrong"));
+            }
+        }
+        (got, _) => bad.push(format!("rank {me}: split with color {color:?} gave a communicator: {}", got.is_some())),
+    }
+    bad
+}
+
 fn bad_input(r: &Rank) -> Vec<String> {
     let mut bad = Vec::new();
     let host = [0u8; 64];
@@ -343,6 +455,10 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.extend(large_halves(&r));
     bad.extend(graph_replays(&r, 20_000));
     bad.extend(graph_replays(&r, 300_000));
+    let t0 = Instant::now();
+    bad.extend(point_to_point(&r));
+    bad.extend(split(&r, &config));
+    eprintln!("rank {rank}: send/recv and split checks in {:?}", t0.elapsed());
     bad.join("\n")
 }
 

@@ -2,12 +2,14 @@
 //! communicators (`gscomm::collectives`), so a program built against NVIDIA's nccl.h runs on
 //! gscomm when this library comes first on its library path.
 //!
-//! What is implemented: unique ids, communicator init (by rank, with a config, all local GPUs
-//! from one thread), destroy / finalize / abort, count, device, rank, async errors, last-error
-//! strings, group start/end (inits inside a group are completed together at its end, as NCCL
-//! does; collectives are launched as they are called), all-reduce, broadcast (and the legacy
-//! in-place bcast), reduce, all-gather, reduce-scatter, mem alloc/free. The rest of nccl.h
-//! (send/recv and what is built on them, split, registration, windows, pre-multiplied sums,
+//! What is implemented: unique ids, communicator init (by rank; with a config, blocking or not;
+//! all local GPUs from one thread), split, destroy / finalize / abort, count, device, rank,
+//! async errors, last-error strings, group start/end (inits and splits inside a group are
+//! completed together at its end, as NCCL does; sends and receives in a group go on each
+//! stream together at its end; collectives are launched as they are called), all-reduce,
+//! broadcast (and the legacy in-place bcast), reduce, all-gather, reduce-scatter, send/recv
+//! (and so all-to-all and the rest of what groups build on them), buffer registration (checked,
+//! no zero-copy path yet), mem alloc/free. The rest of nccl.h (windows, pre-multiplied sums,
 //! device communicators) returns `ncclInvalidUsage` and says so in `ncclGetLastError`.
 //!
 //! Every exported function goes through `gate`: no panic crosses the C boundary, and a failure
@@ -17,14 +19,16 @@
 #![allow(clippy::missing_safety_doc)] // the safety contract of each function is nccl.h's
 
 use gscomm::bootstrap::{Bootstrap, UniqueId};
-use gscomm::collectives::{Communicator, DataType, RedOp};
+use gscomm::collectives::p2p::PeerOp;
+use gscomm::collectives::{Communicator, DataType, RedOp, Registration};
 use gscomm::condition::{Category, Condition};
 use gscomm::{Config, Error, Status};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub type ncclResult_t = c_int;
@@ -35,6 +39,10 @@ pub const NCCL_INTERNAL_ERROR: ncclResult_t = 3;
 pub const NCCL_INVALID_ARGUMENT: ncclResult_t = 4;
 pub const NCCL_INVALID_USAGE: ncclResult_t = 5;
 pub const NCCL_REMOTE_ERROR: ncclResult_t = 6;
+pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
+
+/// `NCCL_SPLIT_NOCOLOR`: the rank takes part in a split and gets no communicator.
+pub const NCCL_SPLIT_NOCOLOR: c_int = -1;
 
 /// `NCCL_VERSION_CODE` of the nccl.h this library implements (2.28.9).
 pub const NCCL_VERSION_CODE: c_int = 22809;
@@ -49,14 +57,42 @@ const _: () = assert!(gscomm::bootstrap::UNIQUE_ID_BYTES == 128);
 
 /// What an `ncclComm_t` points at.
 pub struct Comm {
-    comm: Communicator,
+    /// Set when the init finished: the communicator, or why there is none. A non-blocking init
+    /// sets it from its own thread; until then calls answer `ncclInProgress`.
+    state: OnceLock<Result<Communicator, Fail>>,
+    /// A non-blocking init's thread, joined by destroy.
+    init_thread: Mutex<Option<JoinHandle<()>>>,
     /// A stream condition per CUDA stream the program used (made once: a condition takes a
     /// page-locked slot).
     conditions: Mutex<HashMap<usize, Condition>>,
+    /// Live `ncclCommRegister` handles (addresses of boxed `Registration`s), so a stale or
+    /// foreign handle given to deregister is an error, not a double free.
+    registrations: Mutex<Vec<usize>>,
+}
+
+impl Comm {
+    fn new() -> Comm {
+        Comm {
+            state: OnceLock::new(),
+            init_thread: Mutex::new(None),
+            conditions: Mutex::new(HashMap::new()),
+            registrations: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The communicator, once its init succeeded.
+    fn ready(&self) -> Result<&Communicator, Fail> {
+        match self.state.get() {
+            Some(Ok(c)) => Ok(c),
+            Some(Err(f)) => Err(Fail(f.0, format!("the communicator's init failed: {}", f.1))),
+            None => Err(Fail(NCCL_IN_PROGRESS, "the communicator is still initializing (poll ncclCommGetAsyncError)".into())),
+        }
+    }
 }
 pub type ncclComm_t = *mut Comm;
 
 /// A failure: the result code and the message for `ncclGetLastError`.
+#[derive(Clone, Debug)]
 struct Fail(ncclResult_t, String);
 
 impl From<Error> for Fail {
@@ -85,8 +121,17 @@ fn unsupported(function: &str) -> Fail {
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-    /// ncclGroupStart depth, and the inits deferred to the outermost ncclGroupEnd.
-    static GROUP: RefCell<(u32, Vec<PendingInit>)> = const { RefCell::new((0, Vec::new())) };
+    static GROUP: RefCell<Group> = const { RefCell::new(Group { depth: 0, inits: Vec::new(), open: Vec::new() }) };
+}
+
+/// This thread's ncclGroupStart nesting and what its outermost ncclGroupEnd completes.
+struct Group {
+    depth: u32,
+    /// Inits and splits, run together at the end.
+    inits: Vec<PendingInit>,
+    /// Stream conditions with a condition group opened for the sends and receives issued on
+    /// them, closed at the end.
+    open: Vec<Condition>,
 }
 
 /// The gate every exported function goes through (see the module doc).
@@ -96,6 +141,10 @@ fn gate(name: &str, body: impl FnOnce() -> Result<(), Fail>) -> ncclResult_t {
         Ok(Err(f)) => f,
         Err(_) => Fail(NCCL_INTERNAL_ERROR, format!("{name}: internal error (a panic was caught)")),
     };
+    if fail.0 == NCCL_IN_PROGRESS {
+        // Not a failure: a non-blocking call that goes on in the background.
+        return fail.0;
+    }
     let message = format!("{name}: {}", fail.1).replace('\0', "\\0");
     let _ = LAST_ERROR.try_with(|s| *s.borrow_mut() = CString::new(message).unwrap_or_default());
     fail.0
@@ -164,102 +213,171 @@ pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclRe
 // ---------------------------------------------------------------------------------------------
 // Communicators
 
-/// An init to run: the communicator is written to `slot` when it succeeded.
+/// What an init makes a communicator from.
+enum InitJob {
+    /// ncclCommInitRank(Config) / ncclCommInitAll: join the rendezvous of `id` on `device`.
+    Rank { nranks: c_int, id: ncclUniqueId, rank: c_int, device: i32 },
+    /// ncclCommSplit of the communicator at `parent` (an address: the program keeps it alive
+    /// until the split completed, as nccl.h asks).
+    Split { parent: usize, color: Option<u32>, key: i32 },
+}
+
+/// An init or split to run; its communicator (or NULL, for a split without a color) goes to
+/// `slot` (an `*mut ncclComm_t`, kept as an address so pending inits can cross threads).
 struct PendingInit {
-    slot: *mut ncclComm_t,
-    nranks: c_int,
-    id: ncclUniqueId,
-    rank: c_int,
-    device: i32,
+    slot: usize,
+    job: InitJob,
+    /// A config's `blocking` field: 0 runs the init on a thread of its own and answers
+    /// `ncclInProgress` at once.
+    blocking: bool,
 }
 
-fn init_comm(nranks: c_int, id: &ncclUniqueId, rank: c_int, device: i32) -> Result<ncclComm_t, Fail> {
-    if nranks < 1 || rank < 0 || rank >= nranks {
-        return Err(invalid(format!("rank {rank} of {nranks} ranks")));
+fn run_job(job: &InitJob) -> Result<Option<Communicator>, Fail> {
+    match *job {
+        InitJob::Rank { nranks, ref id, rank, device } => {
+            if nranks < 1 || rank < 0 || rank >= nranks {
+                return Err(invalid(format!("rank {rank} of {nranks} ranks")));
+            }
+            let bytes: Vec<u8> = id.internal.iter().map(|c| *c as u8).collect();
+            let uid = UniqueId::from_bytes(&bytes)?;
+            let config = config()?;
+            gscomm::cuda::api::set_device(device)?;
+            let timeout = config.bootstrap_timeout.max(Duration::from_secs(1));
+            let boot = Bootstrap::init(&uid, rank as u32, nranks as u32, timeout)?;
+            Ok(Some(Communicator::new(boot, device, &config)?))
+        }
+        InitJob::Split { parent, color, key } => {
+            // SAFETY: the parent is a live communicator of this library (see `InitJob::Split`).
+            let parent = unsafe { &*(parent as *const Comm) }.ready()?;
+            gscomm::cuda::api::set_device(parent.device())?;
+            Ok(parent.split(color, key, &config()?)?)
+        }
     }
-    let bytes: Vec<u8> = id.internal.iter().map(|c| *c as u8).collect();
-    let uid = UniqueId::from_bytes(&bytes)?;
-    let config = config()?;
-    gscomm::cuda::api::set_device(device)?;
-    let timeout = config.bootstrap_timeout.max(Duration::from_secs(1));
-    let boot = Bootstrap::init(&uid, rank as u32, nranks as u32, timeout)?;
-    let comm = Communicator::new(boot, device, &config)?;
-    Ok(Box::into_raw(Box::new(Comm { comm, conditions: Mutex::new(HashMap::new()) })))
 }
 
-/// Run `inits` together (each joins the others' rendezvous), on threads of their own.
-fn run_inits(inits: Vec<PendingInit>) -> Result<(), Fail> {
-    let results: Vec<Result<ncclComm_t, Fail>> = std::thread::scope(|s| {
-        let handles: Vec<_> = inits
-            .iter()
-            .map(|p| {
-                let (nranks, id, rank, device) = (p.nranks, p.id, p.rank, p.device);
-                s.spawn(move || init_comm(nranks, &id, rank, device).map(|c| c as usize))
+/// Run `inits`: the blocking ones together on threads of their own (each joins the others'
+/// rendezvous), waited for here; the others started on threads that outlive the call
+/// (`ncclInProgress`: the program polls ncclCommGetAsyncError on the new communicator).
+fn start_inits(inits: Vec<PendingInit>) -> Result<(), Fail> {
+    let (blocking, background): (Vec<_>, Vec<_>) = inits.into_iter().partition(|p| p.blocking);
+    let in_background = !background.is_empty();
+    for p in background {
+        let comm = Box::into_raw(Box::new(Comm::new()));
+        // SAFETY: the program's out-pointer (nccl.h), valid for the call.
+        unsafe { *(p.slot as *mut ncclComm_t) = comm };
+        let addr = comm as usize;
+        let handle = std::thread::Builder::new()
+            .name("gsc-nccl-init".into())
+            .spawn(move || {
+                let state = run_job(&p.job).and_then(|c| c.ok_or_else(|| invalid("a split without a color makes no communicator")));
+                // SAFETY: the Comm stays alive until ncclCommDestroy, which joins this thread first.
+                let _ = unsafe { &*(addr as *const Comm) }.state.set(state);
             })
-            .collect();
+            .map_err(|e| Fail(NCCL_SYSTEM_ERROR, format!("no thread for the init: {e}")))?;
+        // SAFETY: as above; nothing else has the new communicator yet.
+        *unsafe { &*comm }.init_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+    }
+    let results: Vec<Result<Option<Communicator>, Fail>> = std::thread::scope(|s| {
+        let handles: Vec<_> = blocking.iter().map(|p| s.spawn(|| run_job(&p.job))).collect();
         handles
             .into_iter()
-            .map(|h| match h.join() {
-                Ok(r) => r.map(|c| c as ncclComm_t),
-                Err(_) => Err(Fail(NCCL_INTERNAL_ERROR, "communicator init: internal error (a panic was caught)".into())),
+            .map(|h| {
+                h.join().unwrap_or_else(|_| Err(Fail(NCCL_INTERNAL_ERROR, "communicator init: internal error (a panic was caught)".into())))
             })
             .collect()
     });
     let mut first = None;
-    for (p, r) in inits.iter().zip(results) {
+    for (p, r) in blocking.iter().zip(results) {
         match r {
-            // SAFETY: the out-pointer the program passed to ncclCommInitRank, valid until its
-            // group ended (nccl.h).
-            Ok(c) => unsafe { *p.slot = c },
+            Ok(made) => {
+                let comm = made.map_or(std::ptr::null_mut(), |c| {
+                    let comm = Comm::new();
+                    let _ = comm.state.set(Ok(c));
+                    Box::into_raw(Box::new(comm))
+                });
+                // SAFETY: the program's out-pointer, valid until its group ended (nccl.h).
+                unsafe { *(p.slot as *mut ncclComm_t) = comm };
+            }
             Err(f) => first = first.or(Some(f)),
         }
     }
-    first.map_or(Ok(()), Err)
+    match first {
+        Some(f) => Err(f),
+        None if in_background => Err(Fail(NCCL_IN_PROGRESS, String::new())),
+        None => Ok(()),
+    }
 }
 
-fn init_rank(name: &str, comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int) -> ncclResult_t {
+/// Queue `init` for the group's end, or run it now outside a group.
+fn init_or_defer(init: PendingInit) -> Result<(), Fail> {
+    let now = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            g.inits.push(init);
+            None
+        } else {
+            Some(init)
+        }
+    });
+    match now {
+        // Inside a group: completed at ncclGroupEnd, with the group's other inits.
+        None => Ok(()),
+        Some(init) => start_inits(vec![init]),
+    }
+}
+
+/// `ncclConfig_t` up to the field read here (nccl.h 2.28): a config is accepted whatever its
+/// other fields say, since gscomm's knobs are GSC_ environment variables.
+#[repr(C)]
+struct ConfigHead {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+}
+
+/// `NCCL_CONFIG_UNDEF_INT`: a field the program left at its default.
+const CONFIG_UNDEF_INT: c_int = i32::MIN;
+
+/// The config's `blocking` (default: blocking).
+fn blocking(config: *const c_void) -> Result<bool, Fail> {
+    // SAFETY: nccl.h: NULL or an ncclConfig_t made with NCCL_CONFIG_INITIALIZER.
+    let Some(head) = (unsafe { (config as *const ConfigHead).as_ref() }) else { return Ok(true) };
+    if head.size < std::mem::size_of::<ConfigHead>() {
+        return Err(invalid(format!("a config of size {} (not made with NCCL_CONFIG_INITIALIZER?)", head.size)));
+    }
+    match head.blocking {
+        CONFIG_UNDEF_INT | 1 => Ok(true),
+        0 => Ok(false),
+        b => Err(invalid(format!("config.blocking = {b} (0 or 1)"))),
+    }
+}
+
+fn init_rank(name: &str, comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int, config: *const c_void) -> ncclResult_t {
     gate(name, || {
         out(comm, "comm")?;
+        let blocking = blocking(config)?;
         let device = gscomm::cuda::api::current_device()?;
-        let pending = PendingInit { slot: comm, nranks, id, rank, device };
-        let deferred = GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.0 > 0 {
-                g.1.push(pending);
-                None
-            } else {
-                Some(pending)
-            }
-        });
-        match deferred {
-            // Inside a group: completed at ncclGroupEnd, with the group's other inits.
-            None => Ok(()),
-            Some(p) => {
-                let c = init_comm(p.nranks, &p.id, p.rank, p.device)?;
-                // SAFETY: checked non-null above; nccl.h's out-pointer.
-                unsafe { *comm = c };
-                Ok(())
-            }
-        }
+        init_or_defer(PendingInit { slot: comm as usize, job: InitJob::Rank { nranks, id, rank, device }, blocking })
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int) -> ncclResult_t {
-    init_rank("ncclCommInitRank", comm, nranks, id, rank)
+    init_rank("ncclCommInitRank", comm, nranks, id, rank, std::ptr::null())
 }
 
-/// The config is accepted and not read: gscomm's communicators are blocking, and their knobs
-/// are GSC_ environment variables.
+/// Of the config, `blocking` is read (0: the init goes on in the background and the call
+/// answers `ncclInProgress`); the rest is accepted: gscomm's knobs are GSC_ variables.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommInitRankConfig(
     comm: *mut ncclComm_t,
     nranks: c_int,
     id: ncclUniqueId,
     rank: c_int,
-    _config: *mut c_void,
+    config: *mut c_void,
 ) -> ncclResult_t {
-    init_rank("ncclCommInitRankConfig", comm, nranks, id, rank)
+    init_rank("ncclCommInitRankConfig", comm, nranks, id, rank, config)
 }
 
 #[unsafe(no_mangle)]
@@ -280,43 +398,86 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut ncclComm_t, ndev: c_int, de
             .map(|r| {
                 // SAFETY: nccl.h: `devlist` (when not NULL) and `comms` hold `ndev` entries.
                 let device = if devlist.is_null() { r } else { unsafe { *devlist.add(r as usize) } };
-                PendingInit { slot: unsafe { comms.add(r as usize) }, nranks: ndev, id, rank: r, device }
+                let slot = unsafe { comms.add(r as usize) } as usize;
+                PendingInit { slot, job: InitJob::Rank { nranks: ndev, id, rank: r, device }, blocking: true }
             })
             .collect();
-        run_inits(inits)
+        start_inits(inits)
+    })
+}
+
+/// Collective over `comm`. `color` `NCCL_SPLIT_NOCOLOR` takes part and gets NULL. Splits run
+/// blocking whatever the config says (they are collective over a communicator that exists).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommSplit(
+    comm: ncclComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut ncclComm_t,
+    _config: *mut c_void,
+) -> ncclResult_t {
+    gate("ncclCommSplit", || {
+        comm_ref(comm)?.ready()?;
+        out(newcomm, "newcomm")?;
+        let color = match color {
+            NCCL_SPLIT_NOCOLOR => None,
+            c if c >= 0 => Some(c as u32),
+            c => return Err(invalid(format!("color {c} (a color is >= 0, or NCCL_SPLIT_NOCOLOR)"))),
+        };
+        init_or_defer(PendingInit { slot: newcomm as usize, job: InitJob::Split { parent: comm as usize, color, key }, blocking: true })
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
     gate("ncclGroupStart", || {
-        GROUP.with(|g| g.borrow_mut().0 += 1);
+        GROUP.with(|g| g.borrow_mut().depth += 1);
         Ok(())
     })
 }
 
+/// The outermost end closes the condition groups its sends and receives opened (they go on
+/// their streams), then runs its inits and splits.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
     gate("ncclGroupEnd", || {
-        let inits = GROUP.with(|g| {
+        let (inits, open) = GROUP.with(|g| {
             let mut g = g.borrow_mut();
-            if g.0 == 0 {
+            if g.depth == 0 {
                 return Err(Fail(NCCL_INVALID_USAGE, "ncclGroupEnd without ncclGroupStart".into()));
             }
-            g.0 -= 1;
-            Ok(if g.0 == 0 { std::mem::take(&mut g.1) } else { Vec::new() })
+            g.depth -= 1;
+            Ok(if g.depth == 0 { (std::mem::take(&mut g.inits), std::mem::take(&mut g.open)) } else { Default::default() })
         })?;
-        if inits.is_empty() { Ok(()) } else { run_inits(inits) }
+        let mut first = None;
+        for cond in open {
+            if let Err(e) = cond.group_end() {
+                first = first.or(Some(Fail::from(e.context("putting the group's sends and receives on their stream"))));
+            }
+        }
+        let inits = if inits.is_empty() { Ok(()) } else { start_inits(inits) };
+        match first {
+            Some(f) => Err(f),
+            None => inits,
+        }
     })
 }
 
-/// Destroy: the program has synchronized its streams (nccl.h: destroy waits for nothing here,
-/// as gscomm's collectives hold no host state after their launch).
+/// Destroy: the program has synchronized its streams (nccl.h). A non-blocking init still
+/// running is waited for (bounded by the bootstrap timeout).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
     gate("ncclCommDestroy", || {
-        comm_ref(comm)?;
-        // SAFETY: made by Box::into_raw in init_comm; destroyed once (nccl.h).
+        let c = comm_ref(comm)?;
+        let init = c.init_thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = init {
+            let _ = t.join();
+        }
+        for r in std::mem::take(&mut *c.registrations.lock().unwrap_or_else(|e| e.into_inner())) {
+            // SAFETY: made by Box::into_raw in ncclCommRegister and not deregistered.
+            drop(unsafe { Box::from_raw(r as *mut Registration) });
+        }
+        // SAFETY: made by Box::into_raw in start_inits; destroyed once (nccl.h).
         drop(unsafe { Box::from_raw(comm) });
         Ok(())
     })
@@ -335,13 +496,23 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
     unsafe { ncclCommDestroy(comm) }
 }
 
+/// `ncclInProgress` while a non-blocking init runs; then its failure, a collective kernel's
+/// timeout, or the first failed send/recv on any of the communicator's streams.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommGetAsyncError(comm: ncclComm_t, async_error: *mut ncclResult_t) -> ncclResult_t {
     gate("ncclCommGetAsyncError", || {
         let c = comm_ref(comm)?;
-        *out(async_error, "asyncError")? = match c.comm.async_error() {
-            Ok(()) => NCCL_SUCCESS,
-            Err(e) => Fail::from(e).0,
+        let slot = out(async_error, "asyncError")?;
+        *slot = match c.ready() {
+            Err(f) => f.0,
+            Ok(communicator) => {
+                let conditions = c.conditions.lock().unwrap_or_else(|e| e.into_inner());
+                let p2p = conditions.values().map(|cond| cond.query()).find(|r| r.is_err()).unwrap_or(Ok(()));
+                match communicator.async_error().and(p2p) {
+                    Ok(()) => NCCL_SUCCESS,
+                    Err(e) => Fail::from(e).0,
+                }
+            }
         };
         Ok(())
     })
@@ -350,7 +521,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: ncclComm_t, async_error: *m
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t {
     gate("ncclCommCount", || {
-        *out(count, "count")? = comm_ref(comm)?.comm.nranks() as c_int;
+        *out(count, "count")? = comm_ref(comm)?.ready()?.nranks() as c_int;
         Ok(())
     })
 }
@@ -358,7 +529,7 @@ pub unsafe extern "C" fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) -> n
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t {
     gate("ncclCommCuDevice", || {
-        *out(device, "device")? = comm_ref(comm)?.comm.device();
+        *out(device, "device")? = comm_ref(comm)?.ready()?.device();
         Ok(())
     })
 }
@@ -366,7 +537,7 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) -> ncclResult_t {
     gate("ncclCommUserRank", || {
-        *out(rank, "rank")? = comm_ref(comm)?.comm.rank() as c_int;
+        *out(rank, "rank")? = comm_ref(comm)?.ready()?.rank() as c_int;
         Ok(())
     })
 }
@@ -412,7 +583,7 @@ fn collective(
         let c = comm_ref(comm)?;
         let (dtype, op) = types(datatype, op)?;
         let on = on_stream(c, stream)?;
-        run(&c.comm, &on, dtype, op)?;
+        run(c.ready()?, &on, dtype, op)?;
         Ok(())
     })
 }
@@ -514,6 +685,106 @@ pub unsafe extern "C" fn ncclReduceScatter(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Point-to-point
+
+/// ncclSend / ncclRecv. Inside a group the first transfer on a (communicator, stream) opens a
+/// condition group there, and the group's end closes it: the group's sends and receives are
+/// then in flight together (an all-to-all cannot deadlock on its own order), and the stream
+/// waits for all of them. Outside a group a transfer goes on the stream alone.
+#[allow(clippy::too_many_arguments)]
+fn p2p(
+    name: &str,
+    op: PeerOp,
+    buf: u64,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> ncclResult_t {
+    gate(name, || {
+        let c = comm_ref(comm)?;
+        let communicator = c.ready()?;
+        let dtype = DataType::from_nccl(datatype)?;
+        let peer = usize::try_from(peer).map_err(|_| invalid(format!("peer {peer}")))?;
+        let on = on_stream(c, stream)?;
+        GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            if g.depth > 0 && !g.open.iter().any(|o| o.same(&on)) {
+                on.group_start()?;
+                g.open.push(on.clone());
+            }
+            Ok::<(), Fail>(())
+        })?;
+        // SAFETY: nccl.h's contract on the buffer and the stream.
+        match op {
+            PeerOp::Send => unsafe { communicator.send(buf, count, dtype, peer, &on) }?,
+            PeerOp::Recv => unsafe { communicator.recv(buf, count, dtype, peer, &on) }?,
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> ncclResult_t {
+    p2p("ncclSend", PeerOp::Send, sendbuff as u64, count, datatype, peer, comm, stream)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> ncclResult_t {
+    p2p("ncclRecv", PeerOp::Recv, recvbuff as u64, count, datatype, peer, comm, stream)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registration
+
+/// The buffer is checked (GPU memory of the communicator's device) and a handle returned;
+/// no collective takes a zero-copy path for registered buffers yet (`Communicator::register`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, handle: *mut *mut c_void) -> ncclResult_t {
+    gate("ncclCommRegister", || {
+        let c = comm_ref(comm)?;
+        let slot = out(handle, "handle")?;
+        let reg = c.ready()?.register(buff as u64, size)?;
+        let boxed = Box::into_raw(Box::new(reg));
+        c.registrations.lock().unwrap_or_else(|e| e.into_inner()).push(boxed as usize);
+        *slot = boxed as *mut c_void;
+        Ok(())
+    })
+}
+
+/// A handle this communicator did not give out (or already took back) is refused, unchanged.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
+    gate("ncclCommDeregister", || {
+        let c = comm_ref(comm)?;
+        let mut regs = c.registrations.lock().unwrap_or_else(|e| e.into_inner());
+        let i = regs
+            .iter()
+            .position(|&r| r == handle as usize)
+            .ok_or_else(|| invalid("the handle is not a live registration of this communicator (deregistered already?)"))?;
+        regs.swap_remove(i);
+        // SAFETY: made by Box::into_raw in ncclCommRegister, and just taken off the live list.
+        drop(unsafe { Box::from_raw(handle as *mut Registration) });
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
 // Memory
 
 #[unsafe(no_mangle)]
@@ -551,11 +822,6 @@ macro_rules! not_yet {
 }
 
 not_yet! {
-    ncclSend(sendbuff: *const c_void, count: usize, datatype: c_int, peer: c_int, comm: ncclComm_t, stream: *mut c_void);
-    ncclRecv(recvbuff: *mut c_void, count: usize, datatype: c_int, peer: c_int, comm: ncclComm_t, stream: *mut c_void);
-    ncclCommSplit(comm: ncclComm_t, color: c_int, key: c_int, newcomm: *mut ncclComm_t, config: *mut c_void);
-    ncclCommRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, handle: *mut *mut c_void);
-    ncclCommDeregister(comm: ncclComm_t, handle: *mut c_void);
     ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut *mut c_void, flags: c_int);
     ncclCommWindowDeregister(comm: ncclComm_t, win: *mut c_void);
     ncclRedOpCreatePreMulSum(op: *mut c_int, scalar: *mut c_void, datatype: c_int, residence: c_int, comm: ncclComm_t);
@@ -606,8 +872,52 @@ mod tests {
         let r = unsafe { ncclCommInitRank(&mut comm, 2, id, 5) };
         assert_ne!(r, NCCL_SUCCESS);
         assert!(comm.is_null());
-        assert_eq!(unsafe { ncclSend(std::ptr::null(), 1, 7, 0, std::ptr::null_mut(), std::ptr::null_mut()) }, NCCL_INVALID_USAGE);
-        assert!(last().contains("ncclSend is not supported"), "{}", last());
+        assert_eq!(unsafe { ncclSend(std::ptr::null(), 1, 7, 0, std::ptr::null_mut(), std::ptr::null_mut()) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("ncclSend: comm is NULL"), "{}", last());
+        let mut op = 0;
+        let r = unsafe { ncclRedOpCreatePreMulSum(&mut op, std::ptr::null_mut(), 7, 1, std::ptr::null_mut()) };
+        assert_eq!(r, NCCL_INVALID_USAGE);
+        assert!(last().contains("ncclRedOpCreatePreMulSum is not supported"), "{}", last());
+    }
+
+    #[test]
+    fn configs_say_blocking_or_not_and_bad_ones_are_named() {
+        let mut c = ConfigHead { size: 64, magic: 0xcafebeef, version: NCCL_VERSION_CODE as u32, blocking: CONFIG_UNDEF_INT };
+        let p = |c: &mut ConfigHead| c as *mut ConfigHead as *const c_void;
+        assert!(blocking(std::ptr::null()).unwrap(), "no config: blocking");
+        assert!(blocking(p(&mut c)).unwrap(), "undefined: blocking");
+        c.blocking = 0;
+        assert!(!blocking(p(&mut c)).unwrap());
+        c.blocking = 7;
+        assert!(blocking(p(&mut c)).unwrap_err().1.contains("config.blocking = 7"));
+        c.size = 4;
+        assert!(blocking(p(&mut c)).unwrap_err().1.contains("size 4"));
+    }
+
+    #[test]
+    fn split_and_registration_refuse_bad_arguments() {
+        let mut newcomm: ncclComm_t = std::ptr::null_mut();
+        assert_eq!(unsafe { ncclCommSplit(std::ptr::null_mut(), 0, 0, &mut newcomm, std::ptr::null_mut()) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("comm is NULL"), "{}", last());
+        let mut h = std::ptr::null_mut();
+        assert_eq!(unsafe { ncclCommRegister(std::ptr::null_mut(), std::ptr::null_mut(), 8, &mut h) }, NCCL_INVALID_ARGUMENT);
+        assert!(h.is_null());
+        // A communicator still initializing answers ncclInProgress, and a handle it never gave
+        // out is refused without touching it.
+        let comm = Box::into_raw(Box::new(Comm::new()));
+        let mut n = -1;
+        assert_eq!(unsafe { ncclCommCount(comm, &mut n) }, NCCL_IN_PROGRESS);
+        let mut err = 0;
+        assert_eq!(unsafe { ncclCommGetAsyncError(comm, &mut err) }, NCCL_SUCCESS);
+        assert_eq!(err, NCCL_IN_PROGRESS);
+        let mut bogus = 5u64;
+        assert_eq!(unsafe { ncclCommDeregister(comm, &mut bogus as *mut u64 as *mut c_void) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("not a live registration"), "{}", last());
+        assert_eq!(bogus, 5);
+        let _ = unsafe { &*comm }.state.set(Err(Fail(NCCL_REMOTE_ERROR, "rank 1 went away".into())));
+        assert_eq!(unsafe { ncclCommCount(comm, &mut n) }, NCCL_REMOTE_ERROR);
+        assert!(last().contains("init failed: rank 1 went away"), "{}", last());
+        assert_eq!(unsafe { ncclCommDestroy(comm) }, NCCL_SUCCESS);
     }
 
     #[test]

@@ -25,6 +25,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId);
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank);
 ncclResult_t ncclCommCount(const ncclComm_t comm, int *count);
 ncclResult_t ncclSend(const void *sendbuff, size_t count, int datatype, int peer, ncclComm_t comm, void *stream);
+ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, void *win);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 
@@ -45,8 +46,10 @@ int main(void) {
     /* A rank out of range is refused (before any GPU is needed, or by the CUDA check first). */
     ncclComm_t comm = NULL;
     CHECK(ncclCommInitRank(&comm, 2, id, 7) != ncclSuccess && comm == NULL);
-    CHECK(ncclSend(NULL, 1, 7, 0, NULL, NULL) == ncclInvalidUsage);
-    CHECK(strstr(ncclGetLastError(NULL), "ncclSend") != NULL);
+    CHECK(ncclSend(NULL, 1, 7, 0, NULL, NULL) == ncclInvalidArgument);
+    CHECK(strstr(ncclGetLastError(NULL), "ncclSend: comm is NULL") != NULL);
+    CHECK(ncclCommWindowDeregister(NULL, NULL) == ncclInvalidUsage);
+    CHECK(strstr(ncclGetLastError(NULL), "ncclCommWindowDeregister is not supported") != NULL);
     CHECK(ncclGroupStart() == ncclSuccess && ncclGroupEnd() == ncclSuccess);
     CHECK(ncclGroupEnd() == ncclInvalidUsage);
     if (failures == 0) printf("ok\n");

@@ -14,9 +14,10 @@
 //! any number of times.
 
 use super::agreement::{self, Signature};
+use super::p2p::{PeerLinks, PeerOp};
 use super::select::{self, Algorithm, Collective};
 use super::types::{DataType, RedOp};
-use crate::bootstrap::Bootstrap;
+use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::Config;
 use crate::cuda::coll::{BIG_BLOCKS, BIG_ROUND_MAX, CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace};
@@ -36,8 +37,17 @@ pub struct Communicator {
     large_min: usize,
     /// `GSC_COLL_CHECK`: every call is compared across the ranks first (`agreement`).
     check_calls: bool,
-    /// Kept for the collective teardown, the call check and later host-side agreement (split).
+    /// Kept for the collective teardown, the call check and split.
     bootstrap: Bootstrap,
+    /// Send/recv between the ranks (`p2p`).
+    peers: PeerLinks,
+}
+
+/// A buffer registered with a communicator (`Communicator::register`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    pub addr: u64,
+    pub bytes: usize,
 }
 
 /// What one collective call asks for, before it is cut into rounds.
@@ -81,6 +91,7 @@ impl Communicator {
             keys.push(entry[8..].to_vec());
         }
         workspace.map_peers(rank, &keys, &bases)?;
+        let peers = PeerLinks::new(&bootstrap, config)?;
         // Nobody launches before everyone has mapped (a kernel would wait for a peer that is
         // still opening our workspace: harmless, but it would count against its timeout).
         bootstrap.barrier()?;
@@ -94,7 +105,86 @@ impl Communicator {
             large_min: config.coll_large_min,
             check_calls: config.coll_check,
             bootstrap,
+            peers,
         })
+    }
+
+    /// NCCL's split: the ranks that give the same `color` form a new communicator, ranked by
+    /// (`key`, rank here); `None` (NCCL_SPLIT_NOCOLOR) takes part in the call and gets none.
+    /// Collective over this communicator; the new one is on the same device, with `config`.
+    pub fn split(&self, color: Option<u32>, key: i32, config: &Config) -> Result<Option<Communicator>> {
+        let mut mine = vec![u8::from(color.is_some())];
+        mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
+        mine.extend_from_slice(&key.to_le_bytes());
+        let all = self.bootstrap.allgather(&mine).map_err(|e| e.context("split: exchanging colors"))?;
+        let mut entries = Vec::with_capacity(all.len());
+        for (r, e) in all.iter().enumerate() {
+            let e: &[u8; 9] = e
+                .as_slice()
+                .try_into()
+                .map_err(|_| Error::new(Status::ConnectionReset, format!("split: rank {r} sent a color entry of {} bytes", e.len())))?;
+            let color = (e[0] != 0).then(|| u32::from_le_bytes(e[1..5].try_into().expect("4 bytes")));
+            entries.push((color, i32::from_le_bytes(e[5..9].try_into().expect("4 bytes"))));
+        }
+        let members = split_members(&entries, color);
+        // The first member of each color hosts the new group's rendezvous; a second exchange
+        // hands its id to the others.
+        let leads = members.first() == Some(&self.rank);
+        let uid = if leads {
+            let ip = self.bootstrap.peer_addr(self.rank as u32).map(|a| a.ip());
+            UniqueId::create(ip).map(|u| u.to_bytes().to_vec()).unwrap_or_else(|e| {
+                tracing::warn!(target: "gsc::coll", error = %e, "split: no rendezvous for the new communicator");
+                Vec::new()
+            })
+        } else {
+            Vec::new()
+        };
+        let ids = self.bootstrap.allgather(&uid).map_err(|e| e.context("split: exchanging the new ids"))?;
+        let Some(&lead) = members.first() else { return Ok(None) };
+        if ids[lead].is_empty() {
+            return Err(Error::new(Status::NoResource, format!("split: rank {lead} could not start the new communicator's rendezvous")));
+        }
+        let uid = UniqueId::from_bytes(&ids[lead])?;
+        let new_rank = members.iter().position(|&r| r == self.rank).expect("a rank with a color is among its members");
+        let boot = Bootstrap::init(&uid, new_rank as u32, members.len() as u32, self.bootstrap.timeout())?;
+        Communicator::new(boot, self.device, config).map(Some)
+    }
+
+    /// NCCL's buffer registration: `bytes` at `addr` are checked to be memory of this rank's
+    /// GPU, and the range is returned for `deregister`. Registration is a hint in NCCL and no
+    /// collective here takes a different path for registered buffers yet, so it changes no
+    /// result; it is checked so that a wrong buffer is named at registration, not later.
+    pub fn register(&self, addr: u64, bytes: usize) -> Result<Registration> {
+        if bytes == 0 {
+            return Err(Error::invalid_param("registering 0 bytes"));
+        }
+        let last = addr.checked_add(bytes as u64 - 1).ok_or_else(|| Error::invalid_param("the registered range wraps around"))?;
+        self.check_device_buffer(addr, "registered")?;
+        self.check_device_buffer(last, "registered (at its last byte)")?;
+        Ok(Registration { addr, bytes })
+    }
+
+    /// Send `count` elements of `buf` to rank `peer` (NCCL's ncclSend): the k-th send to a peer
+    /// pairs with its k-th receive from this rank. `on`'s producer waits for completion; inside
+    /// a condition group, at its end, so a group's sends and receives are in flight together.
+    ///
+    /// # Safety
+    /// `buf` is memory of this rank's device (or host memory), valid for `count` elements
+    /// until the send completed on `on`.
+    pub unsafe fn send(&self, buf: u64, count: usize, dtype: DataType, peer: usize, on: &Condition) -> Result<()> {
+        let bytes = self.bytes(count, dtype)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.peers.transfer(PeerOp::Send, buf, bytes, peer, on) }
+    }
+
+    /// Receive `count` elements from rank `peer` into `buf` (NCCL's ncclRecv); see `send`.
+    ///
+    /// # Safety
+    /// As `send`, and `buf` is not touched by anything else until the receive completed.
+    pub unsafe fn recv(&self, buf: u64, count: usize, dtype: DataType, peer: usize, on: &Condition) -> Result<()> {
+        let bytes = self.bytes(count, dtype)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.peers.transfer(PeerOp::Recv, buf, bytes, peer, on) }
     }
 
     pub fn rank(&self) -> usize {
@@ -407,4 +497,28 @@ impl Communicator {
 
 fn too_large() -> Error {
     Error::invalid_param("a collective's size in bytes overflows")
+}
+
+/// The ranks that split into the same communicator as a rank of `color`, in their new order:
+/// those of that color, by (key, old rank). `entries[r]` is rank r's (color, key). None for
+/// `color` (no color): no members.
+fn split_members(entries: &[(Option<u32>, i32)], color: Option<u32>) -> Vec<usize> {
+    let Some(color) = color else { return Vec::new() };
+    let mut members: Vec<usize> = (0..entries.len()).filter(|&r| entries[r].0 == Some(color)).collect();
+    members.sort_by_key(|&r| (entries[r].1, r));
+    members
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_members;
+
+    #[test]
+    fn split_orders_members_by_key_then_rank() {
+        let entries = [(Some(1), 0), (Some(0), 5), (None, 0), (Some(1), -3), (Some(0), 5), (Some(1), 0)];
+        assert_eq!(split_members(&entries, Some(1)), [3, 0, 5]);
+        assert_eq!(split_members(&entries, Some(0)), [1, 4], "equal keys keep the old order");
+        assert!(split_members(&entries, None).is_empty());
+        assert!(split_members(&entries, Some(7)).is_empty());
+    }
 }

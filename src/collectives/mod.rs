@@ -4,13 +4,15 @@
 //! with a workspace every peer writes over NVLink. Collectives (all-reduce, all-gather,
 //! reduce-scatter, broadcast, reduce) on NCCL's datatypes and operators (types.rs) run as
 //! kernels on the caller's stream or as nodes of its graph (`cuda::coll`): small ones in one
-//! round, larger ones in rounds of 64 KiB per rank. Not built yet: the bandwidth algorithms for
-//! large messages, split/abort, groups, registration, and the NCCL-ABI library.
+//! round, larger ones in rounds of 64 KiB per rank. Send/recv between ranks (p2p.rs) go through
+//! the point-to-point engine on a worker of the communicator's own. The NCCL-ABI library is the
+//! workspace member nccl/.
 
 pub(crate) mod agreement;
 pub mod comm;
+pub mod p2p;
 pub mod select;
 pub mod types;
 
-pub use comm::Communicator;
+pub use comm::{Communicator, Registration};
 pub use types::{DataType, RedOp};

@@ -200,6 +200,11 @@ impl Condition {
         }
     }
 
+    /// Whether `other` is a handle to this same condition.
+    pub fn same(&self, other: &Condition) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     pub fn category(&self) -> Category {
         self.inner.category
     }
