@@ -920,6 +920,103 @@ mod tests {
         assert_eq!(unsafe { ncclCommDestroy(comm) }, NCCL_SUCCESS);
     }
 
+    /// On two GPUs from one thread, as a program would: non-blocking inits in a group (polled
+    /// to success), send/recv between them in a group with data checked, a split into two
+    /// one-rank communicators that then all-reduce, and registration. Skips without GPUs.
+    #[test]
+    fn non_blocking_init_send_recv_split_and_registration_on_gpus() {
+        use gscomm::cuda::api::{DeviceBuf, Stream, device_count, gpu_test_skip_reason, set_device};
+        if let Some(why) = gpu_test_skip_reason() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        if device_count() < 2 {
+            eprintln!("skipped: needs 2 GPUs, found {}", device_count());
+            return;
+        }
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NCCL_SUCCESS);
+        let mut config = ConfigHead { size: 64, magic: 0xcafebeef, version: NCCL_VERSION_CODE as u32, blocking: 0 };
+        let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, c) in comms.iter_mut().enumerate() {
+            set_device(r as i32).unwrap();
+            let cfg = &mut config as *mut ConfigHead as *mut c_void;
+            assert_eq!(unsafe { ncclCommInitRankConfig(c, 2, id, r as c_int, cfg) }, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_IN_PROGRESS, "{}", last());
+        let t0 = std::time::Instant::now();
+        for c in comms {
+            assert!(!c.is_null());
+            loop {
+                let mut e = -1;
+                assert_eq!(unsafe { ncclCommGetAsyncError(c, &mut e) }, NCCL_SUCCESS);
+                if e == NCCL_SUCCESS {
+                    break;
+                }
+                assert_eq!(e, NCCL_IN_PROGRESS, "{}", last());
+                assert!(t0.elapsed() < Duration::from_secs(60), "non-blocking init did not finish");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        // Send/recv both ways in one group: 3 MiB, so the copy-engine path.
+        let len = 3 << 20;
+        let mut bufs = Vec::new();
+        for r in 0..2 {
+            set_device(r).unwrap();
+            let send = DeviceBuf::new(len).unwrap();
+            send.upload(&(0..len).map(|i| (i * 13 + r as usize * 7) as u8).collect::<Vec<_>>()).unwrap();
+            let recv = DeviceBuf::new(len).unwrap();
+            recv.fill(0).unwrap();
+            bufs.push((send, recv, Stream::new().unwrap()));
+        }
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, (send, recv, stream)) in bufs.iter().enumerate() {
+            let (c, peer, s) = (comms[r], 1 - r as c_int, stream.raw() as *mut c_void);
+            assert_eq!(unsafe { ncclSend(send.ptr() as *const c_void, len, 1, peer, c, s) }, NCCL_SUCCESS, "{}", last());
+            assert_eq!(unsafe { ncclRecv(recv.ptr() as *mut c_void, len, 1, peer, c, s) }, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        for (r, (_, recv, stream)) in bufs.iter().enumerate() {
+            stream.synchronize().unwrap();
+            let want: Vec<u8> = (0..len).map(|i| (i * 13 + (1 - r) * 7) as u8).collect();
+            assert!(recv.download().unwrap() == want, "GPU {r} received wrong data");
+        }
+        // Registration: a real buffer is taken, a host address is not, a handle only once.
+        let mut h = std::ptr::null_mut();
+        let (send, _, stream) = &bufs[0];
+        assert_eq!(unsafe { ncclCommRegister(comms[0], send.ptr() as *mut c_void, len, &mut h) }, NCCL_SUCCESS, "{}", last());
+        let host = vec![0u8; 64];
+        let mut h2 = std::ptr::null_mut();
+        assert_eq!(unsafe { ncclCommRegister(comms[0], host.as_ptr() as *mut c_void, 64, &mut h2) }, NCCL_INVALID_ARGUMENT);
+        assert!(h2.is_null() && last().contains("not GPU memory"), "{}", last());
+        assert_eq!(unsafe { ncclCommDeregister(comms[0], h) }, NCCL_SUCCESS);
+        assert_eq!(unsafe { ncclCommDeregister(comms[0], h) }, NCCL_INVALID_ARGUMENT);
+        // Split into two one-rank communicators (both splits from this thread: a group).
+        let mut subs: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, sub) in subs.iter_mut().enumerate() {
+            assert_eq!(unsafe { ncclCommSplit(comms[r], r as c_int, 0, sub, std::ptr::null_mut()) }, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        for sub in subs {
+            let (mut n, mut rank) = (0, -1);
+            assert_eq!(unsafe { ncclCommCount(sub, &mut n) }, NCCL_SUCCESS);
+            assert_eq!(unsafe { ncclCommUserRank(sub, &mut rank) }, NCCL_SUCCESS);
+            assert_eq!((n, rank), (1, 0));
+        }
+        set_device(0).unwrap();
+        let out = DeviceBuf::new(len).unwrap();
+        let s = stream.raw() as *mut c_void;
+        let r = unsafe { ncclAllReduce(send.ptr() as *const c_void, out.ptr() as *mut c_void, len, 1, 0, subs[0], s) };
+        assert_eq!(r, NCCL_SUCCESS, "{}", last());
+        stream.synchronize().unwrap();
+        assert!(out.download().unwrap() == send.download().unwrap(), "a one-rank all-reduce is a copy");
+        for c in subs.into_iter().chain(comms) {
+            assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
+        }
+    }
+
     #[test]
     fn groups_nest_and_unbalanced_end_is_an_error() {
         assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
