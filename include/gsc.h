@@ -803,6 +803,71 @@ gsc_status_t gsc_host_stream_launch(gsc_host_stream_h stream, void (*fn)(void *a
  *  GSC_ERR_TIMED_OUT. */
 gsc_status_t gsc_host_stream_synchronize(gsc_host_stream_h stream, int64_t timeout_ms);
 
+/* ---------------------------------------------------------------------------------------------
+ * Communicators: collectives and send/recv between the GPUs of one host (one rank per GPU),
+ * NCCL-style, on conditions. A collective is a kernel on the condition's stream, or nodes of its
+ * graph (STREAM and GRAPH conditions); send/recv go through the point-to-point engine on a
+ * worker of the communicator's own (STREAM conditions; inside gsc_condition_group_start/end a
+ * group's transfers are in flight together, so an all-to-all cannot deadlock on its order).
+ * Every rank calls the same collectives in the same order (GSC_COLL_CHECK=on verifies it). */
+
+/** A communicator (one rank of it). */
+typedef struct gsc_comm *gsc_comm_h;
+
+/** Element types (the values are NCCL's ncclDataType_t). */
+typedef enum {
+    GSC_INT8 = 0,
+    GSC_UINT8 = 1,
+    GSC_INT32 = 2,
+    GSC_UINT32 = 3,
+    GSC_INT64 = 4,
+    GSC_UINT64 = 5,
+    GSC_FLOAT16 = 6,
+    GSC_FLOAT32 = 7,
+    GSC_FLOAT64 = 8,
+    GSC_BFLOAT16 = 9
+} gsc_datatype_t;
+
+/** Reduction operators (the values are NCCL's ncclRedOp_t). */
+typedef enum {
+    GSC_SUM = 0,
+    GSC_PROD = 1,
+    GSC_MAX = 2,
+    GSC_MIN = 3,
+    GSC_AVG = 4
+} gsc_red_op_t;
+
+/** Join the communicator of `nranks` ranks whose rendezvous is `uid` (gsc_get_unique_id() on one
+ *  rank, handed to the others), as `rank`, on CUDA device `device`. Collective: returns when
+ *  every rank joined, or with GSC_ERR_TIMED_OUT after GSC_BOOTSTRAP_TIMEOUT. */
+gsc_status_t gsc_comm_init_rank(gsc_comm_h *comm_p, int nranks, const gsc_unique_id_t *uid, int rank, int device);
+/** Destroy this rank's side. Work already on streams must have completed. */
+gsc_status_t gsc_comm_destroy(gsc_comm_h comm);
+/** This rank's rank. */
+gsc_status_t gsc_comm_rank(gsc_comm_h comm, int *rank);
+/** The number of ranks. */
+gsc_status_t gsc_comm_size(gsc_comm_h comm, int *size);
+/** GSC_OK, or GSC_ERR_TIMED_OUT when a collective kernel gave up waiting for a peer (GSC_TIMEOUT);
+ *  send/recv failures show in gsc_condition_query() of their condition. */
+gsc_status_t gsc_comm_query(gsc_comm_h comm);
+/** `count` elements of `sendbuf` reduced with `op` across the ranks into every rank's `recvbuf`
+ *  (sendbuf == recvbuf: in place), when `condition` reaches the call. */
+gsc_status_t gsc_comm_all_reduce(gsc_comm_h comm, const void *sendbuf, void *recvbuf, size_t count,
+                                 gsc_datatype_t datatype, gsc_red_op_t op, gsc_condition_h condition);
+/** Rank `root`'s `count` elements into every rank's `recvbuf` (`sendbuf` read on the root only). */
+gsc_status_t gsc_comm_broadcast(gsc_comm_h comm, const void *sendbuf, void *recvbuf, size_t count,
+                                gsc_datatype_t datatype, int root, gsc_condition_h condition);
+/** Every rank's `count` elements into `recvbuf` (size x count), rank r's at element r x count. */
+gsc_status_t gsc_comm_all_gather(gsc_comm_h comm, const void *sendbuf, void *recvbuf, size_t count,
+                                 gsc_datatype_t datatype, gsc_condition_h condition);
+/** Send `count` elements to rank `peer`: the k-th send to a peer pairs with its k-th receive from
+ *  this rank. The condition's stream waits for completion (in a group: at its end). */
+gsc_status_t gsc_comm_send(gsc_comm_h comm, const void *buf, size_t count, gsc_datatype_t datatype, int peer,
+                           gsc_condition_h condition);
+/** Receive `count` elements from rank `peer` (see gsc_comm_send()). */
+gsc_status_t gsc_comm_recv(gsc_comm_h comm, void *buf, size_t count, gsc_datatype_t datatype, int peer,
+                           gsc_condition_h condition);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,6 +1,6 @@
 //! Handles of the C API and the registry that validates them.
 //!
-//! A context, worker, endpoint, memory, rkey or bootstrap handle is a `Box<Handle<T>>` turned into a raw
+//! A context, worker, endpoint, memory, rkey, bootstrap or communicator handle is a `Box<Handle<T>>` turned into a raw
 //! pointer. Every live one is listed in a process-wide registry (address -> type tag, parent), and
 //! a handle is dereferenced only while the registry's lock is held *and* after it was found there
 //! with the right type tag; its magic word is then checked as well. Destroying removes the entry
@@ -19,6 +19,7 @@
 
 use super::panic::set_last_error;
 use crate::bootstrap::Bootstrap;
+use crate::collectives::Communicator;
 use crate::condition::{Condition, HostStream};
 use crate::core::{Context, Endpoint, MemHandle, Prepared, Rkey, Worker};
 use crate::error::{Error, Result, Status};
@@ -73,6 +74,11 @@ impl Kind for Arc<Prepared> {
 impl Kind for Arc<Bootstrap> {
     const MAGIC: u64 = u64::from_le_bytes(*b"gscBOOT1");
     const NAME: &'static str = "gsc_bootstrap_h";
+}
+
+impl Kind for Arc<Communicator> {
+    const MAGIC: u64 = u64::from_le_bytes(*b"gscCOMM1");
+    const NAME: &'static str = "gsc_comm_h";
 }
 
 impl Kind for Condition {
@@ -153,6 +159,7 @@ fn name_of(magic: u64) -> &'static str {
         m if m == Rkey::MAGIC => Rkey::NAME,
         m if m == <Arc<Bootstrap>>::MAGIC => <Arc<Bootstrap>>::NAME,
         m if m == Condition::MAGIC => Condition::NAME,
+        m if m == <Arc<Communicator>>::MAGIC => <Arc<Communicator>>::NAME,
         m if m == HostStream::MAGIC => HostStream::NAME,
         m if m == <Arc<Prepared>>::MAGIC => <Arc<Prepared>>::NAME,
         _ => "unknown handle",
@@ -227,6 +234,7 @@ fn release(addr: usize, magic: u64) {
         }
         m if m == Rkey::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Rkey>) }),
         m if m == <Arc<Bootstrap>>::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Arc<Bootstrap>>) }),
+        m if m == <Arc<Communicator>>::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Arc<Communicator>>) }),
         _ => {
             // Unreachable: only `register` inserts, with one of the magics above. Leaking is
             // the only safe reaction to not knowing the type.

@@ -6,7 +6,7 @@
 //! - `handles`: the registry that validates context/worker/endpoint/memory/rkey handles, and the
 //!   library-owned buffers (addresses, packed rkeys);
 //! - `params`: the `#[repr(C)]` mirrors of the parameter structs and their conversion;
-//! - `context`, `worker`, `ops`, `condition`, `bootstrap`: the exported functions, grouped like
+//! - `context`, `worker`, `ops`, `condition`, `bootstrap`, `comm`: the exported functions, grouped like
 //!   the header.
 //!
 //! Request handles are the Rust API's `u64` handles passed as pointer-sized integers (never 0,
@@ -17,6 +17,7 @@
 compile_error!("the gscomm C API passes 64-bit request handles as pointers and needs a 64-bit target");
 
 mod bootstrap;
+mod comm;
 mod condition;
 mod context;
 mod handles;

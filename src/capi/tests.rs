@@ -200,3 +200,80 @@ int main(void) {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `gsc_...(` names declared as functions in the header: `gsc_status_t NAME(` and the like.
+fn header_functions() -> std::collections::BTreeSet<String> {
+    // The header without its comments (which name functions too).
+    let mut code = String::new();
+    let mut rest = HEADER;
+    while let Some(i) = rest.find("/*") {
+        code.push_str(&rest[..i]);
+        rest = &rest[i + rest[i..].find("*/").expect("unterminated comment in gsc.h") + 2..];
+    }
+    code.push_str(rest);
+    code.lines()
+        .filter(|l| !l.starts_with('#'))
+        .flat_map(|l| {
+            l.match_indices("gsc_")
+                .filter_map(|(i, _)| {
+                    let rest = &l[i..];
+                    let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    rest[name.len()..].starts_with('(').then_some(name)
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `extern "C" fn gsc_...` names in src/capi/.
+fn exported_functions() -> std::collections::BTreeSet<String> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/capi");
+    let mut out = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for part in text.split("extern \"C\" fn ").skip(1) {
+            let name: String = part.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            if name.starts_with("gsc_") && name.len() > 4 {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn header_declares_exactly_the_exported_functions() {
+    let (declared, exported) = (header_functions(), exported_functions());
+    assert!(exported.len() > 50, "found only {} exports: {exported:?}", exported.len());
+    let missing: Vec<_> = exported.difference(&declared).collect();
+    let extra: Vec<_> = declared.difference(&exported).collect();
+    assert!(missing.is_empty(), "exported but not declared in include/gsc.h: {missing:?}");
+    assert!(extra.is_empty(), "declared in include/gsc.h but not exported: {extra:?}");
+}
+
+/// `NAME = value` entries of the enum that ends with `} TYPE;`.
+fn header_enum(ty: &str) -> Vec<(String, i32)> {
+    let end = HEADER.find(&format!("}} {ty};")).unwrap_or_else(|| panic!("{ty} in gsc.h"));
+    let start = HEADER[..end].rfind("typedef enum {").unwrap();
+    HEADER[start..end]
+        .lines()
+        .filter_map(|l| l.split("/*").next().unwrap().trim().trim_end_matches(',').split_once('='))
+        .map(|(n, v)| (n.trim().to_string(), v.trim().parse().unwrap()))
+        .collect()
+}
+
+#[test]
+fn header_datatypes_and_ops_equal_the_rust_values() {
+    use crate::collectives::{DataType, RedOp};
+    let types = header_enum("gsc_datatype_t");
+    let names = ["INT8", "UINT8", "INT32", "UINT32", "INT64", "UINT64", "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16"];
+    assert_eq!(types.len(), DataType::ALL.len());
+    for ((name, v), (t, want)) in types.iter().zip(DataType::ALL.iter().zip(names)) {
+        assert_eq!((name.as_str(), *v), (format!("GSC_{want}").as_str(), t.nccl()), "{}", t.name());
+    }
+    let ops = header_enum("gsc_red_op_t");
+    assert_eq!(ops.len(), RedOp::ALL.len());
+    for (name, v) in ops {
+        assert_eq!(name, format!("GSC_{}", RedOp::from_nccl(v).unwrap().name().to_uppercase()), "value {v}");
+    }
+}

@@ -1,0 +1,244 @@
+//! Communicator exports: collectives and send/recv between the ranks of a communicator (see
+//! `crate::collectives`), on any condition a CUDA stream or graph gives.
+
+use super::bootstrap::CUniqueId;
+use super::handles;
+use super::panic::ffi_guard;
+use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::collectives::p2p::PeerOp;
+use crate::collectives::{Communicator, DataType, RedOp};
+use crate::condition::Condition;
+use crate::error::{Error, Result, Status};
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+fn datatype(v: c_int) -> Result<DataType> {
+    DataType::from_nccl(v).map_err(|_| Error::invalid_param(format!("datatype {v} is not a gsc_datatype_t")))
+}
+
+fn red_op(v: c_int) -> Result<RedOp> {
+    RedOp::from_nccl(v).map_err(|_| Error::invalid_param(format!("op {v} is not a gsc_red_op_t")))
+}
+
+fn rank_arg(v: c_int, what: &str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::invalid_param(format!("{what} is negative ({v})")))
+}
+
+/// The communicator and the condition of a call, both cloned out of their handles.
+fn comm_and_condition(comm: *mut c_void, condition: *mut c_void) -> Result<(Arc<Communicator>, Condition)> {
+    Ok((handles::get::<Arc<Communicator>>(comm)?, handles::get::<Condition>(condition)?))
+}
+
+/// `gsc_comm_init_rank`
+///
+/// # Safety
+/// `comm_p` is NULL or writable; `uid` is NULL or readable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_init_rank(
+    comm_p: *mut *mut c_void,
+    nranks: c_int,
+    uid: *const CUniqueId,
+    rank: c_int,
+    device: c_int,
+) -> i32 {
+    ffi_guard("gsc_comm_init_rank", || {
+        if comm_p.is_null() || uid.is_null() {
+            return Err(Error::invalid_param(if uid.is_null() { "uid is NULL" } else { "comm_p is NULL" }));
+        }
+        let (n, r) = (rank_arg(nranks, "nranks")?, rank_arg(rank, "rank")?);
+        if n == 0 || r >= n {
+            return Err(Error::invalid_param(format!("rank {rank} of {nranks} ranks")));
+        }
+        // SAFETY: non-NULL and readable by the caller's contract.
+        let uid = UniqueId::from_bytes(unsafe { &(*uid).internal })?;
+        let config = crate::Config::from_env()?;
+        crate::cuda::api::set_device(device)?;
+        let boot = Bootstrap::init(&uid, r as u32, n as u32, config.bootstrap_timeout)?;
+        let comm = Communicator::new(boot, device, &config)?;
+        let h = handles::register(Arc::new(comm), std::ptr::null());
+        // SAFETY: non-NULL (checked), writable by the caller's contract.
+        unsafe { comm_p.write(h) };
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_destroy`
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_comm_destroy(comm: *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_destroy", || {
+        handles::unregister::<Arc<Communicator>>(comm)?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_rank` / `gsc_comm_size`: the caller's rank, the number of ranks.
+///
+/// # Safety
+/// `out` is NULL or writable.
+unsafe fn comm_int(name: &'static str, comm: *mut c_void, out: *mut c_int, f: impl FnOnce(&Communicator) -> usize) -> i32 {
+    ffi_guard(name, || {
+        if out.is_null() {
+            return Err(Error::invalid_param("the out-pointer is NULL"));
+        }
+        let v = handles::with::<Arc<Communicator>, usize>(comm, |c| f(c))?;
+        // SAFETY: non-NULL (checked), writable by the caller's contract.
+        unsafe { out.write(v as c_int) };
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_rank`
+///
+/// # Safety
+/// `rank` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_rank(comm: *mut c_void, rank: *mut c_int) -> i32 {
+    // SAFETY: forwarded caller contract.
+    unsafe { comm_int("gsc_comm_rank", comm, rank, Communicator::rank) }
+}
+
+/// `gsc_comm_size`
+///
+/// # Safety
+/// `size` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_size(comm: *mut c_void, size: *mut c_int) -> i32 {
+    // SAFETY: forwarded caller contract.
+    unsafe { comm_int("gsc_comm_size", comm, size, Communicator::nranks) }
+}
+
+/// `gsc_comm_query`: GSC_OK, or why the communicator's collectives cannot be trusted (a kernel
+/// gave up waiting for a peer).
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_comm_query(comm: *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_query", || {
+        handles::get::<Arc<Communicator>>(comm)?.async_error()?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_all_reduce`
+///
+/// # Safety
+/// The buffers are GPU memory of the communicator's device, valid for `count` elements until
+/// the operation completed on `condition`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_all_reduce(
+    comm: *mut c_void,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+    condition: *mut c_void,
+) -> i32 {
+    ffi_guard("gsc_comm_all_reduce", || {
+        let (c, on) = comm_and_condition(comm, condition)?;
+        // SAFETY: the caller's contract on the buffers.
+        unsafe { c.all_reduce(sendbuf as u64, recvbuf as u64, count, datatype(dtype)?, red_op(op)?, &on) }?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_broadcast`
+///
+/// # Safety
+/// As `gsc_comm_all_reduce`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_broadcast(
+    comm: *mut c_void,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    root: c_int,
+    condition: *mut c_void,
+) -> i32 {
+    ffi_guard("gsc_comm_broadcast", || {
+        let (c, on) = comm_and_condition(comm, condition)?;
+        // SAFETY: the caller's contract on the buffers.
+        unsafe { c.broadcast(sendbuf as u64, recvbuf as u64, count, datatype(dtype)?, rank_arg(root, "root")?, &on) }?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_all_gather` (`count`: elements each rank contributes).
+///
+/// # Safety
+/// As `gsc_comm_all_reduce`; `recvbuf` holds size × `count` elements.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_all_gather(
+    comm: *mut c_void,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    condition: *mut c_void,
+) -> i32 {
+    ffi_guard("gsc_comm_all_gather", || {
+        let (c, on) = comm_and_condition(comm, condition)?;
+        // SAFETY: the caller's contract on the buffers.
+        unsafe { c.all_gather(sendbuf as u64, recvbuf as u64, count, datatype(dtype)?, &on) }?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_send` / `gsc_comm_recv`
+///
+/// # Safety
+/// `buf` is valid for `count` elements until the transfer completed on `condition`.
+unsafe fn peer_op(
+    name: &'static str,
+    op: PeerOp,
+    comm: *mut c_void,
+    buf: u64,
+    count: usize,
+    dtype: c_int,
+    peer: c_int,
+    condition: *mut c_void,
+) -> i32 {
+    ffi_guard(name, || {
+        let (c, on) = comm_and_condition(comm, condition)?;
+        let (dtype, peer) = (datatype(dtype)?, rank_arg(peer, "peer")?);
+        // SAFETY: the caller's contract on the buffer.
+        match op {
+            PeerOp::Send => unsafe { c.send(buf, count, dtype, peer, &on) }?,
+            PeerOp::Recv => unsafe { c.recv(buf, count, dtype, peer, &on) }?,
+        }
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_send`
+///
+/// # Safety
+/// See `peer_op`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_send(
+    comm: *mut c_void,
+    buf: *const c_void,
+    count: usize,
+    dtype: c_int,
+    peer: c_int,
+    condition: *mut c_void,
+) -> i32 {
+    // SAFETY: forwarded caller contract.
+    unsafe { peer_op("gsc_comm_send", PeerOp::Send, comm, buf as u64, count, dtype, peer, condition) }
+}
+
+/// `gsc_comm_recv`
+///
+/// # Safety
+/// See `peer_op`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_recv(
+    comm: *mut c_void,
+    buf: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    peer: c_int,
+    condition: *mut c_void,
+) -> i32 {
+    // SAFETY: forwarded caller contract.
+    unsafe { peer_op("gsc_comm_recv", PeerOp::Recv, comm, buf as u64, count, dtype, peer, condition) }
+}
