@@ -83,13 +83,18 @@ pub fn build_c(src: &Path, exe: &Path) {
 /// Compile a C99 program with `-std=c99 -Wall -Werror -pedantic` and `flags` (include and
 /// library options).
 pub fn compile_c(src: &Path, exe: &Path, flags: &[String]) {
+    compile_c_sources(&[src], exe, flags)
+}
+
+/// `compile_c` of a program made of several sources.
+pub fn compile_c_sources(srcs: &[&Path], exe: &Path, flags: &[String]) {
     // Sources first, libraries after them, as a linker that drops unused libraries needs.
     let (libs, rest): (Vec<&String>, Vec<&String>) =
         flags.iter().partition(|f| f.starts_with("-l") || f.starts_with("-Wl,") || f.ends_with(".a"));
     let out = Command::new(cc())
         .args(["-std=c99", "-Wall", "-Werror", "-pedantic"])
         .args(rest)
-        .arg(src)
+        .args(srcs)
         .arg("-o")
         .arg(exe)
         .args(libs)
@@ -97,8 +102,8 @@ pub fn compile_c(src: &Path, exe: &Path, flags: &[String]) {
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", cc()));
     assert!(
         out.status.success(),
-        "compiling {} failed:\n{}{}",
-        src.display(),
+        "compiling {:?} failed:\n{}{}",
+        srcs,
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -155,6 +160,29 @@ pub fn wait_all(children: Vec<(&str, std::process::Child)>) -> Vec<(String, bool
             (name, s.expect("finished").success(), text)
         })
         .collect()
+}
+
+/// Run `exe` as `n` ranks with the launcher-style bootstrap (rank 0 serves the rendezvous on a
+/// free local port) and `env` on top; (name, success, output) per rank.
+pub fn run_ranks(exe: &Path, n: usize, env: &[(&str, &str)]) -> Vec<(String, bool, String)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let secret = format!("c-test-{}-{:?}", std::process::id(), Instant::now());
+    let names: Vec<String> = (0..n).map(|r| format!("rank {r}")).collect();
+    let children = (0..n)
+        .map(|r| {
+            let mut c = Command::new(exe);
+            c.env("GSC_RANK", r.to_string())
+                .env("GSC_NRANKS", n.to_string())
+                .env("GSC_BOOTSTRAP_ADDR", format!("127.0.0.1:{port}"))
+                .env("GSC_BOOTSTRAP_SECRET", &secret)
+                .env("GSC_BOOTSTRAP_TIMEOUT", "30s");
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            spawn(&mut c)
+        })
+        .collect::<Vec<_>>();
+    wait_all(names.iter().map(String::as_str).zip(children).collect())
 }
 
 /// Run examples/c/01_tag_pingpong built as `exe` as two ranks (launcher-style bootstrap: rank 0
