@@ -290,6 +290,13 @@ gsc_status_t gsc_worker_create(gsc_context_h context, const gsc_worker_params_t 
  * telling their peers, and outstanding requests become invalid (see "Object lifetimes").
  */
 gsc_status_t gsc_worker_destroy(gsc_worker_h worker);
+/** Abort the worker, from any thread, at any time, without its peers: every operation in flight
+ *  or waiting for its condition completes with GSC_ERR_ABORTED (streams and graphs waiting for
+ *  one are released with an error mark, see gsc_condition_query()), its links are closed (peers
+ *  see them fail), and every later operation on it fails at once with GSC_ERR_ABORTED
+ *  (sticky). `reason` (may be NULL) goes into the error message. Idempotent; returns within
+ *  about a second. The worker still has to be destroyed. */
+gsc_status_t gsc_worker_abort(gsc_worker_h worker, const char *reason);
 
 /**
  * The worker's packed address, to give to peers (as opaque bytes) for gsc_ep_create(). The

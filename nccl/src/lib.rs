@@ -488,10 +488,20 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
     gate("ncclCommFinalize", || comm_ref(comm).map(|_| ()))
 }
 
-/// Abort frees the communicator like destroy: a kernel of it waiting for a dead peer gives up
-/// by itself after GSC_TIMEOUT.
+/// Abort: send/recv in flight or waiting on a stream fail and release their streams
+/// (`Communicator::abort`), then the communicator is freed like destroy. A collective kernel
+/// waiting for a dead peer gives up by itself after GSC_TIMEOUT.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
+    let r = gate("ncclCommAbort", || {
+        if let Ok(c) = comm_ref(comm)?.ready() {
+            c.abort("ncclCommAbort")?;
+        }
+        Ok(())
+    });
+    if r != NCCL_SUCCESS {
+        return r;
+    }
     // SAFETY: as ncclCommDestroy.
     unsafe { ncclCommDestroy(comm) }
 }

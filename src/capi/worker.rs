@@ -54,6 +54,25 @@ pub extern "C" fn gsc_worker_destroy(worker: *mut CWorker) -> i32 {
     })
 }
 
+/// `gsc_worker_abort`
+///
+/// # Safety
+/// `reason` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_worker_abort(worker: *mut CWorker, reason: *const std::ffi::c_char) -> i32 {
+    ffi_guard("gsc_worker_abort", || {
+        let w = handles::get::<Worker>(worker as *const c_void)?;
+        let reason = if reason.is_null() {
+            "gsc_worker_abort".into()
+        } else {
+            // SAFETY: non-NULL and NUL-terminated by the caller's contract.
+            unsafe { std::ffi::CStr::from_ptr(reason) }.to_string_lossy()
+        };
+        w.abort(&reason)?;
+        Ok(Status::Ok.code())
+    })
+}
+
 /// `gsc_worker_get_address`
 ///
 /// # Safety

@@ -41,6 +41,8 @@ pub struct Communicator {
     bootstrap: Bootstrap,
     /// Send/recv between the ranks (`p2p`).
     peers: PeerLinks,
+    /// Set once by `abort`: every later call fails with it.
+    aborted: std::sync::OnceLock<Error>,
 }
 
 /// A buffer registered with a communicator (`Communicator::register`).
@@ -106,13 +108,32 @@ impl Communicator {
             check_calls: config.coll_check,
             bootstrap,
             peers,
+            aborted: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Abort this rank's side, from any thread, without the peers: its send/recv worker is
+    /// aborted (transfers in flight or waiting on a stream fail with `Aborted` and release their
+    /// streams), and every later call fails at once with the error. Idempotent. Collective
+    /// kernels already running are not interrupted: one waiting for a peer gives up after
+    /// `GSC_TIMEOUT` (a device-side abort word is not built yet).
+    pub fn abort(&self, reason: &str) -> Result<()> {
+        let error = Error::new(Status::Aborted, format!("the communicator was aborted: {reason}"));
+        if self.aborted.set(error).is_ok() {
+            self.peers.worker().abort(reason)?;
+        }
+        Ok(())
+    }
+
+    fn check_aborted(&self) -> Result<()> {
+        self.aborted.get().map_or(Ok(()), |e| Err(e.clone()))
     }
 
     /// NCCL's split: the ranks that give the same `color` form a new communicator, ranked by
     /// (`key`, rank here); `None` (NCCL_SPLIT_NOCOLOR) takes part in the call and gets none.
     /// Collective over this communicator; the new one is on the same device, with `config`.
     pub fn split(&self, color: Option<u32>, key: i32, config: &Config) -> Result<Option<Communicator>> {
+        self.check_aborted()?;
         let mut mine = vec![u8::from(color.is_some())];
         mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
         mine.extend_from_slice(&key.to_le_bytes());
@@ -172,6 +193,7 @@ impl Communicator {
     /// `buf` is memory of this rank's device (or host memory), valid for `count` elements
     /// until the send completed on `on`.
     pub unsafe fn send(&self, buf: u64, count: usize, dtype: DataType, peer: usize, on: &Condition) -> Result<()> {
+        self.check_aborted()?;
         let bytes = self.bytes(count, dtype)?;
         // SAFETY: the caller's contract.
         unsafe { self.peers.transfer(PeerOp::Send, buf, bytes, peer, on) }
@@ -182,6 +204,7 @@ impl Communicator {
     /// # Safety
     /// As `send`, and `buf` is not touched by anything else until the receive completed.
     pub unsafe fn recv(&self, buf: u64, count: usize, dtype: DataType, peer: usize, on: &Condition) -> Result<()> {
+        self.check_aborted()?;
         let bytes = self.bytes(count, dtype)?;
         // SAFETY: the caller's contract.
         unsafe { self.peers.transfer(PeerOp::Recv, buf, bytes, peer, on) }
@@ -202,6 +225,7 @@ impl Communicator {
     /// Ok, or `TimedOut` when a kernel of this rank gave up waiting for a peer (its results
     /// are then undefined; the communicator should be destroyed).
     pub fn async_error(&self) -> Result<()> {
+        self.check_aborted()?;
         match self.workspace.error()? {
             0 => Ok(()),
             round => Err(Error::new(Status::TimedOut, format!("a collective (round {round}) gave up waiting for a peer"))),
@@ -310,6 +334,7 @@ impl Communicator {
 
     /// Check the call, then launch its rounds (or add them to the condition's graph).
     fn run(&self, call: Call, on: &Condition) -> Result<ArmedOutputs> {
+        self.check_aborted()?;
         // First, before any check of our own that could fail on this rank alone and leave the
         // others waiting in the exchange.
         if self.check_calls {

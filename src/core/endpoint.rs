@@ -73,6 +73,7 @@ impl Endpoint {
     /// `buf` must be valid for `len` bytes of reads until the request completes (for an eager
     /// send that is before this call returns), and not modified in the meantime.
     pub unsafe fn tag_send_nbx(&self, buf: *const u8, len: usize, tag: u64, params: RequestParams) -> Result<Started> {
+        self.worker.check_aborted()?;
         check_buffer(buf, len, "tag_send_nbx")?;
         let (key, addr) = (self.key(), buf as usize);
         let mem = resolve_memtype(&params, addr, len)?;

@@ -66,6 +66,8 @@ pub(crate) struct WorkerInner {
     proxy: OnceLock<Proxy>,
     /// Held while the proxy is being started (two first operations at once start one).
     proxy_start: Mutex<()>,
+    /// Set once by `Worker::abort`: every later operation fails with it (sticky).
+    aborted: OnceLock<Error>,
 }
 
 pub(crate) struct Conn {
@@ -238,6 +240,7 @@ impl Worker {
             state: Mutex::new(state),
             proxy: OnceLock::new(),
             proxy_start: Mutex::new(()),
+            aborted: OnceLock::new(),
         });
         workers().lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::downgrade(&inner));
         tracing::debug!(target: "gsc::core", worker = id, "worker created");
@@ -260,6 +263,7 @@ impl Worker {
 
     /// Create an endpoint to the worker whose packed address is `address`.
     pub fn connect(&self, address: &[u8]) -> Result<Endpoint> {
+        self.check_aborted()?;
         let peer = WorkerAddress::unpack(address)?;
         let ctx = &self.inner.context.inner;
         let cfg = &ctx.config;
@@ -313,6 +317,7 @@ impl Worker {
     /// Run `f` under the lock with an action list, execute what it emitted (also on error: the
     /// engines emit nothing before their checks pass), then fire the callbacks that became due.
     pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut State, &mut Actions) -> Result<R>) -> Result<R> {
+        self.check_aborted()?;
         let (result, ready) = {
             let mut st = self.lock();
             let mut actions = st.take_actions();
@@ -366,6 +371,7 @@ impl Worker {
         stage: Option<Arc<Stage>>,
         start: impl Fn(&mut State, ReqId, &mut Actions) -> Result<()> + Send + Sync + 'static,
     ) -> Result<Started> {
+        self.check_aborted()?;
         if let Some(cond) = params.condition.take() {
             return self.arm(kind, conn, params, cond, stage, Arc::new(start));
         }
@@ -554,6 +560,7 @@ impl Worker {
     /// `buf` must be valid for `len` bytes of writes until the request completes (or is
     /// canceled), and not accessed by the caller in the meantime.
     pub unsafe fn tag_recv_nbx(&self, buf: *mut u8, len: usize, tag: u64, tag_mask: u64, mut params: RequestParams) -> Result<Started> {
+        self.check_aborted()?;
         check_buffer(buf as *const u8, len, "tag_recv_nbx")?;
         let mem = resolve_memtype(&params, buf as usize, len)?;
         // The common receive (host buffer, no condition, no message waiting for it) is posted
@@ -800,6 +807,59 @@ impl Worker {
         Ok(())
     }
 
+    /// Abort the worker (promise 3 of docs/RELIABILITY.md): from any thread, at any time,
+    /// without its peers. Every operation in flight or armed on a condition fails with
+    /// `Aborted` naming `reason` — streams and graphs waiting for one are released with an
+    /// error mark — every link is closed, and every later operation on the worker fails at once
+    /// with the same error (sticky; `aborted()` returns it). Idempotent: a second abort changes
+    /// nothing. Returns within about a second even if the proxy thread is stuck.
+    pub fn abort(&self, reason: &str) -> Result<()> {
+        let error = Error::new(Status::Aborted, format!("the worker was aborted: {reason}"));
+        if self.inner.aborted.set(error.clone()).is_err() {
+            return Ok(());
+        }
+        tracing::warn!(target: "gsc::core", worker = self.inner.id, reason, "worker aborted");
+        let ready = {
+            let mut st = self.lock();
+            let mut out = st.take_actions();
+            let conns: Vec<ConnId> = st.conns.iter().map(|(k, _)| k).collect();
+            for conn in conns {
+                st.fail_conn(conn, error.clone(), &mut out);
+            }
+            // Receives from any peer are on no link: fail them too.
+            st.engine.tag.fail_posted(&mut out, Status::Aborted);
+            // Operations still waiting for their condition: complete their requests (their
+            // signals release the producers); the proxy drops them below, and would not start
+            // one that is no longer armed anyway.
+            let armed: Vec<ReqId> = st.armed_requests(self.inner.id);
+            for req in armed {
+                if let Some(slot) = st.slot_mut(req) {
+                    slot.armed = false;
+                }
+                out.push(Action::Complete { req, status: Status::Aborted, info: RecvInfo::default() });
+            }
+            st.execute(&self.inner.context, out);
+            std::mem::take(&mut st.ready)
+        };
+        self.fire(ready);
+        if let Some(proxy) = self.inner.proxy.get() {
+            proxy.abort(error, Duration::from_secs(1));
+        }
+        Ok(())
+    }
+
+    /// The abort error, once `abort` was called.
+    pub fn aborted(&self) -> Option<Error> {
+        self.inner.aborted.get().cloned()
+    }
+
+    pub(crate) fn check_aborted(&self) -> Result<()> {
+        match self.inner.aborted.get() {
+            None => Ok(()),
+            Some(e) => Err(e.clone()),
+        }
+    }
+
     /// Flush every endpoint of this worker: completes when every earlier operation on every
     /// link was applied at its peer.
     pub fn flush_nbx(&self, params: RequestParams) -> Result<Started> {
@@ -1013,6 +1073,15 @@ impl State {
     fn slot(&self, req: ReqId) -> Option<&Slot> {
         let (_, generation, key) = request::decode(req)?;
         self.requests.get(key).filter(|s| s.generation == generation)
+    }
+
+    /// Requests armed on a condition that has not triggered yet.
+    fn armed_requests(&self, worker: u16) -> Vec<ReqId> {
+        self.requests
+            .iter()
+            .filter(|(_, s)| s.armed && s.result.is_none())
+            .map(|(key, s)| request::encode(worker, s.generation, key))
+            .collect()
     }
 
     pub(crate) fn slot_mut(&mut self, req: ReqId) -> Option<&mut Slot> {

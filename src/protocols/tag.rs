@@ -492,6 +492,13 @@ impl TagEngine {
         }
     }
 
+    /// Complete every posted receive that has not matched with `status` (an aborted worker).
+    pub fn fail_posted(&mut self, out: &mut Actions, status: Status) {
+        while let Some((req, _)) = self.posted.remove(|_| true) {
+            out.push(Action::Complete { req, status, info: RecvInfo::default() });
+        }
+    }
+
     /// The frame carrying `on_sent = req` is in the link.
     pub fn frame_sent(&mut self, out: &mut Actions, req: ReqId) {
         if let Some(SendState::Frames { .. }) = self.sends.get(&req) {

@@ -105,6 +105,9 @@ pub(crate) struct ProxyActivity {
 pub(crate) enum Msg {
     Arm(ArmedOp),
     Persist(PersistentOp),
+    /// The worker was aborted: fail everything armed, now and later, with this error; then
+    /// say so on the sender.
+    Abort(Error, Sender<()>),
 }
 
 /// The worker's handle on its proxy: a thread, or an engine the application's progress calls
@@ -164,6 +167,25 @@ impl Proxy {
             self.counters.armed.fetch_sub(1, Ordering::Relaxed);
             Error::new(Status::Internal, "the proxy thread has exited")
         })
+    }
+
+    /// Fail every armed operation with `error` (their producers are released with an error
+    /// mark), and every one armed later. Waits for the proxy thread to have done it, at most
+    /// `wait`; a caller-run proxy does it here.
+    pub(crate) fn abort(&self, error: Error, wait: Duration) {
+        match &self.runner {
+            Runner::Caller(engine) => {
+                let mut engine = engine.lock().unwrap_or_else(|e| e.into_inner());
+                engine.take_pending();
+                engine.abort(error);
+            }
+            Runner::Thread { .. } => {
+                let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+                if self.tx.as_ref().expect("set until drop").send(Msg::Abort(error, done_tx)).is_ok() {
+                    let _ = done_rx.recv_timeout(wait);
+                }
+            }
+        }
     }
 
     pub(crate) fn activity(&self) -> ProxyActivity {
@@ -229,6 +251,8 @@ struct Engine {
     last_activity: Instant,
     disconnected: bool,
     counters: Arc<ProxyCounters>,
+    /// Set by `Msg::Abort`: what every armed operation, and every later one, fails with.
+    aborted: Option<Error>,
 }
 
 impl Engine {
@@ -244,6 +268,7 @@ impl Engine {
             last_activity: Instant::now(),
             disconnected: false,
             counters,
+            aborted: None,
         }
     }
 
@@ -318,13 +343,38 @@ impl Engine {
 
     fn take(&mut self, msg: Msg) {
         self.last_activity = Instant::now();
+        if let Some(e) = &self.aborted {
+            // Armed after the abort (the operation passed the worker's check just before it).
+            match msg {
+                Msg::Arm(op) => op.channel.fail(e.clone()),
+                Msg::Persist(op) => op.channel.fail(e.clone()),
+                Msg::Abort(_, done) => drop(done.send(())),
+            }
+            return;
+        }
         match msg {
             Msg::Arm(op) => match self.armed.iter_mut().find(|q| Arc::ptr_eq(&q.channel, &op.channel)) {
                 Some(q) => insert_in_order(&mut q.ops, op, |o| o.seq),
                 None => self.armed.push(ArmedQueue { channel: op.channel.clone(), ops: VecDeque::from([op]), head_since: None }),
             },
             Msg::Persist(op) => self.persistent.push((op, None)),
+            Msg::Abort(e, done) => {
+                self.abort(e);
+                let _ = done.send(());
+            }
         }
+    }
+
+    /// Fail what is armed with `error`, and remember it for what comes later. Operations
+    /// already started are failed by the worker (their links are failed).
+    fn abort(&mut self, error: Error) {
+        for op in self.armed.drain(..).flat_map(|q| q.ops) {
+            op.channel.fail(error.clone());
+        }
+        for (p, _) in self.persistent.drain(..) {
+            p.channel.fail(error.clone());
+        }
+        self.aborted = Some(error);
     }
 
     /// Start whatever was triggered, progress the worker. Returns the number of events (the

@@ -1,0 +1,165 @@
+//! Worker abort (issue #8, promise 3): from another thread at any time, without the peer;
+//! idempotent; bounded; every waiting request, armed operation and host-stream wait released
+//! with `Aborted`; later operations fail at once with the same error; the peer sees its link go.
+//! Host memory and host streams, two workers of one process (loopback and shm lanes), so it
+//! runs in CI. Each scenario is repeated with random abort timing.
+
+use gscomm::condition::{Condition, HostStream};
+use gscomm::{Config, Context, RequestParams, Started, Status, Worker};
+use std::time::{Duration, Instant};
+
+/// Abort must take effect within this, however it is timed.
+const BOUND: Duration = Duration::from_secs(3);
+
+fn pair(tls: &str) -> (Context, Worker, Worker, gscomm::Endpoint) {
+    let mut c = Config::default();
+    c.set("GSC_TLS", tls).unwrap();
+    c.set("GSC_TIMEOUT", "30s").unwrap();
+    let ctx = Context::new(c).unwrap();
+    let a = ctx.create_worker().unwrap();
+    let b = ctx.create_worker().unwrap();
+    let ep = a.connect(b.address()).unwrap();
+    (ctx, a, b, ep)
+}
+
+/// A pseudo-random delay below `max_us` (a different one each call).
+fn jitter(max_us: u64) -> Duration {
+    let t = Instant::now().elapsed().as_nanos() as u64 ^ (std::process::id() as u64).rotate_left(17);
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0x9e3779b97f4a7c15);
+    let x = N.fetch_add(0x9e3779b97f4a7c15, std::sync::atomic::Ordering::Relaxed) ^ t;
+    Duration::from_micros((x.wrapping_mul(0xbf58476d1ce4e5b9) >> 33) % max_us)
+}
+
+fn assert_aborted(r: gscomm::Result<impl std::fmt::Debug>, what: &str) {
+    match r {
+        Err(e) if e.status() == Status::Aborted && e.to_string().contains("test abort") => {}
+        other => panic!("{what}: expected the abort error, got {other:?}"),
+    }
+}
+
+/// The main thread waits in `request_wait` for a receive nobody sends; another thread aborts.
+#[test]
+fn abort_from_another_thread_releases_a_blocked_wait() {
+    for tls in ["loopback", "shm"] {
+        for round in 0..10 {
+            let (_ctx, a, b, _ep) = pair(tls);
+            let mut buf = vec![0u8; 64];
+            let r = unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), 64, 1, u64::MAX, RequestParams::default()) }.unwrap();
+            let Started::Pending(h) = r else { panic!("a receive with no message completed") };
+            let aborter = {
+                let b = b.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(jitter(20_000));
+                    b.abort("test abort").unwrap();
+                })
+            };
+            let t0 = Instant::now();
+            let c = b.request_wait(h).unwrap();
+            assert_eq!(c.status, Status::Aborted, "{tls} round {round}");
+            assert!(t0.elapsed() < BOUND + Duration::from_millis(20), "{tls}: wait released after {:?}", t0.elapsed());
+            aborter.join().unwrap();
+            b.request_release(h).unwrap();
+            // Sticky and idempotent.
+            b.abort("a second abort").unwrap();
+            assert!(b.aborted().unwrap().to_string().contains("test abort"));
+            assert_aborted(unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), 64, 1, u64::MAX, RequestParams::default()) }, "receive after abort");
+            assert_aborted(b.connect(a.address()).map(|_| ()), "connect after abort");
+            drop(a);
+        }
+    }
+}
+
+/// Operations on a host stream: some triggered and waiting for a peer, some still behind a
+/// slow task (armed, not triggered). An abort releases the stream's waits with an error, fails
+/// every request, and fails operations issued after it at once.
+#[test]
+fn abort_releases_host_stream_waits_and_armed_operations() {
+    for tls in ["loopback", "shm"] {
+        for round in 0..10 {
+            let (_ctx, a, b, ep) = pair(tls);
+            let stream = HostStream::new().unwrap();
+            let cond = Condition::host_stream(&stream);
+            let on = || RequestParams { condition: Some(cond.clone()), ..Default::default() };
+            let mut bufs = vec![vec![0u8; 4096]; 4];
+            // Triggered at once; never matched (nobody sends tag 2): the stream waits on it.
+            let r1 = unsafe { b.tag_recv_nbx(bufs[0].as_mut_ptr(), 4096, 2, u64::MAX, on()) }.unwrap();
+            // Behind a slow task: armed, not triggered, when the abort comes.
+            stream.launch(|| std::thread::sleep(Duration::from_millis(50)));
+            let r2 = unsafe { b.tag_recv_nbx(bufs[1].as_mut_ptr(), 4096, 3, u64::MAX, on()) }.unwrap();
+            // b's send that a never receives (rendezvous size): in flight at the abort.
+            let big = vec![7u8; 1 << 20];
+            let ep_b = b.connect(a.address()).unwrap();
+            let s = unsafe { ep_b.tag_send_nbx(big.as_ptr(), big.len(), 9, RequestParams::default()) }.unwrap();
+            std::thread::sleep(jitter(30_000));
+            let t0 = Instant::now();
+            b.abort("test abort").unwrap();
+            assert!(t0.elapsed() < BOUND, "{tls}: abort took {:?}", t0.elapsed());
+            let e = stream.synchronize(Some(BOUND));
+            assert!(e.is_err(), "{tls} round {round}: the stream's wait was not released with an error");
+            // The condition holds the first failure's status (requests carry no message).
+            assert_eq!(cond.query().unwrap_err().status(), Status::Aborted, "{tls}: the condition after abort");
+            for (what, st) in [("triggered receive", r1), ("armed receive", r2), ("send in flight", s)] {
+                if let Started::Pending(h) = st {
+                    let c = b.request_wait(h).unwrap();
+                    assert!(c.status == Status::Aborted || c.status == Status::Canceled, "{tls}: {what}: {:?}", c.status);
+                    b.request_release(h).unwrap();
+                }
+            }
+            assert_aborted(unsafe { ep_b.tag_send_nbx(big.as_ptr(), 8, 9, on()) }, "a send issued on the condition after abort");
+            // The peer learns its link is gone within the bound: a send to b fails.
+            let deadline = Instant::now() + BOUND;
+            loop {
+                let r = unsafe { ep.tag_send_nbx(bufs[2].as_ptr(), 8, 4, RequestParams::default()) };
+                let failed = match r {
+                    Err(_) => true,
+                    Ok(Started::Pending(h)) => {
+                        let c = a.request_wait(h);
+                        let _ = a.request_release(h);
+                        !matches!(c, Ok(c) if c.status == Status::Ok)
+                    }
+                    Ok(_) => false,
+                };
+                if failed {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{tls}: the peer never saw the aborted worker's link go");
+                a.progress();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            drop(bufs.pop());
+        }
+    }
+}
+
+/// A thread issuing operations in a loop while another aborts at a random moment: every call
+/// after the abort fails with its error, none hangs, the issuing thread ends within the bound.
+#[test]
+fn abort_during_issue_from_another_thread() {
+    for round in 0..20 {
+        let (_ctx, _a, b, _ep) = pair("loopback");
+        let stream = HostStream::new().unwrap();
+        let cond = Condition::host_stream(&stream);
+        let issuer = {
+            let b = b.clone();
+            let cond = cond.clone();
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64];
+                let t0 = Instant::now();
+                loop {
+                    let p = RequestParams { condition: Some(cond.clone()), no_stream_wait: true, ..Default::default() };
+                    match unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), 64, 1, u64::MAX, p) } {
+                        Ok(Started::Pending(h)) => b.request_release(h).unwrap(),
+                        Ok(_) => {}
+                        Err(e) => return (e, t0.elapsed()),
+                    }
+                    assert!(t0.elapsed() < Duration::from_secs(20), "no abort seen");
+                }
+            })
+        };
+        std::thread::sleep(jitter(10_000));
+        b.abort("test abort").unwrap();
+        let (e, _) = issuer.join().unwrap();
+        assert_eq!(e.status(), Status::Aborted, "round {round}: {e}");
+        let _ = stream.synchronize(Some(BOUND));
+    }
+}
