@@ -15,7 +15,7 @@
 //! `UcxConfig::close_timeout`, then destroys the worker, which ends whatever is left.
 
 use std::collections::VecDeque;
-use std::ffi::c_void;
+use std::ffi::{CString, c_void};
 use std::panic::AssertUnwindSafe;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +32,16 @@ use crate::error::{Error, Result, Status};
 
 /// Our active-message id. One handler per UCP worker serves every link of it.
 const AM_ID: u32 = 0x47;
+/// UCX settings gscomm changes unless the user sets them (`UCX_<name>`), and why.
+const DEFAULTS: &[(&str, &str, &str)] = &[(
+    "ZCOPY_THRESH",
+    "inf",
+    // UCX 1.13's TCP transport aborts on an internal assertion (uct_iface.h:884, `comp->count >
+    // 0`) when a peer fails while a zero-copy eager message to it is in flight; our frames are
+    // copied into one buffer anyway, so copy sends cost little. Remote memory access (the next
+    // step) uses put/get, which this does not affect.
+    "avoid UCX 1.13's TCP abort on peer failure during zero-copy sends",
+)];
 /// Most rounds of `ucp_worker_progress` one `progress` call makes while they find work.
 const PROGRESS_ROUNDS: usize = 32;
 
@@ -151,6 +161,17 @@ impl Engine {
         let st = unsafe { (ucp.config_read)(ptr::null(), ptr::null(), &mut config) };
         if st != sys::ucs_status_t::UCS_OK {
             return Err(ucp.error("ucp_config_read (is a UCX_* variable invalid?)", st));
+        }
+        for (name, value, why) in DEFAULTS {
+            if std::env::var_os(format!("UCX_{name}")).is_some() {
+                continue; // the user's choice wins
+            }
+            let (cname, cvalue) = (CString::new(*name).expect("no NUL"), CString::new(*value).expect("no NUL"));
+            // SAFETY: a live config and NUL-terminated strings, copied by UCX.
+            let st = unsafe { (ucp.config_modify)(config, cname.as_ptr(), cvalue.as_ptr()) };
+            if st != sys::ucs_status_t::UCS_OK {
+                tracing::warn!(target: "gsc::ucx", error = %ucp.error("ucp_config_modify", st), name, value, why, "UCX default not applied");
+            }
         }
         // SAFETY: plain C data; all-zero is valid and only `field_mask` fields are read.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };

@@ -83,6 +83,7 @@ pub(crate) struct Ucp {
     _lib: Library,
     pub config_read: sys::ucp_config_read_fn,
     pub config_release: sys::ucp_config_release_fn,
+    pub config_modify: sys::ucp_config_modify_fn,
     pub init_version: sys::ucp_init_version_fn,
     pub cleanup: sys::ucp_cleanup_fn,
     pub worker_create: sys::ucp_worker_create_fn,
@@ -140,6 +141,7 @@ impl Ucp {
         Ok(Ucp {
             config_read: required!(lib, name, ucp_config_read_fn),
             config_release: required!(lib, name, ucp_config_release_fn),
+            config_modify: required!(lib, name, ucp_config_modify_fn),
             init_version: required!(lib, name, ucp_init_version_fn),
             cleanup: required!(lib, name, ucp_cleanup_fn),
             worker_create: required!(lib, name, ucp_worker_create_fn),
