@@ -105,6 +105,9 @@ pub(crate) struct Engine {
     blob: Vec<u8>,
     next_number: AtomicU64,
     last_gc: Mutex<Instant>,
+    /// When `progress` last ran, in ns since `born` (so idle polling can be spaced out).
+    last_progress: AtomicU64,
+    born: Instant,
     pub(crate) cfg: UcxConfig,
 }
 
@@ -143,6 +146,8 @@ impl Engine {
             blob: Vec::new(),
             next_number: AtomicU64::new(1),
             last_gc: Mutex::new(Instant::now()),
+            last_progress: AtomicU64::new(0),
+            born: Instant::now(),
             cfg: cfg.clone(),
         };
         // From here on, dropping `engine` destroys the worker and the context.
@@ -270,6 +275,7 @@ impl Engine {
     /// Run UCX's progress engine (which files received messages and failures in the inbox) and
     /// finish what gone links left behind. Returns UCX's count of progressed events.
     pub(crate) fn progress(&self) -> usize {
+        self.last_progress.store(self.now_ns(), Ordering::Relaxed);
         let mut raw = lock(&self.raw);
         let mut total = 0;
         for _ in 0..PROGRESS_ROUNDS {
@@ -284,6 +290,22 @@ impl Engine {
             reap_closing(self.ucp, &self.inbox, &mut raw);
         }
         total
+    }
+
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.born.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// `progress`, unless it ran less than `interval` ago. An idle UCP worker still costs a
+    /// system call per progress (the TCP transport polls its sockets), which a worker whose
+    /// traffic is all on shm should not pay on every pass.
+    /// `None` when it did not run.
+    pub(crate) fn progress_if_idle_for(&self, interval: Duration) -> Option<usize> {
+        let last = self.last_progress.load(Ordering::Relaxed);
+        if self.now_ns().saturating_sub(last) < u64::try_from(interval.as_nanos()).unwrap_or(u64::MAX) {
+            return None;
+        }
+        Some(self.progress())
     }
 
     /// Remove channels nobody claimed for `ORPHAN_TTL`; cheap to call often (runs once a second).

@@ -1,6 +1,7 @@
 //! `UcxListener`: turns the hellos that arrive at a worker into links.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::address::UcxAddress;
 use super::engine::Engine;
@@ -9,6 +10,9 @@ use super::link::UcxLink;
 use super::wire::{self, CloseReason, HEADER_LEN, Hello, Kind};
 use crate::error::{Error, Result, Status};
 use crate::transport::{LaneKind, Link, Listener};
+
+/// How often an otherwise idle UCX worker is progressed by its listener.
+const IDLE_PROGRESS: Duration = Duration::from_millis(1);
 
 pub struct UcxListener {
     engine: Arc<Engine>,
@@ -55,11 +59,14 @@ impl Listener for UcxListener {
         self.engine.blob().to_vec()
     }
 
-    /// Progresses UCX (hellos arrive only through progress, and a worker without links has
-    /// nothing else that would make it).
+    /// Progresses UCX when nothing else did for a millisecond: hellos arrive only through
+    /// progress, and a worker without UCX links has nothing else that would make it. (Links
+    /// progress on every poll that finds nothing, so a worker with UCX traffic pays nothing
+    /// here; one whose traffic is all on shm pays one idle UCX progress per millisecond.)
     fn accept(&mut self) -> Result<Option<(u128, Box<dyn Link>)>> {
-        self.engine.progress();
-        self.engine.collect_orphans();
+        if self.engine.progress_if_idle_for(IDLE_PROGRESS).is_some() {
+            self.engine.collect_orphans();
+        }
         let Some((key, hello)) = self.engine.with_inbox(|ib| ib.take_hello()) else {
             return Ok(None);
         };
