@@ -43,6 +43,7 @@ pub const BENCH: &str = "gsc::bench";
 pub const PROXY: &str = "gsc::proxy";
 pub const CUDA: &str = "gsc::cuda";
 pub const GDA: &str = "gsc::gda";
+pub const UCX: &str = "gsc::ucx";
 
 /// Events logged under the crate's module paths, i.e. without an explicit `target:`. They
 /// belong to no subsystem, so they are shown only when every subsystem is selected rather than
@@ -239,7 +240,7 @@ mod tests {
 
     #[test]
     fn constants_match_subsystems() {
-        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH, PROXY, CUDA, GDA];
+        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH, PROXY, CUDA, GDA, UCX];
         assert_eq!(consts.len(), Subsys::ALL.len());
         for (c, s) in consts.iter().zip(Subsys::ALL) {
             assert_eq!(*c, s.target());

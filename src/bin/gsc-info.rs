@@ -111,9 +111,17 @@ fn print_lanes(out: &mut impl Write, config: &Config) -> io::Result<()> {
     writeln!(out, "# lanes (GSC_TLS={tls})")?;
     for lane in LaneKind::ALL {
         let state = if config.tls.contains(lane) { "enabled" } else { "disabled" };
-        writeln!(out, "{:<10} {state}", lane.name())?;
+        // Whether the lane can work here at all: only UCX depends on something installed.
+        let here = match lane {
+            LaneKind::Ucx => match gscomm::transport::ucx::availability() {
+                Ok(loaded) => format!(", {loaded} loaded"),
+                Err(e) => format!(", unavailable: {}", e.message()),
+            },
+            _ => String::new(),
+        };
+        writeln!(out, "{:<10} {state}{here}", lane.name())?;
     }
-    Ok(())
+    writeln!(out, "# per peer: loopback in this process, shm on this host and network namespace, ucx otherwise")
 }
 
 /// The RDMA devices as the verbs engine sees them. Discovery never fails: a machine without

@@ -89,6 +89,8 @@ pub enum Subsys {
     Cuda,
     /// GPU-initiated execution (src/gda): the verbs engine, its flush and RDMA discovery.
     Gda,
+    /// The UCX lane (src/transport/ucx).
+    Ucx,
 }
 
 impl Subsys {
@@ -104,6 +106,7 @@ impl Subsys {
         Subsys::Proxy,
         Subsys::Cuda,
         Subsys::Gda,
+        Subsys::Ucx,
     ];
 
     pub fn name(self) -> &'static str {
@@ -119,6 +122,7 @@ impl Subsys {
             Subsys::Proxy => "proxy",
             Subsys::Cuda => "cuda",
             Subsys::Gda => "gda",
+            Subsys::Ucx => "ucx",
         }
     }
 
@@ -137,6 +141,7 @@ impl Subsys {
             Subsys::Proxy => log::PROXY,
             Subsys::Cuda => log::CUDA,
             Subsys::Gda => log::GDA,
+            Subsys::Ucx => log::UCX,
         }
     }
 }

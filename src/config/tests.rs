@@ -210,14 +210,16 @@ fn lane_selection() {
     // Stored in LaneKind::ALL order, duplicates dropped, case ignored.
     assert_eq!(with(&[("GSC_TLS", "SHM, loopback,shm")]).tls, vec![LaneKind::Loopback, LaneKind::Shm]);
     let c = with(&[("GSC_TLS", "^shm")]);
-    assert_eq!(c.tls, vec![LaneKind::Loopback]);
-    assert_eq!(c.get("GSC_TLS").unwrap(), "loopback");
-    assert_eq!(with(&[("GSC_TLS", "^loopback")]).tls, vec![LaneKind::Shm]);
-    assert_eq!(with(&[("GSC_TLS", "loopback,shm")]).get("GSC_TLS").unwrap(), "all");
+    assert_eq!(c.tls, vec![LaneKind::Loopback, LaneKind::Ucx]);
+    assert_eq!(c.get("GSC_TLS").unwrap(), "loopback,ucx");
+    assert_eq!(with(&[("GSC_TLS", "^loopback,ucx")]).tls, vec![LaneKind::Shm]);
+    assert_eq!(with(&[("GSC_TLS", "ucx")]).tls, vec![LaneKind::Ucx]);
+    assert_eq!(with(&[("GSC_TLS", "loopback,shm")]).get("GSC_TLS").unwrap(), "loopback,shm");
+    assert_eq!(with(&[("GSC_TLS", "ucx,loopback,shm")]).get("GSC_TLS").unwrap(), "all");
 
     rejects("GSC_TLS", "shm,ib", "unknown lane \"ib\"");
     rejects("GSC_TLS", "^ib", "unknown lane \"ib\"");
-    rejects("GSC_TLS", "^loopback,shm", "selects no lanes");
+    rejects("GSC_TLS", "^loopback,shm,ucx", "selects no lanes");
     rejects("GSC_TLS", "", "comma-separated list of lanes");
     rejects("GSC_TLS", "shm,,loopback", "comma-separated list of lanes");
 }
@@ -232,6 +234,8 @@ fn subsystem_selection() {
     assert_eq!(with(&[("GSC_LOG_SUBSYS", "gda")]).log_subsys, vec![Subsys::Gda]);
     assert!(!with(&[("GSC_LOG_SUBSYS", "^gda")]).log_subsys.contains(&Subsys::Gda));
     assert_eq!(Subsys::Gda.target(), "gsc::gda");
+    assert_eq!(with(&[("GSC_LOG_SUBSYS", "ucx")]).log_subsys, vec![Subsys::Ucx]);
+    assert_eq!(Subsys::Ucx.target(), "gsc::ucx");
     rejects("GSC_LOG_SUBSYS", "shm,nvlink", "unknown subsystem \"nvlink\"");
 }
 
@@ -417,7 +421,7 @@ fn set_on_error_changes_nothing() {
     let err = c.set("GSC_EAGER_SHORT_MAX", "32K").unwrap_err();
     assert!(err.message().contains("GSC_EAGER_SHORT_MAX=32K"), "{err:?}");
     assert_eq!(c, before);
-    let err = c.set("GSC_TLS", "^shm,loopback").unwrap_err();
+    let err = c.set("GSC_TLS", "^shm,loopback,ucx").unwrap_err();
     assert!(err.message().contains("selects no lanes"));
     assert_eq!(c, before);
     assert!(c.set("GSC_NOPE", "1").is_err());

@@ -120,6 +120,8 @@ impl DeviceMem {
                 let p = p.ok_or_else(|| Error::invalid_param("send buffer is not GPU memory"))?;
                 ipc::export(addr, p)
             }),
+            // An IPC handle means nothing on another host: the receiver asks for a push.
+            LaneKind::Ucx => return None,
         };
         match key {
             Ok(k) => Some(k.encode()),

@@ -20,7 +20,7 @@ use crate::protocols::{
     ReqId, UserBuf, wire,
 };
 use crate::proxy::{ArmedOp, Msg, PersistentOp, Proxy};
-use crate::transport::{LaneKind, Link, Listener, ProcessIdentity, loopback, shm};
+use crate::transport::{LaneKind, Link, Listener, ProcessIdentity, loopback, shm, ucx};
 use slab::Slab;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -61,6 +61,9 @@ pub(crate) struct WorkerInner {
     pub(crate) uuid: u128,
     pub(crate) context: Context,
     address: Vec<u8>,
+    /// This worker's UCX lane, `None` where GSC_TLS disables it, the reason where UCX could not
+    /// be set up (connects that need it report that reason).
+    ucx: Option<Result<ucx::UcxLane>>,
     state: Mutex<State>,
     /// Started by the first conditioned operation; read without a lock on every later one.
     proxy: OnceLock<Proxy>,
@@ -201,6 +204,23 @@ impl Worker {
         if cfg.tls.contains(&LaneKind::Shm) {
             listeners.push(Box::new(shm::ShmListener::new(&shm_config(cfg), uuid)?));
         }
+        let ucx = if cfg.tls.contains(&LaneKind::Ucx) {
+            match ucx::UcxLane::new(&ucx::UcxConfig::default(), uuid) {
+                Ok(lane) => {
+                    listeners.push(Box::new(lane.listener()));
+                    Some(Ok(lane))
+                }
+                // Without shm, UCX is the only way to another process: asked for, so required.
+                Err(e) if !cfg.tls.contains(&LaneKind::Shm) => return Err(e.context("GSC_TLS enables no lane but UCX to other processes")),
+                Err(e) => {
+                    // Every other lane works; a peer that needs UCX gets this reason at connect.
+                    tracing::info!(target: "gsc::core", error = %e, "UCX lane unavailable");
+                    Some(Err(e))
+                }
+            }
+        } else {
+            None
+        };
         let address = WorkerAddress {
             uuid,
             host_id: context.inner.host_id,
@@ -237,6 +257,7 @@ impl Worker {
             uuid,
             context,
             address,
+            ucx,
             state: Mutex::new(state),
             proxy: OnceLock::new(),
             proxy_start: Mutex::new(()),
@@ -268,21 +289,35 @@ impl Worker {
         let ctx = &self.inner.context.inner;
         let cfg = &ctx.config;
         let same_process = peer.process == ctx.process;
+        let same_host = peer.host_id == ctx.host_id;
+        let ucx_blob = peer.lane_blob(LaneKind::Ucx).filter(|_| cfg.tls.contains(&LaneKind::Ucx));
+        // Lane choice, per peer: loopback within this process, shm within this host (and
+        // network namespace), UCX otherwise, or where shm cannot reach the peer after all (a
+        // container with its own /dev/shm).
         let link: Box<dyn Link> = if cfg.tls.contains(&LaneKind::Loopback) && same_process && loopback::is_local(peer.uuid) {
             loopback::connect(peer.uuid, self.inner.uuid)?
-        } else if let (true, true, Some(blob)) =
-            (cfg.tls.contains(&LaneKind::Shm), peer.host_id == ctx.host_id, peer.lane_blob(LaneKind::Shm))
-        {
-            shm::connect(blob, self.inner.uuid, &shm_config(cfg))?
+        } else if let (true, true, Some(blob)) = (cfg.tls.contains(&LaneKind::Shm), same_host, peer.lane_blob(LaneKind::Shm)) {
+            match shm::connect(blob, self.inner.uuid, &shm_config(cfg)) {
+                Ok(link) => link,
+                Err(e) if e.status() == Status::Unreachable && ucx_blob.is_some() && matches!(self.inner.ucx, Some(Ok(_))) => {
+                    tracing::debug!(target: "gsc::core", error = %e, "shm cannot reach the peer; using UCX");
+                    self.connect_ucx(ucx_blob.expect("checked"))?
+                }
+                Err(e) => return Err(e),
+            }
+        } else if let Some(blob) = ucx_blob {
+            self.connect_ucx(blob)?
         } else {
             return Err(Error::new(
                 Status::Unreachable,
                 format!(
-                    "no enabled lane reaches that worker (enabled: {}; peer offers: {}; same host: {}, same process: {})",
+                    "no enabled lane reaches that worker (enabled: {}; peer offers: {}; same host: {same_host}, same process: {same_process}{})",
                     cfg.tls.iter().map(|l| l.name()).collect::<Vec<_>>().join(","),
                     peer.lanes.iter().map(|(l, _)| l.name()).collect::<Vec<_>>().join(","),
-                    peer.host_id == ctx.host_id,
-                    same_process
+                    match &self.inner.ucx {
+                        Some(Err(e)) => format!("; UCX unavailable here: {}", e.message()),
+                        _ => String::new(),
+                    }
                 ),
             ));
         };
@@ -291,6 +326,15 @@ impl Worker {
         tracing::debug!(target: "gsc::core", conn, lane = st.conns[conn].props.lane.name(), "endpoint created");
         drop(st);
         Ok(Endpoint::new(self.clone(), conn, generation))
+    }
+
+    /// A link over this worker's UCX lane to the worker whose UCX address blob is `blob`.
+    fn connect_ucx(&self, blob: &[u8]) -> Result<Box<dyn Link>> {
+        match &self.inner.ucx {
+            Some(Ok(lane)) => lane.connect(blob),
+            Some(Err(e)) => Err(e.clone().context("the peer is reachable only over UCX, which is unavailable here")),
+            None => Err(Error::new(Status::Unreachable, "the peer is reachable only over UCX, which GSC_TLS disables")),
+        }
     }
 
     /// Make progress: accept connections, move frames, complete requests, fire callbacks.
@@ -1041,7 +1085,8 @@ impl State {
             lane: link.lane(),
             max_frame: link.max_frame(),
             remote_memory: link.caps().remote_memory,
-            device_ipc: self.device.ipc != crate::config::Tristate::Off,
+            // CUDA IPC handles only open on the host that made them.
+            device_ipc: self.device.ipc != crate::config::Tristate::Off && link.lane().is_host_local(),
         };
         let generation = self.next_conn_generation;
         self.next_conn_generation = self.next_conn_generation.wrapping_add(1).max(1);

@@ -110,6 +110,13 @@ pub fn selection_table(cfg: &crate::Config) -> String {
                     lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: false, device_ipc });
                 }
             }
+            // No remote memory yet, and CUDA IPC never reaches another host.
+            LaneKind::Ucx => lanes.push(LaneProps {
+                lane: *lane,
+                max_frame: crate::transport::ucx::DEFAULT_MAX_FRAME,
+                remote_memory: false,
+                device_ipc: false,
+            }),
         }
     }
     let mut table = select::describe(&proto, &lanes);

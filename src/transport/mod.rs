@@ -10,7 +10,9 @@
 //! - `loopback`: workers inside one process; frames through an in-process queue, memory by memcpy.
 //! - `shm`: processes on one host; frames through SPSC rings in a shared mapping, memory through
 //!   cross-memory attach (process_vm_readv/writev) when the kernel allows it.
-//! - later: `nvlink` (CUDA IPC), `ucx` (other hosts), `verbs`.
+//! - `ucx`: workers on other hosts (or in other network namespaces of this one), over UCP active
+//!   messages; UCX is loaded at run time. No remote memory yet (docs/UCX.md).
+//! - later: `nvlink` (CUDA IPC), `verbs`.
 //!
 //! Beside the lanes: `fd_pass`, a per-process service that hands file descriptors to other
 //! processes of the host over an abstract Unix socket (CUDA VMM allocations are shared that way).
@@ -19,6 +21,7 @@ pub(crate) mod fd_pass;
 pub mod loopback;
 pub mod proc_identity;
 pub mod shm;
+pub mod ucx;
 
 use crate::error::Result;
 
@@ -28,6 +31,7 @@ use crate::error::Result;
 pub enum LaneKind {
     Loopback = 1,
     Shm = 2,
+    Ucx = 3,
 }
 
 impl LaneKind {
@@ -35,6 +39,7 @@ impl LaneKind {
         match self {
             LaneKind::Loopback => "loopback",
             LaneKind::Shm => "shm",
+            LaneKind::Ucx => "ucx",
         }
     }
 
@@ -42,11 +47,21 @@ impl LaneKind {
         match v {
             1 => Some(LaneKind::Loopback),
             2 => Some(LaneKind::Shm),
+            3 => Some(LaneKind::Ucx),
             _ => None,
         }
     }
 
-    pub const ALL: &'static [LaneKind] = &[LaneKind::Loopback, LaneKind::Shm];
+    pub const ALL: &'static [LaneKind] = &[LaneKind::Loopback, LaneKind::Shm, LaneKind::Ucx];
+
+    /// Does this lane only reach workers of this host (and this network namespace)? Only such
+    /// links may hand the peer CUDA IPC handles.
+    pub fn is_host_local(self) -> bool {
+        match self {
+            LaneKind::Loopback | LaneKind::Shm => true,
+            LaneKind::Ucx => false,
+        }
+    }
 }
 
 /// Who is on the other side of a link, as far as liveness checks are concerned.

@@ -111,16 +111,32 @@ pub fn pid_namespace() -> u64 {
     }
 }
 
+/// The network namespace this process lives in (inode of `/proc/self/ns/net`), or 0 when unknown.
+pub fn net_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata("/proc/self/ns/net") {
+        Ok(m) => m.ino(),
+        Err(e) => {
+            tracing::debug!(target: "gsc::shm", error = %e, "network namespace unknown");
+            0
+        }
+    }
+}
+
 /// FNV-1a: a hash whose value is fixed by its definition, so every build of every worker on a host
 /// computes the same identifier (std's `DefaultHasher` makes no such promise across releases).
 fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(seed, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
-/// A stable identifier of this host and boot: a hash of the kernel boot id and the host name.
+/// A stable identifier of this host and boot, as gscomm counts hosts: a hash of the kernel boot
+/// id, the host name and the network namespace.
 ///
 /// Two workers with equal `host_id` are on the same machine since the same boot, which is the
 /// precondition for the shared-memory lane (it still verifies that the segment is reachable).
+/// The network namespace is part of it so that two namespaces of one machine count as two hosts
+/// (containers with their own network usually have their own /dev/shm too): their workers talk
+/// over the UCX lane, which is also how the multi-host tests run on one machine.
 pub fn host_id() -> u64 {
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|e| {
         tracing::debug!(target: "gsc::shm", error = %e, "boot_id unreadable; host id from hostname");
@@ -129,7 +145,9 @@ pub fn host_id() -> u64 {
     let hostname = hostname();
     let mut h = fnv1a(0xcbf2_9ce4_8422_2325, boot_id.trim().as_bytes());
     h = fnv1a(h, &[0]);
-    fnv1a(h, hostname.as_bytes())
+    h = fnv1a(h, hostname.as_bytes());
+    h = fnv1a(h, &[0]);
+    fnv1a(h, &net_namespace().to_le_bytes())
 }
 
 fn hostname() -> String {
@@ -182,6 +200,7 @@ mod tests {
         assert_eq!(host_id(), host_id());
         assert_ne!(host_id(), 0);
         assert_ne!(pid_namespace(), 0);
+        assert_ne!(net_namespace(), 0);
         assert_ne!(fnv1a(1, b"a"), fnv1a(1, b"b"));
     }
 

@@ -188,10 +188,26 @@ pub struct ChildProc {
 
 /// Spawn this test binary as a child running `test` (its full name, e.g. `mod::name`) in `role`.
 pub fn spawn_child(test: &str, role: &str, cfg: &[(&str, &str)]) -> ChildProc {
+    spawn_child_with(test, role, cfg, &[], &[])
+}
+
+/// `spawn_child` with extra environment variables (`env`, e.g. `UCX_TLS` for the child's UCX)
+/// and the child started through `wrapper` (e.g. `ip netns exec NAME`), which must exec it in
+/// the same process so that the pid is the child's.
+pub fn spawn_child_with(test: &str, role: &str, cfg: &[(&str, &str)], env: &[(&str, &str)], wrapper: &[&str]) -> ChildProc {
     let exe = std::env::current_exe().expect("current_exe");
     let cfg_text: Vec<String> = cfg.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let mut proc = Command::new(exe)
+    let mut cmd = match wrapper.split_first() {
+        None => Command::new(exe),
+        Some((program, args)) => {
+            let mut c = Command::new(program);
+            c.args(args).arg(exe);
+            c
+        }
+    };
+    let mut proc = cmd
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .envs(env.iter().copied())
         .env(CHILD_ENV, role)
         .env(CHILD_CFG_ENV, cfg_text.join(";"))
         .stdin(Stdio::piped())

@@ -28,7 +28,10 @@ pub fn connect_link(blob: &[u8], my_worker_uuid: u128, cfg: &ShmConfig) -> Resul
     let addr = ShmAddress::decode(blob)?;
     cfg.validate()?;
     if addr.host_id != proc_identity::host_id() {
-        return Err(Error::new(Status::Unreachable, format!("shm: listener pid {} is on another host", addr.listener.pid)));
+        return Err(Error::new(
+            Status::Unreachable,
+            format!("shm: listener pid {} is on another host (or network namespace)", addr.listener.pid),
+        ));
     }
     if addr.pid_ns != proc_identity::pid_namespace() {
         return Err(Error::new(

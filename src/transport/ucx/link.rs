@@ -1,0 +1,242 @@
+//! `UcxLink`: one side of a link over UCX active messages, as a `Link`.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use super::engine::{Engine, Ep, InFlight, Sent};
+use super::inbox::{Key, Next};
+use super::wire::{self, CloseReason, HEADER_LEN, Header, Kind, Side};
+use crate::error::{Error, Result, Status};
+use crate::transport::{LaneKind, Link, LinkCaps};
+
+/// Most frames one link keeps in flight (sent to UCX, not yet completed).
+const MAX_SENDS: usize = 1024;
+
+pub struct UcxLink {
+    engine: Arc<Engine>,
+    /// `None` only during drop.
+    ep: Option<Ep>,
+    /// The channel this side receives on.
+    key: Key,
+    side: Side,
+    /// The peer worker's uuid, for messages.
+    peer: u128,
+    next_seq: u64,
+    sends: VecDeque<InFlight>,
+    in_flight_bytes: usize,
+    /// `close()` was called: no more sends.
+    closed: bool,
+    /// A failure this side saw (a send failed); the inbox holds the ones UCX reported.
+    failure: Option<Error>,
+}
+
+impl UcxLink {
+    pub(crate) fn new(engine: Arc<Engine>, ep: Ep, key: Key, peer: u128) -> UcxLink {
+        UcxLink {
+            engine,
+            ep: Some(ep),
+            key,
+            side: key.to,
+            peer,
+            next_seq: 0,
+            sends: VecDeque::new(),
+            in_flight_bytes: 0,
+            closed: false,
+            failure: None,
+        }
+    }
+
+    fn peer_name(&self) -> String {
+        format!("UCX peer worker {:032x}", self.peer)
+    }
+
+    /// Send a frame of `kind` whose body follows the header space at the front of `buf`.
+    pub(crate) fn post(&mut self, kind: Kind, mut buf: Vec<u8>) -> Result<()> {
+        let header = Header { kind, from: self.side, link: self.key.link, seq: self.next_seq };
+        buf[..HEADER_LEN].copy_from_slice(&header.encode());
+        let ep = self.ep.as_ref().expect("endpoint present until drop");
+        match self.engine.send(ep, buf) {
+            Ok(Sent::Done) => {}
+            Ok(Sent::Pending(f)) => {
+                self.in_flight_bytes += f.len();
+                self.sends.push_back(f);
+            }
+            Err(e) => {
+                let e = e.context(self.peer_name());
+                self.failure.get_or_insert(e.clone());
+                return Err(e);
+            }
+        }
+        self.next_seq += 1;
+        Ok(())
+    }
+
+    /// A buffer with room for the header, then `body`.
+    fn framed(body: &[&[u8]]) -> Vec<u8> {
+        let len = body.iter().map(|p| p.len()).sum::<usize>();
+        let mut buf = Vec::with_capacity(HEADER_LEN + len);
+        buf.resize(HEADER_LEN, 0);
+        for p in body {
+            buf.extend_from_slice(p);
+        }
+        buf
+    }
+
+    /// Release the sends UCX finished; a failed one makes the link dead.
+    fn reap(&mut self) {
+        if self.sends.is_empty() {
+            return;
+        }
+        match self.engine.poll_sends(&mut self.sends) {
+            Ok(bytes) => self.in_flight_bytes -= bytes,
+            Err(e) => {
+                self.in_flight_bytes = self.sends.iter().map(InFlight::len).sum();
+                self.failure.get_or_insert(e.context(self.peer_name()));
+            }
+        }
+    }
+
+    /// Why sending is impossible, if it is.
+    fn dead_reason(&self) -> Option<Error> {
+        self.failure.clone().or_else(|| self.engine.with_inbox(|ib| ib.failure(&self.key)))
+    }
+
+    /// Hand out up to `max` frames the inbox holds; the end of the link (close or failure) is an
+    /// error only when no frame came before it in this call.
+    fn deliver(&mut self, max: usize, deliver: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        let mut n = 0;
+        while n < max {
+            let next = self.engine.with_inbox(|ib| ib.next(&self.key));
+            let end = match next {
+                Next::Frame(f) => {
+                    deliver(&f);
+                    n += 1;
+                    continue;
+                }
+                Next::Empty => return Ok(n),
+                Next::Closed(CloseReason::Closed, why) => {
+                    Error::new(Status::ConnectionReset, format!("{} closed the UCX link{}", self.peer_name(), suffix(&why)))
+                }
+                Next::Closed(CloseReason::Rejected, why) => {
+                    Error::new(Status::Rejected, format!("{} rejected the UCX connection{}", self.peer_name(), suffix(&why)))
+                }
+                Next::Failed(e) => e,
+            };
+            return if n > 0 { Ok(n) } else { Err(end) };
+        }
+        Ok(n)
+    }
+}
+
+fn suffix(why: &str) -> String {
+    if why.is_empty() { String::new() } else { format!(": {why}") }
+}
+
+impl Link for UcxLink {
+    fn lane(&self) -> LaneKind {
+        LaneKind::Ucx
+    }
+
+    fn max_frame(&self) -> usize {
+        self.engine.cfg.max_frame
+    }
+
+    /// No remote memory yet: rendezvous data travels in frames (put/get with rkeys is the next
+    /// step of issue #7).
+    fn caps(&self) -> LinkCaps {
+        LinkCaps { remote_memory: false }
+    }
+
+    fn try_send(&mut self, parts: &[&[u8]]) -> Result<bool> {
+        if self.closed {
+            return Err(Error::new(Status::NotConnected, "UCX link was closed by this side"));
+        }
+        let len = parts.iter().fold(0usize, |a, p| a.saturating_add(p.len()));
+        let max = self.engine.cfg.max_frame;
+        if len > max {
+            return Err(Error::invalid_param(format!("frame of {len} bytes exceeds the UCX link's max_frame {max}")));
+        }
+        self.reap();
+        if let Some(e) = self.dead_reason() {
+            return Err(e);
+        }
+        // Back-pressure: UCX would queue without bound; a full link says so instead.
+        if !self.sends.is_empty()
+            && (self.sends.len() >= MAX_SENDS || self.in_flight_bytes + len + HEADER_LEN > self.engine.cfg.max_in_flight)
+        {
+            return Ok(false);
+        }
+        self.post(Kind::Data, UcxLink::framed(parts))?;
+        Ok(true)
+    }
+
+    fn poll_recv(&mut self, max: usize, deliver: &mut dyn FnMut(&[u8])) -> Result<usize> {
+        self.reap();
+        let n = self.deliver(max, deliver)?;
+        if n > 0 {
+            return Ok(n);
+        }
+        // Also for `max == 0`: the caller may poll only to keep this worker's UCP moving.
+        self.engine.progress();
+        self.reap();
+        let n = self.deliver(max, deliver)?;
+        if n == 0
+            && let Some(e) = &self.failure
+        {
+            return Err(e.clone());
+        }
+        Ok(n)
+    }
+
+    unsafe fn read_remote(&self, _local: *mut u8, _remote: u64, _len: usize) -> Result<()> {
+        Err(Error::unsupported("the UCX lane has no remote memory access yet (put/get with rkeys is a follow-up of issue #7)"))
+    }
+
+    unsafe fn write_remote(&self, _local: *const u8, _remote: u64, _len: usize) -> Result<()> {
+        Err(Error::unsupported("the UCX lane has no remote memory access yet (put/get with rkeys is a follow-up of issue #7)"))
+    }
+
+    /// Progresses UCX, so a failure is noticed even while nothing is polled. A failure is only
+    /// reported here once every frame received before it was delivered (by `poll_recv`).
+    fn check_peer(&mut self) -> Result<()> {
+        self.engine.progress();
+        self.reap();
+        if self.engine.with_inbox(|ib| ib.has_ready(&self.key)) {
+            return Ok(()); // the next poll delivers what is there, then reports the end
+        }
+        match self.dead_reason() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if self.dead_reason().is_some() {
+            return;
+        }
+        // Sequenced after every frame sent before it, so the peer delivers those first.
+        let body = wire::encode_close(CloseReason::Closed, "");
+        if let Err(e) = self.post(Kind::Close, UcxLink::framed(&[&body])) {
+            tracing::debug!(target: "gsc::ucx", error = %e, "close notice not sent");
+        }
+        tracing::debug!(target: "gsc::ucx", peer = %format_args!("{:032x}", self.peer), "UCX link closed");
+    }
+}
+
+impl Drop for UcxLink {
+    fn drop(&mut self) {
+        // A link dropped without close() is gone all the same; the peer must hear of it (its
+        // endpoint to us stays healthy while this process lives).
+        self.close();
+        self.reap();
+        let force = self.dead_reason().is_some();
+        self.engine.with_inbox(|ib| ib.remove(&self.key));
+        if let Some(ep) = self.ep.take() {
+            self.engine.retire(ep, std::mem::take(&mut self.sends), force);
+        }
+    }
+}

@@ -1,0 +1,361 @@
+//! The UCX lane between processes, over UCX's TCP transport (`UCX_TLS=tcp`):
+//!
+//! - two ranks on this host with `GSC_TLS=ucx`: tag send/recv (8 B and 4 MiB, both ways, data
+//!   checked) and prepared transfers;
+//! - the same between two network namespaces joined by a veth pair, with the default `GSC_TLS`:
+//!   the lane choice itself must pick UCX (the namespaces count as two hosts). The test makes the
+//!   namespaces (root needed) and skips with a printed reason where it cannot;
+//! - a peer SIGKILLed in the middle of a 64 MiB exchange: the survivor's requests end with an
+//!   error within a bounded time.
+//!
+//! Both ranks are children of the test (each with its own UCX environment, which the test process
+//! itself cannot change safely); the test relays addresses and collects results. Every wait is
+//! bounded (tests/common: the parent's deadlines, the children's watchdog).
+mod common;
+
+use common::*;
+use gscomm::{Direction, Endpoint, PrepareParams, Prepared, RequestParams, Started, Status, Worker};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(60);
+/// Tag messages each rank sends the other: sizes.
+const SIZES: [usize; 2] = [8, 4 << 20];
+/// Prepared transfers: rounds of this size each way.
+const PREPARED: usize = 1 << 20;
+const ROUNDS: u64 = 3;
+/// The exchange a peer is killed in.
+const BIG: usize = 64 << 20;
+
+fn tag(rank: u64, i: usize) -> u64 {
+    (rank << 32) | i as u64
+}
+
+fn seed(rank: u64, i: u64) -> u64 {
+    rank * 1000 + i + 1
+}
+
+fn codes(st: &[Status]) -> Vec<u8> {
+    st.iter().flat_map(|s| s.code().to_le_bytes()).collect()
+}
+
+fn uncodes(b: &[u8]) -> Vec<Status> {
+    b.chunks_exact(4).map(|c| Status::from_code(i32::from_le_bytes(c.try_into().unwrap())).unwrap()).collect()
+}
+
+/// Wait for the next message from the test, progressing `w` meanwhile (the peer may need us).
+fn next_msg(chan: &dyn Chan, w: &Worker, key: &str) -> Vec<u8> {
+    let deadline = Instant::now() + T;
+    loop {
+        if let Some((k, v)) = chan.try_get() {
+            assert_eq!(k, key, "rank: expected `{key}`");
+            return v;
+        }
+        assert!(Instant::now() < deadline, "rank: no `{key}` within {T:?}");
+        if w.progress() == 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Both ranks at once: receive the peer's messages, send ours; `Internal` marks wrong data.
+fn tag_exchange(w: &Worker, ep: &Endpoint, me: u64) -> Vec<Status> {
+    let peer = 1 - me;
+    let mut inb: Vec<Vec<u8>> = SIZES.iter().map(|&n| vec![0u8; n]).collect();
+    let out: Vec<Vec<u8>> = SIZES.iter().enumerate().map(|(i, &n)| pattern(seed(me, i as u64), n)).collect();
+    let recvs: Vec<Started> = inb
+        .iter_mut()
+        .enumerate()
+        // SAFETY: `inb` outlives every request (all are waited for below).
+        .map(|(i, b)| unsafe { w.tag_recv_nbx(b.as_mut_ptr(), b.len(), tag(peer, i), u64::MAX, RequestParams::default()).unwrap() })
+        .collect();
+    let sends: Vec<Started> = out
+        .iter()
+        .enumerate()
+        // SAFETY: `out` outlives every request.
+        .map(|(i, b)| unsafe { ep.tag_send_nbx(b.as_ptr(), b.len(), tag(me, i), RequestParams::default()).unwrap() })
+        .collect();
+    let mut st: Vec<Status> = sends.into_iter().map(|s| wait_release(w, s).status).collect();
+    for (i, r) in recvs.into_iter().enumerate() {
+        let c = wait_release(w, r);
+        let ok = c.status == Status::Ok && c.info.length == SIZES[i] && inb[i] == pattern(seed(peer, i as u64), SIZES[i]);
+        st.push(if c.status != Status::Ok {
+            c.status
+        } else if ok {
+            Status::Ok
+        } else {
+            Status::Internal
+        });
+    }
+    st
+}
+
+fn prepare(ep: &Endpoint, buf: &mut [u8], dir: Direction, tag: u64) -> Prepared {
+    let p = PrepareParams { dir, tag, partitions: None, memory_type: None, engine: gscomm::Engine::Auto };
+    // SAFETY: the caller keeps `buf` alive until the `Prepared` is released, and touches it only
+    // between rounds.
+    unsafe { ep.prepare(buf.as_mut_ptr(), buf.len(), p).expect("prepare") }
+}
+
+/// `ROUNDS` prepared rounds each way, new data every round; `Internal` marks wrong data.
+fn prepared_exchange(w: &Worker, ep: &Endpoint, me: u64) -> Vec<Status> {
+    let peer = 1 - me;
+    let mut out = vec![0u8; PREPARED];
+    let mut inb = vec![0u8; PREPARED];
+    let tx = prepare(ep, &mut out, Direction::Send, 100 + me);
+    let rx = prepare(ep, &mut inb, Direction::Recv, 100 + peer);
+    let mut st = Vec::new();
+    for r in 0..ROUNDS {
+        // The send buffer is ours between rounds.
+        // SAFETY: no round is in flight; `tx` reads `out` only during rounds.
+        unsafe { std::ptr::copy_nonoverlapping(pattern(seed(me, 10 + r), PREPARED).as_ptr(), out.as_mut_ptr(), PREPARED) };
+        let rs = rx.start(RequestParams::default()).unwrap();
+        let ts = tx.start(RequestParams::default()).unwrap();
+        st.push(wait_release(w, ts).status);
+        let c = wait_release(w, rs);
+        let ok = inb == pattern(seed(peer, 10 + r), PREPARED);
+        st.push(if c.status != Status::Ok {
+            c.status
+        } else if ok {
+            Status::Ok
+        } else {
+            Status::Internal
+        });
+    }
+    tx.release().unwrap();
+    rx.release().unwrap();
+    st
+}
+
+/// The roles. "rank0"/"rank1": connect to the peer, exchange tag messages and prepared rounds,
+/// report. "survivor"/"victim": the peer-failure scenario (see `peer_killed_mid_transfer_ucx`).
+fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
+    let w = ctx.create_worker().unwrap();
+    chan.put("addr", w.address());
+    let ep = w.connect(&chan.get("peer")).unwrap();
+    chan.put("lane", ep.lane().unwrap().name().as_bytes());
+    match role {
+        "rank0" | "rank1" => {
+            let me = u64::from(role == "rank1");
+            next_msg(chan, &w, "go");
+            let mut st = tag_exchange(&w, &ep, me);
+            st.extend(prepared_exchange(&w, &ep, me));
+            chan.put("result", &codes(&st));
+            next_msg(chan, &w, "bye");
+            ep.close().unwrap();
+        }
+        "victim" => {
+            next_msg(chan, &w, "go");
+            let out = pattern(1, BIG);
+            let mut inb = vec![0u8; BIG];
+            // SAFETY: both buffers outlive the requests: this process is killed while they run.
+            let _send = unsafe { ep.tag_send_nbx(out.as_ptr(), BIG, 2, RequestParams::default()).unwrap() };
+            // SAFETY: as above.
+            let _recv = unsafe { w.tag_recv_nbx(inb.as_mut_ptr(), BIG, 1, u64::MAX, RequestParams::default()).unwrap() };
+            chan.put("started", &[]);
+            // Keep the data moving until the test kills us (the watchdog ends us otherwise).
+            loop {
+                if w.progress() == 0 {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        "survivor" => {
+            next_msg(chan, &w, "go");
+            let out = pattern(2, BIG);
+            let mut inb = vec![0u8; BIG];
+            // SAFETY: both buffers outlive the requests (waited for below).
+            let send = unsafe { ep.tag_send_nbx(out.as_ptr(), BIG, 1, RequestParams::default()).unwrap() };
+            // SAFETY: as above.
+            let recv = unsafe { w.tag_recv_nbx(inb.as_mut_ptr(), BIG, 2, u64::MAX, RequestParams::default()).unwrap() };
+            let (Started::Pending(send), Started::Pending(recv)) = (send, recv) else { panic!("64 MiB completed at once") };
+            // Wait until the victim's data is arriving (its first block stamps the seed at 8..16),
+            // then stop progressing: the transfer cannot finish before the kill, since the victim
+            // can send only what our UCX takes in.
+            let seed_at = inb[8..16].as_ptr() as *const u64;
+            // SAFETY: reads of our own receive buffer, which the worker writes only during progress.
+            progress_until(&w, T, "victim's data arriving", || unsafe { std::ptr::read_volatile(seed_at) } != 0);
+            assert!(w.request_test(recv).unwrap().is_none(), "64 MiB arrived before the kill");
+            chan.put("arriving", &[]);
+            chan.get("killed");
+            let t0 = Instant::now();
+            progress_until(&w, Duration::from_secs(20), "requests of the dead peer", || {
+                w.request_test(send).unwrap().is_some() && w.request_test(recv).unwrap().is_some()
+            });
+            let took = t0.elapsed();
+            let (sc, rc) = (w.request_test(send).unwrap().unwrap(), w.request_test(recv).unwrap().unwrap());
+            w.request_release(send).unwrap();
+            w.request_release(recv).unwrap();
+            // SAFETY: `out` outlives the call (it fails at once or completes inline).
+            let again = unsafe { ep.tag_send_nbx(out.as_ptr(), 10, 3, RequestParams::default()) };
+            let again = match again {
+                Err(e) => e.status(),
+                Ok(s) => wait_release(&w, s).status,
+            };
+            let mut result = codes(&[sc.status, rc.status, again]);
+            result.extend_from_slice(&(took.as_millis() as u64).to_le_bytes());
+            chan.put("result", &result);
+            drop(ep);
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn child_or(f: impl FnOnce()) {
+    if !run_child_role(roles) {
+        f()
+    }
+}
+
+/// The children's UCX: TCP only, so the transport under test is the network one even between
+/// processes of one host.
+const UCX_ENV: &[(&str, &str)] = &[("UCX_TLS", "tcp")];
+
+/// Start two ranks (through their wrappers), cross their addresses, and return them once each
+/// has an endpoint to the other; checks the lane both picked.
+fn start_pair(test: &str, roles: [&str; 2], cfg: &[(&str, &str)], wrappers: [&[&str]; 2]) -> [ChildProc; 2] {
+    let mut a = spawn_child_with(test, roles[0], cfg, UCX_ENV, wrappers[0]);
+    let mut b = spawn_child_with(test, roles[1], cfg, UCX_ENV, wrappers[1]);
+    let addr_a = a.get("addr", T);
+    let addr_b = b.get("addr", T);
+    a.put("peer", &addr_b);
+    b.put("peer", &addr_a);
+    for c in [&mut a, &mut b] {
+        let lane = c.get("lane", T);
+        assert_eq!(String::from_utf8_lossy(&lane), "ucx", "{}: lane", c.role);
+    }
+    [a, b]
+}
+
+/// Tag messages and prepared rounds between two ranks; every status must be Ok.
+fn exchange(test: &str, cfg: &[(&str, &str)], wrappers: [&[&str]; 2]) {
+    let t0 = Instant::now();
+    let mut ranks = start_pair(test, ["rank0", "rank1"], cfg, wrappers);
+    for r in &mut ranks {
+        r.put("go", &[]);
+    }
+    for r in &mut ranks {
+        let st = uncodes(&r.get("result", T));
+        assert_eq!(st.len(), 2 * SIZES.len() + 2 * ROUNDS as usize);
+        assert!(st.iter().all(|s| *s == Status::Ok), "{}: {st:?} (tag sends, tag receives, then prepared send/recv per round)", r.role);
+    }
+    for r in &mut ranks {
+        r.put("bye", &[]);
+    }
+    for r in &mut ranks {
+        r.wait_success(T);
+    }
+    println!("{test}: {:?}", t0.elapsed());
+}
+
+#[test]
+fn tag_and_prepared_over_ucx_tcp() {
+    child_or(|| exchange("tag_and_prepared_over_ucx_tcp", &[("GSC_TLS", "ucx")], [&[], &[]]));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two "hosts": network namespaces joined by a veth pair
+
+/// Two network namespaces and the veth pair between them (10.213.7.1 and .2), removed on drop.
+struct NetnsPair {
+    names: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() { Ok(()) } else { Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())) }
+}
+
+impl NetnsPair {
+    /// `Err` says why namespaces cannot be made here (not root, no `ip`, no kernel support).
+    fn create() -> Result<NetnsPair, String> {
+        NetnsPair::remove_stale();
+        let pid = std::process::id();
+        let pair = NetnsPair { names: [format!("gsctest-{pid}-a"), format!("gsctest-{pid}-b")] };
+        let veth = [format!("gsv{pid}a"), format!("gsv{pid}b")];
+        for n in &pair.names {
+            ip(&["netns", "add", n])?;
+        }
+        // From here on, dropping `pair` deletes what exists (and the veth with its namespace).
+        ip(&["link", "add", &veth[0], "type", "veth", "peer", "name", &veth[1]])?;
+        for (i, (n, v)) in pair.names.iter().zip(&veth).enumerate() {
+            if let Err(e) = ip(&["link", "set", v, "netns", n]) {
+                let _ = ip(&["link", "del", &veth[0]]);
+                return Err(e);
+            }
+            ip(&["-n", n, "addr", "add", &format!("10.213.7.{}/24", i + 1), "dev", v])?;
+            ip(&["-n", n, "link", "set", v, "up"])?;
+            ip(&["-n", n, "link", "set", "lo", "up"])?;
+        }
+        Ok(pair)
+    }
+
+    /// Namespaces of earlier runs that were killed before they could clean up.
+    fn remove_stale() {
+        let Ok(out) = std::process::Command::new("ip").args(["netns", "list"]).output() else { return };
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let name = line.split_whitespace().next().unwrap_or("");
+            let Some(pid) = name.strip_prefix("gsctest-").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<u32>().ok()) else {
+                continue;
+            };
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = ip(&["netns", "del", name]);
+            }
+        }
+    }
+
+    fn wrapper(&self, i: usize) -> [&str; 4] {
+        ["ip", "netns", "exec", &self.names[i]]
+    }
+}
+
+impl Drop for NetnsPair {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = ip(&["netns", "del", n]);
+        }
+    }
+}
+
+#[test]
+fn tag_and_prepared_between_network_namespaces() {
+    child_or(|| {
+        let pair = match NetnsPair::create() {
+            Ok(p) => p,
+            Err(why) => {
+                println!("skipped: cannot make network namespaces here: {why}");
+                return;
+            }
+        };
+        // Default GSC_TLS (every lane): the ranks are on one machine, yet in different network
+        // namespaces, so they count as two hosts and must pick UCX on their own.
+        exchange("tag_and_prepared_between_network_namespaces", &[], [&pair.wrapper(0), &pair.wrapper(1)]);
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// A peer dies mid-transfer
+
+#[test]
+fn peer_killed_mid_transfer_ucx() {
+    child_or(|| {
+        let [mut survivor, mut victim] =
+            start_pair("peer_killed_mid_transfer_ucx", ["survivor", "victim"], &[("GSC_TLS", "ucx")], [&[], &[]]);
+        victim.put("go", &[]);
+        victim.get("started", T);
+        survivor.put("go", &[]);
+        survivor.get("arriving", T);
+        victim.signal(libc::SIGKILL);
+        victim.wait_dead_unreaped(T);
+        survivor.put("killed", &[]);
+        let r = survivor.get("result", T);
+        let st = uncodes(&r[..12]);
+        let took = Duration::from_millis(bytes_u64(&r[12..20]));
+        for (what, s) in ["send", "recv", "send after the failure"].iter().zip(&st) {
+            assert!(matches!(s, Status::PeerFailed | Status::ConnectionReset), "{what} ended with {s:?}");
+        }
+        assert!(took < Duration::from_secs(5), "failure noticed after {took:?}");
+        survivor.wait_success(T);
+        victim.kill();
+        println!("peer failure noticed in {took:?}");
+    });
+}
