@@ -22,8 +22,8 @@
  *   worker has armed its first conditioned operation, its proxy thread progresses it too, so
  *   callbacks may then also run on that thread. With GSC_PROXY_THREAD=off (a config pair of
  *   gsc_init, or the environment) there is no such thread: conditioned operations start inside
- *   the application's calls that progress the worker (gsc_worker_progress, request tests and
- *   waits), as a library that drives progress itself wants; a GPU stream waiting on one then
+ *   the application's calls that progress the worker (gsc_worker_progress, gsc_request_wait;
+ *   the request tests only look), as a library that drives progress itself wants; a GPU stream waiting on one then
  *   waits until the host progresses the worker.
  * - Buffers are contiguous bytes: every `count` is a number of bytes.
  * - The C API needs 64-bit pointers (request handles use 64 bits).

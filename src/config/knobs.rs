@@ -523,7 +523,7 @@ pub(super) static KNOBS: &[Knob] = &[
         default: "on",
         doc: "Watch conditioned operations' triggers on a proxy thread per worker (on), or only \
               inside the application's calls that progress the worker (off: gsc_worker_progress, \
-              request tests and waits), for callers that drive progress themselves. Off, a GPU \
+              request waits), for callers that drive progress themselves. Off, a GPU \
               stream waiting on such an operation waits until the host progresses the worker",
         kind: KnobKind::Bool,
         parse: |c, v| {

@@ -851,7 +851,7 @@ impl Worker {
         Ok(())
     }
 
-    /// Abort the worker (promise 3 of docs/RELIABILITY.md): from any thread, at any time,
+    /// Abort the worker (issue #8, docs/ARCHITECTURE.md "Failures"): from any thread, at any time,
     /// without its peers. Every operation in flight or armed on a condition fails with
     /// `Aborted` naming `reason` — streams and graphs waiting for one are released with an
     /// error mark — every link is closed, and every later operation on the worker fails at once
