@@ -399,6 +399,65 @@ fn split(r: &Rank, config: &gscomm::Config) -> Vec<String> {
     bad
 }
 
+/// Abort (issue #8), last: every rank splits off a communicator without the call check; on it
+/// rank 0 alone starts an all-reduce (nobody joins) and a receive from rank 1 (never sent),
+/// having captured another all-reduce into a graph; a thread aborts 200 ms later. The waiting
+/// kernel and the receive's stream are released long before GSC_TIMEOUT (30 s here), the graph
+/// replayed after the abort ends as quickly, and every later call fails with the abort error.
+fn abort_releases_waiting_work(r: &Rank) -> Vec<String> {
+    let me = r.comm.rank();
+    let mut bad = Vec::new();
+    let config = config_with(&[("GSC_TIMEOUT", "30s")]);
+    let sub = match r.comm.split(Some(0), 0, &config) {
+        Ok(Some(s)) => s,
+        other => return vec![format!("rank {me}: split for the abort test: {:?}", other.map(|s| s.is_some()))],
+    };
+    if me != 0 {
+        return bad;
+    }
+    let (dtype, op, count) = (DataType::Float32, RedOp::Sum, 1024);
+    let (send, recv) = (device_with(&[], count * 4), device_with(&[], count * 4));
+    let cap = Stream::new().unwrap();
+    let capc = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    unsafe { sub.all_reduce(send.ptr(), recv.ptr(), count, dtype, op, &capc) }.unwrap();
+    let graph = cap.end_capture().unwrap().instantiate().unwrap();
+    let cond = Condition::cuda(Category::Stream, r.stream.raw(), None).unwrap();
+    unsafe { sub.all_reduce(send.ptr(), recv.ptr(), count, dtype, op, &cond) }.unwrap();
+    let s2 = Stream::new().unwrap();
+    let c2 = Condition::cuda(Category::Stream, s2.raw(), None).unwrap();
+    unsafe { sub.recv(recv.ptr(), 64, DataType::Uint8, 1, &c2) }.unwrap();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            sub.abort("test abort").unwrap();
+        });
+        r.sync();
+        s2.synchronize().unwrap();
+    });
+    let released = t0.elapsed();
+    if released > Duration::from_secs(5) {
+        bad.push(format!("rank 0: abort released the waiting kernel and receive after {released:?}"));
+    }
+    if c2.query().map_err(|e| e.status()) != Err(Status::Aborted) {
+        bad.push(format!("rank 0: the aborted receive's condition says {:?}", c2.query()));
+    }
+    let t1 = Instant::now();
+    graph.launch(&r.stream).unwrap();
+    r.sync();
+    if t1.elapsed() > Duration::from_secs(5) {
+        bad.push(format!("rank 0: a graph replayed after the abort took {:?}", t1.elapsed()));
+    }
+    match (sub.async_error(), unsafe { sub.all_reduce(send.ptr(), recv.ptr(), count, dtype, op, &cond) }) {
+        (Err(a), Err(b)) if a.status() == Status::Aborted && b.status() == Status::Aborted => {}
+        (a, b) => bad.push(format!("rank 0: after abort, async_error {a:?}, a new all-reduce {:?}", b.map(|_| ()))),
+    }
+    sub.abort("again").unwrap();
+    eprintln!("rank 0: abort released a waiting all-reduce and receive in {released:?}; replay after it took {:?}", t1.elapsed());
+    bad
+}
+
 fn bad_input(r: &Rank) -> Vec<String> {
     let mut bad = Vec::new();
     let host = [0u8; 64];
@@ -459,6 +518,7 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.extend(point_to_point(&r));
     bad.extend(split(&r, &config));
     eprintln!("rank {rank}: send/recv and split checks in {:?}", t0.elapsed());
+    bad.extend(abort_releases_waiting_work(&r));
     bad.join("\n")
 }
 

@@ -114,12 +114,16 @@ impl Communicator {
 
     /// Abort this rank's side, from any thread, without the peers: its send/recv worker is
     /// aborted (transfers in flight or waiting on a stream fail with `Aborted` and release their
-    /// streams), and every later call fails at once with the error. Idempotent. Collective
-    /// kernels already running are not interrupted: one waiting for a peer gives up after
-    /// `GSC_TIMEOUT` (a device-side abort word is not built yet).
+    /// streams), and every later call fails at once with the error. Idempotent. This rank's
+    /// collective kernels give up too: one waiting for a peer within microseconds, one that
+    /// starts later (a queued launch, a graph replayed later) at its first wait — through an abort
+    /// word in page-locked memory they poll, so no CUDA call is made (none could wait on a
+    /// stream held by the very kernel being aborted). Peers are not told: their kernels wait
+    /// for this rank until `GSC_TIMEOUT`, or until they abort too.
     pub fn abort(&self, reason: &str) -> Result<()> {
         let error = Error::new(Status::Aborted, format!("the communicator was aborted: {reason}"));
         if self.aborted.set(error).is_ok() {
+            self.workspace.abort();
             self.peers.worker().abort(reason)?;
         }
         Ok(())

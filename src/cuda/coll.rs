@@ -83,9 +83,35 @@ typedef struct {
     unsigned long long recv_stride; /* all-gather: bytes between the ranks' parts */
     unsigned long long slot_words;
     unsigned long long nranks, rank, root, kind, timeout_ns;
+    unsigned long long abort;    /* this rank's abort word (page-locked host memory): non-zero = give up */
 } gsc_coll_args_t;
 
 enum { GSC_ALL_REDUCE = 0, GSC_ALL_GATHER = 1, GSC_REDUCE_SCATTER = 2, GSC_BROADCAST = 3, GSC_REDUCE = 4 };
+
+/* Communicator::abort sets the abort word; a kernel looks at it every 64 polls while it waits
+ * for a peer (a read across PCIe: not on every poll, and never on a path that does not wait,
+ * so a collective whose peers are there costs nothing more). A kernel that starts after the
+ * abort (a queued launch, a graph replayed later) runs normally if its peers take part, and
+ * gives up at its first wait otherwise. */
+static __device__ __forceinline__ bool gsc_coll_aborted(const gsc_coll_args_t *a)
+{
+    return *(volatile const unsigned long long *)a->abort != 0;
+}
+
+/* Wait for *w >= v: 1, or 0 when the timeout passed or the communicator was aborted. */
+static __device__ int gsc_coll_spin(const gsc_coll_args_t *a, unsigned long long *w, unsigned long long v, bool acquire)
+{
+    unsigned long long t0 = gsc_globaltimer();
+    for (unsigned polls = 1;; polls++) {
+        unsigned long long x;
+        if (acquire)
+            asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
+        else
+            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
+        if (x >= v) return 1;
+        if (gsc_globaltimer() - t0 > a->timeout_ns || (polls % 64 == 0 && gsc_coll_aborted(a))) return 0;
+    }
+}
 
 /* 16-bit floats as their bits; arithmetic in float, rounded back after every operation. */
 struct gsc_f16 { unsigned short v; };
@@ -137,7 +163,7 @@ static __device__ __forceinline__ void gsc_put_unit(unsigned long long *w, unsig
 static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long *slots, unsigned long long u, unsigned flag,
                                     unsigned mask, unsigned long long *v, unsigned long long t0)
 {
-    unsigned missing = mask;
+    unsigned missing = mask, polls = 0;
     while (missing) {
         unsigned long long lo[GSC_COLL_MAX_RANKS], hi[GSC_COLL_MAX_RANKS];
 #pragma unroll
@@ -150,7 +176,7 @@ static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long
                 v[q] = (lo[q] & 0xFFFFFFFFull) | (hi[q] << 32);
                 missing &= ~(1u << q);
             }
-        if (missing && gsc_globaltimer() - t0 > a->timeout_ns) return 0;
+        if (missing && (gsc_globaltimer() - t0 > a->timeout_ns || (++polls % 64 == 0 && gsc_coll_aborted(a)))) return 0;
     }
     return 1;
 }
@@ -278,7 +304,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     const unsigned long long e = e0 + a->rounds - 1;
     /* Rooted: everyone's presence of this round before this kernel may end. */
     if (ok && rooted && tid < n)
-        ok = gsc_spin_geq_as(ctl + GSC_PRESENCE_WORDS + tid * 8, e0, a->timeout_ns, false);
+        ok = gsc_coll_spin(a, ctl + GSC_PRESENCE_WORDS + tid * 8, e0, false);
     gsc_coll_end(a, e, ok);
 }
 
@@ -322,7 +348,7 @@ static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long
         unsigned long long *at = (unsigned long long *)a->peer[q] + GSC_FLAGS_WORDS + ((b * 2 + which) * GSC_COLL_MAX_RANKS + me);
         asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(at), "l"(e) : "memory");
         unsigned long long *mine = (unsigned long long *)a->ctl + GSC_FLAGS_WORDS + ((b * 2 + which) * GSC_COLL_MAX_RANKS + q);
-        ok = gsc_spin_geq(mine, e, a->timeout_ns);
+        ok = gsc_coll_spin(a, mine, e, true);
     }
     return __syncthreads_and(ok);
 }
@@ -472,6 +498,8 @@ pub(crate) struct CollArgs {
     pub(crate) root: u64,
     pub(crate) kind: u64,
     pub(crate) timeout_ns: u64,
+    /// The device address of this rank's abort word (filled in by the workspace).
+    pub(crate) abort: u64,
 }
 impl ArgBlock for CollArgs {}
 
@@ -512,6 +540,23 @@ pub(crate) struct Workspace {
     base: u64,
     /// Every rank's workspace as we address it (ours at our rank).
     peers: Vec<u64>,
+    abort: AbortWord,
+}
+
+/// A page-locked word this rank's kernels poll while they wait (`abort` in their arguments):
+/// the host sets it, with no CUDA call, to make them give up (`Workspace::abort`).
+struct AbortWord(std::mem::ManuallyDrop<super::api::PinnedBuf>);
+
+// SAFETY: the word is accessed only atomically on the host (and by volatile loads on the GPU);
+// the buffer is never freed.
+unsafe impl Sync for AbortWord {}
+
+impl AbortWord {
+    fn word(&self) -> &std::sync::atomic::AtomicU64 {
+        // SAFETY: an 8-byte, 8-aligned (page-locked allocation) word of the live buffer, only
+        // ever accessed atomically here.
+        unsafe { std::sync::atomic::AtomicU64::from_ptr(self.0.host_ptr() as *mut u64) }
+    }
 }
 
 impl Workspace {
@@ -532,7 +577,9 @@ impl Workspace {
         let ptr = super::memory::device_ptr(base as usize)?
             .ok_or_else(|| Error::new(Status::Internal, "a fresh cuMemAlloc is not device memory"))?;
         let key = ipc::export(base as usize, ptr)?.encode();
-        Ok((Workspace { device, base, peers: Vec::new() }, key))
+        // Never freed either, for the same reason (a kernel still running reads it).
+        let abort = AbortWord(std::mem::ManuallyDrop::new(super::api::PinnedBuf::new(8)?));
+        Ok((Workspace { device, base, peers: Vec::new(), abort }, key))
     }
 
     /// Map every rank's workspace (`keys[r]`, `bases[r]`; ours at `rank`).
@@ -558,6 +605,12 @@ impl Workspace {
     }
 
     /// 0, or the round a kernel of this rank gave up on (a peer did not answer in time).
+    /// Make this rank's kernels give up: one still to start ends at once, one waiting for a
+    /// peer within 64 polls (both record a failed round in the error word).
+    pub(crate) fn abort(&self) {
+        self.abort.word().store(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
     pub(crate) fn error(&self) -> Result<u64> {
         let _scope = CtxScope::enter(primary_context(self.device)?)?;
         let mut v = 0u64;
@@ -600,7 +653,7 @@ impl Workspace {
 
     /// `args` with this workspace's part: its control words, every rank's slots.
     fn fill(&self, args: CollArgs) -> CollArgs {
-        let mut a = CollArgs { ctl: self.base, slot_words: (SLOT_BYTES / 8) as u64, ..args };
+        let mut a = CollArgs { ctl: self.base, slot_words: (SLOT_BYTES / 8) as u64, abort: self.abort.0.device_ptr(), ..args };
         a.peer[..self.peers.len()].copy_from_slice(&self.peers);
         a
     }
