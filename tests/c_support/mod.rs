@@ -266,6 +266,6 @@ pub fn run_gpu_example_alone(exe: &Path) {
         eprintln!("{}: {}", exe.display(), out.trim());
         assert!(*ok, "{name} skipped but failed:\n{out}");
     } else {
-        assert!(!*ok && out.contains("needs at least 2 ranks"), "{name}:\n{out}");
+        assert!(!*ok && (out.contains("needs at least 2 ranks") || out.contains("needs exactly 2 ranks")), "{name}:\n{out}");
     }
 }
