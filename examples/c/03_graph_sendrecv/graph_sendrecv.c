@@ -13,9 +13,10 @@
  *   1. stream-triggered: 20 exchanges issued on the live stream, each preceded by a copy of new
  *      data into the send buffer (cuMemcpyHtoDAsync) and followed by a copy of the receive
  *      buffer out to the host (cuMemcpyDtoHAsync), all in stream order;
- *   2. captured: the exchange alone is captured from the stream (cuStreamBeginCapture) into a
- *      graph, instantiated once and replayed REPLAYS times (1000; a tenth for the largest
- *      size), each replay between the same two copies, launched back to back in batches.
+ *   2. captured: the exchange alone is captured (cuStreamBeginCapture, on a second stream with
+ *      its own STREAM condition) into a graph, instantiated once and replayed on the working
+ *      stream REPLAYS times (1000; a tenth for the largest size), each replay between the same
+ *      two copies, launched back to back in batches.
  * The host writes new data for every exchange and checks every word that arrived.
  *
  * Without a CUDA driver (or GPU), or with --host, the same exchanges run on a gscomm host stream
@@ -81,7 +82,9 @@ static const size_t sizes[] = {8, 4096, 65536, (size_t)1 << 20};
 #define NSIZES (sizeof(sizes) / sizeof(sizes[0]))
 
 static int rank = -1, peer, failures, on_gpu;
-static CUstream stream;
+/* The working stream (copies, live exchanges, graph launches) and, on a GPU, the stream the
+ * exchange is captured on. */
+static CUstream stream, capture_stream;
 static gsc_host_stream_h host_stream;
 
 #define MUST(_call)                                                                           \
@@ -416,7 +419,7 @@ int main(int argc, char **argv)
     gsc_worker_h worker;
     gsc_ep_h ep;
     gsc_condition_param_t cp;
-    gsc_condition_h cond;
+    gsc_condition_h cond, capture_cond = NULL;
     CUcontext cuctx = NULL;
 
     for (i = 1; i < argc; i++) {
@@ -451,6 +454,7 @@ int main(int argc, char **argv)
         CU(cu.DevicePrimaryCtxRetain(&cuctx, dev));
         CU(cu.CtxSetCurrent(cuctx));
         CU(cu.StreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+        CU(cu.StreamCreate(&capture_stream, CU_STREAM_NON_BLOCKING));
     } else {
         MUST(gsc_host_stream_create(&host_stream));
     }
@@ -470,6 +474,13 @@ int main(int argc, char **argv)
     cp.category = on_gpu ? GSC_CONDITION_CATEGORY_STREAM : GSC_CONDITION_CATEGORY_HOST_STREAM;
     cp.context = on_gpu ? (void *)stream : (void *)host_stream;
     MUST(gsc_condition_create(&cp, &cond));
+    if (on_gpu) {
+        /* The exchange is captured on a stream of its own, through a condition of its own, and
+         * the graph is launched on the working stream: the capture then holds only the
+         * exchange, whatever else the working stream has queued. */
+        cp.context = capture_stream;
+        MUST(gsc_condition_create(&cp, &capture_cond));
+    }
 
     /* Every rank runs every exchange even after a failed check, so the peer is never left
      * waiting for a message that does not come. */
@@ -489,9 +500,9 @@ int main(int argc, char **argv)
 
         /* 2. Captured once, replayed (host streams: issued again each time). */
         if (on_gpu) {
-            CU(cu.StreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_RELAXED));
-            exchange(worker, ep, cond, b.sbuf, b.rbuf, b.size, tag);
-            CU(cu.StreamEndCapture(stream, &graph));
+            CU(cu.StreamBeginCapture(capture_stream, CU_STREAM_CAPTURE_MODE_RELAXED));
+            exchange(worker, ep, capture_cond, b.sbuf, b.rbuf, b.size, tag);
+            CU(cu.StreamEndCapture(capture_stream, &graph));
             CU(cu.GraphInstantiate(&exec, graph, 0));
         }
         for (done = 0; done < n; done += b.batch) {
@@ -508,6 +519,9 @@ int main(int argc, char **argv)
                failures == 0 ? "all checked" : "FAILED");
     }
     MUST(gsc_condition_query(cond));
+    if (on_gpu) {
+        MUST(gsc_condition_query(capture_cond));
+    }
 
     /* Both are done with each other before either closes. */
     MUST(gsc_bootstrap_barrier(boot));
@@ -522,10 +536,14 @@ int main(int argc, char **argv)
     }
     MUST(gsc_bootstrap_barrier(boot));
     MUST(gsc_condition_destroy(cond));
+    if (on_gpu) {
+        MUST(gsc_condition_destroy(capture_cond));
+    }
     MUST(gsc_worker_destroy(worker));
     MUST(gsc_cleanup(context));
     if (on_gpu) {
         CU(cu.StreamDestroy(stream));
+        CU(cu.StreamDestroy(capture_stream));
         CU(cu.DevicePrimaryCtxRelease(dev));
     } else {
         MUST(gsc_host_stream_destroy(host_stream));
