@@ -165,13 +165,19 @@ pub fn wait_all(children: Vec<(&str, std::process::Child)>) -> Vec<(String, bool
 /// Run `exe` as `n` ranks with the launcher-style bootstrap (rank 0 serves the rendezvous on a
 /// free local port) and `env` on top; (name, success, output) per rank.
 pub fn run_ranks(exe: &Path, n: usize, env: &[(&str, &str)]) -> Vec<(String, bool, String)> {
+    run_ranks_with_args(exe, n, &[], env)
+}
+
+/// `run_ranks` with command-line arguments for every rank.
+pub fn run_ranks_with_args(exe: &Path, n: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<(String, bool, String)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let secret = format!("c-test-{}-{:?}", std::process::id(), Instant::now());
     let names: Vec<String> = (0..n).map(|r| format!("rank {r}")).collect();
     let children = (0..n)
         .map(|r| {
             let mut c = Command::new(exe);
-            c.env("GSC_RANK", r.to_string())
+            c.args(args)
+                .env("GSC_RANK", r.to_string())
                 .env("GSC_NRANKS", n.to_string())
                 .env("GSC_BOOTSTRAP_ADDR", format!("127.0.0.1:{port}"))
                 .env("GSC_BOOTSTRAP_SECRET", &secret)
@@ -219,5 +225,47 @@ pub fn run_halo_alone(exe: &Path) {
         assert!(out.status.success());
     } else {
         assert!(text.contains("needs at least 2 ranks"), "{text}");
+    }
+}
+
+/// Run examples/c/00_init_info built as `exe`: it must succeed, name this library's version,
+/// show the refused override and release what it made.
+pub fn run_init_info(exe: &Path) {
+    let results = wait_all(vec![("init_info", spawn(&mut Command::new(exe)))]);
+    let (_, ok, out) = &results[0];
+    assert!(*ok, "init_info failed:\n{out}");
+    for want in [
+        format!("gscomm {}", env!("CARGO_PKG_VERSION")),
+        "GSC_TIMEOUT=\"soon\"".to_string(),
+        "its address is".to_string(),
+        "CUDA driver:".to_string(),
+        "worker and context released".to_string(),
+    ] {
+        assert!(out.contains(&want), "init_info's output lacks {want:?}:\n{out}");
+    }
+}
+
+/// Run examples/c/03_graph_sendrecv built as `exe` as its two ranks on host streams (`--host`,
+/// what a machine without a GPU does anyway): every exchange of every size checked on both.
+pub fn run_graph_sendrecv_on_host_streams(exe: &Path) {
+    for (name, ok, out) in run_ranks_with_args(exe, 2, &["--host"], &[]) {
+        assert!(ok, "{name} failed:\n{out}");
+        assert!(out.contains("all checks passed (host stream)"), "{name}:\n{out}");
+        assert_eq!(out.matches(": all checked").count(), 4, "{name}: one line per size expected:\n{out}");
+    }
+}
+
+/// Run an example that needs GPUs (examples/c/04, 05, 06) built as `exe` as a single rank:
+/// without a CUDA driver or GPU it must say it skipped and exit 0 (every rank of a real job
+/// does the same); with one, refuse a one-rank job with a clear message (the device runs them
+/// with examples/c/run_gpu.sh).
+pub fn run_gpu_example_alone(exe: &Path) {
+    let results = run_ranks(exe, 1, &[]);
+    let (name, ok, out) = &results[0];
+    if out.contains("skipped: ") {
+        eprintln!("{}: {}", exe.display(), out.trim());
+        assert!(*ok, "{name} skipped but failed:\n{out}");
+    } else {
+        assert!(!*ok && (out.contains("needs at least 2 ranks") || out.contains("needs exactly 2 ranks")), "{name}:\n{out}");
     }
 }
