@@ -11,6 +11,7 @@ pub mod condition;
 pub mod config;
 pub mod core;
 pub mod cuda;
+pub(crate) mod dynlib;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzz;

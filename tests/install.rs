@@ -12,8 +12,8 @@
 mod c_support;
 
 use c_support::{
-    compile_c, lib_dir, root, run_gpu_example_alone, run_graph_sendrecv_on_host_streams, run_halo_alone, run_init_info,
-    run_pingpong_ranks, scratch, soname,
+    compile_c, lib_dir, root, run_gpu_example_alone, run_graph_sendrecv_on_host_streams, run_halo_alone, run_init_info, run_pingpong_ranks,
+    scratch, soname,
 };
 use std::path::{Path, PathBuf};
 use std::process::Command;

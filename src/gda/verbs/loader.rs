@@ -25,7 +25,7 @@
 //! doorbell) has run against a NIC: see docs/GDA.md, "Not yet run on hardware".
 
 use std::collections::HashMap;
-use std::ffi::{CStr, CString, c_int, c_void};
+use std::ffi::{CStr, c_int, c_void};
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{Ordering, fence};
@@ -36,68 +36,13 @@ use super::flush::{Buffer, FlushMemory, Place, Registration};
 use super::mlx5::{self, CQE_SIZE, Cqe, CqeFault, cqe_offset};
 use super::queue::{CompletionQueue, Doorbell, PREPARED_OP_OWN, SendQueue, SendQueueShape, WorkOp, WorkRequest};
 use super::sys;
+use crate::dynlib::Library;
 use crate::error::{Error, Result, Status};
 
 /// The verbs library, by its ABI soname.
 pub const LIBIBVERBS: &str = "libibverbs.so.1";
 /// The mlx5 provider, for the `mlx5dv_*` direct-verbs entry points.
 pub const LIBMLX5: &str = "libmlx5.so.1";
-
-/// A `dlopen` handle, kept for the life of the process (never closed: function pointers taken
-/// from it are stored in a static).
-struct Library {
-    name: String,
-    handle: NonNull<c_void>,
-}
-
-// SAFETY: a dlopen handle is an opaque token; dlsym on it may be called from any thread.
-unsafe impl Send for Library {}
-// SAFETY: as above; the handle is never mutated or closed.
-unsafe impl Sync for Library {}
-
-fn dlerror_text() -> String {
-    // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl* call on
-    // this thread; it is copied at once.
-    let why = unsafe { libc::dlerror() };
-    if why.is_null() {
-        String::from("unknown reason")
-    } else {
-        // SAFETY: non-null, NUL-terminated (above).
-        unsafe { CStr::from_ptr(why) }.to_string_lossy().into_owned()
-    }
-}
-
-impl Library {
-    fn open(name: &str) -> Result<Library, String> {
-        let cname = CString::new(name).map_err(|_| format!("bad library name {name:?}"))?;
-        // SAFETY: a NUL-terminated name. Loading runs the library's constructors, which for
-        // rdma-core only set up its own state.
-        let handle = unsafe { libc::dlopen(cname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        match NonNull::new(handle) {
-            Some(handle) => Ok(Library { name: name.to_string(), handle }),
-            None => Err(dlerror_text()),
-        }
-    }
-
-    /// The function `symbol` as a `T`, or `None` if the library does not export it.
-    ///
-    /// # Safety
-    /// `T` must be the function-pointer type of the C function named `symbol` (one of the
-    /// `sys::*_fn` types generated from the library's header for that name).
-    unsafe fn function<T: Copy>(&self, symbol: &str) -> Option<T> {
-        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>(), "{symbol}: not a function pointer type");
-        let cname = CString::new(symbol).expect("symbol names have no NUL");
-        // SAFETY: a live handle and a NUL-terminated name.
-        let p = unsafe { libc::dlsym(self.handle.as_ptr(), cname.as_ptr()) };
-        if p.is_null() {
-            None
-        } else {
-            // SAFETY: the caller guarantees `T` is this symbol's function-pointer type, and the
-            // sizes match (asserted above).
-            Some(unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) })
-        }
-    }
-}
 
 /// `Library::function` typed with bindgen's `sys::NAME_fn` for the C function `NAME`: the
 /// name looked up and the signature come from one identifier, so they cannot disagree.

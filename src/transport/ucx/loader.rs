@@ -9,11 +9,12 @@
 //! Function *types* come from bindgen (`sys::*_fn`); the pointers from `dlsym`. `ucs_status_string`
 //! lives in libucs, which libucp depends on; `dlsym` on libucp's handle searches its dependencies.
 
-use std::ffi::{CStr, CString, c_uint, c_void};
+use std::ffi::{CStr, c_uint, c_void};
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 
 use super::sys;
+use crate::dynlib::Library;
 use crate::error::{Error, Result, Status};
 
 /// UCP, by its ABI soname.
@@ -25,58 +26,6 @@ const INSTALL_HINT: &str =
 
 /// Oldest UCX accepted: the bindings were generated from 1.13 headers and use nothing newer.
 const MIN_VERSION: (u32, u32) = (1, 13);
-
-/// A `dlopen` handle, kept for the life of the process (never closed: the function pointers
-/// taken from it live in a static).
-struct Library {
-    handle: NonNull<c_void>,
-}
-
-// SAFETY: a dlopen handle is an opaque token; dlsym on it may be called from any thread.
-unsafe impl Send for Library {}
-// SAFETY: as above; the handle is never mutated or closed.
-unsafe impl Sync for Library {}
-
-fn dlerror_text() -> String {
-    // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl* call on
-    // this thread; it is copied at once.
-    let why = unsafe { libc::dlerror() };
-    if why.is_null() {
-        String::from("unknown reason")
-    } else {
-        // SAFETY: non-null, NUL-terminated (above).
-        unsafe { CStr::from_ptr(why) }.to_string_lossy().into_owned()
-    }
-}
-
-impl Library {
-    fn open(name: &str) -> Result<Library, String> {
-        let cname = CString::new(name).map_err(|_| format!("bad library name {name:?}"))?;
-        // SAFETY: a NUL-terminated name. Loading runs UCX's constructors, which set up its own
-        // global state (config parser, memory hooks are installed only by ucp_init).
-        let handle = unsafe { libc::dlopen(cname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        NonNull::new(handle).map(|handle| Library { handle }).ok_or_else(dlerror_text)
-    }
-
-    /// The function `symbol` as a `T`, or `None` if the library does not export it.
-    ///
-    /// # Safety
-    /// `T` must be the function-pointer type of the C function named `symbol` (one of the
-    /// `sys::*_fn` types generated from UCX's headers for that name).
-    unsafe fn function<T: Copy>(&self, symbol: &str) -> Option<T> {
-        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>(), "{symbol}: not a function pointer type");
-        let cname = CString::new(symbol).ok()?;
-        // SAFETY: a live handle and a NUL-terminated name.
-        let p = unsafe { libc::dlsym(self.handle.as_ptr(), cname.as_ptr()) };
-        if p.is_null() {
-            None
-        } else {
-            // SAFETY: the caller guarantees `T` is this symbol's function-pointer type, and the
-            // sizes match (asserted above).
-            Some(unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) })
-        }
-    }
-}
 
 /// The UCP entry points the lane calls. All are required.
 pub(crate) struct Ucp {
