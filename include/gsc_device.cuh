@@ -100,16 +100,18 @@ static __device__ __forceinline__ unsigned long long gsc_globaltimer()
     return t;
 }
 
-/* Wait until *w >= v (system scope); 0 if timeout_ns passed first. `acquire`: the loads are
- * acquire loads, for words that order data this thread reads after them; otherwise relaxed
- * (no L1 invalidation: the reads after stay cached). (Relaxed loads with one fence after the
- * one that saw the value measured slower than acquire loads: 8 B per exchange 5.2 -> 6.3 us on
- * 2 x H200.) */
-static __device__ __forceinline__ int gsc_spin_geq_as(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns,
-                                                      bool acquire)
+/* Wait until *w >= v (system scope): 1, or 0 if timeout_ns passed first or, with an `abort`
+ * word, once that word is non-zero (looked at every 64 polls only: it may be page-locked host
+ * memory across PCIe). `acquire`: the loads are acquire loads, for words that order data this
+ * thread reads after them; otherwise relaxed (no L1 invalidation: the reads after stay cached).
+ * (Relaxed loads with one fence after the one that saw the value measured slower than acquire
+ * loads: 8 B per exchange 5.2 -> 6.3 us on 2 x H200.) */
+static __device__ __forceinline__ int gsc_spin_geq_or_abort(unsigned long long *w, unsigned long long v,
+                                                            unsigned long long timeout_ns, bool acquire,
+                                                            const volatile unsigned long long *abort)
 {
     unsigned long long t0 = gsc_globaltimer();
-    for (;;) {
+    for (unsigned polls = 1;; polls++) {
         unsigned long long x;
         if (acquire)
             asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
@@ -117,7 +119,15 @@ static __device__ __forceinline__ int gsc_spin_geq_as(unsigned long long *w, uns
             asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
         if (x >= v) return 1;
         if (gsc_globaltimer() - t0 > timeout_ns) return 0;
+        if (abort && polls % 64 == 0 && *abort != 0) return 0;
     }
+}
+
+/* Without an abort word. */
+static __device__ __forceinline__ int gsc_spin_geq_as(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns,
+                                                      bool acquire)
+{
+    return gsc_spin_geq_or_abort(w, v, timeout_ns, acquire, 0);
 }
 
 static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)

@@ -99,18 +99,9 @@ static __device__ __forceinline__ bool gsc_coll_aborted(const gsc_coll_args_t *a
 }
 
 /* Wait for *w >= v: 1, or 0 when the timeout passed or the communicator was aborted. */
-static __device__ int gsc_coll_spin(const gsc_coll_args_t *a, unsigned long long *w, unsigned long long v, bool acquire)
+static __device__ __forceinline__ int gsc_coll_spin(const gsc_coll_args_t *a, unsigned long long *w, unsigned long long v, bool acquire)
 {
-    unsigned long long t0 = gsc_globaltimer();
-    for (unsigned polls = 1;; polls++) {
-        unsigned long long x;
-        if (acquire)
-            asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
-        else
-            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
-        if (x >= v) return 1;
-        if (gsc_globaltimer() - t0 > a->timeout_ns || (polls % 64 == 0 && gsc_coll_aborted(a))) return 0;
-    }
+    return gsc_spin_geq_or_abort(w, v, a->timeout_ns, acquire, (const volatile unsigned long long *)a->abort);
 }
 
 /* 16-bit floats as their bits; arithmetic in float, rounded back after every operation. */
