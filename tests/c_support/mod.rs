@@ -218,7 +218,15 @@ pub fn run_pingpong_ranks(exe: &Path) {
 /// skipped; with one, refuse a one-rank exchange with a clear message (the device runs it as
 /// four ranks, see its README).
 pub fn run_halo_alone(exe: &Path) {
-    let out = Command::new(exe).env("GSC_RANK", "0").env("GSC_NRANKS", "1").output().unwrap();
+    // A rendezvous for the one rank: with a GPU the example bootstraps before it counts ranks.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let out = Command::new(exe)
+        .env("GSC_RANK", "0")
+        .env("GSC_NRANKS", "1")
+        .env("GSC_BOOTSTRAP_ADDR", format!("127.0.0.1:{port}"))
+        .env("GSC_BOOTSTRAP_SECRET", format!("halo-alone-{}", std::process::id()))
+        .output()
+        .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if text.contains("skipped: no CUDA driver") {
         eprintln!("halo example: {}", text.trim());
