@@ -472,6 +472,51 @@ fn a_dead_peer_fails_the_operation_and_releases_the_stream_shm() {
     });
 }
 
+/// A stopped (SIGSTOP) peer (issue #8): a receive and a rendezvous send armed on a host stream,
+/// with the peer stopped before it could answer, fail with `TimedOut` after `GSC_TIMEOUT`
+/// (1 s here) instead of holding the stream forever; the stream's waits are released.
+#[test]
+fn a_stopped_peer_times_out_stream_operations_shm() {
+    child_or(|| {
+        let s = Setup::with(Lane::Shm, "a_stopped_peer_times_out_stream_operations_shm", &[("GSC_TIMEOUT", "1s")]);
+        let (mut p, ep) = s.peer("doomed");
+        p.proc().stop();
+        let stream = HostStream::new().unwrap();
+        let cond = Condition::host_stream(&stream);
+        let mut inbox = vec![0u8; 64];
+        let data = vec![7u8; 4 << 20];
+        let t0 = Instant::now();
+        // Both in flight at once (no stream wait each), then one wait for both.
+        let r = pending(unsafe { s.w.tag_recv_nbx(inbox.as_mut_ptr(), 64, 9, u64::MAX, on(&cond, false)).unwrap() });
+        let h = pending(unsafe { ep.tag_send_nbx(data.as_ptr(), data.len(), 1, on(&cond, false)).unwrap() });
+        cond.wait().unwrap();
+        // Not request_wait: it has the same 1 s bound and would race the proxy's expiry.
+        let st: Vec<Status> = [r, h]
+            .into_iter()
+            .map(|q| {
+                loop {
+                    if let Some(c) = s.w.request_test(q).unwrap() {
+                        s.w.request_release(q).unwrap();
+                        break c.status;
+                    }
+                    assert!(t0.elapsed() < Duration::from_secs(10), "no expiry after {:?}", t0.elapsed());
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+            .collect();
+        let took = t0.elapsed();
+        assert_eq!(st, vec![Status::TimedOut, Status::TimedOut], "after {took:?}");
+        assert!(took >= Duration::from_secs(1) && took < Duration::from_secs(5), "timed out after {took:?}");
+        let e = stream.synchronize(Some(Duration::from_secs(10))).unwrap_err();
+        assert_eq!(e.status(), Status::TimedOut);
+        assert_eq!(cond.query().unwrap_err().status(), Status::TimedOut);
+        assert!(inbox.iter().all(|&b| b == 0), "the timed-out receive's buffer was written");
+        let c = p.proc();
+        c.signal(libc::SIGCONT);
+        c.kill();
+    });
+}
+
 fn refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
     v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }

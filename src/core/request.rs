@@ -72,6 +72,8 @@ pub(crate) struct Slot {
     pub(crate) signal: Option<Signal>,
     /// Armed on a condition that has not triggered yet: the operation has not started.
     pub(crate) armed: bool,
+    /// When a conditioned operation's trigger started it (`Worker::expire_stream_ops`).
+    pub(crate) started_at: Option<std::time::Instant>,
     /// The caller's space (`Context::with_request_area`).
     pub(crate) area: Option<super::request_area::Area>,
 }
@@ -89,6 +91,7 @@ impl Slot {
             first_error: None,
             signal: None,
             armed: false,
+            started_at: None,
             area: None,
         }
     }

@@ -544,7 +544,10 @@ impl Worker {
         let ready = {
             let mut st = self.lock();
             match st.slot_mut(req) {
-                Some(slot) if slot.armed => slot.armed = false,
+                Some(slot) if slot.armed => {
+                    slot.armed = false;
+                    slot.started_at = Some(Instant::now());
+                }
                 _ => return,
             }
             let mut actions = st.take_actions();
@@ -892,6 +895,46 @@ impl Worker {
         Ok(())
     }
 
+    /// Proxy side (issue #8, promise 1): conditioned operations started more than `GSC_TIMEOUT`
+    /// ago and not complete — their producer (a stream, a graph) is waiting for them, and
+    /// nothing else would end the wait when a peer stops answering without dying — fail with
+    /// `TimedOut`. A receive still waiting for its message is withdrawn; an operation moving
+    /// data on a link ends that link (as a timed-out blocking send does: nothing is left naming
+    /// the buffers), failing what else needs it. Returns how many it expired.
+    pub(crate) fn expire_stream_ops(&self) -> usize {
+        let Some(timeout) = self.inner.context.inner.config.timeout else { return 0 };
+        let ready = {
+            let mut st = self.lock();
+            let overdue: Vec<(ReqId, ReqKind, Option<ConnId>)> = st.overdue_conditioned(self.inner.id, timeout);
+            if overdue.is_empty() {
+                return 0;
+            }
+            let mut out = st.take_actions();
+            for &(req, kind, conn) in &overdue {
+                let conn = match kind {
+                    ReqKind::Recv => match st.engine.tag.expire_recv(&mut out, req, Status::TimedOut) {
+                        Some(Some(conn)) => Some(conn),
+                        _ => None,
+                    },
+                    _ => conn,
+                };
+                if let Some(conn) = conn {
+                    let e = Error::new(
+                        Status::TimedOut,
+                        format!("a stream-ordered operation made no progress for {timeout:?} (GSC_TIMEOUT): is the peer stopped?"),
+                    );
+                    st.fail_conn(conn, e, &mut out);
+                }
+            }
+            tracing::warn!(target: "gsc::proxy", count = overdue.len(), ?timeout, "stream-ordered operations timed out");
+            st.execute(&self.inner.context, out);
+            std::mem::take(&mut st.ready)
+        };
+        let n = ready.len();
+        self.fire(ready);
+        n.max(1)
+    }
+
     /// The abort error, once `abort` was called.
     pub fn aborted(&self) -> Option<Error> {
         self.inner.aborted.get().cloned()
@@ -1118,6 +1161,15 @@ impl State {
     fn slot(&self, req: ReqId) -> Option<&Slot> {
         let (_, generation, key) = request::decode(req)?;
         self.requests.get(key).filter(|s| s.generation == generation)
+    }
+
+    /// Conditioned requests started longer than `timeout` ago and not complete.
+    fn overdue_conditioned(&self, worker: u16, timeout: Duration) -> Vec<(ReqId, ReqKind, Option<ConnId>)> {
+        self.requests
+            .iter()
+            .filter(|(_, s)| s.result.is_none() && s.started_at.is_some_and(|t| t.elapsed() > timeout))
+            .map(|(key, s)| (request::encode(worker, s.generation, key), s.kind, s.conn))
+            .collect()
     }
 
     /// Requests armed on a condition that has not triggered yet.

@@ -492,6 +492,19 @@ impl TagEngine {
         }
     }
 
+    /// Where receive `req` stands: `Some(None)` posted and unmatched (withdrawn here and
+    /// completed with `status`), `Some(Some(conn))` matched and moving data on `conn`, `None`
+    /// not a receive in progress.
+    pub fn expire_recv(&mut self, out: &mut Actions, req: ReqId, status: Status) -> Option<Option<ConnId>> {
+        if self.posted.remove(|&(r, _)| r == req).is_some() {
+            out.push(Action::Complete { req, status, info: RecvInfo::default() });
+            return Some(None);
+        }
+        match self.recvs.get(&req)? {
+            RecvState::Eager { conn, .. } | RecvState::Reading { conn, .. } | RecvState::Pushed { conn, .. } => Some(Some(*conn)),
+        }
+    }
+
     /// Complete every posted receive that has not matched with `status` (an aborted worker).
     pub fn fail_posted(&mut self, out: &mut Actions, status: Status) {
         while let Some((req, _)) = self.posted.remove(|_| true) {

@@ -30,6 +30,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
+/// How often started operations are checked against `GSC_TIMEOUT` (`Worker::expire_stream_ops`).
+const EXPIRY_CHECK_INTERVAL: Duration = Duration::from_millis(200);
+
 /// A one-shot operation: start request `req` once `channel`'s trigger reaches `seq`.
 pub(crate) struct ArmedOp {
     pub(crate) channel: Arc<Channel>,
@@ -253,6 +256,8 @@ struct Engine {
     counters: Arc<ProxyCounters>,
     /// Set by `Msg::Abort`: what every armed operation, and every later one, fails with.
     aborted: Option<Error>,
+    /// When started operations were last checked against `GSC_TIMEOUT`.
+    last_expiry_check: Instant,
 }
 
 impl Engine {
@@ -269,6 +274,7 @@ impl Engine {
             disconnected: false,
             counters,
             aborted: None,
+            last_expiry_check: Instant::now(),
         }
     }
 
@@ -432,6 +438,12 @@ impl Engine {
             events += progressed;
         }
         self.in_flight.retain(|(c, seq)| c.done_word() < *seq);
+        // Started operations whose peer stopped answering (without dying) would hold their
+        // producers forever: a few times a second, fail those older than GSC_TIMEOUT.
+        if !self.in_flight.is_empty() && self.last_expiry_check.elapsed() > EXPIRY_CHECK_INTERVAL {
+            self.last_expiry_check = Instant::now();
+            events += worker.expire_stream_ops();
+        }
         events
     }
 
