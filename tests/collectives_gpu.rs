@@ -13,8 +13,8 @@ mod common;
 
 use common::*;
 use gscomm::bootstrap::{Bootstrap, UniqueId};
-use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, reduce_reference};
-use gscomm::collectives::{Communicator, DataType, RedOp};
+use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, premul_reference, reduce_reference};
+use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Graph, Stream, device_count, gpu_test_skip_reason, set_device};
 use gscomm::{Context, Status};
@@ -185,6 +185,64 @@ fn large_all_reduce(r: &Rank) -> Vec<String> {
             }
         }
     }
+    bad
+}
+
+/// Rank `q`'s pre-multiplied-sum scalar as an element of `dtype`: q + 2 for integers, 0.5 × (q
+/// + 1) for floats (exact products with the small-integer float inputs).
+fn premul_scalar(dtype: DataType, q: usize) -> u64 {
+    let f = 0.5 * (q as f32 + 1.0);
+    match dtype {
+        DataType::Float16 => u64::from(f32_to_f16(f)),
+        DataType::Bfloat16 => u64::from(f32_to_bf16(f)),
+        DataType::Float32 => u64::from(f.to_bits()),
+        DataType::Float64 => f64::from(f).to_bits(),
+        _ => q as u64 + 2,
+    }
+}
+
+/// Pre-multiplied sums (NCCL's ncclRedOpCreatePreMulSum): all-reduce, reduce-scatter and
+/// reduce on every datatype, one-shot and large, each rank with its own scalar (by value; and
+/// read from GPU memory for one case), checked exactly against the scaled inputs' sum.
+fn premul_sums(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let check = |bad: &mut Vec<String>, kind: PremulKind, dtype: DataType, count: usize, device_scalar: bool| {
+        let seed = 40_000 + dtype.nccl() as u64 * 10 + kind as u64 + count as u64;
+        let total = if kind == PremulKind::ReduceScatter { count * n } else { count };
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, total)).collect();
+        let scaled: Vec<Vec<u8>> = ins.iter().enumerate().map(|(q, x)| premul_reference(dtype, premul_scalar(dtype, q), x)).collect();
+        let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
+        let sum = reduce_reference(dtype, RedOp::Sum, &refs);
+        let sz = dtype.size();
+        let want = match kind {
+            PremulKind::ReduceScatter => sum[me * count * sz..(me + 1) * count * sz].to_vec(),
+            _ => sum,
+        };
+        let send = device_with(&ins[me], total * sz);
+        let recv = device_with(&[], count * sz);
+        let bits = premul_scalar(dtype, me);
+        let held = device_with(&bits.to_le_bytes()[..sz], 8);
+        let scalar = if device_scalar { PreMulScalar::Device(held.ptr()) } else { PreMulScalar::Value(bits) };
+        let root = n - 1;
+        unsafe { r.comm.premul_sum(kind, send.ptr(), recv.ptr(), count, dtype, scalar, root, &r.cond) }.unwrap();
+        r.sync();
+        if (kind != PremulKind::Reduce || me == root) && recv.download().unwrap() != want {
+            bad.push(format!("rank {me}: premul {kind:?} {count} x {} (device scalar {device_scalar}) wrong", dtype.name()));
+        }
+    };
+    for dtype in DataType::ALL {
+        for kind in [PremulKind::AllReduce, PremulKind::ReduceScatter, PremulKind::Reduce] {
+            check(&mut bad, kind, dtype, 70_001, false);
+        }
+    }
+    // The large kernels (whole 16-byte pieces, above the one-shot threshold).
+    for dtype in [DataType::Float32, DataType::Bfloat16, DataType::Int32] {
+        check(&mut bad, PremulKind::AllReduce, dtype, 4 << 20, false);
+        check(&mut bad, PremulKind::ReduceScatter, dtype, 1 << 20, false);
+    }
+    check(&mut bad, PremulKind::AllReduce, DataType::Float32, 1000, true);
+    check(&mut bad, PremulKind::AllReduce, DataType::Float64, 4 << 20, true);
     bad
 }
 
@@ -512,6 +570,7 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.extend(large_all_reduce(&r));
     eprintln!("rank {rank}: large all-reduce checks in {:?}", t0.elapsed());
     bad.extend(large_halves(&r));
+    bad.extend(premul_sums(&r));
     bad.extend(graph_replays(&r, 20_000));
     bad.extend(graph_replays(&r, 300_000));
     let t0 = Instant::now();

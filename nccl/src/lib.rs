@@ -9,8 +9,9 @@
 //! stream together at its end; collectives are launched as they are called), all-reduce,
 //! broadcast (and the legacy in-place bcast), reduce, all-gather, reduce-scatter, send/recv
 //! (and so all-to-all and the rest of what groups build on them), buffer registration (checked,
-//! no zero-copy path yet), mem alloc/free. The rest of nccl.h (windows, pre-multiplied sums,
-//! device communicators) returns `ncclInvalidUsage` and says so in `ncclGetLastError`.
+//! no zero-copy path yet), pre-multiplied sums (host and device scalars), mem alloc/free. The
+//! rest of nccl.h (windows, device communicators) returns `ncclInvalidUsage` and says so in
+//! `ncclGetLastError`.
 //!
 //! Every exported function goes through `gate`: no panic crosses the C boundary, and a failure
 //! leaves its message for `ncclGetLastError`.
@@ -20,7 +21,7 @@
 
 use gscomm::bootstrap::{Bootstrap, UniqueId};
 use gscomm::collectives::p2p::PeerOp;
-use gscomm::collectives::{Communicator, DataType, RedOp, Registration};
+use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp, Registration};
 use gscomm::condition::{Category, Condition};
 use gscomm::{Config, Error, Status};
 use std::cell::RefCell;
@@ -40,6 +41,12 @@ pub const NCCL_INVALID_ARGUMENT: ncclResult_t = 4;
 pub const NCCL_INVALID_USAGE: ncclResult_t = 5;
 pub const NCCL_REMOTE_ERROR: ncclResult_t = 6;
 pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
+
+/// `ncclNumOps`: operators from here on are made by `ncclRedOpCreatePreMulSum`.
+pub const NCCL_NUM_OPS: c_int = 5;
+/// `ncclScalarResidence_t`.
+const NCCL_SCALAR_DEVICE: c_int = 0;
+const NCCL_SCALAR_HOST_IMMEDIATE: c_int = 1;
 
 /// `NCCL_SPLIT_NOCOLOR`: the rank takes part in a split and gets no communicator.
 pub const NCCL_SPLIT_NOCOLOR: c_int = -1;
@@ -68,6 +75,9 @@ pub struct Comm {
     /// Live `ncclCommRegister` handles (addresses of boxed `Registration`s), so a stale or
     /// foreign handle given to deregister is an error, not a double free.
     registrations: Mutex<Vec<usize>>,
+    /// `ncclRedOpCreatePreMulSum` operators: op `NCCL_NUM_OPS + i` is entry i (None once
+    /// destroyed), with the datatype it was made for.
+    premul_ops: Mutex<Vec<Option<(DataType, PreMulScalar)>>>,
 }
 
 impl Comm {
@@ -77,6 +87,18 @@ impl Comm {
             init_thread: Mutex::new(None),
             conditions: Mutex::new(HashMap::new()),
             registrations: Mutex::new(Vec::new()),
+            premul_ops: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The pre-multiplied sum `op` names, for a collective on `dtype`.
+    fn premul(&self, op: c_int, dtype: DataType) -> Result<Option<PreMulScalar>, Fail> {
+        let Some(i) = op.checked_sub(NCCL_NUM_OPS).and_then(|i| usize::try_from(i).ok()) else { return Ok(None) };
+        let ops = self.premul_ops.lock().unwrap_or_else(|e| e.into_inner());
+        match ops.get(i).copied().flatten() {
+            Some((t, scalar)) if t == dtype => Ok(Some(scalar)),
+            Some((t, _)) => Err(invalid(format!("operator {op} was made for {} data, not {}", t.name(), dtype.name()))),
+            None => Err(invalid(format!("operator {op} is not a live ncclRedOpCreatePreMulSum operator of this communicator"))),
         }
     }
 
@@ -598,6 +620,32 @@ fn collective(
     })
 }
 
+/// A reduction with an `ncclRedOpCreatePreMulSum` operator.
+#[allow(clippy::too_many_arguments)]
+fn premul(
+    name: &str,
+    kind: PremulKind,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    root: usize,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> ncclResult_t {
+    gate(name, || {
+        let c = comm_ref(comm)?;
+        let communicator = c.ready()?;
+        let dtype = DataType::from_nccl(datatype)?;
+        let scalar = c.premul(op, dtype)?.ok_or_else(|| invalid(format!("operator {op}")))?;
+        let on = on_stream(c, stream)?;
+        // SAFETY: nccl.h's contract on the buffers, the stream and a device scalar.
+        unsafe { communicator.premul_sum(kind, send as u64, recv as u64, count, dtype, scalar, root, &on) }?;
+        Ok(())
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclAllReduce(
     sendbuff: *const c_void,
@@ -608,6 +656,9 @@ pub unsafe extern "C" fn ncclAllReduce(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
+    if op >= NCCL_NUM_OPS {
+        return premul("ncclAllReduce", PremulKind::AllReduce, sendbuff, recvbuff, count, datatype, op, 0, comm, stream);
+    }
     // SAFETY (each entry point): nccl.h's contract on the buffers and the stream.
     collective("ncclAllReduce", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
         c.all_reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, on)
@@ -657,6 +708,9 @@ pub unsafe extern "C" fn ncclReduce(
     stream: *mut c_void,
 ) -> ncclResult_t {
     let Ok(root) = root_of(root) else { return gate("ncclReduce", || Err(invalid(format!("root {root}")))) };
+    if op >= NCCL_NUM_OPS {
+        return premul("ncclReduce", PremulKind::Reduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
+    }
     // SAFETY: as ncclAllReduce.
     collective("ncclReduce", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
         c.reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, root, on)
@@ -688,6 +742,9 @@ pub unsafe extern "C" fn ncclReduceScatter(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
+    if op >= NCCL_NUM_OPS {
+        return premul("ncclReduceScatter", PremulKind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, 0, comm, stream);
+    }
     // SAFETY: as ncclAllReduce.
     collective("ncclReduceScatter", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
         c.reduce_scatter(sendbuff as u64, recvbuff as u64, recvcount, dtype, op, on)
@@ -795,6 +852,67 @@ pub unsafe extern "C" fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_voi
 }
 
 // ---------------------------------------------------------------------------------------------
+// Pre-multiplied sums
+
+/// A pre-multiplied sum operator for `datatype`: a host scalar (`ncclScalarHostImmediate`) is
+/// read now; a device one (`ncclScalarDevice`) each time a collective using it runs.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut c_int,
+    scalar: *mut c_void,
+    datatype: c_int,
+    residence: c_int,
+    comm: ncclComm_t,
+) -> ncclResult_t {
+    gate("ncclRedOpCreatePreMulSum", || {
+        let c = comm_ref(comm)?;
+        c.ready()?;
+        let slot = out(op, "op")?;
+        let dtype = DataType::from_nccl(datatype)?;
+        if scalar.is_null() {
+            return Err(invalid("scalar is NULL"));
+        }
+        let value = match residence {
+            NCCL_SCALAR_HOST_IMMEDIATE => {
+                let mut bits = [0u8; 8];
+                // SAFETY: nccl.h: a host scalar points at one element of `datatype`.
+                unsafe { std::ptr::copy_nonoverlapping(scalar as *const u8, bits.as_mut_ptr(), dtype.size()) };
+                PreMulScalar::Value(u64::from_le_bytes(bits))
+            }
+            NCCL_SCALAR_DEVICE => PreMulScalar::Device(scalar as u64),
+            r => return Err(invalid(format!("residence {r} (ncclScalarDevice 0 or ncclScalarHostImmediate 1)"))),
+        };
+        let mut ops = c.premul_ops.lock().unwrap_or_else(|e| e.into_inner());
+        let i = match ops.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                ops.push(None);
+                ops.len() - 1
+            }
+        };
+        ops[i] = Some((dtype, value));
+        *slot = NCCL_NUM_OPS + i as c_int;
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, comm: ncclComm_t) -> ncclResult_t {
+    gate("ncclRedOpDestroy", || {
+        let c = comm_ref(comm)?;
+        let mut ops = c.premul_ops.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = op.checked_sub(NCCL_NUM_OPS).and_then(|i| usize::try_from(i).ok()).and_then(|i| ops.get_mut(i));
+        match entry {
+            Some(e @ Some(_)) => {
+                *e = None;
+                Ok(())
+            }
+            _ => Err(invalid(format!("operator {op} is not a live ncclRedOpCreatePreMulSum operator of this communicator"))),
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
 // Memory
 
 #[unsafe(no_mangle)]
@@ -834,8 +952,6 @@ macro_rules! not_yet {
 not_yet! {
     ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut *mut c_void, flags: c_int);
     ncclCommWindowDeregister(comm: ncclComm_t, win: *mut c_void);
-    ncclRedOpCreatePreMulSum(op: *mut c_int, scalar: *mut c_void, datatype: c_int, residence: c_int, comm: ncclComm_t);
-    ncclRedOpDestroy(op: c_int, comm: ncclComm_t);
 }
 
 #[cfg(test)]
@@ -886,8 +1002,8 @@ mod tests {
         assert!(last().contains("ncclSend: comm is NULL"), "{}", last());
         let mut op = 0;
         let r = unsafe { ncclRedOpCreatePreMulSum(&mut op, std::ptr::null_mut(), 7, 1, std::ptr::null_mut()) };
-        assert_eq!(r, NCCL_INVALID_USAGE);
-        assert!(last().contains("ncclRedOpCreatePreMulSum is not supported"), "{}", last());
+        assert_eq!(r, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("ncclRedOpCreatePreMulSum: comm is NULL"), "{}", last());
     }
 
     #[test]
@@ -1002,6 +1118,37 @@ mod tests {
         assert!(h2.is_null() && last().contains("not GPU memory"), "{}", last());
         assert_eq!(unsafe { ncclCommDeregister(comms[0], h) }, NCCL_SUCCESS);
         assert_eq!(unsafe { ncclCommDeregister(comms[0], h) }, NCCL_INVALID_ARGUMENT);
+        // A pre-multiplied sum through the ABI: rank r scales by r + 2 (host scalar), uint8.
+        let mut ops = [0 as c_int; 2];
+        for (r, op) in ops.iter_mut().enumerate() {
+            let mut k = (r + 2) as u8;
+            let scalar = &mut k as *mut u8 as *mut c_void;
+            assert_eq!(
+                unsafe { ncclRedOpCreatePreMulSum(op, scalar, 1, NCCL_SCALAR_HOST_IMMEDIATE, comms[r]) },
+                NCCL_SUCCESS,
+                "{}",
+                last()
+            );
+        }
+        let outs: Vec<DeviceBuf> = (0..2)
+            .map(|r| {
+                set_device(r).unwrap();
+                DeviceBuf::new(len).unwrap()
+            })
+            .collect();
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, (send, _, stream)) in bufs.iter().enumerate() {
+            let (c, s) = (comms[r], stream.raw() as *mut c_void);
+            let rc = unsafe { ncclAllReduce(send.ptr() as *const c_void, outs[r].ptr() as *mut c_void, len, 1, ops[r], c, s) };
+            assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS);
+        let want: Vec<u8> = (0..len).map(|i| ((i * 13) as u8).wrapping_mul(2).wrapping_add(((i * 13 + 7) as u8).wrapping_mul(3))).collect();
+        for (r, (_, _, stream)) in bufs.iter().enumerate() {
+            stream.synchronize().unwrap();
+            assert!(outs[r].download().unwrap() == want, "GPU {r}: pre-multiplied sum wrong");
+            assert_eq!(unsafe { ncclRedOpDestroy(ops[r], comms[r]) }, NCCL_SUCCESS);
+        }
         // Split into two one-rank communicators (both splits from this thread: a group).
         let mut subs: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
         assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
@@ -1025,6 +1172,22 @@ mod tests {
         for c in subs.into_iter().chain(comms) {
             assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
         }
+    }
+
+    #[test]
+    fn premul_operators_are_looked_up_by_type_and_destroyed_once() {
+        let comm = Box::into_raw(Box::new(Comm::new()));
+        let c = unsafe { &*comm };
+        c.premul_ops.lock().unwrap().push(Some((DataType::Float32, PreMulScalar::Value(7))));
+        assert_eq!(c.premul(NCCL_NUM_OPS, DataType::Float32).unwrap(), Some(PreMulScalar::Value(7)));
+        assert_eq!(c.premul(0, DataType::Float32).unwrap(), None, "a built-in operator");
+        assert!(c.premul(NCCL_NUM_OPS, DataType::Int32).unwrap_err().1.contains("made for float data, not int32"));
+        assert!(c.premul(NCCL_NUM_OPS + 1, DataType::Float32).is_err());
+        assert_eq!(unsafe { ncclRedOpDestroy(NCCL_NUM_OPS, comm) }, NCCL_SUCCESS);
+        assert_eq!(unsafe { ncclRedOpDestroy(NCCL_NUM_OPS, comm) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("not a live ncclRedOpCreatePreMulSum operator"), "{}", last());
+        assert!(c.premul(NCCL_NUM_OPS, DataType::Float32).is_err(), "destroyed");
+        assert_eq!(unsafe { ncclCommDestroy(comm) }, NCCL_SUCCESS);
     }
 
     #[test]

@@ -16,7 +16,7 @@
 use super::agreement::{self, Signature};
 use super::p2p::{PeerLinks, PeerOp};
 use super::select::{self, Algorithm, Collective};
-use super::types::{DataType, RedOp};
+use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::Config;
@@ -45,6 +45,14 @@ pub struct Communicator {
     aborted: std::sync::OnceLock<Error>,
 }
 
+/// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PremulKind {
+    AllReduce,
+    Reduce,
+    ReduceScatter,
+}
+
 /// A buffer registered with a communicator (`Communicator::register`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Registration {
@@ -64,6 +72,27 @@ struct Call {
     dtype: DataType,
     op: RedOp,
     root: usize,
+    /// A pre-multiplied sum (`op` is then `Sum`): this rank's scalar.
+    premul: Option<PreMulScalar>,
+}
+
+impl Call {
+    /// The operator's name in kernel symbols (`gsc_coll_<type>_<op>`).
+    fn op_tag(&self) -> &'static str {
+        if self.premul.is_some() { "premul" } else { self.op.kernel_tag() }
+    }
+    fn premul_bits(&self) -> u64 {
+        match self.premul {
+            Some(PreMulScalar::Value(bits)) => bits,
+            _ => 0,
+        }
+    }
+    fn premul_ptr(&self) -> u64 {
+        match self.premul {
+            Some(PreMulScalar::Device(addr)) => addr,
+            _ => 0,
+        }
+    }
 }
 
 impl Communicator {
@@ -252,7 +281,7 @@ impl Communicator {
         on: &Condition,
     ) -> Result<ArmedOutputs> {
         let part_bytes = self.bytes(count, dtype)?;
-        self.run(Call { kind: CollKind::AllReduce, send, recv, part_bytes, dtype, op, root: 0 }, on)
+        self.run(Call { kind: CollKind::AllReduce, send, recv, part_bytes, dtype, op, root: 0, premul: None }, on)
     }
 
     /// Every rank's `count` elements of `send` into `recv`, rank r's at element r × count
@@ -263,7 +292,7 @@ impl Communicator {
     pub unsafe fn all_gather(&self, send: u64, recv: u64, count: usize, dtype: DataType, on: &Condition) -> Result<ArmedOutputs> {
         let part_bytes = self.bytes(count, dtype)?;
         self.bytes(count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
-        self.run(Call { kind: CollKind::AllGather, send, recv, part_bytes, dtype, op: RedOp::Sum, root: 0 }, on)
+        self.run(Call { kind: CollKind::AllGather, send, recv, part_bytes, dtype, op: RedOp::Sum, root: 0, premul: None }, on)
     }
 
     /// `send` (`nranks × recv_count` elements) reduced across the ranks; rank r gets part r
@@ -282,7 +311,7 @@ impl Communicator {
     ) -> Result<ArmedOutputs> {
         let part_bytes = self.bytes(recv_count, dtype)?;
         self.bytes(recv_count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
-        self.run(Call { kind: CollKind::ReduceScatter, send, recv, part_bytes, dtype, op, root: 0 }, on)
+        self.run(Call { kind: CollKind::ReduceScatter, send, recv, part_bytes, dtype, op, root: 0, premul: None }, on)
     }
 
     /// Rank `root`'s `count` elements of `send` into `recv` of every rank (`send` is read on
@@ -301,7 +330,7 @@ impl Communicator {
     ) -> Result<ArmedOutputs> {
         let part_bytes = self.bytes(count, dtype)?;
         self.check_root(root)?;
-        self.run(Call { kind: CollKind::Broadcast, send, recv, part_bytes, dtype, op: RedOp::Sum, root }, on)
+        self.run(Call { kind: CollKind::Broadcast, send, recv, part_bytes, dtype, op: RedOp::Sum, root, premul: None }, on)
     }
 
     /// `count` elements of `send` reduced with `op` across the ranks into `recv` of rank
@@ -322,7 +351,45 @@ impl Communicator {
     ) -> Result<ArmedOutputs> {
         let part_bytes = self.bytes(count, dtype)?;
         self.check_root(root)?;
-        self.run(Call { kind: CollKind::Reduce, send, recv, part_bytes, dtype, op, root }, on)
+        self.run(Call { kind: CollKind::Reduce, send, recv, part_bytes, dtype, op, root, premul: None }, on)
+    }
+
+    /// NCCL's pre-multiplied sum (`ncclRedOpCreatePreMulSum`) as an all-reduce (`kind`
+    /// `AllReduce`), reduce (`Reduce`, to `root`) or reduce-scatter (`ReduceScatter`, `count`
+    /// per rank): every rank's input is multiplied by its own `scalar` (an element of
+    /// `dtype`), then summed.
+    ///
+    /// # Safety
+    /// As the collective without the scalar; a `PreMulScalar::Device` address is GPU memory of
+    /// this rank's device holding one element, valid until the collective ran.
+    #[allow(clippy::too_many_arguments)] // the collective's own arguments, with the scalar
+    pub unsafe fn premul_sum(
+        &self,
+        kind: PremulKind,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        scalar: PreMulScalar,
+        root: usize,
+        on: &Condition,
+    ) -> Result<ArmedOutputs> {
+        let part_bytes = self.bytes(count, dtype)?;
+        let (kind, root) = match kind {
+            PremulKind::AllReduce => (CollKind::AllReduce, 0),
+            PremulKind::ReduceScatter => {
+                self.bytes(count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
+                (CollKind::ReduceScatter, 0)
+            }
+            PremulKind::Reduce => {
+                self.check_root(root)?;
+                (CollKind::Reduce, root)
+            }
+        };
+        if let PreMulScalar::Device(addr) = scalar {
+            self.check_device_buffer(addr, "pre-multiplied sum's scalar")?;
+        }
+        self.run(Call { kind, send, recv, part_bytes, dtype, op: RedOp::Sum, root, premul: Some(scalar) }, on)
     }
 
     fn bytes(&self, count: usize, dtype: DataType) -> Result<usize> {
@@ -387,7 +454,7 @@ impl Communicator {
     /// The one-shot LL exchange (`gsc_coll_<type>_<op>`), after graph node `after` if given.
     fn launch_one_shot(&self, call: &Call, on: &Condition, after: Option<usize>) -> Result<ArmedOutputs> {
         let (reads_send, writes_recv) = (call.send != 0, call.recv != 0);
-        let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
+        let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op_tag());
         let mut outputs = ArmedOutputs::default();
         let mut last_node = after;
         // All-pairs collectives run every round in one launch; rooted ones a round per launch
@@ -412,6 +479,8 @@ impl Communicator {
                 root: call.root as u64,
                 kind: call.kind as u64,
                 timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                premul_bits: call.premul_bits(),
+                premul_ptr: call.premul_ptr(),
                 ..Default::default()
             };
             let cache = self.kernel_cache.as_deref();
@@ -463,6 +532,8 @@ impl Communicator {
             rank: self.rank as u64,
             kind: call.kind as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            premul_bits: call.premul_bits(),
+            premul_ptr: call.premul_ptr(),
             ..Default::default()
         };
         self.launch_large_kernel(call, on, args).map(|node| ArmedOutputs { start_node: node, done_node: node, device_handle: 0 })
@@ -471,7 +542,7 @@ impl Communicator {
     /// One launch of the large kernel (`gsc_coll_big_<type>_<op>`): on the stream, or as a node
     /// of the graph (returned; 0 on a stream).
     fn launch_large_kernel(&self, call: &Call, on: &Condition, args: CollArgs) -> Result<usize> {
-        let kernel = format!("gsc_coll_big_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
+        let kernel = format!("gsc_coll_big_{}_{}", call.dtype.kernel_tag(), call.op_tag());
         let cache = self.kernel_cache.as_deref();
         match on.category() {
             Category::Graph => self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, None),
@@ -497,6 +568,8 @@ impl Communicator {
             rank: self.rank as u64,
             kind: call.kind as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            premul_bits: call.premul_bits(),
+            premul_ptr: call.premul_ptr(),
             ..Default::default()
         };
         let tail = Call { send: call.send + bytes as u64, recv: call.recv + bytes as u64, part_bytes: call.part_bytes - bytes, ..*call };

@@ -14,5 +14,5 @@ pub mod p2p;
 pub mod select;
 pub mod types;
 
-pub use comm::{Communicator, Registration};
-pub use types::{DataType, RedOp};
+pub use comm::{Communicator, PremulKind, Registration};
+pub use types::{DataType, PreMulScalar, RedOp};

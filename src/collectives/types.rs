@@ -208,6 +208,51 @@ impl RedOp {
     }
 }
 
+/// The scalar of a pre-multiplied sum (NCCL's `ncclRedOpCreatePreMulSum`): every rank
+/// multiplies its own input by its own scalar, then the products are summed.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PreMulScalar {
+    /// The value, as the little-endian bits of one element of the collective's type.
+    Value(u64),
+    /// The address of one element in this rank's GPU memory, read each time the kernel runs
+    /// (NCCL's `ncclScalarDevice`: a captured collective then uses the value of the moment).
+    Device(u64),
+}
+
+/// `input` (elements of `dtype`) multiplied by `scalar` (an element's bits) the way the
+/// kernels do it before a pre-multiplied sum: integers wrap, floats multiply in their type,
+/// 16-bit floats in `f32` rounded back. Reference for tests: `reduce_reference(dtype, Sum, ..)`
+/// of every rank's scaled input is the collective's result.
+pub fn premul_reference(dtype: DataType, scalar: u64, input: &[u8]) -> Vec<u8> {
+    let w = dtype.size();
+    assert!(input.len().is_multiple_of(w), "premul_reference: a partial element");
+    let s = scalar.to_le_bytes();
+    let mut out = Vec::with_capacity(input.len());
+    macro_rules! each {
+        ($t:ty, $mul:expr) => {{
+            let m = <$t>::from_le_bytes(s[..w].try_into().expect("element width"));
+            for e in input.chunks_exact(w) {
+                let x = <$t>::from_le_bytes(e.try_into().expect("element width"));
+                let f: fn($t, $t) -> $t = $mul;
+                out.extend_from_slice(&f(x, m).to_le_bytes());
+            }
+        }};
+    }
+    match dtype {
+        DataType::Int8 => each!(i8, |a, b| a.wrapping_mul(b)),
+        DataType::Uint8 => each!(u8, |a, b| a.wrapping_mul(b)),
+        DataType::Int32 => each!(i32, |a, b| a.wrapping_mul(b)),
+        DataType::Uint32 => each!(u32, |a, b| a.wrapping_mul(b)),
+        DataType::Int64 => each!(i64, |a, b| a.wrapping_mul(b)),
+        DataType::Uint64 => each!(u64, |a, b| a.wrapping_mul(b)),
+        DataType::Float32 => each!(f32, |a, b| a * b),
+        DataType::Float64 => each!(f64, |a, b| a * b),
+        DataType::Float16 => each!(u16, |a, b| f32_to_f16(f16_to_f32(a) * f16_to_f32(b))),
+        DataType::Bfloat16 => each!(u16, |a, b| f32_to_bf16(bf16_to_f32(a) * bf16_to_f32(b))),
+    }
+    out
+}
+
 /// IEEE binary16 bits to `f32`. Exact: every half value, subnormals included, is an `f32`.
 pub fn f16_to_f32(h: u16) -> f32 {
     let negative = h & 0x8000 != 0;
@@ -493,6 +538,20 @@ mod tests {
             assert!(e.message().contains(&v.to_string()), "{e:?}");
             assert!(!e.message().contains("fp8"), "{e:?}");
         }
+    }
+
+    #[test]
+    fn premul_scales_like_a_product_step() {
+        let ints: Vec<u8> = [3i32, -4, i32::MAX].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let out = premul_reference(DataType::Int32, 2u64, &ints);
+        let got: Vec<i32> = out.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, [6, -8, i32::MAX.wrapping_mul(2)]);
+        let f: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let out = premul_reference(DataType::Float32, u64::from(0.5f32.to_bits()), &f);
+        assert_eq!(out, [0.75f32, -1.0].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+        let h = f32_to_f16(3.0).to_le_bytes();
+        let out = premul_reference(DataType::Float16, u64::from(f32_to_f16(0.25)), &h);
+        assert_eq!(f16_to_f32(u16::from_le_bytes([out[0], out[1]])), 0.75);
     }
 
     #[test]

@@ -84,6 +84,8 @@ typedef struct {
     unsigned long long slot_words;
     unsigned long long nranks, rank, root, kind, timeout_ns;
     unsigned long long abort;    /* this rank's abort word (page-locked host memory): non-zero = give up */
+    unsigned long long premul_bits; /* pre-multiplied sum: this rank's scalar (an element's bits) */
+    unsigned long long premul_ptr;  /* ... or its address in GPU memory, read when the kernel runs (0: use the bits) */
 } gsc_coll_args_t;
 
 enum { GSC_ALL_REDUCE = 0, GSC_ALL_GATHER = 1, GSC_REDUCE_SCATTER = 2, GSC_BROADCAST = 3, GSC_REDUCE = 4 };
@@ -112,7 +114,8 @@ static __device__ __forceinline__ float gsc_to_f(gsc_bf16 x) { return __uint_as_
 static __device__ __forceinline__ gsc_f16 gsc_from_f(float f, gsc_f16) { gsc_f16 x; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x.v) : "f"(f)); return x; }
 static __device__ __forceinline__ gsc_bf16 gsc_from_f(float f, gsc_bf16) { gsc_bf16 x; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x.v) : "f"(f)); return x; }
 
-/* op: 0 sum (and avg before its division), 1 prod, 2 max, 3 min. Max and min keep the
+/* op: 0 sum (and avg before its division), 1 prod, 2 max, 3 min, 4 sum (of pre-multiplied
+ * inputs: gsc_premul_unit). Max and min keep the
  * accumulator unless the new value is strictly greater (smaller). */
 template <int OP, typename T> static __device__ __forceinline__ T gsc_apply(T a, T b)
 {
@@ -129,6 +132,27 @@ template <> __device__ __forceinline__ gsc_bf16 gsc_div(gsc_bf16 a, unsigned lon
 
 /* 8 bytes = one unit = two LL words; a unit holds whole elements of any type. */
 template <typename T> union gsc_unit { unsigned long long u; T v[8 / sizeof(T)]; };
+
+/* OP 4, the pre-multiplied sum: each rank multiplies its own input by its scalar (a product
+ * step, so 16-bit floats round as every other step does) as it reads it; the reduction is the
+ * sum. */
+template <typename T> static __device__ __forceinline__ T gsc_premul_scalar(const gsc_coll_args_t *a)
+{
+    if (a->premul_ptr) return *(const T *)a->premul_ptr;
+    union { unsigned long long u; T t; } b;
+    b.u = a->premul_bits;
+    return b.t;
+}
+template <typename T, int OP> static __device__ __forceinline__ unsigned long long gsc_premul_unit(unsigned long long u, const gsc_coll_args_t *a)
+{
+    if (OP != 4) return u;
+    const T s = gsc_premul_scalar<T>(a);
+    gsc_unit<T> x;
+    x.u = u;
+#pragma unroll
+    for (int k = 0; k < 8 / sizeof(T); k++) x.v[k] = gsc_apply<1>(x.v[k], s);
+    return x.u;
+}
 
 /* Up to 8 bytes of p (n of them; unaligned allowed), zero-padded. */
 static __device__ __forceinline__ unsigned long long gsc_load8(const unsigned char *p, unsigned long long n)
@@ -222,11 +246,12 @@ static __device__ int gsc_coll_round(const gsc_coll_args_t *a, unsigned long lon
     for (unsigned long long u = tid; u < units; u += threads) {
         unsigned long long len = bytes - u * 8 < 8 ? bytes - u * 8 : 8;
         if (a->kind == GSC_REDUCE_SCATTER) {
-            for (unsigned long long p = 0; p < n; p++) gsc_put_unit(GSC_SLOT(p, me) + 2 * u, gsc_load8(send + p * a->send_stride + u * 8, len), flag);
+            for (unsigned long long p = 0; p < n; p++)
+                gsc_put_unit(GSC_SLOT(p, me) + 2 * u, gsc_premul_unit<T, OP>(gsc_load8(send + p * a->send_stride + u * 8, len), a), flag);
         } else if (a->kind == GSC_REDUCE) {
-            gsc_put_unit(GSC_SLOT(a->root, me) + 2 * u, gsc_load8(send + u * 8, len), flag);
+            gsc_put_unit(GSC_SLOT(a->root, me) + 2 * u, gsc_premul_unit<T, OP>(gsc_load8(send + u * 8, len), a), flag);
         } else if (a->kind != GSC_BROADCAST || me == a->root) {
-            unsigned long long v = gsc_load8(send + u * 8, len);
+            unsigned long long v = gsc_premul_unit<T, OP>(gsc_load8(send + u * 8, len), a);
             for (unsigned long long p = 0; p < n; p++) gsc_put_unit(GSC_SLOT(p, me) + 2 * u, v, flag);
         }
     }
@@ -360,6 +385,24 @@ static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsi
     }
 }
 
+/* gsc_big_copy of this rank's input, multiplied by its scalar on the way for OP 4. */
+template <typename T, int OP>
+static __device__ __forceinline__ void gsc_big_copy_input(unsigned char *t, const unsigned char *s, unsigned long long len, const gsc_coll_args_t *a)
+{
+    if (OP != 4) {
+        gsc_big_copy(t, s, len, false);
+        return;
+    }
+    const T m = gsc_premul_scalar<T>(a);
+    for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
+        gsc_vec<T> x;
+        x.v = *(const uint4 *)(s + i);
+#pragma unroll
+        for (int j = 0; j < 16 / sizeof(T); j++) x.e[j] = gsc_apply<1>(x.e[j], m);
+        *(uint4 *)(t + i) = x.v;
+    }
+}
+
 template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(const gsc_coll_args_t *a)
 {
     const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank, b = blockIdx.x;
@@ -377,7 +420,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
              * channel); the n copies of ours are reduced into the receive buffer. */
             #define GSC_RS_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * n * region)
             for (unsigned long long q = 0; q < n; q++)
-                gsc_big_copy(GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, false);
+                gsc_big_copy_input<T, OP>(GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, a);
             if (!(ok = gsc_big_flags(a, 0, e))) break;
             const unsigned char *in = GSC_RS_IN(me);
             unsigned char *recv = (unsigned char *)a->recv + off;
@@ -418,7 +461,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
         /* Push slice q of our input to rank q, at our place in its "in" area. */
         for (unsigned long long q = 0; q < n; q++) {
             const unsigned long long q0 = q * slice, q1 = GSC_SLICE_END(q);
-            if (q0 < q1) gsc_big_copy(GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, false);
+            if (q0 < q1) gsc_big_copy_input<T, OP>(GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
         }
         if (!(ok = gsc_big_flags(a, 0, e))) break;
         /* Reduce our slice from the n copies (rank order) and push the sum to every rank. */
@@ -453,11 +496,13 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
     extern "C" __global__ void gsc_coll_##TAG##_max(gsc_coll_args_t a) { gsc_coll_ll<T, 2, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_min(gsc_coll_args_t a) { gsc_coll_ll<T, 3, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_ll<T, 0, true>(&a); } \
+    extern "C" __global__ void gsc_coll_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_ll<T, 4, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_big<T, 0, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_big<T, 1, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_max(gsc_coll_args_t a) { gsc_coll_big<T, 2, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_min(gsc_coll_args_t a) { gsc_coll_big<T, 3, false>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true>(&a); }
+    extern "C" __global__ void gsc_coll_big_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_big<T, 4, false>(&a); }
 GSC_COLL(signed char, i8)
 GSC_COLL(unsigned char, u8)
 GSC_COLL(int, i32)
@@ -491,6 +536,9 @@ pub(crate) struct CollArgs {
     pub(crate) timeout_ns: u64,
     /// The device address of this rank's abort word (filled in by the workspace).
     pub(crate) abort: u64,
+    /// A pre-multiplied sum's scalar: its bits, or (when not 0) its address in GPU memory.
+    pub(crate) premul_bits: u64,
+    pub(crate) premul_ptr: u64,
 }
 impl ArgBlock for CollArgs {}
 
