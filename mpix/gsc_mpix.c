@@ -90,35 +90,47 @@ int MPIX_Stream_free(MPIX_Stream *stream)
 }
 
 /* Every rank's worker address: an allgather of the lengths, then of the addresses padded to
- * the longest; an endpoint to each. */
+ * the longest; an endpoint to each. Both exchanges run on every rank whatever failed before
+ * (a rank without a worker contributes length 0), so no rank is left waiting in one, and every
+ * rank fails when one did. */
 static int connect_all(gsc_bootstrap_h world, MPI_Comm c)
 {
-    void *mine;
-    size_t len, max = 0;
-    uint64_t my_len, *lens;
-    unsigned char *block, *all;
-    gsc_status_t st;
+    void *mine = NULL;
+    size_t len = 0, max = 0;
+    uint64_t my_len, *lens = calloc((size_t)c->size, sizeof(uint64_t));
+    unsigned char *block = NULL, *all = NULL;
+    gsc_status_t st = GSC_OK;
     int r, rc = MPI_SUCCESS;
 
-    CHECK(gsc_worker_get_address(c->worker, &mine, &len), "MPIX_Stream_comm_create: worker address");
+    if (c->worker != NULL && (st = gsc_worker_get_address(c->worker, &mine, &len)) != GSC_OK) {
+        rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: worker address", st);
+        mine = NULL, len = 0;
+    }
     my_len = len;
-    lens = malloc((size_t)c->size * sizeof *lens);
     if (lens == NULL) {
-        gsc_worker_release_address(c->worker, mine);
+        /* Cannot take part in the exchange at all: the others then time out in it. */
+        if (mine != NULL) gsc_worker_release_address(c->worker, mine);
         return fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: out of memory", GSC_OK);
     }
     st = gsc_bootstrap_allgather(world, &my_len, sizeof my_len, lens);
-    if (st != GSC_OK) rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: exchanging address lengths", st);
-    for (r = 0; rc == MPI_SUCCESS && r < c->size; r++) max = lens[r] > max ? (size_t)lens[r] : max;
-    block = calloc(1, max ? max : 1);
-    all = malloc((size_t)c->size * (max ? max : 1));
-    if (rc == MPI_SUCCESS && (block == NULL || all == NULL)) rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: out of memory", GSC_OK);
-    if (rc == MPI_SUCCESS) {
-        memcpy(block, mine, len);
-        st = gsc_bootstrap_allgather(world, block, max, all);
-        if (st != GSC_OK) rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: exchanging addresses", st);
+    if (st != GSC_OK) {
+        rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: exchanging address lengths", st);
+    } else {
+        for (r = 0; r < c->size; r++) max = lens[r] > max ? (size_t)lens[r] : max;
+        block = calloc(1, max ? max : 1);
+        all = malloc((size_t)c->size * (max ? max : 1));
+        if (block != NULL && all != NULL) {
+            if (len > 0) memcpy(block, mine, len);
+            st = gsc_bootstrap_allgather(world, block, max, all);
+            if (st != GSC_OK) rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: exchanging addresses", st);
+        } else if (rc == MPI_SUCCESS) {
+            rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: out of memory", GSC_OK);
+        }
     }
-    gsc_worker_release_address(c->worker, mine);
+    if (mine != NULL) gsc_worker_release_address(c->worker, mine);
+    for (r = 0; rc == MPI_SUCCESS && r < c->size; r++) {
+        if (lens[r] == 0) rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: a rank could not make its worker", GSC_OK);
+    }
     for (r = 0; rc == MPI_SUCCESS && r < c->size; r++) {
         gsc_ep_params_t p;
         memset(&p, 0, sizeof p);
@@ -199,7 +211,10 @@ int MPIX_Stream_comm_create(gsc_bootstrap_h world, MPIX_Stream stream, MPI_Comm 
     if (rc == MPI_SUCCESS && (st = gsc_init(NULL, &c->context)) != GSC_OK) rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: context", st);
     if (rc == MPI_SUCCESS && (st = gsc_worker_create(c->context, NULL, &c->worker)) != GSC_OK) rc = fail(MPI_ERR_OTHER, "MPIX_Stream_comm_create: worker", st);
     /* Collective steps run on every rank even after a local failure, so no rank hangs in them. */
-    if (rc == MPI_SUCCESS) rc = connect_all(world, c);
+    if (c->eps != NULL) {
+        int rc2 = connect_all(world, c);
+        if (rc == MPI_SUCCESS) rc = rc2;
+    }
     if (stream->category == GSC_CONDITION_CATEGORY_STREAM) {
         int rc2 = make_collectives(world, stream, c);
         if (rc == MPI_SUCCESS) rc = rc2;

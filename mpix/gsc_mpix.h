@@ -80,6 +80,8 @@ int MPIX_Stream_free(MPIX_Stream *stream);
 /* A stream communicator over the ranks of `world` (MPICH: MPIX_Stream_comm_create over an
  * MPI_Comm). Collective over `world`. */
 int MPIX_Stream_comm_create(gsc_bootstrap_h world, MPIX_Stream stream, MPI_Comm *newcomm);
+/* The stream must have completed the communicator's work (synchronize it first), as MPI
+ * requires of a freed communicator's operations. */
 int MPI_Comm_free(MPI_Comm *comm);
 int MPI_Comm_rank(MPI_Comm comm, int *rank);
 int MPI_Comm_size(MPI_Comm comm, int *size);

@@ -132,7 +132,8 @@ fn abort_releases_host_stream_waits_and_armed_operations() {
 }
 
 /// A thread issuing operations in a loop while another aborts at a random moment: every call
-/// after the abort fails with its error, none hangs, the issuing thread ends within the bound.
+/// after the abort fails with its error, none hangs, and every request issued before it
+/// completes (none is left armed forever by an abort that raced its issue).
 #[test]
 fn abort_during_issue_from_another_thread() {
     for round in 0..20 {
@@ -144,13 +145,14 @@ fn abort_during_issue_from_another_thread() {
             let cond = cond.clone();
             std::thread::spawn(move || {
                 let mut buf = vec![0u8; 64];
+                let mut handles = Vec::new();
                 let t0 = Instant::now();
                 loop {
                     let p = RequestParams { condition: Some(cond.clone()), no_stream_wait: true, ..Default::default() };
                     match unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), 64, 1, u64::MAX, p) } {
-                        Ok(Started::Pending(h)) => b.request_release(h).unwrap(),
+                        Ok(Started::Pending(h)) => handles.push(h),
                         Ok(_) => {}
-                        Err(e) => return (e, t0.elapsed()),
+                        Err(e) => return (e, handles, buf),
                     }
                     assert!(t0.elapsed() < Duration::from_secs(20), "no abort seen");
                 }
@@ -158,8 +160,87 @@ fn abort_during_issue_from_another_thread() {
         };
         std::thread::sleep(jitter(10_000));
         b.abort("test abort").unwrap();
-        let (e, _) = issuer.join().unwrap();
+        let (e, handles, _buf) = issuer.join().unwrap();
         assert_eq!(e.status(), Status::Aborted, "round {round}: {e}");
+        let t0 = Instant::now();
+        for h in handles {
+            loop {
+                if let Some(c) = b.request_test(h).unwrap() {
+                    assert_eq!(c.status, Status::Aborted, "round {round}");
+                    b.request_release(h).unwrap();
+                    break;
+                }
+                assert!(t0.elapsed() < BOUND, "round {round}: a request issued before the abort never completed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         let _ = stream.synchronize(Some(BOUND));
+    }
+}
+
+/// Without a proxy thread (`GSC_PROXY_THREAD=off`, the application progresses), an abort
+/// called from a completion callback — inside the progress call that runs the proxy's pass —
+/// returns, and the armed operation it should fail does fail.
+#[test]
+fn abort_from_a_callback_without_a_proxy_thread() {
+    // On a thread of its own: a regression here is a deadlock, which must fail, not hang.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        abort_from_a_callback_body();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(()) => {}
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("abort from a completion callback deadlocked"),
+        Err(e) => panic!("the test body failed: {e}"),
+    }
+}
+
+fn abort_from_a_callback_body() {
+    let mut c = Config::default();
+    c.set("GSC_TLS", "loopback").unwrap();
+    c.set("GSC_PROXY_THREAD", "off").unwrap();
+    c.set("GSC_TIMEOUT", "30s").unwrap();
+    let ctx = Context::new(c).unwrap();
+    let (a, b) = (ctx.create_worker().unwrap(), ctx.create_worker().unwrap());
+    let ep = a.connect(b.address()).unwrap();
+    let stream = HostStream::new().unwrap();
+    let cond = Condition::host_stream(&stream);
+    // Armed behind a slow task: still waiting for its trigger when the callback aborts.
+    stream.launch(|| std::thread::sleep(Duration::from_millis(100)));
+    let mut late = vec![0u8; 8];
+    let p = RequestParams { condition: Some(cond.clone()), ..Default::default() };
+    let armed = unsafe { b.tag_recv_nbx(late.as_mut_ptr(), 8, 2, u64::MAX, p) }.unwrap();
+    let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cb = {
+        let (b, fired) = (b.clone(), fired.clone());
+        RequestParams::with_callback(move |_, _, _| {
+            b.abort("test abort from a callback").unwrap();
+            fired.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    };
+    let mut inbox = vec![0u8; 8];
+    let r = unsafe { b.tag_recv_nbx(inbox.as_mut_ptr(), 8, 1, u64::MAX, cb) }.unwrap();
+    let s = unsafe { ep.tag_send_nbx(b"8 bytes!".as_ptr(), 8, 1, RequestParams::default()) }.unwrap();
+    let t0 = Instant::now();
+    while !fired.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(t0.elapsed() < BOUND, "the callback never ran");
+        a.progress();
+        b.progress();
+    }
+    let Started::Pending(h) = armed else { panic!("a conditioned receive gave no request") };
+    loop {
+        b.progress();
+        if let Some(c) = b.request_test(h).unwrap() {
+            assert_eq!(c.status, Status::Aborted);
+            break;
+        }
+        assert!(t0.elapsed() < BOUND, "the armed receive was not failed by the abort");
+    }
+    assert!(stream.synchronize(Some(BOUND)).is_err(), "the stream's wait was not released with the error");
+    for (w, st) in [(&b, r), (&a, s)] {
+        if let Started::Pending(h) = st {
+            let _ = w.request_release(h);
+        }
     }
 }

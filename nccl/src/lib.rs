@@ -291,7 +291,9 @@ fn start_inits(inits: Vec<PendingInit>) -> Result<(), Fail> {
         let handle = std::thread::Builder::new()
             .name("gsc-nccl-init".into())
             .spawn(move || {
-                let state = run_job(&p.job).and_then(|c| c.ok_or_else(|| invalid("a split without a color makes no communicator")));
+                let state = catch_unwind(AssertUnwindSafe(|| run_job(&p.job)))
+                    .unwrap_or_else(|_| Err(Fail(NCCL_INTERNAL_ERROR, "communicator init: internal error (a panic was caught)".into())))
+                    .and_then(|c| c.ok_or_else(|| invalid("a split without a color makes no communicator")));
                 // SAFETY: the Comm stays alive until ncclCommDestroy, which joins this thread first.
                 let _ = unsafe { &*(addr as *const Comm) }.state.set(state);
             })
@@ -510,18 +512,31 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
     gate("ncclCommFinalize", || comm_ref(comm).map(|_| ()))
 }
 
-/// Abort: send/recv in flight or waiting on a stream fail and release their streams
-/// (`Communicator::abort`), then the communicator is freed like destroy. A collective kernel
-/// waiting for a dead peer gives up by itself after GSC_TIMEOUT.
+/// Abort: send/recv in flight or waiting on a stream fail and release their streams, and this
+/// rank's collective kernels give up at their next wait (`Communicator::abort`); then the
+/// communicator is freed like destroy. A non-blocking init still running (NCCL's pattern: init,
+/// time out, abort) is not waited for: its thread is left to finish on its own (bounded by the
+/// bootstrap timeout) and the communicator's memory with it, so abort returns at once.
+///
+/// Like NCCL's, abort frees the communicator: no other thread may be using it meanwhile.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
+    let mut detached = false;
     let r = gate("ncclCommAbort", || {
-        if let Ok(c) = comm_ref(comm)?.ready() {
-            c.abort("ncclCommAbort")?;
+        let c = comm_ref(comm)?;
+        match c.state.get() {
+            Some(Ok(communicator)) => communicator.abort("ncclCommAbort")?,
+            Some(Err(_)) => {}
+            None => {
+                // Still initializing: drop the join handle (detaching the thread) and leave the
+                // Comm to it; it is never freed (the thread still writes its state).
+                drop(c.init_thread.lock().unwrap_or_else(|e| e.into_inner()).take());
+                detached = true;
+            }
         }
         Ok(())
     });
-    if r != NCCL_SUCCESS {
+    if r != NCCL_SUCCESS || detached {
         return r;
     }
     // SAFETY: as ncclCommDestroy.

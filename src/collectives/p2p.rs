@@ -44,17 +44,15 @@ pub enum PeerOp {
 impl PeerLinks {
     /// Make this rank's worker and learn every rank's address. Collective over `bootstrap`.
     ///
-    /// Needs the proxy thread (`GSC_PROXY_THREAD`, on by default): nothing else would move a
-    /// stream-triggered transfer forward, since communicator users never call progress.
+    /// The worker always has its proxy thread, whatever `GSC_PROXY_THREAD` says: communicator
+    /// users never call progress, so nothing else would move a stream-triggered transfer
+    /// forward (the knob is for workers the application drives itself).
     pub fn new(bootstrap: &Bootstrap, config: &Config) -> Result<PeerLinks> {
         let (rank, nranks) = (bootstrap.rank() as usize, bootstrap.nranks() as usize);
+        let config = Config { proxy_thread: true, ..config.clone() };
         // Made before the exchange and failing only after it, so one rank's failure reaches
         // the others as an error instead of leaving them in the allgather.
-        let made = if config.proxy_thread {
-            Context::new(config.clone()).and_then(|ctx| ctx.create_worker())
-        } else {
-            Err(Error::new(Status::InvalidConfig, "communicator send/recv needs the proxy thread (GSC_PROXY_THREAD=off turns it off)"))
-        };
+        let made = Context::new(config).and_then(|ctx| ctx.create_worker());
         let mine = match &made {
             Ok(w) => w.address().to_vec(),
             Err(_) => Vec::new(),
@@ -206,10 +204,23 @@ mod tests {
         assert!(e.to_string().contains("NULL buffer"), "{e}");
         unsafe { links.transfer(PeerOp::Recv, 0, 0, 0, &on) }.unwrap();
         on.query().unwrap();
-        let off = Config { proxy_thread: false, ..Config::default() };
+    }
+
+    /// `GSC_PROXY_THREAD=off` is for workers the application progresses; a communicator's
+    /// transfers still run (its worker keeps its proxy thread).
+    #[test]
+    fn transfers_run_with_the_proxy_thread_knob_off() {
         let uid = UniqueId::create(Some(std::net::Ipv4Addr::LOCALHOST.into())).unwrap();
         let boot = Bootstrap::init(&uid, 0, 1, T).unwrap();
-        let e = PeerLinks::new(&boot, &off).err().unwrap();
-        assert!(e.to_string().contains("GSC_PROXY_THREAD"), "{e}");
+        let links = PeerLinks::new(&boot, &Config { proxy_thread: false, ..Config::default() }).unwrap();
+        let stream = HostStream::new().unwrap();
+        let on = Condition::host_stream(&stream);
+        let (out, mut back) = (*b"to myself", [0u8; 9]);
+        on.group_start().unwrap();
+        unsafe { links.transfer(PeerOp::Recv, back.as_mut_ptr() as u64, 9, 0, &on) }.unwrap();
+        unsafe { links.transfer(PeerOp::Send, out.as_ptr() as u64, 9, 0, &on) }.unwrap();
+        on.group_end().unwrap();
+        stream.synchronize(Some(T)).unwrap();
+        assert_eq!(&back, b"to myself");
     }
 }

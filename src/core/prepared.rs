@@ -181,6 +181,7 @@ impl Prepared {
 
     /// Mark partition `part` of a partitioned send ready: it goes as soon as the receiver is.
     pub fn pready(&self, part: usize) -> Result<()> {
+        self.worker.check_aborted()?;
         self.worker.with_state(|st, out| st.engine.prepared.pready(out, self.id, part))
     }
 

@@ -130,6 +130,8 @@ pub(crate) struct State {
     failed_copies: Vec<(ReqId, Status)>,
     /// Prepared transfers' GPU rounds started from the host, until their kernels end.
     pub(crate) host_rounds: Vec<super::gpu_rounds::HostRoundInFlight>,
+    /// `Worker::abort` ran: links peers open from now on are closed at once.
+    aborted: bool,
 }
 
 /// Process-wide table from worker id (the top bits of a request handle) to worker.
@@ -250,6 +252,7 @@ impl Worker {
             reads_done: Vec::new(),
             failed_copies: Vec::new(),
             host_rounds: Vec::new(),
+            aborted: false,
         };
         let id = register_worker_id()?;
         let inner = Arc::new(WorkerInner {
@@ -361,7 +364,6 @@ impl Worker {
     /// Run `f` under the lock with an action list, execute what it emitted (also on error: the
     /// engines emit nothing before their checks pass), then fire the callbacks that became due.
     pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut State, &mut Actions) -> Result<R>) -> Result<R> {
-        self.check_aborted()?;
         let (result, ready) = {
             let mut st = self.lock();
             let mut actions = st.take_actions();
@@ -491,6 +493,14 @@ impl Worker {
             Issued::Sequenced(channel, seq) => {
                 let req = {
                     let mut st = self.lock();
+                    // An abort between the check at the top and here has scanned the armed
+                    // requests already: this one must not be armed, and the producer given the
+                    // trigger and wait for it must be released.
+                    if let Some(e) = self.inner.aborted.get() {
+                        drop(st);
+                        channel.fail(e.clone());
+                        return Err(e.clone());
+                    }
                     let req = st.alloc_request(self.inner.id, kind, conn, params.callback);
                     let slot = st.slot_mut(req).expect("just allocated");
                     slot.signal = Some(Signal::new(channel.clone(), seq).with_stage(stage.clone()));
@@ -541,6 +551,7 @@ impl Worker {
     /// Proxy side: the condition of armed request `req` was met; start it now, or, when it
     /// cannot start (`failed`: a staged send's bytes never arrived), complete it with that error.
     pub(crate) fn start_armed(&self, req: ReqId, start: &OpStart, failed: Option<Error>) {
+        let failed = failed.or_else(|| self.inner.aborted.get().cloned());
         let ready = {
             let mut st = self.lock();
             match st.slot_mut(req) {
@@ -568,12 +579,14 @@ impl Worker {
     /// Proxy side: a persistent operation's trigger advanced; run one more instance of it (or
     /// complete that instance with `failed`, as for `start_armed`).
     pub(crate) fn start_epoch(&self, template: &OpTemplate, signal: Signal, failed: Option<Error>) {
+        let failed = failed.or_else(|| self.inner.aborted.get().cloned());
         let ready = {
             let mut st = self.lock();
             let req = st.alloc_request(self.inner.id, template.kind, template.conn, None);
             let slot = st.slot_mut(req).expect("just allocated");
             slot.released = true;
             slot.signal = Some(signal);
+            slot.started_at = Some(Instant::now());
             let mut actions = st.take_actions();
             let started = match failed {
                 Some(e) => Err(e),
@@ -868,6 +881,7 @@ impl Worker {
         tracing::warn!(target: "gsc::core", worker = self.inner.id, reason, "worker aborted");
         let ready = {
             let mut st = self.lock();
+            st.aborted = true;
             let mut out = st.take_actions();
             let conns: Vec<ConnId> = st.conns.iter().map(|(k, _)| k).collect();
             for conn in conns {
@@ -913,17 +927,24 @@ impl Worker {
             for &(req, kind, conn) in &overdue {
                 let conn = match kind {
                     ReqKind::Recv => match st.engine.tag.expire_recv(&mut out, req, Status::TimedOut) {
+                        Some(None) => continue, // withdrawn and completed
                         Some(Some(conn)) => Some(conn),
-                        _ => None,
+                        None => None,
                     },
                     _ => conn,
                 };
-                if let Some(conn) = conn {
-                    let e = Error::new(
-                        Status::TimedOut,
-                        format!("a stream-ordered operation made no progress for {timeout:?} (GSC_TIMEOUT): is the peer stopped?"),
-                    );
-                    st.fail_conn(conn, e, &mut out);
+                match conn {
+                    Some(conn) if st.conns.get(conn).is_some_and(|c| c.failed.is_none()) => {
+                        let e = Error::new(
+                            Status::TimedOut,
+                            format!("a stream-ordered operation made no progress for {timeout:?} (GSC_TIMEOUT): is the peer stopped?"),
+                        );
+                        st.fail_conn(conn, e, &mut out);
+                    }
+                    // On no link, or one already failed (a worker flush, a protocol state the
+                    // link's failure did not reach): complete it here, or it would be listed
+                    // again on every check.
+                    _ => out.push(Action::Complete { req, status: Status::TimedOut, info: RecvInfo::default() }),
                 }
             }
             tracing::warn!(target: "gsc::proxy", count = overdue.len(), ?timeout, "stream-ordered operations timed out");
@@ -1327,7 +1348,12 @@ impl State {
             }
         }
         let n = accepted.len();
-        for (peer_uuid, link) in accepted {
+        for (peer_uuid, mut link) in accepted {
+            if self.aborted {
+                // The peer's endpoint sees its link closed, as the links open at the abort did.
+                link.close();
+                continue;
+            }
             let (conn, _) = self.add_conn(link, peer_uuid, None, false);
             tracing::debug!(target: "gsc::core", conn, "accepted a connection");
         }

@@ -643,13 +643,15 @@ impl Workspace {
         self.base
     }
 
-    /// 0, or the round a kernel of this rank gave up on (a peer did not answer in time).
-    /// Make this rank's kernels give up: one still to start ends at once, one waiting for a
-    /// peer within 64 polls (both record a failed round in the error word).
+    /// Make this rank's kernels give up at their next wait for a peer (within 64 polls; a
+    /// kernel whose peers all take part runs to its end), recording a failed round in the
+    /// error word.
     pub(crate) fn abort(&self) {
         self.abort.word().store(1, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// 0, or the round a kernel of this rank gave up on (a peer did not answer in time, or the
+    /// communicator was aborted).
     pub(crate) fn error(&self) -> Result<u64> {
         let _scope = CtxScope::enter(primary_context(self.device)?)?;
         let mut v = 0u64;

@@ -176,15 +176,21 @@ impl Proxy {
     /// mark), and every one armed later. Waits for the proxy thread to have done it, at most
     /// `wait`; a caller-run proxy does it here.
     pub(crate) fn abort(&self, error: Error, wait: Duration) {
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        let sent = self.tx.as_ref().expect("set until drop").send(Msg::Abort(error, done_tx)).is_ok();
         match &self.runner {
+            // Applied now, unless a pass is running — on this very thread (abort from a
+            // completion callback) or another: that pass, or the next, takes the message.
             Runner::Caller(engine) => {
-                let mut engine = engine.lock().unwrap_or_else(|e| e.into_inner());
-                engine.take_pending();
-                engine.abort(error);
+                if let Ok(mut engine) = engine.try_lock() {
+                    engine.take_pending();
+                }
             }
+            // Waiting for our own acknowledgement (abort from a callback the proxy thread
+            // runs) would only cost the whole `wait`.
+            Runner::Thread { thread_id, .. } if std::thread::current().id() == *thread_id => {}
             Runner::Thread { .. } => {
-                let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-                if self.tx.as_ref().expect("set until drop").send(Msg::Abort(error, done_tx)).is_ok() {
+                if sent {
                     let _ = done_rx.recv_timeout(wait);
                 }
             }
@@ -349,11 +355,15 @@ impl Engine {
 
     fn take(&mut self, msg: Msg) {
         self.last_activity = Instant::now();
-        if let Some(e) = &self.aborted {
-            // Armed after the abort (the operation passed the worker's check just before it).
+        if let Some(e) = self.aborted.clone() {
+            // Armed after the abort (the operation passed the worker's check just before it):
+            // its request completes with the abort error, which also releases its producer.
             match msg {
-                Msg::Arm(op) => op.channel.fail(e.clone()),
-                Msg::Persist(op) => op.channel.fail(e.clone()),
+                Msg::Arm(op) => match self.worker.upgrade() {
+                    Some(inner) => Worker { inner }.start_armed(op.req, &op.start, Some(e)),
+                    None => op.channel.fail(e),
+                },
+                Msg::Persist(op) => op.channel.fail(e),
                 Msg::Abort(_, done) => drop(done.send(())),
             }
             return;
