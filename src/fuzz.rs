@@ -34,6 +34,8 @@ pub const TARGETS: &[(&str, Target)] = &[
         drop(crate::bootstrap::comm::decode_table(b.get(1..).unwrap_or(&[]), n, "fuzz"))
     }),
     ("coll_signature", |b| drop(crate::collectives::agreement::Signature::decode(b))),
+    ("ucx_address", |b| drop(crate::transport::ucx::address::UcxAddress::decode(b))),
+    ("ucx_frame", ucx_frame),
 ];
 
 /// Run target `name` on `data` (what each fuzz/fuzz_targets/*.rs does).
@@ -55,6 +57,16 @@ fn wire_frame(b: &[u8]) {
         }
     }
     let _ = wire::payload_of(b);
+}
+
+/// A UCX lane frame as it arrives in an active message: the header, then the body its kind
+/// says (a hello, or a close notice); every decoder on any split of the bytes.
+fn ucx_frame(b: &[u8]) {
+    use crate::transport::ucx::wire;
+    let (head, body) = b.split_at(b.len().min(wire::HEADER_LEN));
+    drop(wire::Header::decode(head));
+    drop(wire::Hello::decode(body));
+    drop(wire::decode_close(body));
 }
 
 /// The unique id's binary form and its string form (what a launcher passes in the environment).
@@ -131,8 +143,28 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         "coll_signature" => {
             vec![crate::collectives::agreement::Signature::new(CollKind::Reduce, DataType::Float32, RedOp::Max, 77, 1).encode()]
         }
+        "ucx_address" => vec![ucx_address()],
+        "ucx_frame" => {
+            use crate::transport::ucx::wire::{self, Header, Hello, Kind, LinkName, Side};
+            let link = LinkName { connector: 0x1234, number: 7 };
+            let hello = Header { kind: Kind::Hello, from: Side::Connector, link, seq: 0 };
+            let data = Header { kind: Kind::Data, from: Side::Acceptor, link, seq: 42 };
+            let close = Header { kind: Kind::Close, from: Side::Connector, link, seq: 43 };
+            let body = Hello { listener: 9, connector_address: ucx_address() }.encode();
+            vec![
+                [hello.encode().as_slice(), &body].concat(),
+                [data.encode().as_slice(), b"payload"].concat(),
+                [close.encode().as_slice(), &wire::encode_close(wire::CloseReason::Closed, "bye")].concat(),
+            ]
+        }
         other => panic!("no fuzz target named {other}"),
     }
+}
+
+fn ucx_address() -> Vec<u8> {
+    crate::transport::ucx::address::UcxAddress { uuid: 77, ucx_version: (1, 13), worker_address: vec![0xab; 60] }
+        .encode()
+        .expect("a valid address")
 }
 
 fn addr() -> SocketAddr {
@@ -176,6 +208,17 @@ mod tests {
                     "bootstrap_error" => true, // decode_error always yields an error value
                     "bootstrap_table" => crate::bootstrap::comm::decode_table(&seed[1..], u32::from(seed[0]), "seed").is_ok(),
                     "coll_signature" => crate::collectives::agreement::Signature::decode(&seed).is_ok(),
+                    "ucx_address" => crate::transport::ucx::address::UcxAddress::decode(&seed).is_ok(),
+                    "ucx_frame" => {
+                        use crate::transport::ucx::wire;
+                        let (head, body) = seed.split_at(wire::HEADER_LEN);
+                        match wire::Header::decode(head).map(|h| h.kind) {
+                            Ok(wire::Kind::Hello) => wire::Hello::decode(body).is_ok(),
+                            Ok(wire::Kind::Close) => wire::decode_close(body).is_ok(),
+                            Ok(wire::Kind::Data) => true,
+                            Err(_) => false,
+                        }
+                    }
                     other => panic!("no seed check for {other}"),
                 };
                 assert!(ok, "{name}: a seed its decoder refuses");

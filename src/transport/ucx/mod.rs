@@ -19,7 +19,7 @@
 //! pushed in frames; put/get with packed rkeys comes next), GPU memory without host staging,
 //! receiver-side flow control beyond what the protocols keep in flight.
 
-mod address;
+pub(crate) mod address;
 mod engine;
 mod inbox;
 mod link;
@@ -28,7 +28,7 @@ mod loader;
 mod sys;
 #[cfg(test)]
 mod tests;
-mod wire;
+pub(crate) mod wire;
 
 use std::sync::Arc;
 use std::time::Duration;
