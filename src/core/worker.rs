@@ -917,7 +917,7 @@ impl Worker {
     /// the buffers), failing what else needs it. Returns how many it expired.
     pub(crate) fn expire_stream_ops(&self) -> usize {
         let Some(timeout) = self.inner.context.inner.config.timeout else { return 0 };
-        let ready = {
+        let (expired, ready) = {
             let mut st = self.lock();
             let overdue: Vec<(ReqId, ReqKind, Option<ConnId>)> = st.overdue_conditioned(self.inner.id, timeout);
             if overdue.is_empty() {
@@ -949,11 +949,10 @@ impl Worker {
             }
             tracing::warn!(target: "gsc::proxy", count = overdue.len(), ?timeout, "stream-ordered operations timed out");
             st.execute(&self.inner.context, out);
-            std::mem::take(&mut st.ready)
+            (overdue.len(), std::mem::take(&mut st.ready))
         };
-        let n = ready.len();
         self.fire(ready);
-        n.max(1)
+        expired
     }
 
     /// The abort error, once `abort` was called.
