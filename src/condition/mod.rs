@@ -445,6 +445,28 @@ impl Condition {
         crate::cuda::Kernels::of(crate::cuda::raw(ctx), self.inner.kernel_cache.as_deref())
     }
 
+    /// The kernels for a plain trigger and wait, or `None` for stream memops
+    /// (`GSC_CUDA_WAIT_KERNEL`). Why a kernel: its one thread sees the completion word about 2 µs
+    /// after the proxy writes it, where a memop wait that has lasted a while takes 4–12 µs (the
+    /// GPU's front end polls host memory less often the longer it waits; docs/probes/
+    /// wait_latency.py), and for a long transfer that is most of the proxy's cost per iteration.
+    /// Under `auto` a compiler failure (no NVRTC) means memops, reported once.
+    fn wait_kernels(&self, ctx: usize) -> Result<Option<crate::cuda::Kernels>> {
+        use crate::config::Tristate;
+        match crate::cuda::wait_kernel_mode() {
+            Tristate::Off => Ok(None),
+            Tristate::On => self.kernels(ctx).map(Some),
+            Tristate::Auto => match self.kernels(ctx) {
+                Ok(k) => Ok(Some(k)),
+                Err(e) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| tracing::info!(target: "gsc::cuda", error = %e, "stream waits use memops: no kernels"));
+                    Ok(None)
+                }
+            },
+        }
+    }
+
     /// A fresh channel of its own for one persistent operation, its device handle in GPU memory
     /// of `ctx` (kernels read and bump its epoch there, not over PCIe; allocating it is allowed
     /// even while the stream is being captured: `cuda::with_relaxed_capture`).
@@ -550,18 +572,21 @@ impl Condition {
             Producer::CudaStream { stream, ctx } => {
                 let (t, d) = channel.words.device.expect("stream channels use mapped words");
                 let inn = wait.map(|w| self.take_pending_in(w)).unwrap_or_default();
-                let result = if out.is_empty() && inn.is_empty() {
-                    // Nothing staged: stream memops, no kernel.
-                    match trigger {
+                let kernels = if out.is_empty() && inn.is_empty() { self.wait_kernels(*ctx) } else { self.kernels(*ctx).map(Some) };
+                let result = kernels.and_then(|kernels| match kernels {
+                    // Nothing staged and no kernel wanted (or none to be had): stream memops.
+                    None => match trigger {
                         Some(k) => crate::cuda::enqueue_trigger_wait(*stream, t, k, wait.map(|w| (d, w))),
                         None => wait.map_or(Ok(()), |w| crate::cuda::enqueue_wait(*stream, d, w)),
+                    },
+                    Some(k) if out.is_empty() && inn.is_empty() => {
+                        crate::cuda::launch_sync(&k, *stream, trigger.map(|k| (t, k)), wait.map(|w| (d, w)), fence)
                     }
-                } else {
-                    let descs: Vec<OpDesc> = inn.iter().map(|(_, op)| *op).collect();
-                    self.kernels(*ctx).and_then(|k| {
+                    Some(k) => {
+                        let descs: Vec<OpDesc> = inn.iter().map(|(_, op)| *op).collect();
                         crate::cuda::launch_seq(&k, *stream, trigger.map(|k| (t, k)), wait.map(|w| (d, w)), out, &descs, fence)
-                    })
-                };
+                    }
+                });
                 if result.is_err() {
                     // Not enqueued: a later wait must still copy them.
                     self.inner.pending_in.lock().unwrap_or_else(|e| e.into_inner()).extend(inn);

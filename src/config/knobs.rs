@@ -362,6 +362,22 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| c.cuda_pdl.name().to_string(),
     },
     Knob {
+        name: "GSC_CUDA_WAIT_KERNEL",
+        default: "auto",
+        doc: "A CUDA stream's trigger and wait (stream conditions not being captured) are one small \
+              kernel whose thread writes the trigger word and polls the completion word: about 2 \
+              us from completion to the stream going on. off: stream memops (cuStreamBatchMemOp), \
+              which need no kernel compiler but take 4-12 us, the GPU polling host memory slowly \
+              once a wait has lasted. auto: the kernel where NVRTC works, else memops; on: the \
+              kernel or an error. Read once per process",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.cuda_wait_kernel = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.cuda_wait_kernel.name().to_string(),
+    },
+    Knob {
         name: "GSC_ENGINE",
         default: "auto",
         doc: "Who runs the rounds of prepared transfers that did not ask for an engine: auto (the \

@@ -278,6 +278,8 @@ pub struct Config {
     pub cuda_ipc: Tristate,
     /// `GSC_CUDA_PDL`
     pub cuda_pdl: Tristate,
+    /// `GSC_CUDA_WAIT_KERNEL`
+    pub cuda_wait_kernel: Tristate,
     /// `GSC_ENGINE`
     pub engine: Engine,
     /// `GSC_ENGINE_GPU_MAX`, bytes: the largest prepared transfer `Engine::Auto` runs on the GPU.
@@ -356,6 +358,7 @@ impl Default for Config {
             cma: Tristate::Auto,
             cuda_ipc: Tristate::Auto,
             cuda_pdl: Tristate::Auto,
+            cuda_wait_kernel: Tristate::Auto,
             engine: Engine::Auto,
             engine_gpu_max: 16 << 20,
             coll_large_min: 256 << 10,

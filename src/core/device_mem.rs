@@ -172,6 +172,7 @@ impl DeviceMem {
     /// Start writing `len` bytes of our GPU memory at `src` into the peer's GPU memory at
     /// `remote`, opened by `key` (a prepared transfer's round). `poll_writes` reports it.
     pub(crate) fn start_write(&mut self, src: usize, remote: u64, len: usize, key: &[u8], write: PendingWrite) -> Result<()> {
+        timeline::record(Event::WriteIssue, write.req as u64);
         let key = ipc::DeviceKey::decode(key)?;
         let device = device_of(src)?;
         let dst = ipc::map_peer(&key, remote, len, device).map_err(|e| e.context("opening the peer's prepared GPU buffer"))?;
@@ -179,6 +180,7 @@ impl DeviceMem {
         // flight (the round completes only after this copy); `dst` is the peer's receive buffer,
         // mapped, and ready for this round (its readiness frame came before).
         let ticket = unsafe { self.copier().start(device, dst, src as u64, len) }?;
+        timeline::record(Event::WriteQueued, write.req as u64);
         self.writes.push((ticket, write));
         Ok(())
     }
@@ -199,7 +201,11 @@ impl DeviceMem {
         while i < self.writes.len() {
             match copier.poll(&self.writes[i].0) {
                 None => i += 1,
-                Some(r) => done.push((self.writes.swap_remove(i).1, r)),
+                Some(r) => {
+                    let write = self.writes.swap_remove(i).1;
+                    timeline::record(Event::WriteDone, write.req as u64);
+                    done.push((write, r));
+                }
             }
         }
     }

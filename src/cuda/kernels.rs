@@ -44,6 +44,8 @@ typedef struct {
     unsigned long long *trigger, tval, *done, wval, fence;
     gsc_ops_t out, in;
 } gsc_seq_args_t;
+/* The same with nothing staged (gsc_sync_kernel). */
+typedef struct { unsigned long long *trigger, tval, *done, wval, fence; } gsc_sync_args_t;
 
 /* Sends of up to GSC_LL_MAX bytes: the user's bytes go into their slots in NCCL's LL format,
  * 8-byte words of (flag << 32 | 4 data bytes), written with system-scope stores. Each word is
@@ -255,6 +257,21 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
     gsc_stage_rest(&a.in, got);
     __syncthreads();
     if (t == 0) gsc_release_slots(&a.in);
+}
+
+/* A plain stream's trigger and wait, nothing staged (GSC_CUDA_WAIT_KERNEL): one thread, so the
+ * launch is as cheap as a kernel gets. The system fence (a.fence) orders the stream's earlier
+ * writes to host memory before the trigger, as the memop write's default flush does. */
+extern "C" __global__ void gsc_sync_kernel(gsc_sync_args_t a)
+{
+    if (a.fence) asm volatile("fence.acq_rel.sys;" ::: "memory");
+    if (a.trigger) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
+    if (a.done) {
+        unsigned long long d;
+        do {
+            asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(a.done) : "memory");
+        } while (d < a.wval);
+    }
 }
 
 /* Rounds of prepared transfers run on the GPU, no proxy (src/cuda/prep_ctl.rs has the control
@@ -487,6 +504,17 @@ pub(crate) struct OpsArgs {
     pub(crate) fence: u64,
 }
 
+/// `gsc_sync_args_t`: the argument of `gsc_sync_kernel` (0 for a word: not that step).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct SyncArgs {
+    pub(crate) trigger: u64,
+    pub(crate) tval: u64,
+    pub(crate) done: u64,
+    pub(crate) wval: u64,
+    pub(crate) fence: u64,
+}
+
 /// `gsc_seq_args_t`: the argument of `gsc_seq_kernel`.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default)]
@@ -549,6 +577,8 @@ pub(crate) struct Kernels {
     pub(crate) ops: cu::CUfunction,
     /// `gsc_seq_kernel(SeqArgs)`: a stream's trigger and wait with staged copies around them.
     pub(crate) seq: cu::CUfunction,
+    /// `gsc_sync_kernel(SyncArgs)`: a stream's trigger and wait, nothing staged.
+    pub(crate) sync: cu::CUfunction,
     /// `gsc_prep_kernel(PrepArgs)`: a prepared transfer's round on the GPU.
     pub(crate) prep: cu::CUfunction,
     /// `gsc_prep_group_kernel(PrepGroup)`: a group's rounds in one launch.
@@ -578,6 +608,7 @@ impl Kernels {
             ctx: ctx as usize,
             ops: function(module, "gsc_ops_kernel")?,
             seq: function(module, "gsc_seq_kernel")?,
+            sync: function(module, "gsc_sync_kernel")?,
             prep: function(module, "gsc_prep_kernel")?,
             prep_group: function(module, "gsc_prep_group_kernel")?,
         };

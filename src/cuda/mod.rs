@@ -35,7 +35,7 @@ pub(crate) mod vmm;
 pub(crate) use device_handle::DeviceHandleSlot;
 pub(crate) use kernels::{
     GROUP_MAX, Kernels, OpDesc, OpList, OpsArgs, PREP_BEGIN, PREP_GROUP_MAX, PREP_READY, PREP_READY_WAIT, PREP_SEND, PREP_WAIT, PrepArgs,
-    PrepGroup, SeqArgs, THREADS,
+    PrepGroup, SeqArgs, SyncArgs, THREADS,
 };
 pub(crate) use pinned::PinnedSlot;
 pub(crate) use stage::{LL_MAX, StageSlot, ll_area, ll_flag};
@@ -454,6 +454,22 @@ pub(crate) fn launch_seq(
     Ok(())
 }
 
+/// A plain trigger and/or wait on `stream` as one one-thread kernel (`gsc_sync_kernel`): see
+/// `GSC_CUDA_WAIT_KERNEL` for why not memops.
+pub(crate) fn launch_sync(k: &Kernels, stream: usize, trigger: Option<(u64, u64)>, wait: Option<(u64, u64)>, fence: bool) -> Result<()> {
+    let (trigger, tval) = trigger.unwrap_or((0, 0));
+    let (done, wval) = wait.unwrap_or((0, 0));
+    let args = SyncArgs { trigger, tval, done, wval, fence: u64::from(fence && trigger != 0) };
+    let mut params = [&args as *const SyncArgs as *mut std::ffi::c_void];
+    // SAFETY: `gsc_sync_kernel` takes exactly one parameter laid out as `SyncArgs`; the driver
+    // copies it during the call. The words are mapped page-locked memory that outlives any
+    // stream using it (`pinned`).
+    check(
+        unsafe { cu::cuLaunchKernel(k.sync, 1, 1, 1, 1, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
+        "cuLaunchKernel(gsc_sync_kernel)",
+    )
+}
+
 fn seq_chunks(trigger: Option<(u64, u64)>, wait: Option<(u64, u64)>, out: &[OpDesc], inn: &[OpDesc], fence: bool) -> Vec<SeqArgs> {
     let (tail_out, head_out) = split_last_chunk(out);
     let (head_in, tail_in) = split_first_chunk(inn);
@@ -551,6 +567,13 @@ pub(super) fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, blocks: u3
         unsafe { cu::cuLaunchKernel(f, blocks, 1, 1, THREADS, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
         "cuLaunchKernel",
     )
+}
+
+/// `GSC_CUDA_WAIT_KERNEL`, read once per process (conditions have no context configuration at
+/// hand): whether a plain stream's trigger and wait are a kernel rather than stream memops.
+pub(crate) fn wait_kernel_mode() -> crate::config::Tristate {
+    static MODE: OnceLock<crate::config::Tristate> = OnceLock::new();
+    *MODE.get_or_init(|| crate::config::Config::load_env().map_or(crate::config::Tristate::Auto, |l| l.config.cuda_wait_kernel))
 }
 
 /// Whether captured GPU rounds use programmatic dependent launch (`GSC_CUDA_PDL`, read once

@@ -41,6 +41,13 @@ pub enum Event {
     ReadQueued,
     /// Progress found the read done (arg: request).
     ReadDone,
+    /// A prepared round's write into the peer's GPU memory is about to be enqueued (arg: request).
+    WriteIssue,
+    /// The write's copy and event are enqueued (arg: request).
+    WriteQueued,
+
+    /// Progress found the write done (arg: request).
+    WriteDone,
     /// A request completed and its done word was written (arg: request).
     Done,
 }
@@ -56,6 +63,10 @@ impl Event {
             Event::ReadIssue => "read-issue",
             Event::ReadQueued => "read-queued",
             Event::ReadDone => "read-done",
+            Event::WriteIssue => "write-issue",
+            Event::WriteQueued => "write-queued",
+
+            Event::WriteDone => "write-done",
             Event::Done => "done",
         }
     }
