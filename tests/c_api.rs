@@ -672,6 +672,113 @@ static void prepared(gsc_ep_h ep)
     EXPECT(finish2(gsc_ep_close_nbx(back, NULL), NULL) == GSC_OK);
 }
 
+/* Issue #8: stale and double-freed handles of every kind return GSC_ERR_INVALID_HANDLE naming
+ * the type and never crash; the live objects around them keep working. Communicator handles
+ * cannot be made without a GPU: NULL, forged and wrong-type ones are checked everywhere, and a
+ * real one (where gsc_comm_init_rank works) is destroyed twice. gsc_worker_abort is idempotent
+ * and sticky (the first reason stays), and refused once the worker is gone. */
+static void stale_handles(gsc_context_h ctx)
+{
+    gsc_worker_h w, w2;
+    gsc_ep_h e, e2;
+    gsc_status_ptr_t r, r2;
+    gsc_condition_h c;
+    gsc_condition_param_t cp;
+    gsc_host_stream_h s;
+    gsc_request_param_t p;
+    gsc_comm_h comm = NULL;
+    gsc_unique_id_t uid;
+    char buf[8];
+    int x = -1, local = 0;
+
+    /* Abort: pending requests end with ABORTED, later operations fail with the first reason. */
+    EXPECT(gsc_worker_create(ctx, NULL, &w) == GSC_OK);
+    e = connect_ep(w, wb);
+    r = gsc_tag_recv_nbx(w, buf, sizeof(buf), 4242, ~(uint64_t)0, NULL);
+    EXPECT(GSC_PTR_IS_PTR(r));
+    EXPECT(gsc_worker_abort(w, "the first reason") == GSC_OK);
+    EXPECT(gsc_worker_abort(w, "a second reason") == GSC_OK);
+    EXPECT(gsc_request_check_status(r) == GSC_ERR_ABORTED);
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(e, buf, 1, 1, NULL), GSC_ERR_ABORTED, "the first reason");
+    EXPECT_PTR_STATUS(gsc_tag_recv_nbx(w, buf, 1, 1, ~(uint64_t)0, NULL), GSC_ERR_ABORTED, "the first reason");
+    EXPECT_STATUS(gsc_worker_abort(NULL, "x"), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    gsc_request_free(r);
+    EXPECT_STATUS(gsc_request_check_status(r), GSC_ERR_INVALID_HANDLE, "");
+    /* The worker, destroyed twice; everything that named it or its endpoint is refused. */
+    EXPECT(gsc_worker_destroy(w) == GSC_OK);
+    EXPECT_STATUS(gsc_worker_destroy(w), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT_STATUS(gsc_worker_abort(w, "late"), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT(gsc_worker_progress(w) == 0);
+    EXPECT_PTR_STATUS(gsc_tag_recv_nbx(w, buf, 1, 1, ~(uint64_t)0, NULL), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT_PTR_STATUS(gsc_tag_send_nbx(e, buf, 1, 1, NULL), GSC_ERR_INVALID_HANDLE, "gsc_ep_h");
+    EXPECT_PTR_STATUS(gsc_ep_close_nbx(e, NULL), GSC_ERR_INVALID_HANDLE, "gsc_ep_h");
+
+    /* A request still pending when its worker is destroyed goes stale with it. */
+    EXPECT(gsc_worker_create(ctx, NULL, &w2) == GSC_OK);
+    r2 = gsc_tag_recv_nbx(w2, buf, sizeof(buf), 4243, ~(uint64_t)0, NULL);
+    EXPECT(GSC_PTR_IS_PTR(r2));
+    EXPECT(gsc_worker_destroy(w2) == GSC_OK);
+    EXPECT_STATUS(gsc_request_check_status(r2), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_request_wait(r2, NULL), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_request_cancel(wa, r2), GSC_ERR_INVALID_HANDLE, "");
+    gsc_request_free(r2);
+    EXPECT_STATUS(GSC_ERR_INVALID_HANDLE, GSC_ERR_INVALID_HANDLE, "gsc_request_free");
+
+    /* An endpoint closed twice. */
+    e2 = connect_ep(wa, wb);
+    EXPECT(finish2(gsc_ep_close_nbx(e2, NULL), NULL) == GSC_OK);
+    EXPECT_PTR_STATUS(gsc_ep_close_nbx(e2, NULL), GSC_ERR_INVALID_HANDLE, "gsc_ep_h");
+    EXPECT_PTR_STATUS(gsc_ep_flush_nbx(e2, NULL), GSC_ERR_INVALID_HANDLE, "gsc_ep_h");
+
+    /* A condition and its host stream, destroyed twice; an operation on the stale condition is
+     * refused before anything starts. */
+    EXPECT(gsc_host_stream_create(&s) == GSC_OK);
+    memset(&cp, 0, sizeof(cp));
+    cp.field_mask = GSC_CONDITION_PARAM_FIELD_CATEGORY | GSC_CONDITION_PARAM_FIELD_CONTEXT;
+    cp.category = GSC_CONDITION_CATEGORY_HOST_STREAM;
+    cp.context = s;
+    EXPECT(gsc_condition_create(&cp, &c) == GSC_OK);
+    EXPECT(gsc_condition_destroy(c) == GSC_OK);
+    EXPECT_STATUS(gsc_condition_destroy(c), GSC_ERR_INVALID_HANDLE, "gsc_condition_h");
+    EXPECT_STATUS(gsc_condition_wait(c), GSC_ERR_INVALID_HANDLE, "gsc_condition_h");
+    EXPECT_STATUS(gsc_condition_group_start(c), GSC_ERR_INVALID_HANDLE, "gsc_condition_h");
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = GSC_OP_ATTR_FIELD_CONDITION;
+    p.condition = c;
+    EXPECT_PTR_STATUS(gsc_tag_recv_nbx(wb, buf, 1, 1, ~(uint64_t)0, &p), GSC_ERR_INVALID_HANDLE, "gsc_condition_h");
+    EXPECT(gsc_host_stream_destroy(s) == GSC_OK);
+    EXPECT_STATUS(gsc_host_stream_destroy(s), GSC_ERR_INVALID_HANDLE, "gsc_host_stream_h");
+    EXPECT_STATUS(gsc_host_stream_launch(s, fill_on_stream, buf), GSC_ERR_INVALID_HANDLE, "gsc_host_stream_h");
+    /* A destroyed host stream as a condition's context. */
+    cp.context = s;
+    EXPECT_STATUS(gsc_condition_create(&cp, &c), GSC_ERR_INVALID_HANDLE, "gsc_host_stream_h");
+
+    /* Communicators: NULL, forged and wrong-type handles, then a real one destroyed twice. */
+    EXPECT_STATUS(gsc_comm_destroy(NULL), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_destroy((gsc_comm_h)(void *)&local), GSC_ERR_INVALID_HANDLE, "not a live");
+    EXPECT_STATUS(gsc_comm_destroy((gsc_comm_h)(void *)wa), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT_STATUS(gsc_comm_rank((gsc_comm_h)(void *)wa, &x), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT(x == -1);
+    EXPECT_STATUS(gsc_comm_size(NULL, &x), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_query((gsc_comm_h)(void *)&local), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_all_reduce((gsc_comm_h)(void *)wb, buf, buf, 1, GSC_FLOAT32, GSC_SUM, NULL),
+                  GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_send(NULL, buf, 1, GSC_UINT8, 0, NULL), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT(gsc_get_unique_id(&uid) == GSC_OK);
+    if (gsc_comm_init_rank(&comm, 1, &uid, 0, 0) == GSC_OK) {
+        EXPECT(gsc_comm_rank(comm, &x) == GSC_OK && x == 0);
+        EXPECT(gsc_comm_destroy(comm) == GSC_OK);
+        EXPECT_STATUS(gsc_comm_destroy(comm), GSC_ERR_INVALID_HANDLE, "gsc_comm_h");
+        EXPECT_STATUS(gsc_comm_query(comm), GSC_ERR_INVALID_HANDLE, "gsc_comm_h");
+    } else {
+        /* No GPU: refused with a reason, and the out-pointer untouched. */
+        EXPECT(comm == NULL);
+        EXPECT(gsc_last_error_message()[0] != '\0');
+    }
+    /* wa and wb, named above with the wrong types, are used for real by the sections after
+     * this one. */
+}
+
 /* Destroying a worker with an open endpoint releases the endpoint; its handle goes stale. */
 static void lifetimes(gsc_context_h ctx)
 {
@@ -830,6 +937,7 @@ int main(void)
     prepared(ep);
     memory(ctx, ep);
     lifetimes(ctx);
+    stale_handles(ctx);
     bootstrap();
     request_areas();
 

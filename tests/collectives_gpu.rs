@@ -630,3 +630,115 @@ fn collectives_exact_on_four_gpus() {
     }
     run_job("collectives_exact_on_four_gpus", 4);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue #8: one rank of a collective is SIGKILLed
+
+/// The survivor's GSC_TIMEOUT in the kill test: how long its kernels wait for a dead peer.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Rank 1 of the kill test: joins, takes part in one checked all-reduce, says so, then waits to
+/// be killed (the children's watchdog ends it otherwise).
+fn kill_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    assert_eq!(role, "victim");
+    set_device(1).unwrap();
+    let uid = UniqueId::from_bytes(&chan.get("uid")).unwrap();
+    let boot = Bootstrap::init(&uid, 1, 2, T).unwrap();
+    let mut o = child_overrides();
+    o.push(("GSC_TIMEOUT".into(), "60s".into()));
+    let config = config_with(&o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>());
+    let comm = Communicator::new(boot, 1, &config).unwrap();
+    let stream = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let d = device_with(&input(DataType::Float32, 1, 77, 1024), 1024 * 4);
+    unsafe { comm.all_reduce(d.ptr(), d.ptr(), 1024, DataType::Float32, RedOp::Sum, &cond) }.unwrap();
+    stream.synchronize().unwrap();
+    chan.put("joined", &[]);
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// `f` on a thread of its own, failing the test if it takes longer than `limit` (a hang must
+/// fail, not stall the suite; a stuck CUDA call cannot be interrupted, only abandoned).
+fn bounded<R: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> (R, Duration) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t0 = Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(r) => (r, t0.elapsed()),
+        Err(_) => panic!("{what}: still running after {limit:?}"),
+    }
+}
+
+/// Two ranks on two GPUs (rank 1 a child process) run a checked all-reduce; then rank 0 starts
+/// an all-reduce and a receive from rank 1, and rank 1 is SIGKILLed (waitpid must say so). Rank
+/// 0's all-reduce kernel must give up and release its stream within GSC_TIMEOUT (5 s) plus
+/// slack, `async_error` must say TimedOut, the receive's stream must be released with the link's
+/// error (or TimedOut), and after an abort every later call fails at once with Aborted.
+#[test]
+fn a_killed_rank_releases_the_survivor_within_the_timeout() {
+    if run_child_role(kill_roles) {
+        return;
+    }
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    if device_count() < 2 {
+        eprintln!("skipped: needs 2 GPUs, found {}", device_count());
+        return;
+    }
+    set_device(0).unwrap();
+    let uid = UniqueId::create(None).unwrap();
+    let dir = ShmDir::new("coll_kill");
+    let mut victim = spawn_child("a_killed_rank_releases_the_survivor_within_the_timeout", "victim", &[("GSC_SHM_DIR", dir.as_str())]);
+    victim.put("uid", &uid.to_bytes());
+    let boot = Bootstrap::init(&uid, 0, 2, T).unwrap();
+    let config = config_with(&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str())]);
+    let comm = Communicator::new(boot, 0, &config).unwrap();
+    let stream = std::sync::Arc::new(Stream::new().unwrap());
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let (dtype, op, count) = (DataType::Float32, RedOp::Sum, 1024);
+    let ins: Vec<Vec<u8>> = (0..2).map(|q| input(dtype, q, 77, count)).collect();
+    let d = device_with(&ins[0], count * 4);
+    unsafe { comm.all_reduce(d.ptr(), d.ptr(), count, dtype, op, &cond) }.unwrap();
+    stream.synchronize().unwrap();
+    let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+    assert!(d.download().unwrap() == reduce_reference(dtype, op, &refs), "the all-reduce before the kill is wrong");
+    victim.get("joined", T);
+    // Work that rank 1 will never join: a collective and a receive, each on its own stream.
+    unsafe { comm.all_reduce(d.ptr(), d.ptr(), count, dtype, op, &cond) }.unwrap();
+    let s2 = std::sync::Arc::new(Stream::new().unwrap());
+    let c2 = Condition::cuda(Category::Stream, s2.raw(), None).unwrap();
+    let r = device_with(&[], 64);
+    unsafe { comm.recv(r.ptr(), 64, DataType::Uint8, 1, &c2) }.unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let killed_at = Instant::now();
+    victim.sigkill_proven();
+    let (synced, _) = bounded("the survivor's all-reduce stream", KILL_TIMEOUT + Duration::from_secs(20), {
+        let stream = stream.clone();
+        move || stream.synchronize()
+    });
+    let released = killed_at.elapsed();
+    synced.unwrap();
+    assert!(released < KILL_TIMEOUT + Duration::from_secs(5), "the all-reduce released its stream {released:?} after the kill");
+    let e = comm.async_error().unwrap_err();
+    assert_eq!(e.status(), Status::TimedOut, "async_error after a peer died: {e}");
+    let (r2, _) = bounded("the receive's stream", KILL_TIMEOUT + Duration::from_secs(20), {
+        let s2 = s2.clone();
+        move || s2.synchronize()
+    });
+    r2.unwrap();
+    let q = c2.query().unwrap_err().status();
+    assert!(matches!(q, Status::PeerFailed | Status::ConnectionReset | Status::TimedOut), "the receive from the dead rank: {q:?}");
+    // The survivor gives up on the communicator: later calls fail at once.
+    comm.abort("rank 1 died").unwrap();
+    let t0 = Instant::now();
+    let e = unsafe { comm.all_reduce(d.ptr(), d.ptr(), count, dtype, op, &cond) }.map(|_| ()).unwrap_err();
+    assert_eq!(e.status(), Status::Aborted);
+    assert!(t0.elapsed() < Duration::from_millis(100));
+    eprintln!("rank 1 killed: the all-reduce released rank 0's stream after {released:?}; the receive ended with {q:?}");
+}

@@ -276,3 +276,94 @@ fn stream_graph_capture_and_kernel_conditions_between_two_gpus() {
     }
     p.finish(T);
 }
+
+/// Issue #8: abort during CUDA stream capture, from another thread at seeded random moments
+/// (10 rounds). Two workers of this process (loopback lane); the main thread captures sends and
+/// receives on a stream condition (receives nobody answers, so a replay would wait on them)
+/// until the abort makes an issue fail. Then: the capture ends cleanly and instantiates; the
+/// graph replayed after the abort completes within seconds (its waits are released by the
+/// error mark) three times over; the condition reports Aborted; operations issued afterwards
+/// fail at once. Any hang fails the test through `bounded`.
+#[test]
+fn abort_during_stream_capture_then_replays_fail_fast() {
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(0).unwrap();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    for round in 0..10 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let delay = Duration::from_micros(seed % 20_000);
+        let ctx = ctx_with(&[("GSC_TLS", "loopback"), ("GSC_TIMEOUT", "60s")]);
+        let (a, b) = (ctx.create_worker().unwrap(), ctx.create_worker().unwrap());
+        let ep_ba = b.connect(a.address()).unwrap();
+        let (src, dst) = (PinnedBuf::new(ROUND_BYTES).unwrap(), PinnedBuf::new(ROUND_BYTES).unwrap());
+        let cap = Stream::new().unwrap();
+        let cc = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+        cap.begin_capture().unwrap();
+        let aborter = {
+            let b = b.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(delay);
+                let t0 = Instant::now();
+                b.abort("abort during capture").unwrap();
+                t0.elapsed()
+            })
+        };
+        let mut captured = 0u32;
+        let stop = loop {
+            let r = unsafe { b.tag_recv_nbx(dst.host_ptr(), ROUND_BYTES, 1000 + captured as u64, u64::MAX, on(&cc, false)) };
+            let s = r.and_then(|_| unsafe { ep_ba.tag_send_nbx(src.host_ptr(), ROUND_BYTES, 5, on(&cc, true)) });
+            match s {
+                Ok(st) => assert!(matches!(st, Started::Armed(_)), "captured operations are persistent"),
+                Err(e) => break e,
+            }
+            captured += 1;
+            if captured >= 2000 {
+                // Enough nodes: the next issue comes after the abort.
+                std::thread::sleep(delay);
+            }
+        };
+        let abort_took = aborter.join().unwrap();
+        assert_eq!(stop.status(), Status::Aborted, "round {round}: the issue that met the abort: {stop}");
+        assert!(abort_took < Duration::from_secs(3), "round {round}: abort took {abort_took:?}");
+        // The capture ends cleanly: the abort made no call on the capturing stream.
+        let graph = cap.end_capture().unwrap_or_else(|e| panic!("round {round}: ending the capture after abort: {e}"));
+        let exec = std::sync::Arc::new(graph.instantiate().unwrap());
+        let run = std::sync::Arc::new(Stream::new().unwrap());
+        for replay in 0..3 {
+            let (r, took) = bounded(&format!("round {round}: replay {replay} after abort"), Duration::from_secs(20), {
+                let (exec, run) = (exec.clone(), run.clone());
+                move || exec.launch(&run).and_then(|()| run.synchronize())
+            });
+            r.unwrap();
+            assert!(took < Duration::from_secs(5), "round {round}: replay {replay} after abort took {took:?}");
+        }
+        assert_eq!(cc.query().unwrap_err().status(), Status::Aborted, "round {round}: the capture's condition");
+        let t0 = Instant::now();
+        let e = unsafe { b.tag_recv_nbx(dst.host_ptr(), 8, 1, u64::MAX, on(&cc, true)) }.unwrap_err();
+        assert_eq!(e.status(), Status::Aborted);
+        assert!(e.to_string().contains("abort during capture"), "the first reason stays: {e}");
+        assert!(t0.elapsed() < Duration::from_millis(100));
+        eprintln!("round {round}: {captured} exchanges captured before the abort ({delay:?}); replays after it completed");
+        drop(exec);
+        drop(graph);
+    }
+}
+
+/// `f` on a thread of its own; panics if it takes longer than `limit` (a stuck CUDA call cannot
+/// be interrupted, only abandoned, so a hang fails the test instead of stalling the suite).
+fn bounded<R: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> (R, Duration) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t0 = Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(r) => (r, t0.elapsed()),
+        Err(_) => panic!("{what}: still running after {limit:?}"),
+    }
+}

@@ -28,7 +28,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -69,6 +69,10 @@ pub struct Comm {
     state: OnceLock<Result<Communicator, Fail>>,
     /// A non-blocking init's thread, joined by destroy.
     init_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Set by ncclCommAbort. Taken around the check of `state` in abort and around setting it
+    /// in a non-blocking init, so a communicator whose init finishes after the abort is
+    /// aborted too (whichever of the two comes second sees the other).
+    aborted: Mutex<bool>,
     /// A stream condition per CUDA stream the program used (made once: a condition takes a
     /// page-locked slot).
     conditions: Mutex<HashMap<usize, Condition>>,
@@ -80,11 +84,22 @@ pub struct Comm {
     premul_ops: Mutex<Vec<Option<(DataType, PreMulScalar)>>>,
 }
 
+impl Drop for Comm {
+    fn drop(&mut self) {
+        for r in std::mem::take(&mut *self.registrations.get_mut().unwrap_or_else(|e| e.into_inner())) {
+            // SAFETY: made by Box::into_raw in ncclCommRegister and not deregistered (a
+            // deregistered one left this list); the communicator is gone, so are its handles.
+            drop(unsafe { Box::from_raw(r as *mut Registration) });
+        }
+    }
+}
+
 impl Comm {
     fn new() -> Comm {
         Comm {
             state: OnceLock::new(),
             init_thread: Mutex::new(None),
+            aborted: Mutex::new(false),
             conditions: Mutex::new(HashMap::new()),
             registrations: Mutex::new(Vec::new()),
             premul_ops: Mutex::new(Vec::new()),
@@ -112,6 +127,46 @@ impl Comm {
     }
 }
 pub type ncclComm_t = *mut Comm;
+
+/// The value `ncclComm_t` handles start from: above every user-space address on the 64-bit
+/// targets this library is built for, so a handle never equals a pointer of the program's.
+const HANDLE_BASE: usize = 0x6e63 << 48;
+
+/// Live communicators by handle. A handle is a token, never dereferenced: it is looked up here,
+/// and a call holds its own reference (`Arc`) to the communicator for as long as it runs. So a
+/// handle that was destroyed or aborted — even by another thread while a call on it was in
+/// progress, which PyTorch-style watchdogs do with ncclCommAbort — is refused with
+/// `ncclInvalidArgument`, never read after it was freed, and a call in progress finishes on a
+/// communicator that is freed only after it returned. Tokens are never reused, so a stale
+/// handle cannot alias a newer communicator either.
+fn live() -> std::sync::MutexGuard<'static, HashMap<usize, Arc<Comm>>> {
+    static LIVE: OnceLock<Mutex<HashMap<usize, Arc<Comm>>>> = OnceLock::new();
+    // Each update is one insert or remove: a panic elsewhere cannot leave the map half-changed.
+    LIVE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Register `comm`: its handle, and the reference a background init keeps.
+fn new_handle(comm: Comm) -> (ncclComm_t, Arc<Comm>) {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let handle = HANDLE_BASE + (n << 4);
+    let comm = Arc::new(comm);
+    live().insert(handle, comm.clone());
+    (handle as ncclComm_t, comm)
+}
+
+/// Remove `comm`'s handle (destroy, abort): later calls with it are refused. The communicator
+/// itself goes when the last call still using it returns.
+fn take_handle(comm: ncclComm_t) -> Result<Arc<Comm>, Fail> {
+    if comm.is_null() {
+        return Err(invalid("comm is NULL"));
+    }
+    live().remove(&(comm as usize)).ok_or_else(stale)
+}
+
+fn stale() -> Fail {
+    invalid("comm is not a live communicator of this library (destroyed, aborted, or never made)")
+}
 
 /// A failure: the result code and the message for `ncclGetLastError`.
 #[derive(Clone, Debug)]
@@ -177,9 +232,12 @@ fn out<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T, Fail> {
     unsafe { p.as_mut() }.ok_or_else(|| invalid(format!("{what} is NULL")))
 }
 
-fn comm_ref<'a>(comm: ncclComm_t) -> Result<&'a Comm, Fail> {
-    // SAFETY: a communicator this library made and the program has not destroyed.
-    unsafe { comm.as_ref() }.ok_or_else(|| invalid("comm is NULL"))
+/// The live communicator `comm` names, held for the duration of the call (see `live`).
+fn comm_ref(comm: ncclComm_t) -> Result<Arc<Comm>, Fail> {
+    if comm.is_null() {
+        return Err(invalid("comm is NULL"));
+    }
+    live().get(&(comm as usize)).cloned().ok_or_else(stale)
 }
 
 fn config() -> Result<Config, Fail> {
@@ -239,9 +297,8 @@ pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclRe
 enum InitJob {
     /// ncclCommInitRank(Config) / ncclCommInitAll: join the rendezvous of `id` on `device`.
     Rank { nranks: c_int, id: ncclUniqueId, rank: c_int, device: i32 },
-    /// ncclCommSplit of the communicator at `parent` (an address: the program keeps it alive
-    /// until the split completed, as nccl.h asks).
-    Split { parent: usize, color: Option<u32>, key: i32 },
+    /// ncclCommSplit of `parent`.
+    Split { parent: Arc<Comm>, color: Option<u32>, key: i32 },
 }
 
 /// An init or split to run; its communicator (or NULL, for a split without a color) goes to
@@ -268,9 +325,8 @@ fn run_job(job: &InitJob) -> Result<Option<Communicator>, Fail> {
             let boot = Bootstrap::init(&uid, rank as u32, nranks as u32, timeout)?;
             Ok(Some(Communicator::new(boot, device, &config)?))
         }
-        InitJob::Split { parent, color, key } => {
-            // SAFETY: the parent is a live communicator of this library (see `InitJob::Split`).
-            let parent = unsafe { &*(parent as *const Comm) }.ready()?;
+        InitJob::Split { ref parent, color, key } => {
+            let parent = parent.ready()?;
             gscomm::cuda::api::set_device(parent.device())?;
             Ok(parent.split(color, key, &config()?)?)
         }
@@ -284,22 +340,25 @@ fn start_inits(inits: Vec<PendingInit>) -> Result<(), Fail> {
     let (blocking, background): (Vec<_>, Vec<_>) = inits.into_iter().partition(|p| p.blocking);
     let in_background = !background.is_empty();
     for p in background {
-        let comm = Box::into_raw(Box::new(Comm::new()));
+        let (handle, comm) = new_handle(Comm::new());
         // SAFETY: the program's out-pointer (nccl.h), valid for the call.
-        unsafe { *(p.slot as *mut ncclComm_t) = comm };
-        let addr = comm as usize;
-        let handle = std::thread::Builder::new()
+        unsafe { *(p.slot as *mut ncclComm_t) = handle };
+        let mine = comm.clone();
+        let thread = std::thread::Builder::new()
             .name("gsc-nccl-init".into())
             .spawn(move || {
                 let state = catch_unwind(AssertUnwindSafe(|| run_job(&p.job)))
                     .unwrap_or_else(|_| Err(Fail(NCCL_INTERNAL_ERROR, "communicator init: internal error (a panic was caught)".into())))
                     .and_then(|c| c.ok_or_else(|| invalid("a split without a color makes no communicator")));
-                // SAFETY: the Comm stays alive until ncclCommDestroy, which joins this thread first.
-                let _ = unsafe { &*(addr as *const Comm) }.state.set(state);
+                let aborted = mine.aborted.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = mine.state.set(state);
+                if *aborted && let Some(Ok(c)) = mine.state.get() {
+                    // ncclCommAbort came while this init ran: nobody will use the result.
+                    let _ = c.abort("ncclCommAbort during a non-blocking init");
+                }
             })
             .map_err(|e| Fail(NCCL_SYSTEM_ERROR, format!("no thread for the init: {e}")))?;
-        // SAFETY: as above; nothing else has the new communicator yet.
-        *unsafe { &*comm }.init_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        *comm.init_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread);
     }
     let results: Vec<Result<Option<Communicator>, Fail>> = std::thread::scope(|s| {
         let handles: Vec<_> = blocking.iter().map(|p| s.spawn(|| run_job(&p.job))).collect();
@@ -317,7 +376,7 @@ fn start_inits(inits: Vec<PendingInit>) -> Result<(), Fail> {
                 let comm = made.map_or(std::ptr::null_mut(), |c| {
                     let comm = Comm::new();
                     let _ = comm.state.set(Ok(c));
-                    Box::into_raw(Box::new(comm))
+                    new_handle(comm).0
                 });
                 // SAFETY: the program's out-pointer, valid until its group ended (nccl.h).
                 unsafe { *(p.slot as *mut ncclComm_t) = comm };
@@ -448,7 +507,8 @@ pub unsafe extern "C" fn ncclCommSplit(
             c if c >= 0 => Some(c as u32),
             c => return Err(invalid(format!("color {c} (a color is >= 0, or NCCL_SPLIT_NOCOLOR)"))),
         };
-        init_or_defer(PendingInit { slot: newcomm as usize, job: InitJob::Split { parent: comm as usize, color, key }, blocking: true })
+        let parent = comm_ref(comm)?;
+        init_or_defer(PendingInit { slot: newcomm as usize, job: InitJob::Split { parent, color, key }, blocking: true })
     })
 }
 
@@ -488,21 +548,18 @@ pub unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
 }
 
 /// Destroy: the program has synchronized its streams (nccl.h). A non-blocking init still
-/// running is waited for (bounded by the bootstrap timeout).
+/// running is waited for (bounded by the bootstrap timeout). The handle is refused from here
+/// on; the communicator is freed once no call is using it (at once, unless another thread is
+/// inside a call on it).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
     gate("ncclCommDestroy", || {
-        let c = comm_ref(comm)?;
+        let c = take_handle(comm)?;
         let init = c.init_thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = init {
             let _ = t.join();
         }
-        for r in std::mem::take(&mut *c.registrations.lock().unwrap_or_else(|e| e.into_inner())) {
-            // SAFETY: made by Box::into_raw in ncclCommRegister and not deregistered.
-            drop(unsafe { Box::from_raw(r as *mut Registration) });
-        }
-        // SAFETY: made by Box::into_raw in start_inits; destroyed once (nccl.h).
-        drop(unsafe { Box::from_raw(comm) });
+        drop(c);
         Ok(())
     })
 }
@@ -512,35 +569,29 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
     gate("ncclCommFinalize", || comm_ref(comm).map(|_| ()))
 }
 
-/// Abort: send/recv in flight or waiting on a stream fail and release their streams, and this
-/// rank's collective kernels give up at their next wait (`Communicator::abort`); then the
-/// communicator is freed like destroy. A non-blocking init still running (NCCL's pattern: init,
-/// time out, abort) is not waited for: its thread is left to finish on its own (bounded by the
-/// bootstrap timeout) and the communicator's memory with it, so abort returns at once.
-///
-/// Like NCCL's, abort frees the communicator: no other thread may be using it meanwhile.
+/// Abort, from any thread (issue #8): send/recv in flight or waiting on a stream fail and
+/// release their streams, and this rank's collective kernels give up at their next wait
+/// (`Communicator::abort`); the handle is refused from here on, as after destroy. Unlike
+/// NCCL's, it may be called while other threads are inside calls on the communicator (a
+/// collective being enqueued, ncclCommGetAsyncError polled by a watchdog): those calls finish
+/// (or fail with the abort error) and the communicator is freed when the last one returns. A
+/// non-blocking init still running (NCCL's pattern: init, time out, abort) is not waited for:
+/// it finishes on its own thread (bounded by the bootstrap timeout), aborts what it made, and
+/// frees it, so abort returns at once.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
-    let mut detached = false;
-    let r = gate("ncclCommAbort", || {
-        let c = comm_ref(comm)?;
-        match c.state.get() {
-            Some(Ok(communicator)) => communicator.abort("ncclCommAbort")?,
-            Some(Err(_)) => {}
-            None => {
-                // Still initializing: drop the join handle (detaching the thread) and leave the
-                // Comm to it; it is never freed (the thread still writes its state).
-                drop(c.init_thread.lock().unwrap_or_else(|e| e.into_inner()).take());
-                detached = true;
-            }
+    gate("ncclCommAbort", || {
+        let c = take_handle(comm)?;
+        let mut aborted = c.aborted.lock().unwrap_or_else(|e| e.into_inner());
+        *aborted = true;
+        if let Some(Ok(communicator)) = c.state.get() {
+            communicator.abort("ncclCommAbort")?;
         }
+        drop(aborted);
+        // Detach a running init: its thread holds its own reference and ends by itself.
+        drop(c.init_thread.lock().unwrap_or_else(|e| e.into_inner()).take());
         Ok(())
-    });
-    if r != NCCL_SUCCESS || detached {
-        return r;
-    }
-    // SAFETY: as ncclCommDestroy.
-    unsafe { ncclCommDestroy(comm) }
+    })
 }
 
 /// `ncclInProgress` while a non-blocking init runs; then its failure, a collective kernel's
@@ -629,7 +680,7 @@ fn collective(
     gate(name, || {
         let c = comm_ref(comm)?;
         let (dtype, op) = types(datatype, op)?;
-        let on = on_stream(c, stream)?;
+        let on = on_stream(&c, stream)?;
         run(c.ready()?, &on, dtype, op)?;
         Ok(())
     })
@@ -654,7 +705,7 @@ fn premul(
         let communicator = c.ready()?;
         let dtype = DataType::from_nccl(datatype)?;
         let scalar = c.premul(op, dtype)?.ok_or_else(|| invalid(format!("operator {op}")))?;
-        let on = on_stream(c, stream)?;
+        let on = on_stream(&c, stream)?;
         // SAFETY: nccl.h's contract on the buffers, the stream and a device scalar.
         unsafe { communicator.premul_sum(kind, send as u64, recv as u64, count, dtype, scalar, root, &on) }?;
         Ok(())
@@ -789,7 +840,7 @@ fn p2p(
         let communicator = c.ready()?;
         let dtype = DataType::from_nccl(datatype)?;
         let peer = usize::try_from(peer).map_err(|_| invalid(format!("peer {peer}")))?;
-        let on = on_stream(c, stream)?;
+        let on = on_stream(&c, stream)?;
         GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.depth > 0 && !g.open.iter().any(|o| o.same(&on)) {
@@ -1045,7 +1096,7 @@ mod tests {
         assert!(h.is_null());
         // A communicator still initializing answers ncclInProgress, and a handle it never gave
         // out is refused without touching it.
-        let comm = Box::into_raw(Box::new(Comm::new()));
+        let (comm, c) = new_handle(Comm::new());
         let mut n = -1;
         assert_eq!(unsafe { ncclCommCount(comm, &mut n) }, NCCL_IN_PROGRESS);
         let mut err = 0;
@@ -1055,7 +1106,7 @@ mod tests {
         assert_eq!(unsafe { ncclCommDeregister(comm, &mut bogus as *mut u64 as *mut c_void) }, NCCL_INVALID_ARGUMENT);
         assert!(last().contains("not a live registration"), "{}", last());
         assert_eq!(bogus, 5);
-        let _ = unsafe { &*comm }.state.set(Err(Fail(NCCL_REMOTE_ERROR, "rank 1 went away".into())));
+        let _ = c.state.set(Err(Fail(NCCL_REMOTE_ERROR, "rank 1 went away".into())));
         assert_eq!(unsafe { ncclCommCount(comm, &mut n) }, NCCL_REMOTE_ERROR);
         assert!(last().contains("init failed: rank 1 went away"), "{}", last());
         assert_eq!(unsafe { ncclCommDestroy(comm) }, NCCL_SUCCESS);
@@ -1191,8 +1242,7 @@ mod tests {
 
     #[test]
     fn premul_operators_are_looked_up_by_type_and_destroyed_once() {
-        let comm = Box::into_raw(Box::new(Comm::new()));
-        let c = unsafe { &*comm };
+        let (comm, c) = new_handle(Comm::new());
         c.premul_ops.lock().unwrap().push(Some((DataType::Float32, PreMulScalar::Value(7))));
         assert_eq!(c.premul(NCCL_NUM_OPS, DataType::Float32).unwrap(), Some(PreMulScalar::Value(7)));
         assert_eq!(c.premul(0, DataType::Float32).unwrap(), None, "a built-in operator");
@@ -1203,6 +1253,160 @@ mod tests {
         assert!(last().contains("not a live ncclRedOpCreatePreMulSum operator"), "{}", last());
         assert!(c.premul(NCCL_NUM_OPS, DataType::Float32).is_err(), "destroyed");
         assert_eq!(unsafe { ncclCommDestroy(comm) }, NCCL_SUCCESS);
+    }
+
+    /// Issue #8: ncclCommAbort from one thread while others are inside calls on the same
+    /// communicator (a watchdog polling ncclCommGetAsyncError, a thread enqueueing collectives),
+    /// at random moments. Every call returns a result code (no crash, no read of freed memory),
+    /// every call after the abort is refused as a stale handle, a second abort and a destroy
+    /// after it are refused too, and the communicator is freed once the last call returned.
+    /// Here the communicator is still initializing or its init failed (no GPU needed); the GPU
+    /// test below does the same with collectives running.
+    #[test]
+    fn abort_while_other_threads_are_inside_calls_on_the_communicator() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        for round in 0..200 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let (comm, c) = new_handle(Comm::new());
+            if round % 2 == 1 {
+                let _ = c.state.set(Err(Fail(NCCL_REMOTE_ERROR, "rank 1 went away".into())));
+            }
+            let freed = Arc::downgrade(&c);
+            drop(c);
+            let addr = comm as usize;
+            let callers: Vec<_> = (0..3)
+                .map(|who| {
+                    std::thread::spawn(move || {
+                        let comm = addr as ncclComm_t;
+                        let t0 = std::time::Instant::now();
+                        let mut calls = 0u32;
+                        loop {
+                            let mut err = -1;
+                            let mut n = -1;
+                            let r = match who {
+                                0 => unsafe { ncclCommGetAsyncError(comm, &mut err) },
+                                1 => unsafe { ncclCommCount(comm, &mut n) },
+                                // No GPU: the stream's condition cannot be made, or the init
+                                // is not done; either way a result code, never a crash.
+                                _ => unsafe { ncclAllReduce(std::ptr::null(), std::ptr::null_mut(), 1, 7, 0, comm, std::ptr::null_mut()) },
+                            };
+                            calls += 1;
+                            if r == NCCL_INVALID_ARGUMENT {
+                                assert!(last().contains("not a live communicator"), "caller {who}: {}", last());
+                                return calls;
+                            }
+                            match who {
+                                0 => assert!(r == NCCL_SUCCESS && (err == NCCL_IN_PROGRESS || err == NCCL_REMOTE_ERROR), "r {r} err {err}"),
+                                1 => assert!(r == NCCL_IN_PROGRESS || r == NCCL_REMOTE_ERROR, "count: {r}"),
+                                _ => assert_ne!(r, NCCL_SUCCESS, "an all-reduce on a communicator without a GPU"),
+                            }
+                            assert!(t0.elapsed() < std::time::Duration::from_secs(10), "caller {who} never saw the abort");
+                        }
+                    })
+                })
+                .collect();
+            std::thread::sleep(std::time::Duration::from_micros(seed % 2000));
+            assert_eq!(unsafe { ncclCommAbort(comm) }, NCCL_SUCCESS, "round {round}: {}", last());
+            assert_eq!(unsafe { ncclCommAbort(comm) }, NCCL_INVALID_ARGUMENT, "round {round}: a second abort");
+            assert_eq!(unsafe { ncclCommDestroy(comm) }, NCCL_INVALID_ARGUMENT, "round {round}: destroy after abort");
+            for t in callers {
+                assert!(t.join().unwrap() > 0);
+            }
+            assert!(freed.upgrade().is_none(), "round {round}: the communicator outlived every call");
+        }
+        // Handles that were never made, and NULL, are refused the same way.
+        let mut err = 0;
+        assert_eq!(unsafe { ncclCommGetAsyncError((HANDLE_BASE + 8) as ncclComm_t, &mut err) }, NCCL_INVALID_ARGUMENT);
+        assert_eq!(unsafe { ncclCommAbort(std::ptr::null_mut()) }, NCCL_INVALID_ARGUMENT);
+        let mut local = 0u64;
+        assert_eq!(unsafe { ncclCommDestroy(&mut local as *mut u64 as ncclComm_t) }, NCCL_INVALID_ARGUMENT);
+    }
+
+    /// The same on a GPU: a one-rank communicator, one thread enqueueing all-reduces on a
+    /// stream and another polling ncclCommGetAsyncError, aborted from the test's thread at a
+    /// random moment, 20 rounds. Calls after the abort are refused, the stream drains within
+    /// seconds, and the communicator is freed. Skips without `GSC_TEST_GPU=1` and a GPU.
+    #[test]
+    fn abort_while_collectives_are_enqueued_on_a_gpu() {
+        use gscomm::cuda::api::{DeviceBuf, Stream, gpu_test_skip_reason, set_device};
+        if let Some(why) = gpu_test_skip_reason() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        set_device(0).unwrap();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        for round in 0..20 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let mut id = ncclUniqueId { internal: [0; 128] };
+            assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NCCL_SUCCESS);
+            let mut comm: ncclComm_t = std::ptr::null_mut();
+            assert_eq!(unsafe { ncclCommInitRank(&mut comm, 1, id, 0) }, NCCL_SUCCESS, "{}", last());
+            let freed = Arc::downgrade(&comm_ref(comm).unwrap());
+            let addr = comm as usize;
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let enqueuer = {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    set_device(0).unwrap();
+                    let stream = Stream::new().unwrap();
+                    let (send, recv) = (DeviceBuf::new(1 << 20).unwrap(), DeviceBuf::new(1 << 20).unwrap());
+                    let mut launched = 0u32;
+                    let r = loop {
+                        let r = unsafe {
+                            ncclAllReduce(
+                                send.ptr() as *const c_void,
+                                recv.ptr() as *mut c_void,
+                                1 << 18,
+                                7,
+                                0,
+                                addr as ncclComm_t,
+                                stream.raw() as *mut c_void,
+                            )
+                        };
+                        if r != NCCL_SUCCESS || stop.load(std::sync::atomic::Ordering::SeqCst) {
+                            break r;
+                        }
+                        launched += 1;
+                    };
+                    // A call that took the communicator just before the abort fails with the
+                    // abort's error; one after it is refused as a stale handle.
+                    let why = if r == NCCL_SUCCESS { String::new() } else { last() };
+                    // Whatever was queued before the abort drains: nothing waits forever.
+                    let t0 = std::time::Instant::now();
+                    stream.synchronize().unwrap();
+                    (r, why, launched, t0.elapsed())
+                })
+            };
+            let watchdog = std::thread::spawn(move || {
+                loop {
+                    let mut err = -1;
+                    let r = unsafe { ncclCommGetAsyncError(addr as ncclComm_t, &mut err) };
+                    if r != NCCL_SUCCESS {
+                        return r;
+                    }
+                    // The abort's own error (Aborted, which maps to ncclInternalError), seen by
+                    // a call that raced it, is the only one.
+                    assert!(err == NCCL_SUCCESS || err == NCCL_INTERNAL_ERROR, "async error {err}");
+                }
+            });
+            std::thread::sleep(std::time::Duration::from_micros(500 + seed % 20_000));
+            assert_eq!(unsafe { ncclCommAbort(comm) }, NCCL_SUCCESS, "round {round}: {}", last());
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            let (r, why, launched, drained) = enqueuer.join().unwrap();
+            assert!(
+                r == NCCL_SUCCESS || why.contains("not a live communicator") || why.contains("aborted"),
+                "round {round}: the enqueuing thread's last call gave {r}: {why}"
+            );
+            assert!(drained < std::time::Duration::from_secs(10), "round {round}: the stream drained in {drained:?}");
+            assert_eq!(watchdog.join().unwrap(), NCCL_INVALID_ARGUMENT, "round {round}: the watchdog after the abort");
+            assert_eq!(unsafe { ncclCommDestroy(comm) }, NCCL_INVALID_ARGUMENT);
+            assert!(freed.upgrade().is_none(), "round {round}: the communicator outlived every call");
+            eprintln!("round {round}: {launched} all-reduces enqueued before the abort; the stream drained in {drained:?}");
+        }
     }
 
     #[test]

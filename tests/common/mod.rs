@@ -308,6 +308,22 @@ impl ChildProc {
         }
     }
 
+    /// SIGKILL, reap, and prove the signal did it: the exit status that waitpid reports must
+    /// say "killed by SIGKILL" (a child that had already exited, or crashed on its own, fails
+    /// the test instead of passing it for the wrong reason). Returns CLOCK_MONOTONIC just
+    /// before the kill, for a survivor to measure from (`mono_ns`).
+    pub fn sigkill_proven(&mut self) -> u64 {
+        use std::os::unix::process::ExitStatusExt;
+        if let Ok(Some(st)) = self.proc.try_wait() {
+            self.fail(&format!("exited ({st}) before it could be killed"));
+        }
+        let at = mono_ns();
+        self.signal(libc::SIGKILL);
+        let st = self.proc.wait().unwrap_or_else(|e| panic!("waitpid({}): {e}", self.pid));
+        assert_eq!(st.signal(), Some(libc::SIGKILL), "child `{}` (pid {}): waitpid says {st}, not killed by SIGKILL", self.role, self.pid);
+        at
+    }
+
     /// SIGKILL and reap.
     pub fn kill(&mut self) {
         let _ = self.proc.kill();
@@ -348,6 +364,16 @@ impl Drop for ChildProc {
 
 // ---------------------------------------------------------------------------------------------
 // Bytes and waiting
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host, so a time taken in
+/// the test process (a kill) and one taken in a child (the error it saw) can be subtracted.
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
