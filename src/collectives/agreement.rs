@@ -20,6 +20,11 @@ pub(crate) struct Signature {
 
 const ENCODED: usize = 1 + 4 + 4 + 8 + 8;
 
+/// `op` of a pre-multiplied sum. NCCL numbers those operators per communicator
+/// (`ncclRedOpCreatePreMulSum`), so the number itself may differ between ranks for the same call;
+/// what must agree is that every rank multiplies (each by its own scalar).
+const PREMUL_OP: i32 = -2;
+
 fn kind_name(kind: u8) -> &'static str {
     match kind {
         k if k == CollKind::AllReduce as u8 => "all_reduce",
@@ -46,6 +51,11 @@ impl Signature {
         }
     }
 
+    /// The same call as a pre-multiplied sum (`Communicator::premul_sum`).
+    pub(crate) fn premul(self) -> Signature {
+        Signature { op: PREMUL_OP, ..self }
+    }
+
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(ENCODED);
         b.push(self.kind);
@@ -68,7 +78,9 @@ impl Signature {
     fn describe(&self) -> String {
         let dtype = DataType::from_nccl(self.dtype).map(|d| d.name()).unwrap_or("unknown type");
         let mut s = format!("{} of {} {dtype} elements", kind_name(self.kind), self.count);
-        if self.op >= 0 {
+        if self.op == PREMUL_OP {
+            s += ", pre-multiplied sum";
+        } else if self.op >= 0 {
             s += &format!(", {}", RedOp::from_nccl(self.op).map(|o| o.name()).unwrap_or("unknown operator"));
         }
         if matches!(self.kind, k if k == CollKind::Broadcast as u8 || k == CollKind::Reduce as u8) {
@@ -124,6 +136,14 @@ mod tests {
             assert_eq!(Signature::decode(&s.encode()).unwrap(), s);
         }
         assert!(Signature::decode(&[0u8; 3]).is_err());
+    }
+
+    #[test]
+    fn a_premul_sum_does_not_match_a_plain_sum() {
+        let m = check(&[ar(8), ar(8).premul(), ar(8)]).unwrap_err().message().to_string();
+        assert!(m.contains("rank 1 called all_reduce of 8 float elements, pre-multiplied sum"), "{m}");
+        assert!(check(&[ar(8).premul(), ar(8).premul()]).is_ok());
+        assert_eq!(Signature::decode(&ar(8).premul().encode()).unwrap(), ar(8).premul());
     }
 
     #[test]

@@ -445,7 +445,10 @@ impl Communicator {
     /// `GSC_COLL_CHECK`: every rank made the same call, or an error naming the one that did not.
     fn agree(&self, call: &Call) -> Result<()> {
         let count = call.part_bytes / call.dtype.size();
-        let mine = Signature::new(call.kind, call.dtype, call.op, count, call.root);
+        let mut mine = Signature::new(call.kind, call.dtype, call.op, count, call.root);
+        if call.premul.is_some() {
+            mine = mine.premul();
+        }
         let all = self.bootstrap.allgather(&mine.encode()).map_err(|e| e.context("comparing the collective call (GSC_COLL_CHECK)"))?;
         let all = all.iter().map(|b| Signature::decode(b)).collect::<Result<Vec<_>>>()?;
         agreement::check(&all)
