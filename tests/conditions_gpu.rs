@@ -367,3 +367,127 @@ fn bounded<R: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> R
         Err(_) => panic!("{what}: still running after {limit:?}"),
     }
 }
+
+fn kill_roles(role: &str, chan: &dyn Chan, ctx: Context) {
+    assert_eq!(role, "victim");
+    set_device(device_for(1)).unwrap();
+    let w = ctx.create_worker().unwrap();
+    let ep = w.connect(&chan.get("addr")).unwrap();
+    chan.put("ready", w.address());
+    // Keep the link up (and answer nothing) until the parent kills this process.
+    let deadline = Instant::now() + T;
+    while Instant::now() < deadline {
+        w.progress();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(ep);
+}
+
+/// Issue #8: SIGKILL of the peer under every GPU condition kind. The survivor (GPU 0) has, each
+/// on a stream of its own, operations the victim never answers, on GPU memory: a stream-ordered
+/// receive and a 64 MiB rendezvous send; a graph whose send node waits for the victim; a
+/// captured receive replayed once; a kernel that triggers a send and a receive and waits for
+/// both from the device. After the victim is SIGKILLed (waitpid must say so), every stream
+/// must be released with an error on its condition: the graph's send, tied to the dead link, by
+/// the peer check within 3 s; streams that also wait for a receive no message matched, by the
+/// timeout, within GSC_TIMEOUT (5 s) + 5 s. Streams are polled, never waited on, so a hang fails
+/// the test at the deadline.
+#[test]
+fn a_killed_peer_releases_stream_graph_capture_and_kernel_waits() {
+    use gscomm::cuda::api::DeviceBuf;
+    if run_child_role(kill_roles) {
+        return;
+    }
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(device_for(0)).unwrap();
+    let k = kernels();
+    let dir = ShmDir::new("gpu_kill");
+    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "5s")];
+    let w = ctx_with(&cfg).create_worker().unwrap();
+    let mut victim = spawn_child("a_killed_peer_releases_stream_graph_capture_and_kernel_waits", "victim", &cfg);
+    victim.put("addr", w.address());
+    let addr = victim.get("ready", T);
+    let ep = w.connect(&addr).unwrap();
+    const BIG: usize = 64 << 20;
+    let (big, small) = (DeviceBuf::new(BIG).unwrap(), DeviceBuf::new(1 << 20).unwrap());
+    let streams: Vec<std::sync::Arc<Stream>> = (0..4).map(|_| std::sync::Arc::new(Stream::new().unwrap())).collect();
+
+    // Stream: a receive and a rendezvous send, each with a stream wait.
+    let sc = Condition::cuda(Category::Stream, streams[0].raw(), None).unwrap();
+    let r0 = unsafe { w.tag_recv_nbx(small.ptr() as *mut u8, 1 << 20, 1, u64::MAX, on(&sc, true)) }.unwrap();
+    let s0 = unsafe { ep.tag_send_nbx(big.ptr() as *const u8, BIG, 2, on(&sc, true)) }.unwrap();
+    // Graph: a send node; the graph launched once.
+    let g = Graph::new().unwrap();
+    let gc = Condition::cuda(Category::Graph, g.raw(), None).unwrap();
+    armed(unsafe { ep.tag_send_nbx(big.ptr() as *const u8, BIG, 3, on(&gc, true)) }.unwrap());
+    let exec = g.instantiate().unwrap();
+    exec.launch(&streams[1]).unwrap();
+    // Capture: a receive and the condition's wait, captured and replayed once.
+    let cap = Stream::new().unwrap();
+    let cc = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    let a = unsafe { w.tag_recv_nbx(small.ptr() as *mut u8, 1 << 20, 4, u64::MAX, on(&cc, false)) }.unwrap();
+    assert!(matches!(a, Started::Armed(_)), "captured operations are persistent");
+    cc.wait().unwrap();
+    let cexec = cap.end_capture().unwrap().instantiate().unwrap();
+    cexec.launch(&streams[2]).unwrap();
+    // Kernel-triggered: one round of `kernel_rounds` (trigger both, wait both on the device).
+    let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
+    let hs = armed(unsafe { ep.tag_send_nbx(big.ptr() as *const u8, BIG, 5, on(&kc, true)) }.unwrap());
+    let hr = armed(unsafe { w.tag_recv_nbx(small.ptr() as *mut u8, 1 << 20, 6, u64::MAX, on(&kc, true)) }.unwrap());
+    let err = PinnedBuf::new(8).unwrap();
+    let scratch = DeviceBuf::new(4096).unwrap();
+    k.kernel_rounds
+        .launch(1, 256, &streams[3], &[hs.device_handle, hr.device_handle, scratch.ptr(), small.ptr(), 4096, 1, 0, err.device_ptr()])
+        .unwrap();
+
+    // Everything is waiting on the victim now.
+    std::thread::sleep(Duration::from_millis(300));
+    for (i, s) in streams.iter().enumerate() {
+        assert!(!s.query().unwrap(), "stream {i} finished before the kill: the victim was supposed to answer nothing");
+    }
+    let killed_at = Instant::now();
+    victim.sigkill_proven();
+    // Each stream's release time, polled together (a synchronize per stream in turn would charge
+    // a later stream with an earlier one's wait).
+    let limit = Duration::from_secs(5 + 5);
+    let names = ["stream", "graph", "capture", "kernel"];
+    let mut released: Vec<Option<Duration>> = vec![None; streams.len()];
+    while released.iter().any(Option::is_none) {
+        assert!(killed_at.elapsed() < limit + Duration::from_secs(20), "streams still held after the kill: {released:?} ({names:?})");
+        for (i, s) in streams.iter().enumerate() {
+            if released[i].is_none() && s.query().unwrap_or_else(|e| panic!("{} stream: {e}", names[i])) {
+                released[i] = Some(killed_at.elapsed());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for (i, took) in released.iter().enumerate() {
+        let took = took.expect("all released");
+        eprintln!("{}: released {took:?} after the kill", names[i]);
+        // The graph holds only a send, tied to the dead link: the peer check ends it, well
+        // before the timeout that ends the receives nothing matched.
+        let bound = if names[i] == "graph" { Duration::from_secs(3) } else { limit };
+        assert!(took < bound, "the {} stream was released {took:?} after the kill (bound {bound:?})", names[i]);
+    }
+    for (name, c) in [("stream", &sc), ("graph", &gc), ("capture", &cc), ("kernel", &kc)] {
+        let q = c.query().map_err(|e| e.status());
+        assert!(
+            matches!(q, Err(Status::PeerFailed | Status::ConnectionReset | Status::TimedOut | Status::NotConnected)),
+            "the {name} condition after the peer died: {q:?}"
+        );
+        eprintln!("{name}: {q:?}");
+    }
+    assert_ne!(pinned_u64(&err), 0, "the kernel's gsc_wait must report the failure");
+    for h in [pending(r0), pending(s0)] {
+        let c = w.request_wait(h).unwrap();
+        assert_ne!(c.status, Status::Ok, "a stream operation on the dead peer completed Ok");
+        w.request_release(h).unwrap();
+    }
+    drop(exec);
+    drop(g);
+    drop(cexec);
+}

@@ -84,6 +84,15 @@ impl Stream {
         // SAFETY: our live stream.
         check(unsafe { cu::cuStreamSynchronize(raw(self.0)) }, "cuStreamSynchronize")
     }
+    /// Whether everything enqueued on the stream so far has finished (`cuStreamQuery`; never
+    /// waits).
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: our live stream.
+        match unsafe { cu::cuStreamQuery(raw(self.0)) } {
+            cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check(r, "cuStreamQuery").map(|()| true),
+        }
+    }
     pub fn begin_capture(&self) -> Result<()> {
         // SAFETY: our live stream; mode 2 = CU_STREAM_CAPTURE_MODE_RELAXED.
         check(

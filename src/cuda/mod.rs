@@ -70,6 +70,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuStreamQuery",
     "cuMemHostAlloc",
     "cuMemHostGetDevicePointer_v2",
     "cuMemAlloc_v2",
