@@ -20,7 +20,7 @@ use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::Config;
-use crate::cuda::coll::{BIG_BLOCKS, BIG_ROUND_MAX, CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace};
+use crate::cuda::coll::{BIG_BLOCKS, CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max};
 use crate::error::{Error, Result, Status};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -522,7 +522,7 @@ impl Communicator {
     /// launch. Parts are whole 16-byte pieces (`select`).
     fn launch_large_halves(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
         let (blocks, part) = (BIG_BLOCKS, call.part_bytes);
-        let region = part.div_ceil(blocks).next_multiple_of(16).min(BIG_ROUND_MAX / (self.nranks * blocks) / 16 * 16);
+        let region = part.div_ceil(blocks).next_multiple_of(16).min(big_round_max() / (self.nranks * blocks) / 16 * 16);
         let args = CollArgs {
             send: call.send,
             recv: call.recv,
@@ -560,7 +560,7 @@ impl Communicator {
         // Regions of whole slices (16 bytes × nranks), as even as the size allows.
         let unit = 16 * self.nranks;
         let blocks = BIG_BLOCKS;
-        let region = bytes.div_ceil(blocks).next_multiple_of(unit).min(BIG_ROUND_MAX / blocks / unit * unit);
+        let region = bytes.div_ceil(blocks).next_multiple_of(unit).min(big_round_max() / blocks / unit * unit);
         let args = CollArgs {
             send: call.send,
             recv: call.recv,

@@ -432,6 +432,23 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.coll_large_min as u64),
     },
     Knob {
+        name: "GSC_COLL_LARGE_ROUND",
+        default: "8M",
+        doc: "Bytes per rank one round of the large collectives moves (1M..=64M, whole MiB): each \
+              round costs two flag exchanges between ranks, and each communicator holds four \
+              areas of this size in GPU memory. Read once per process",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(1 << 20..=64 << 20).contains(&n) || n % (1 << 20) != 0 {
+                return Err(format!("{v}: whole MiB from 1M to 64M"));
+            }
+            c.coll_large_round = n;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_large_round as u64),
+    },
+    Knob {
         name: "GSC_CUDA_COPY_STREAMS",
         default: "1",
         doc: "Copy streams per GPU that one large GPU read is spread over (1..=16); on H200 \

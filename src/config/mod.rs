@@ -286,6 +286,8 @@ pub struct Config {
     pub engine_gpu_max: usize,
     /// `GSC_COLL_LARGE_MIN`, bytes: all-reduces from this size take the large algorithm.
     pub coll_large_min: usize,
+    /// `GSC_COLL_LARGE_ROUND`, bytes per rank per round of the large collectives.
+    pub coll_large_round: usize,
     /// `GSC_COLL_CHECK`: ranks compare each collective call over the bootstrap first.
     pub coll_check: bool,
     /// `GSC_CUDA_COPY_STREAMS`, 1..=16.
@@ -362,6 +364,7 @@ impl Default for Config {
             engine: Engine::Auto,
             engine_gpu_max: 16 << 20,
             coll_large_min: 256 << 10,
+            coll_large_round: 8 << 20,
             coll_check: false,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,

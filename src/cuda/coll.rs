@@ -45,15 +45,22 @@ const CTL_BYTES: usize = 4096;
 const FLAGS_OFFSET: usize = 3 << 20;
 const _: () =
     assert!(CTL_BYTES + 2 * MAX_RANKS * SLOT_BYTES <= FLAGS_OFFSET && FLAGS_OFFSET + BIG_BLOCKS * 2 * MAX_RANKS * 8 <= BIG_OFFSET);
-/// Its in and out areas, two parities each, of at most `BIG_ROUND_MAX` bytes.
+/// Its in and out areas, two parities each, of at most `big_round_max()` bytes.
 const BIG_OFFSET: usize = 4 << 20;
-pub(crate) const BIG_ROUND_MAX: usize = 8 << 20;
+/// `GSC_COLL_LARGE_ROUND`, read once per process (every communicator's workspace and kernels
+/// share the layout).
+pub(crate) fn big_round_max() -> usize {
+    static ROUND: OnceLock<usize> = OnceLock::new();
+    *ROUND.get_or_init(|| crate::config::Config::load_env().map_or(8 << 20, |l| l.config.coll_large_round))
+}
 /// Blocks of the large all-reduce: each owns a region of every round (its "channel").
 /// (Measured on 4 × H200, all-reduce 128 MiB, busbw: 32 blocks 208 GB/s, 64 236, 96 215, 128
 /// 247: docs/PERF.md, 2026-11-22.)
 pub(crate) const BIG_BLOCKS: usize = 128;
 /// Bytes of a workspace.
-const WORKSPACE_BYTES: usize = BIG_OFFSET + 4 * BIG_ROUND_MAX;
+fn workspace_bytes() -> usize {
+    BIG_OFFSET + 4 * big_round_max()
+}
 /// Threads per block of the collective kernel.
 const THREADS: u32 = super::THREADS;
 
@@ -559,7 +566,7 @@ fn kernel(ctx: cu::CUcontext, name: &str, cache_dir: Option<&Path>) -> Result<cu
                 super::kernels::DEVICE_HEADER,
                 FLAGS_OFFSET / 8,
                 BIG_OFFSET,
-                BIG_ROUND_MAX
+                big_round_max()
             );
             let cubin = compile_cached(&source, context_arch(ctx)?, cache_dir)?;
             let _scope = CtxScope::enter(ctx)?;
@@ -606,7 +613,7 @@ impl Workspace {
         }
         let _scope = CtxScope::enter(primary_context(device)?)?;
         // Its own allocation (a peer opens each CUDA block once: prep_ctl).
-        let bytes = WORKSPACE_BYTES;
+        let bytes = workspace_bytes();
         let mut base: cu::CUdeviceptr = 0;
         // SAFETY: a valid out-pointer. Never freed: a peer may still write into it after this
         // rank destroyed its communicator (a kernel of a round this rank gave up on).
@@ -631,7 +638,7 @@ impl Workspace {
                 continue;
             }
             let key = ipc::DeviceKey::decode(key)?;
-            let at = ipc::map_peer(&key, *base, WORKSPACE_BYTES, self.device)
+            let at = ipc::map_peer(&key, *base, workspace_bytes(), self.device)
                 .map_err(|e| e.context(format!("opening the collective workspace of rank {r}")))?;
             peers.push(at);
         }
