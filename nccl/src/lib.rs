@@ -9,7 +9,8 @@
 //! stream together at its end; collectives are launched as they are called), all-reduce,
 //! broadcast (and the legacy in-place bcast), reduce, all-gather, reduce-scatter, send/recv
 //! (and so all-to-all and the rest of what groups build on them), buffer registration (checked,
-//! no zero-copy path yet), pre-multiplied sums (host and device scalars), mem alloc/free. The
+//! no zero-copy path yet), pre-multiplied sums (host and device scalars), mem alloc/free (CUDA
+//! VMM memory with POSIX-descriptor handles, `gscomm::mem_alloc`). The
 //! rest of nccl.h (windows, device communicators) returns `ncclInvalidUsage` and says so in
 //! `ncclGetLastError`.
 //!
@@ -981,23 +982,28 @@ pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, comm: ncclComm_t) -> ncclRe
 // ---------------------------------------------------------------------------------------------
 // Memory
 
+/// CUDA VMM memory on the current device, as NCCL's cuMem allocator makes it (`gscomm::mem_alloc`):
+/// shareable with other processes as a POSIX file descriptor, rounded up to the recommended
+/// granularity, accessible from every GPU of the process that can reach it; `cuMemAlloc` where
+/// the device cannot do VMM with such handles (the reason is logged). `*ptr` is left unchanged
+/// on failure.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t {
     gate("ncclMemAlloc", || {
         let p = out(ptr, "ptr")?;
-        *p = gscomm::cuda::api::mem_alloc(size)? as *mut c_void;
+        *p = gscomm::mem_alloc(size)? as *mut c_void;
         Ok(())
     })
 }
 
+/// NULL is a no-op. A pointer ncclMemAlloc did not return (memory from elsewhere, an address
+/// inside an allocation, one already freed) is `ncclInvalidArgument`, and nothing is freed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
     gate("ncclMemFree", || {
-        if ptr.is_null() {
-            return Ok(());
-        }
-        // SAFETY: nccl.h: memory from ncclMemAlloc, freed once.
-        unsafe { gscomm::cuda::api::mem_free(ptr as u64) }?;
+        // SAFETY: nccl.h: memory from ncclMemAlloc that no work uses any more; anything the
+        // allocator did not hand out (or took back already) is refused before any driver call.
+        unsafe { gscomm::mem_free(ptr as u64) }?;
         Ok(())
     })
 }
