@@ -25,6 +25,9 @@ mod capi;
 
 pub use crate::config::Config;
 pub use crate::core::*;
+/// Device memory from gscomm's allocator (CUDA VMM, shareable with peer processes; see
+/// `cuda::api::mem_alloc`), independent of any communicator.
+pub use crate::cuda::api::{MemAllocInfo, mem_alloc, mem_alloc_info, mem_free};
 pub use crate::error::{Error, Result, Status};
 
 /// The crate version, from Cargo.toml (the C macros in include/gsc.h are checked against it).

@@ -3,7 +3,8 @@
 //! checked by kernels; every condition kind; sizes up to 1 GiB; a receive posted long after its
 //! send; tags received out of order; the seed's graph broadcast (one receive, two sends) across
 //! three GPUs; a VMM send buffer (`cuMemCreate`) read by another process through a POSIX file
-//! descriptor passed over a Unix socket.
+//! descriptor passed over a Unix socket; one `gscomm::mem_alloc` allocation per process carved
+//! into send and receive buffers, exchanged both ways.
 //!
 //! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
 //! machines run it through `.gpu/run.sh gpu_memory`.
@@ -1361,4 +1362,152 @@ fn prepared_ring_across_four_gpus() {
         }
         p.finish(T);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gscomm's own allocator (`gscomm::mem_alloc`, what `ncclMemAlloc` returns) between two
+// processes, with the seed's rule of one large allocation carved into send and receive buffers:
+// each side makes one VMM allocation, sends from messages at several offsets of its first part
+// and receives into the same offsets of its second part. Every message is read by the peer
+// through its one mapping of the whole allocation (imported once), none pushed through host
+// memory; then the allocation is freed and a second free is refused.
+
+/// (offset in the send and in the receive part, bytes)
+const CARVED: &[(usize, usize)] = &[(0, 8), (4096, 65_536), (12_345, 1 << 20), (0, 4 << 20), ((1 << 20) + 7, (3 << 20) + 1)];
+/// Bytes of each part; the receive part starts 64 bytes past the end of the send part, so its
+/// buffers are not aligned to the allocation granularity.
+const CARVED_PART: usize = 8 << 20;
+const CARVED_RECV_AT: usize = CARVED_PART + 64;
+
+fn carved_seed(side: u64, case: usize) -> u64 {
+    0xCA2E_0000 + 16 * case as u64 + side
+}
+
+/// One side: allocate, exchange every `CARVED` message with the peer, free. Returns problems
+/// ("" when none) and this side's counter deltas.
+fn carved_side(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sync: &mut dyn FnMut(&str)) -> String {
+    let (stream, err) = (Stream::new().unwrap(), PinnedBuf::new(8).unwrap());
+    let live_before = gscomm::cuda::api::mem_alloc_live();
+    let total = CARVED_RECV_AT + CARVED_PART;
+    let base = gscomm::mem_alloc(total).unwrap();
+    let (send, recv) = (base, base + CARVED_RECV_AT as u64);
+    let mut problems = String::new();
+    let info = gscomm::mem_alloc_info(recv + 5).expect("mem_alloc knows its allocation");
+    if (info.base, info.offset, info.bytes, info.device) != (base, CARVED_RECV_AT as u64 + 5, total, device_for(side)) {
+        problems += &format!("[info {info:?}]");
+    }
+    if !info.vmm {
+        problems += "[not VMM memory: the device lacks VMM or POSIX-fd handles (see the log)]";
+    }
+    if info.mapped < total {
+        problems += &format!("[{} B mapped for {total} B]", info.mapped);
+    }
+    let before = vmm_counters();
+    for (i, &(off, n)) in CARVED.iter().enumerate() {
+        let (src, dst) = (send + off as u64, recv + off as u64);
+        // Junk around and in the receive range, this round's data in the send range.
+        k.fill.launch(grid(CARVED_PART), 256, &stream, &[recv, CARVED_PART as u64, !carved_seed(side, i)]).unwrap();
+        k.fill.launch(grid(n), 256, &stream, &[src, n as u64, carved_seed(side, i)]).unwrap();
+        stream.synchronize().unwrap();
+        match ipc_export_kind(src) {
+            Ok("vmm") => {}
+            other => problems += &format!("[{n} B at +{off}: exported as {other:?}]"),
+        }
+        sync(&format!("filled{i}"));
+        let tag = i as u64;
+        let r = unsafe { w.tag_recv_nbx(dst as *mut u8, n, tag, u64::MAX, RequestParams::default()).unwrap() };
+        let s = unsafe { ep.tag_send_nbx(src as *const u8, n, tag, RequestParams::default()).unwrap() };
+        let (cs, cr) = (wait_release(w, s), wait_release(w, r));
+        if cs.status != Status::Ok || cr.status != Status::Ok || cr.info.length != n {
+            problems += &format!("[{n} B at +{off}: send {:?}, recv {:?} {} B]", cs.status, cr.status, cr.info.length);
+        }
+        let e0 = pinned_u64(&err);
+        k.check.launch(grid(n), 256, &stream, &[dst, n as u64, carved_seed(1 - side, i), 0, err.device_ptr()]).unwrap();
+        stream.synchronize().unwrap();
+        if pinned_u64(&err) != e0 {
+            problems += &format!("[{n} B at +{off}: wrong data]");
+        }
+    }
+    let after = vmm_counters();
+    // The peer has read everything it will read from us (its receives are done) before we free.
+    sync("exchanged");
+    // SAFETY: every transfer on the allocation is complete and the stream is idle.
+    if let Err(e) = unsafe { gscomm::mem_free(base) } {
+        problems += &format!("[free: {e}]");
+    }
+    // SAFETY: refused before any driver call (a double free).
+    match unsafe { gscomm::mem_free(base) } {
+        Err(e) if e.status() == Status::InvalidParam && e.message().contains("double free") => {}
+        other => problems += &format!("[second free: {other:?}]"),
+    }
+    if gscomm::mem_alloc_info(send).is_some() || gscomm::cuda::api::mem_alloc_live() != live_before {
+        problems += "[the allocation is still booked after its free]";
+    }
+    format!(
+        "problems={problems};exported={};imported={};reads={}",
+        after.exported - before.exported,
+        after.imported - before.imported,
+        after.reads - before.reads
+    )
+}
+
+fn carved_peer(role: &str, chan: &dyn Chan, ctx: Context) {
+    assert_eq!(role, "peer");
+    set_device(device_for(1)).unwrap();
+    let k = kernels();
+    let w = ctx.create_worker().unwrap();
+    let ep = w.connect(&chan.get("addr")).unwrap();
+    chan.put("ready", w.address());
+    let mut sync = |key: &str| {
+        let _ = chan.get(key);
+    };
+    let report = carved_side(1, &w, &ep, &k, &mut sync);
+    chan.put("results", report.as_bytes());
+    chan.get("bye");
+    ep.close().unwrap();
+}
+
+#[test]
+fn mem_alloc_carved_into_send_and_receive_buffers_between_two_processes() {
+    if run_child_role(carved_peer) {
+        return;
+    }
+    if let Some(why) = gpu_skip(1) {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    set_device(device_for(0)).unwrap();
+    eprintln!("side 0 on GPU {}, side 1 on GPU {}", device_for(0), device_for(1));
+    let k = kernels();
+    let dir = ShmDir::new("gpu_carved");
+    // IPC on: a read through the key that fails is an error, never a silent push.
+    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "300s"), ("GSC_CUDA_IPC", "on")];
+    let w = ctx_with(&cfg).create_worker().unwrap();
+    let test = "mem_alloc_carved_into_send_and_receive_buffers_between_two_processes";
+    let mut p = start_peer(Lane::Shm, test, "peer", &cfg, carved_peer);
+    p.put("addr", w.address());
+    let ep = w.connect(&p.get_progress("ready", T, &w)).unwrap();
+    let mine = {
+        let mut sync = |key: &str| p.put(key, &[]);
+        carved_side(0, &w, &ep, &k, &mut sync)
+    };
+    let theirs = String::from_utf8(p.get_progress("results", T, &w)).unwrap();
+    eprintln!("side 0: {mine}\nside 1: {theirs}");
+    for (who, report) in [("side 0", &mine), ("side 1", &theirs)] {
+        let field = |name: &str| {
+            report.split(';').find_map(|f| f.strip_prefix(&format!("{name}="))).unwrap_or_else(|| panic!("no {name} in {report}"))
+        };
+        assert_eq!(field("problems"), "", "{who}");
+        assert_eq!(field("exported"), "1", "{who}: one export for the whole allocation, whatever the offsets");
+        assert_eq!(field("imported"), "1", "{who}: the peer's allocation mapped once for every carved buffer");
+        assert_eq!(field("reads"), CARVED.len().to_string(), "{who}: every message read through the VMM mapping, none pushed");
+    }
+    p.put("bye", &[]);
+    ep.close().unwrap();
+    let deadline = Instant::now() + T;
+    while !p.is_finished() {
+        assert!(Instant::now() < deadline, "peer did not finish");
+        w.progress();
+    }
+    p.finish(T);
 }

@@ -9,7 +9,8 @@
 //! stream together at its end; collectives are launched as they are called), all-reduce,
 //! broadcast (and the legacy in-place bcast), reduce, all-gather, reduce-scatter, send/recv
 //! (and so all-to-all and the rest of what groups build on them), buffer registration (checked,
-//! no zero-copy path yet), pre-multiplied sums (host and device scalars), mem alloc/free. The
+//! no zero-copy path yet), pre-multiplied sums (host and device scalars), mem alloc/free (CUDA
+//! VMM memory with POSIX-descriptor handles, `gscomm::mem_alloc`). The
 //! rest of nccl.h (windows, device communicators) returns `ncclInvalidUsage` and says so in
 //! `ncclGetLastError`.
 //!
@@ -981,23 +982,28 @@ pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, comm: ncclComm_t) -> ncclRe
 // ---------------------------------------------------------------------------------------------
 // Memory
 
+/// CUDA VMM memory on the current device, as NCCL's cuMem allocator makes it (`gscomm::mem_alloc`):
+/// shareable with other processes as a POSIX file descriptor, rounded up to the recommended
+/// granularity, accessible from every GPU of the process that can reach it; `cuMemAlloc` where
+/// the device cannot do VMM with such handles (the reason is logged). `*ptr` is left unchanged
+/// on failure.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t {
     gate("ncclMemAlloc", || {
         let p = out(ptr, "ptr")?;
-        *p = gscomm::cuda::api::mem_alloc(size)? as *mut c_void;
+        *p = gscomm::mem_alloc(size)? as *mut c_void;
         Ok(())
     })
 }
 
+/// NULL is a no-op. A pointer ncclMemAlloc did not return (memory from elsewhere, an address
+/// inside an allocation, one already freed) is `ncclInvalidArgument`, and nothing is freed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
     gate("ncclMemFree", || {
-        if ptr.is_null() {
-            return Ok(());
-        }
-        // SAFETY: nccl.h: memory from ncclMemAlloc, freed once.
-        unsafe { gscomm::cuda::api::mem_free(ptr as u64) }?;
+        // SAFETY: nccl.h: memory from ncclMemAlloc that no work uses any more; anything the
+        // allocator did not hand out (or took back already) is refused before any driver call.
+        unsafe { gscomm::mem_free(ptr as u64) }?;
         Ok(())
     })
 }
@@ -1237,6 +1243,140 @@ mod tests {
         assert!(out.download().unwrap() == send.download().unwrap(), "a one-rank all-reduce is a copy");
         for c in subs.into_iter().chain(comms) {
             assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
+        }
+    }
+
+    /// Without a GPU: NULL frees are no-ops, anything ncclMemAlloc did not return is refused
+    /// (before any driver call) with the reason, and an allocation reports its failure.
+    #[test]
+    fn mem_free_refuses_what_mem_alloc_did_not_return() {
+        assert_eq!(unsafe { ncclMemFree(std::ptr::null_mut()) }, NCCL_SUCCESS);
+        let mut local = 0u64;
+        assert_eq!(unsafe { ncclMemFree(&mut local as *mut u64 as *mut c_void) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("ncclMemFree") && last().contains("not allocated by mem_alloc"), "{}", last());
+        assert_eq!(unsafe { ncclMemAlloc(std::ptr::null_mut(), 64) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("ptr is NULL"), "{}", last());
+    }
+
+    /// Issue #6's registration rule on two GPUs from one thread: each rank makes one
+    /// ncclMemAlloc allocation (CUDA VMM with a POSIX-fd handle) and carves it into buffers at the
+    /// same offsets on both ranks — all-reduce send and receive (one-shot and large sizes), and
+    /// send/recv source and destination — then the results are checked exactly, the
+    /// allocations are registered, deregistered and freed, and a double free, an interior
+    /// pointer and foreign memory are refused. Skips without `GSC_TEST_GPU=1` and 2 GPUs.
+    #[test]
+    fn mem_alloc_carved_buffers_all_reduce_and_send_recv_on_two_gpus() {
+        use gscomm::cuda::api::{
+            DeviceBuf, Stream, copy_from_device, copy_to_device, device_count, gpu_test_skip_reason, ipc_export_kind, set_device,
+        };
+        if let Some(why) = gpu_test_skip_reason() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        if device_count() < 2 {
+            eprintln!("skipped: needs 2 GPUs, found {}", device_count());
+            return;
+        }
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NCCL_SUCCESS);
+        let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, c) in comms.iter_mut().enumerate() {
+            set_device(r as i32).unwrap();
+            assert_eq!(unsafe { ncclCommInitRank(c, 2, id, r as c_int) }, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        // int32 elements: 1001 (one-shot LL) and 2^20 + 3 (the large kernel, with a tail).
+        const COUNTS: [usize; 2] = [1001, (1 << 20) + 3];
+        let part = ((COUNTS[1] * 4) as u64).next_multiple_of(4096);
+        // Offsets of the four buffers, the same on both ranks: all-reduce in/out, p2p out/in.
+        let offs = [0, part, 2 * part, 3 * part];
+        let total = (4 * part) as usize;
+        let mut ranks = Vec::new();
+        for r in 0..2 {
+            set_device(r).unwrap();
+            let mut p: *mut c_void = std::ptr::null_mut();
+            assert_eq!(unsafe { ncclMemAlloc(&mut p, total) }, NCCL_SUCCESS, "{}", last());
+            let base = p as u64;
+            let info = gscomm::mem_alloc_info(base + offs[3]).expect("the allocation is booked");
+            assert_eq!((info.base, info.offset, info.bytes, info.device), (base, offs[3], total, r));
+            assert!(info.vmm, "GPU {r}: ncclMemAlloc fell back to cuMemAlloc (the log says why)");
+            assert_eq!(info.mapped % (2 << 20), 0, "GPU {r}: {} B mapped", info.mapped);
+            // Every carved buffer is recognised as VMM memory by the IPC key path.
+            for off in offs {
+                assert_eq!(ipc_export_kind(base + off).unwrap(), "vmm", "GPU {r}, buffer at +{off}");
+            }
+            ranks.push((base, Stream::new().unwrap()));
+        }
+        let val = |r: usize, i: usize, salt: usize| ((i * 2_654_435_761 + r * 97 + salt) as u32 as i32).wrapping_mul(3);
+        let bytes = |v: Vec<i32>| v.into_iter().flat_map(i32::to_le_bytes).collect::<Vec<u8>>();
+        for (salt, n) in COUNTS.into_iter().enumerate() {
+            for (r, (base, _)) in ranks.iter().enumerate() {
+                set_device(r as i32).unwrap();
+                unsafe {
+                    copy_to_device(base + offs[0], &bytes((0..n).map(|i| val(r, i, salt)).collect())).unwrap();
+                    copy_to_device(base + offs[1], &vec![0xEE; n * 4]).unwrap();
+                    copy_to_device(base + offs[2], &bytes((0..n).map(|i| val(r, i, salt + 10)).collect())).unwrap();
+                    copy_to_device(base + offs[3], &vec![0xEE; n * 4]).unwrap();
+                }
+            }
+            // All-reduce (int32 = 2, sum = 0) from one thread: a group, as NCCL requires.
+            assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+            for (r, (base, s)) in ranks.iter().enumerate() {
+                let (send, recv) = ((base + offs[0]) as *const c_void, (base + offs[1]) as *mut c_void);
+                let rc = unsafe { ncclAllReduce(send, recv, n, 2, 0, comms[r], s.raw() as *mut c_void) };
+                assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+            }
+            assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+            // Send/recv both ways between the carved p2p buffers.
+            assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+            for (r, (base, s)) in ranks.iter().enumerate() {
+                let (c, peer, s) = (comms[r], 1 - r as c_int, s.raw() as *mut c_void);
+                let rc = unsafe { ncclSend((base + offs[2]) as *const c_void, n, 2, peer, c, s) };
+                assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+                let rc = unsafe { ncclRecv((base + offs[3]) as *mut c_void, n, 2, peer, c, s) };
+                assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+            }
+            assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+            let sum = bytes((0..n).map(|i| val(0, i, salt).wrapping_add(val(1, i, salt))).collect());
+            for (r, (base, s)) in ranks.iter().enumerate() {
+                set_device(r as i32).unwrap();
+                s.synchronize().unwrap();
+                let got = unsafe { copy_from_device(base + offs[1], n * 4) }.unwrap();
+                assert!(got == sum, "GPU {r}: all-reduce of {n} int32 wrong");
+                let from_peer = bytes((0..n).map(|i| val(1 - r, i, salt + 10)).collect());
+                let got = unsafe { copy_from_device(base + offs[3], n * 4) }.unwrap();
+                assert!(got == from_peer, "GPU {r}: received {n} int32 wrong");
+                eprintln!("GPU {r}: {n} int32 all-reduced and exchanged through carved ncclMemAlloc buffers");
+            }
+        }
+        // Registration records the allocation and the offset (the same on both ranks).
+        for (r, (base, _)) in ranks.iter().enumerate() {
+            let mut h = std::ptr::null_mut();
+            let buf = (base + offs[2]) as *mut c_void;
+            assert_eq!(unsafe { ncclCommRegister(comms[r], buf, part as usize, &mut h) }, NCCL_SUCCESS, "{}", last());
+            // SAFETY: a live handle from ncclCommRegister.
+            let reg = unsafe { *(h as *const Registration) };
+            assert_eq!(reg.mem_alloc.map(|m| (m.base, m.offset)), Some((*base, offs[2])));
+            assert_eq!(unsafe { ncclCommDeregister(comms[r], h) }, NCCL_SUCCESS);
+        }
+        for c in comms {
+            assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
+        }
+        set_device(0).unwrap();
+        let foreign = DeviceBuf::new(64).unwrap();
+        assert_eq!(unsafe { ncclMemFree(foreign.ptr() as *mut c_void) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("not allocated by mem_alloc"), "{}", last());
+        for (r, (base, s)) in ranks.into_iter().enumerate() {
+            set_device(r as i32).unwrap();
+            drop(s);
+            let interior = (base + 256) as *mut c_void;
+            assert_eq!(unsafe { ncclMemFree(interior) }, NCCL_INVALID_ARGUMENT);
+            assert!(last().contains("lies 256 bytes into the allocation"), "{}", last());
+            assert_eq!(unsafe { ncclMemFree(base as *mut c_void) }, NCCL_SUCCESS, "GPU {r}: {}", last());
+            assert_eq!(unsafe { ncclMemFree(base as *mut c_void) }, NCCL_INVALID_ARGUMENT, "GPU {r}: a double free");
+            assert!(last().contains("double free"), "{}", last());
+            assert!(gscomm::mem_alloc_info(base).is_none());
         }
     }
 

@@ -58,6 +58,10 @@ pub enum PremulKind {
 pub struct Registration {
     pub addr: u64,
     pub bytes: usize,
+    /// The `mem_alloc` allocation the buffer lies in, with the buffer's offset in it (`None` for
+    /// memory from elsewhere): what the seed's rule for carved registrations — the same offset
+    /// on every rank — will be checked against once registered buffers take zero-copy paths.
+    pub mem_alloc: Option<crate::cuda::api::MemAllocInfo>,
 }
 
 /// What one collective call asks for, before it is cut into rounds.
@@ -205,7 +209,8 @@ impl Communicator {
     }
 
     /// NCCL's buffer registration: `bytes` at `addr` are checked to be memory of this rank's
-    /// GPU, and the range is returned for `deregister`. Registration is a hint in NCCL and no
+    /// GPU, and the range is returned for `deregister` (with the `mem_alloc` allocation it lies
+    /// in, if any). Registration is a hint in NCCL and no
     /// collective here takes a different path for registered buffers yet, so it changes no
     /// result; it is checked so that a wrong buffer is named at registration, not later.
     pub fn register(&self, addr: u64, bytes: usize) -> Result<Registration> {
@@ -215,7 +220,7 @@ impl Communicator {
         let last = addr.checked_add(bytes as u64 - 1).ok_or_else(|| Error::invalid_param("the registered range wraps around"))?;
         self.check_device_buffer(addr, "registered")?;
         self.check_device_buffer(last, "registered (at its last byte)")?;
-        Ok(Registration { addr, bytes })
+        Ok(Registration { addr, bytes, mem_alloc: crate::cuda::api::mem_alloc_info(addr) })
     }
 
     /// Send `count` elements of `buf` to rank `peer` (NCCL's ncclSend): the k-th send to a peer

@@ -35,24 +35,62 @@ pub fn current_device() -> Result<i32> {
     Ok(dev)
 }
 
-/// `len` bytes of device memory on the current device (`cuMemAlloc`), for callers that manage
-/// it themselves (the NCCL-compatible library's `ncclMemAlloc`); free with `mem_free`.
+/// At least `len` bytes of device memory on the current device, from gscomm's allocator
+/// (`cuda::alloc`): CUDA VMM memory shareable as a POSIX file descriptor, accessible from every
+/// GPU of this process that can reach it, or `cuMemAlloc` where the device cannot do that (the
+/// reason is logged). What `ncclMemAlloc` returns; carve one allocation into several buffers
+/// (at the same offsets on every rank) and a peer process maps it once. Free with `mem_free`.
 pub fn mem_alloc(len: usize) -> Result<u64> {
-    current_device()?;
-    let mut p: cu::CUdeviceptr = 0;
-    // SAFETY: a valid out-pointer.
-    check(unsafe { cu::cuMemAlloc_v2(&mut p, len.max(1)) }, "cuMemAlloc")?;
-    Ok(p)
+    super::alloc::alloc(len)
 }
 
-/// Free memory from `mem_alloc`.
+/// Free memory from `mem_alloc`. 0 is a no-op. An address `mem_alloc` did not return, one inside
+/// an allocation, or one already freed, is refused with `InvalidParam` and nothing changes.
 ///
 /// # Safety
-/// `ptr` came from `mem_alloc`, is freed once, and no work still uses it.
+/// No work (kernels, copies, a peer's pending read) still uses the memory.
 pub unsafe fn mem_free(ptr: u64) -> Result<()> {
-    init()?;
     // SAFETY: the caller's contract.
-    check(unsafe { cu::cuMemFree_v2(ptr) }, "cuMemFree")
+    unsafe { super::alloc::free(ptr) }
+}
+
+pub use super::alloc::MemAllocInfo;
+
+/// The live `mem_alloc` allocation `addr` lies in (its base, the offset of `addr`, whether it is
+/// VMM memory), or `None` for memory `mem_alloc` did not make.
+pub fn mem_alloc_info(addr: u64) -> Option<MemAllocInfo> {
+    super::alloc::info(addr)
+}
+
+/// How many `mem_alloc` allocations are live in this process.
+pub fn mem_alloc_live() -> usize {
+    super::alloc::live()
+}
+
+/// Copy `data` to device memory at `ptr` (synchronous; for tests and tools that hold raw
+/// pointers, e.g. from `mem_alloc`).
+///
+/// # Safety
+/// `ptr..ptr + data.len()` is device memory this process may write, unused by other work.
+pub unsafe fn copy_to_device(ptr: u64, data: &[u8]) -> Result<()> {
+    current_device()?;
+    // SAFETY: the caller's contract; `data` is readable for the whole call.
+    check(unsafe { cu::cuMemcpyHtoD_v2(ptr, data.as_ptr() as *const _, data.len()) }, "cuMemcpyHtoD")?;
+    // From pageable memory the copy may return before the DMA is done (see `DeviceBuf::upload`).
+    // SAFETY: no arguments.
+    check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")
+}
+
+/// `len` bytes of device memory at `ptr` (synchronous).
+///
+/// # Safety
+/// `ptr..ptr + len` is device memory this process may read.
+pub unsafe fn copy_from_device(ptr: u64, len: usize) -> Result<Vec<u8>> {
+    current_device()?;
+    let mut v = vec![0u8; len];
+    // SAFETY: `v` holds `len` writable bytes; the source is the caller's.
+    check(unsafe { cu::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut _, ptr, len) }, "cuMemcpyDtoH")?;
+    Ok(v)
 }
 
 /// Number of GPUs (0 when the driver is missing).

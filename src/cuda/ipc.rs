@@ -13,7 +13,8 @@
 //!   addressing), since a process cannot open its own IPC handles.
 //!
 //! `export` tries the legacy handle first and, when that fails for memory that is a VMM
-//! allocation, exports it as a descriptor. Which of the two a buffer id needs is cached, so the
+//! allocation, exports it as a descriptor (memory from gscomm's own allocator, `alloc`, is known
+//! to be VMM and goes straight to the descriptor). Which of the two a buffer id needs is cached, so the
 //! failing legacy call is made once per allocation.
 //!
 //! Handles are cached on both sides. The export caches are keyed by the driver's buffer id, which
@@ -190,6 +191,13 @@ pub(crate) fn export(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
             return vmm_key(addr, ptr);
         }
         None => {}
+    }
+    // Our own allocator's VMM memory (`mem_alloc`, ncclMemAlloc) is known without asking the
+    // driver, so its legacy handle is not even tried.
+    if super::alloc::info(addr as u64).is_some_and(|i| i.vmm) {
+        map.insert(ptr.buffer_id, Exported::Vmm);
+        drop(cache);
+        return vmm_key(addr, ptr);
     }
     // Both calls need a current context, and the proxy thread has none of its own.
     let scope = CtxScope::enter(primary_context(ptr.device)?)?;

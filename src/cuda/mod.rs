@@ -7,7 +7,8 @@
 //! page-locked mapped memory for trigger/done words (`pinned`), the NVRTC kernel cache
 //! (`kernels`), and a few thin wrappers the tests and gsc-bench use (`api`).
 //!
-//! Also here: memory type detection (`memory`), CUDA IPC keys and mappings (`ipc`), VMM
+//! Also here: the device memory allocator behind `mem_alloc`/`ncclMemAlloc` (`alloc`), memory
+//! type detection (`memory`), CUDA IPC keys and mappings (`ipc`), VMM
 //! allocations shared as POSIX file descriptors (`vmm`) and the copy engine (`copy`).
 //!
 //! Rule kept everywhere: the proxy thread makes no CUDA call that can wait on a user stream.
@@ -18,6 +19,7 @@
 //! either is still to be measured: docs/probes/vmm_block.py); unmapping, which synchronizes, is
 //! left to `ipc::release_retired`.
 
+pub(crate) mod alloc;
 pub mod api;
 pub(crate) mod coll;
 pub(crate) mod copy;

@@ -192,11 +192,23 @@ pub(crate) fn own_socket() -> Option<SocketName> {
     SERVER.lock().unwrap_or_else(|e| e.into_inner()).as_ref().filter(|(pid, _)| *pid == std::process::id()).map(|(_, s)| s.name())
 }
 
+/// Buffer id -> export, and the cache size at which to sweep next.
+static EXPORTED: Mutex<Option<(HashMap<u64, Exported>, usize)>> = Mutex::new(None);
+
+/// The allocation with driver buffer id `buffer_id` is being freed by its owner (`cuda::alloc`):
+/// withdraw its export, if any, so the exporter's descriptor no longer pins the physical memory
+/// (the sweep would find it only later). A peer that already imported it keeps its own mapping.
+pub(crate) fn withdraw(buffer_id: u64) {
+    let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(x) = cache.as_mut().and_then(|(map, _)| map.remove(&buffer_id)) else { return };
+    if let Ok(srv) = server() {
+        srv.withdraw(x.export.export_id);
+    }
+}
+
 /// Describe the VMM allocation holding `addr` (device `device`, driver buffer id `buffer_id`) for
 /// a peer, exporting it the first time.
 pub(crate) fn export(addr: u64, buffer_id: u64, device: i32) -> Result<VmmExport> {
-    /// Buffer id -> export, and the cache size at which to sweep next.
-    static EXPORTED: Mutex<Option<(HashMap<u64, Exported>, usize)>> = Mutex::new(None);
     let _scope = CtxScope::enter(primary_context(device)?)?;
     let handle = Handle::retain(addr).map_err(|e| e.context("not a VMM allocation"))?;
     let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
@@ -344,59 +356,111 @@ pub(crate) fn release(m: &Imported) -> Result<()> {
     check(unsafe { cu::cuMemAddressFree(m.va, m.len as usize) }, "cuMemAddressFree")
 }
 
-/// A VMM allocation of our own, exportable as a POSIX descriptor (for `api::DeviceBuf`).
+/// A VMM allocation of our own, exportable as a POSIX descriptor (`api::DeviceBuf::new_vmm`, and
+/// the allocator behind `mem_alloc`, `cuda::alloc`).
 pub(crate) struct Owned {
     pub ptr: u64,
+    /// Bytes reserved and mapped at `ptr` (a multiple of the granularity).
     pub len: usize,
     handle: cu::CUmemGenericAllocationHandle,
 }
 
+/// The properties of a pinned allocation on `device` that can be exported as a POSIX file
+/// descriptor; `gdr`: ask for GPUDirect RDMA capability (the device must support it with VMM).
+pub(crate) fn shareable_prop(device: i32, gdr: bool) -> cu::CUmemAllocationProp {
+    // SAFETY: all-zero is a valid property block (no compression, no special flags).
+    let mut prop: cu::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.requestedHandleTypes = POSIX_FD;
+    prop.allocFlags.gpuDirectRDMACapable = u8::from(gdr);
+    prop
+}
+
+/// The allocation granularity for `prop`: the minimum, or the recommended one (what NCCL's
+/// cuMem allocator rounds to: a multiple of the minimum that the driver maps faster).
+pub(crate) fn granularity(prop: &cu::CUmemAllocationProp, recommended: bool) -> Result<usize> {
+    use cu::CUmemAllocationGranularity_flags::{CU_MEM_ALLOC_GRANULARITY_MINIMUM as MIN, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED as REC};
+    let mut gran: usize = 0;
+    // SAFETY: valid pointers to a property block and an out-value.
+    check(
+        unsafe { cu::cuMemGetAllocationGranularity(&mut gran, prop, if recommended { REC } else { MIN }) },
+        "cuMemGetAllocationGranularity",
+    )?;
+    Ok(gran.max(1))
+}
+
 impl Owned {
-    /// At least `bytes` (rounded up to the granularity) on the current context's device.
+    /// At least `bytes` (rounded up to the minimum granularity) on the current context's device,
+    /// readable and writable by that device only.
     pub(crate) fn new(bytes: usize) -> Result<Owned> {
         let mut dev: cu::CUdevice = 0;
         super::current_context()?;
         // SAFETY: a valid out-pointer; a context is current.
         check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
-        // SAFETY: all-zero is a valid property block (no compression, no special flags).
-        let mut prop: cu::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = dev;
-        prop.requestedHandleTypes = POSIX_FD;
-        let mut gran: usize = 0;
-        let min = cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-        // SAFETY: valid pointers.
-        check(unsafe { cu::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "cuMemGetAllocationGranularity")?;
-        let len = bytes.max(1).next_multiple_of(gran.max(1));
+        let prop = shareable_prop(dev, false);
+        let gran = granularity(&prop, false)?;
+        let len = bytes.max(1).checked_next_multiple_of(gran).ok_or_else(|| Error::invalid_param("allocation size overflows"))?;
+        Owned::create(&prop, len, gran, &[dev])
+    }
+
+    /// Create `len` bytes (a multiple of `align`, the granularity for `prop`) with `prop`,
+    /// reserve a range aligned to `align`, map it and grant read/write to each of `access`
+    /// (device ordinals; the owner among them). On failure everything done is undone.
+    pub(crate) fn create(prop: &cu::CUmemAllocationProp, len: usize, align: usize, access: &[i32]) -> Result<Owned> {
         let mut h: cu::CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid pointers; the handle is released in Drop (or below on failure).
-        check(unsafe { cu::cuMemCreate(&mut h, len, &prop, 0) }, "cuMemCreate")?;
+        // SAFETY: valid pointers; the handle is released by `Handle`'s drop on failure below, or
+        // by `Owned`'s drop / `free`.
+        check(unsafe { cu::cuMemCreate(&mut h, len, prop, 0) }, "cuMemCreate")?;
         let handle = Handle(h);
         let mut ptr: cu::CUdeviceptr = 0;
         // SAFETY: a valid out-pointer.
-        check(unsafe { cu::cuMemAddressReserve(&mut ptr, len, gran, 0, 0) }, "cuMemAddressReserve")?;
+        check(unsafe { cu::cuMemAddressReserve(&mut ptr, len, align, 0, 0) }, "cuMemAddressReserve")?;
         // SAFETY: our reservation and our allocation, both `len` bytes.
         if let Err(e) = check(unsafe { cu::cuMemMap(ptr, len, 0, handle.0, 0) }, "cuMemMap") {
             // SAFETY: our empty reservation.
             unsafe { cu::cuMemAddressFree(ptr, len) };
             return Err(e);
         }
-        // SAFETY: all-zero is a valid descriptor to fill in.
-        let mut access: cu::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        access.location = prop.location;
-        access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // SAFETY: the range we just mapped and one valid descriptor.
-        if let Err(e) = check(unsafe { cu::cuMemSetAccess(ptr, len, &access, 1) }, "cuMemSetAccess") {
+        let descs: Vec<cu::CUmemAccessDesc> = access
+            .iter()
+            .map(|&d| {
+                // SAFETY: all-zero is a valid descriptor to fill in.
+                let mut a: cu::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                a.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                a.location.id = d;
+                a.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                a
+            })
+            .collect();
+        // SAFETY: the range we just mapped and `descs.len()` valid descriptors.
+        if let Err(e) = check(unsafe { cu::cuMemSetAccess(ptr, len, descs.as_ptr(), descs.len()) }, "cuMemSetAccess") {
             // SAFETY: our mapping and reservation, unused by anyone.
             unsafe {
                 cu::cuMemUnmap(ptr, len);
                 cu::cuMemAddressFree(ptr, len);
             }
-            return Err(e);
+            return Err(e.context(format!("granting devices {access:?} access to a new VMM allocation")));
         }
         let handle = std::mem::ManuallyDrop::new(handle);
         Ok(Owned { ptr, len, handle: handle.0 })
+    }
+
+    /// Undo `create`, reporting the driver's errors (drop ignores them): unmap (which waits for
+    /// work still using the range), release the physical memory, free the address range. Every
+    /// step is tried; the first failure is returned.
+    pub(crate) fn free(self) -> Result<()> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: our mapping, reservation and handle, each undone once (`this` is not dropped).
+        let steps = unsafe {
+            [
+                check(cu::cuMemUnmap(this.ptr, this.len), "cuMemUnmap"),
+                check(cu::cuMemRelease(this.handle), "cuMemRelease"),
+                check(cu::cuMemAddressFree(this.ptr, this.len), "cuMemAddressFree"),
+            ]
+        };
+        steps.into_iter().collect::<Result<Vec<()>>>().map(|_| ())
     }
 }
 
