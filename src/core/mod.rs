@@ -7,6 +7,7 @@ pub mod context;
 mod device_mem;
 pub mod endpoint;
 mod gpu_rounds;
+mod staging;
 pub mod memory;
 pub mod prepared;
 pub mod request;

@@ -19,6 +19,7 @@
 //! left to `ipc::release_retired`.
 
 pub mod api;
+pub(crate) mod bounce;
 pub(crate) mod coll;
 pub(crate) mod copy;
 mod device_handle;
