@@ -227,6 +227,12 @@ impl DeviceMem {
                 if let Some(range) = closed {
                     self.issue_recv(range)?;
                 }
+                // Bounded: with `depth` copies to the GPU outstanding, wait for the oldest
+                // (it waits on our own copy stream only) rather than take ever more page-locked
+                // memory. The network is far slower than the copy engine, so this is rare.
+                while self.recv_copies.len() >= self.pipeline_depth {
+                    self.wait_oldest_recv_copy();
+                }
                 let device = device_of(dst)?;
                 let mut buf = Bounce::take(device, self.pipeline_chunk)?;
                 buf.write(0, src);
@@ -248,6 +254,25 @@ impl DeviceMem {
             self.flush_recv()?;
         }
         Ok(())
+    }
+
+    /// Spin until the oldest copy into GPU memory is done (its held completions are released
+    /// by the next `poll_staging`).
+    fn wait_oldest_recv_copy(&mut self) {
+        let Some(copier) = self.copier.as_mut() else { return };
+        let Some((ticket, _)) = self.recv_copies.front() else { return };
+        let r = loop {
+            if let Some(r) = copier.poll(ticket) {
+                break r;
+            }
+            std::hint::spin_loop();
+        };
+        if let Err(e) = r {
+            tracing::warn!(target: "gsc::cuda", error = %e, "a staged copy into GPU memory failed");
+            self.recv_error.get_or_insert(e.status());
+        }
+        self.recv_copies.pop_front();
+        self.holds.finished();
     }
 
     /// Hand the open receive bounce buffer, if any, to the copy engine.
@@ -436,7 +461,6 @@ impl DeviceMem {
             }
         }
     }
-
 }
 
 fn device_of(addr: usize) -> Result<i32> {

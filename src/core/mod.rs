@@ -7,11 +7,11 @@ pub mod context;
 mod device_mem;
 pub mod endpoint;
 mod gpu_rounds;
-mod staging;
 pub mod memory;
 pub mod prepared;
 pub mod request;
 pub mod request_area;
+mod staging;
 pub mod worker;
 
 pub use address::WorkerAddress;

@@ -210,10 +210,7 @@ impl Engine {
                 inbox: Mutex::new(Inbox::default()),
                 announced: Mutex::new(Vec::new()),
                 // Enough for what one link keeps in flight, in frames of the largest size.
-                pool: BufPool::new(
-                    (cfg.max_in_flight / cfg.max_frame.max(1)).clamp(8, 256),
-                    cfg.max_frame.saturating_add(HEADER_LEN),
-                ),
+                pool: BufPool::new((cfg.max_in_flight / cfg.max_frame.max(1)).clamp(8, 256), cfg.max_frame.saturating_add(HEADER_LEN)),
             }),
             uuid,
             blob: Vec::new(),
@@ -392,9 +389,7 @@ impl Engine {
             // here; `buf` holds `a.len` writable bytes and stays at its address until the
             // request completes (moved into `fetching`, or dropped only after the worker is
             // destroyed).
-            let p = unsafe {
-                (self.ucp.am_recv_data_nbx)(raw.worker.as_ptr(), a.desc.as_ptr(), buf.as_mut_ptr().cast(), a.len, &params)
-            };
+            let p = unsafe { (self.ucp.am_recv_data_nbx)(raw.worker.as_ptr(), a.desc.as_ptr(), buf.as_mut_ptr().cast(), a.len, &params) };
             match loader::status_ptr(p) {
                 StatusPtr::Done => self.with_inbox(|ib| ib.arrive(a.header, buf, Instant::now())),
                 StatusPtr::Failed(st) => self.fetch_failed(&a.header, st),
