@@ -323,6 +323,35 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.shm_max_frame as u64),
     },
     Knob {
+        name: "GSC_UCX_MAX_FRAME",
+        default: "256K",
+        doc: "Largest frame on the UCX lane (4K to 64M); UCX's TCP segments are sized to hold one \
+              (UCX_TCP_TX_SEG_SIZE / RX_SEG_SIZE, unless set)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let size = parse_usize(v)?;
+            if !(4 << 10..=64 << 20).contains(&size) {
+                return Err("must be between 4K and 64M".to_string());
+            }
+            c.ucx_max_frame = size;
+            Ok(())
+        },
+        show: |c| format_size(c.ucx_max_frame as u64),
+    },
+    Knob {
+        name: "GSC_UCX_RNDV_MIN",
+        default: "off",
+        doc: "UCX lane frames of at least this many bytes go by UCX's rendezvous protocol \
+              (zero-copy where the transport has it: cma, rc) instead of eager copies; off: none \
+              (fastest over TCP)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.ucx_rndv_min = if v.eq_ignore_ascii_case("off") { usize::MAX } else { parse_usize(v)? };
+            Ok(())
+        },
+        show: |c| if c.ucx_rndv_min == usize::MAX { "off".to_string() } else { format_size(c.ucx_rndv_min as u64) },
+    },
+    Knob {
         name: "GSC_CMA",
         default: "auto",
         doc: "Cross-memory attach (process_vm_readv/writev) for shared-memory zero copy; auto: \
@@ -479,6 +508,39 @@ pub(super) static KNOBS: &[Knob] = &[
             Ok(())
         },
         show: |c| format_size(c.cuda_copy_split as u64),
+    },
+    Knob {
+        name: "GSC_CUDA_PIPELINE_CHUNK",
+        default: "4M",
+        doc: "Chunk of the host-staging pipeline for GPU data on lanes that cannot reach GPU \
+              memory (UCX; shm with GSC_CUDA_IPC=off): bytes copied to or from page-locked \
+              memory by one copy-engine transfer (64K to 256M)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(64 << 10..=256 << 20).contains(&n) {
+                return Err("expected a size from 64K to 256M".into());
+            }
+            c.cuda_pipeline_chunk = n;
+            Ok(())
+        },
+        show: |c| format_size(c.cuda_pipeline_chunk as u64),
+    },
+    Knob {
+        name: "GSC_CUDA_PIPELINE_DEPTH",
+        default: "4",
+        doc: "Chunks of the host-staging pipeline one link stages ahead of the frame it sends \
+              (1..=64): the copy of the next chunks overlaps the transfer of this one",
+        kind: KnobKind::Positive,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(1..=64).contains(&n) {
+                return Err("expected 1 to 64 chunks".into());
+            }
+            c.cuda_pipeline_depth = n;
+            Ok(())
+        },
+        show: |c| c.cuda_pipeline_depth.to_string(),
     },
     Knob {
         name: "GSC_CUDA_STAGE_MAX",

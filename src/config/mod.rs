@@ -272,6 +272,10 @@ pub struct Config {
     pub shm_ring_size: usize,
     /// `GSC_SHM_MAX_FRAME`, bytes: non-zero, at most `shm_ring_size / 4`.
     pub shm_max_frame: usize,
+    /// `GSC_UCX_MAX_FRAME`, bytes: 4K..=64M.
+    pub ucx_max_frame: usize,
+    /// `GSC_UCX_RNDV_MIN`, bytes; `usize::MAX` (`off`): every frame is sent eagerly.
+    pub ucx_rndv_min: usize,
     /// `GSC_CMA`
     pub cma: Tristate,
     /// `GSC_CUDA_IPC`
@@ -294,6 +298,10 @@ pub struct Config {
     pub cuda_copy_streams: usize,
     /// `GSC_CUDA_COPY_SPLIT`, bytes, non-zero.
     pub cuda_copy_split: usize,
+    /// `GSC_CUDA_PIPELINE_CHUNK`, bytes: 64K..=256M.
+    pub cuda_pipeline_chunk: usize,
+    /// `GSC_CUDA_PIPELINE_DEPTH`, 1..=64.
+    pub cuda_pipeline_depth: usize,
     /// `GSC_CUDA_STAGE_MAX`, bytes, at most `CUDA_STAGE_LIMIT`; 0 turns staging off.
     pub cuda_stage_max: usize,
     /// `GSC_FLUSH_RDMA_WRITE`: the GPUDirect RDMA flush writes into GPU memory before it reads
@@ -357,6 +365,8 @@ impl Default for Config {
             shm_dir: PathBuf::from("/dev/shm"),
             shm_ring_size: 4 << 20,
             shm_max_frame: 64 << 10,
+            ucx_max_frame: 256 << 10,
+            ucx_rndv_min: usize::MAX,
             cma: Tristate::Auto,
             cuda_ipc: Tristate::Auto,
             cuda_pdl: Tristate::Auto,
@@ -368,6 +378,8 @@ impl Default for Config {
             coll_check: false,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,
+            cuda_pipeline_chunk: 4 << 20,
+            cuda_pipeline_depth: 4,
             cuda_stage_max: 4 << 10,
             flush_rdma_write: false,
             timeout: Some(Duration::from_secs(60)),

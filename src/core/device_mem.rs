@@ -2,13 +2,20 @@
 //!
 //! - Rendezvous reads through CUDA IPC: started with the copy engine and polled by progress
 //!   (`start_read` / `poll_reads`), never waited for, so the proxy thread can drive them.
-//! - Host staging (eager and pipelined frames of GPU buffers, and receives into GPU buffers of
-//!   data that came in frames): one copy on our own copy stream, waited for there.
+//! - Host staging (frames of GPU buffers on links that cannot reach GPU memory, and receives
+//!   into GPU buffers of data that came in frames): the pipeline of core/staging.rs, chunks of
+//!   `GSC_CUDA_PIPELINE_CHUNK` copied through page-locked bounce buffers on our own copy
+//!   stream, polled like the reads, never waited for (but for a single frame larger than a
+//!   chunk, copied synchronously on that stream).
 //! - Keys: the CUDA IPC description of a send buffer that the RTS carries.
 //!
 //! Everything CUDA is in `crate::cuda`; this module decides which copy runs where.
 
+use std::collections::{HashMap, VecDeque};
+
+use super::staging::{Accumulator, Holds, Place};
 use crate::config::Tristate;
+use crate::cuda::bounce::{self, Bounce};
 use crate::cuda::copy::{Copier, CopyTicket};
 use crate::cuda::{ipc, memory};
 use crate::error::{Error, Result, Status};
@@ -32,6 +39,33 @@ pub(crate) struct DeviceMem {
     /// `GSC_CUDA_IPC`: off never reads through IPC; on makes a failed IPC read an error
     /// rather than a fall back to the sender pushing through host memory.
     pub(crate) ipc: Tristate,
+    /// The host-staging pipeline (core/staging.rs). `GSC_CUDA_PIPELINE_CHUNK` / `_DEPTH`.
+    pub(crate) pipeline_chunk: usize,
+    pub(crate) pipeline_depth: usize,
+    /// Send chunks by id: copied out of GPU memory, then sent frame by frame.
+    send_chunks: HashMap<u64, SendChunk>,
+    next_chunk: u64,
+    /// Send chunks of failed links still being copied into: released once the copy is done.
+    orphans: Vec<SendChunk>,
+    /// The receive side: the open bounce buffer (and its GPU), the copies into GPU memory in
+    /// issue order, and the completions waiting for them.
+    acc: Accumulator,
+    acc_buf: Option<(i32, Bounce)>,
+    recv_copies: VecDeque<(CopyTicket, Bounce)>,
+    holds: Holds,
+    /// A copy into GPU memory failed: completions released while copies issued before the
+    /// failure were outstanding report it.
+    recv_error: Option<Status>,
+}
+
+/// One chunk of a send: GPU bytes copied into `buf`, sent by `frames_left` queued frames.
+struct SendChunk {
+    conn: ConnId,
+    buf: Bounce,
+    ticket: Option<CopyTicket>,
+    /// The copy's result once it finished.
+    ready: Option<Result<()>>,
+    frames_left: usize,
 }
 
 /// A write into a peer's GPU buffer in flight: what to do when it is done.
@@ -60,6 +94,16 @@ impl DeviceMem {
             writes: Vec::new(),
             held: Vec::new(),
             ipc: cfg.cuda_ipc,
+            pipeline_chunk: cfg.cuda_pipeline_chunk,
+            pipeline_depth: cfg.cuda_pipeline_depth,
+            send_chunks: HashMap::new(),
+            next_chunk: 1,
+            orphans: Vec::new(),
+            acc: Accumulator::new(cfg.cuda_pipeline_chunk),
+            acc_buf: None,
+            recv_copies: VecDeque::new(),
+            holds: Holds::default(),
+            recv_error: None,
         }
     }
 
@@ -68,9 +112,10 @@ impl DeviceMem {
         self.copier.get_or_insert_with(|| Copier::new(streams, split))
     }
 
-    /// Copies in flight whose request's completion may be held.
+    /// Copies in flight whose request's completion may be held (a receive bounce buffer still
+    /// filling counts: its copy is yet to start).
     pub(crate) fn copies_in_flight(&self) -> usize {
-        self.reads.len() + self.writes.len()
+        self.reads.len() + self.writes.len() + self.recv_copies.len() + usize::from(self.acc.open().is_some())
     }
 
     /// Reads in flight.
@@ -84,13 +129,206 @@ impl DeviceMem {
         let running = self.reads.iter().any(|(_, r)| *r == req) || self.writes.iter().any(|(_, w)| w.req == req);
         if running {
             self.held.push((req, status, info));
+            return true;
         }
-        running
+        // Staged receives: the request's last bytes may still be in the open bounce buffer or
+        // on their way to GPU memory (core/staging.rs: held until every copy issued so far).
+        if let Err(e) = self.flush_recv() {
+            tracing::warn!(target: "gsc::cuda", req, error = %e, "could not start a staged copy into GPU memory");
+            self.recv_error.get_or_insert(e.status());
+        }
+        self.holds.hold(req, status, info)
     }
 
     /// A completion is held for `req`.
     pub(crate) fn is_held(&self, req: ReqId) -> bool {
-        self.held.iter().any(|(r, ..)| *r == req)
+        self.held.iter().any(|(r, ..)| *r == req) || self.holds.is_holding(req)
+    }
+
+    /// Make enough page-locked bounce buffers for the staging pipeline exist, for the GPU
+    /// holding `addr` (on the user's thread, so the proxy never allocates page-locked memory).
+    pub(crate) fn reserve_staging(&mut self, addr: usize) -> Result<()> {
+        let device = device_of(addr)?;
+        // A link's send chunks, the receive side's open buffer and copies, one spare each.
+        bounce::reserve(device, self.pipeline_chunk, 2 * self.pipeline_depth + 2)
+    }
+
+    /// Start copying `len` bytes of GPU memory at `addr` into a bounce buffer, for `frames`
+    /// queued frames of link `conn`. Returns the chunk's id.
+    pub(crate) fn start_send_chunk(&mut self, conn: ConnId, addr: usize, len: usize, frames: usize) -> Result<u64> {
+        let device = device_of(addr)?;
+        let buf = Bounce::take(device, len)?;
+        // SAFETY: `addr..addr+len` is inside pending sends' GPU buffers (the frames that name
+        // it are queued, and their requests complete only once those frames were sent, which
+        // waits for this copy); `buf` is page-locked memory of at least `len` bytes, kept (in
+        // `send_chunks` or `orphans`) until the copy is done.
+        let ticket = unsafe { self.copier().start(device, buf.addr(), addr as u64, len) }?;
+        let id = self.next_chunk;
+        self.next_chunk += 1;
+        self.send_chunks.insert(id, SendChunk { conn, buf, ticket: Some(ticket), ready: None, frames_left: frames });
+        Ok(id)
+    }
+
+    /// Whether chunk `id`'s copy is done: `None` while it runs.
+    pub(crate) fn send_chunk_ready(&mut self, id: u64) -> Option<Result<()>> {
+        let copier = self.copier.as_mut()?;
+        let c = self.send_chunks.get_mut(&id)?;
+        if c.ready.is_none()
+            && let Some(t) = &c.ticket
+        {
+            c.ready = copier.poll(t);
+            if c.ready.is_some() {
+                c.ticket = None;
+            }
+        }
+        c.ready.clone()
+    }
+
+    /// `len` bytes at `offset` of chunk `id` (whose copy is done).
+    pub(crate) fn staged_bytes(&self, id: u64, offset: usize, len: usize) -> &[u8] {
+        self.send_chunks.get(&id).map_or(&[][..], |c| c.buf.bytes(offset, len))
+    }
+
+    /// A frame of chunk `id` was sent; true when it was the chunk's last (its buffer goes back).
+    pub(crate) fn staged_frame_sent(&mut self, id: u64) -> bool {
+        let Some(c) = self.send_chunks.get_mut(&id) else { return false };
+        c.frames_left = c.frames_left.saturating_sub(1);
+        if c.frames_left == 0 {
+            self.send_chunks.remove(&id);
+            return true;
+        }
+        false
+    }
+
+    /// Link `conn` failed: its chunks are not sent; each buffer goes back once its copy is done.
+    pub(crate) fn drop_send_chunks(&mut self, conn: ConnId) {
+        let ids: Vec<u64> = self.send_chunks.iter().filter(|(_, c)| c.conn == conn).map(|(id, _)| *id).collect();
+        for id in ids {
+            let c = self.send_chunks.remove(&id).expect("listed above");
+            if c.ticket.is_some() {
+                self.orphans.push(c);
+            }
+        }
+    }
+
+    /// Receive `src` into GPU memory at `dst` through the staging pipeline: into the open bounce
+    /// buffer while bytes follow on, a full buffer to the copy engine. Completions wait for the
+    /// copies (`hold_completion`).
+    pub(crate) fn stage_in(&mut self, dst: usize, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        match self.acc.place(dst, src.len()) {
+            Place::Append { offset } => {
+                let (_, buf) = self.acc_buf.as_mut().expect("an open range has a buffer");
+                buf.write(offset, src);
+            }
+            Place::Open { closed } => {
+                if let Some(range) = closed {
+                    self.issue_recv(range)?;
+                }
+                // Bounded: with `depth` copies to the GPU outstanding, wait for the oldest
+                // (it waits on our own copy stream only) rather than take ever more page-locked
+                // memory. The network is far slower than the copy engine, so this is rare.
+                while self.recv_copies.len() >= self.pipeline_depth {
+                    self.wait_oldest_recv_copy();
+                }
+                let device = device_of(dst)?;
+                let mut buf = Bounce::take(device, self.pipeline_chunk)?;
+                buf.write(0, src);
+                self.acc_buf = Some((device, buf));
+            }
+            Place::Direct { closed } => {
+                if let Some(range) = closed {
+                    self.issue_recv(range)?;
+                }
+                // Larger than a chunk (a frame bigger than GSC_CUDA_PIPELINE_CHUNK): one copy
+                // from the frame, on the copy stream, so after the copies issued before it.
+                let device = device_of(dst)?;
+                // SAFETY: `dst..dst+len` is inside a pending receive's GPU buffer (clipped by
+                // the engine); `src` is borrowed for the whole (synchronous) copy.
+                return unsafe { self.copier().copy_sync(device, dst as u64, src.as_ptr() as u64, src.len()) };
+            }
+        }
+        if self.acc.is_full() {
+            self.flush_recv()?;
+        }
+        Ok(())
+    }
+
+    /// Spin until the oldest copy into GPU memory is done (its held completions are released
+    /// by the next `poll_staging`).
+    fn wait_oldest_recv_copy(&mut self) {
+        let Some(copier) = self.copier.as_mut() else { return };
+        let Some((ticket, _)) = self.recv_copies.front() else { return };
+        let r = loop {
+            if let Some(r) = copier.poll(ticket) {
+                break r;
+            }
+            std::hint::spin_loop();
+        };
+        if let Err(e) = r {
+            tracing::warn!(target: "gsc::cuda", error = %e, "a staged copy into GPU memory failed");
+            self.recv_error.get_or_insert(e.status());
+        }
+        self.recv_copies.pop_front();
+        self.holds.finished();
+    }
+
+    /// Hand the open receive bounce buffer, if any, to the copy engine.
+    fn flush_recv(&mut self) -> Result<()> {
+        match self.acc.close() {
+            Some(range) => self.issue_recv(range),
+            None => Ok(()),
+        }
+    }
+
+    fn issue_recv(&mut self, (dst, len): (usize, usize)) -> Result<()> {
+        let (device, buf) = self.acc_buf.take().expect("an open range has a buffer");
+        // SAFETY: `dst..dst+len` is inside pending receives' GPU buffers (each range was placed
+        // by the engine's clipped copies), whose completions are held until this copy is done
+        // (`holds`); `buf` is page-locked, holds those `len` bytes, and is kept in
+        // `recv_copies` until the copy is done.
+        let ticket = unsafe { self.copier().start(device, dst as u64, buf.addr(), len) }?;
+        self.recv_copies.push_back((ticket, buf));
+        self.holds.issued();
+        Ok(())
+    }
+
+    /// The staging pipeline has copies or held completions to look after.
+    pub(crate) fn staging_busy(&self) -> bool {
+        !self.recv_copies.is_empty() || !self.orphans.is_empty()
+    }
+
+    /// Poll the pipeline's copies; completions whose copies are all done go to `done`.
+    pub(crate) fn poll_staging(&mut self, done: &mut Vec<(ReqId, Status, RecvInfo)>) {
+        let Some(copier) = self.copier.as_mut() else { return };
+        self.orphans.retain(|c| c.ticket.as_ref().is_some_and(|t| copier.poll(t).is_none()));
+        while let Some((ticket, _)) = self.recv_copies.front() {
+            match copier.poll(ticket) {
+                None => break,
+                Some(r) => {
+                    if let Err(e) = r {
+                        tracing::warn!(target: "gsc::cuda", error = %e, "a staged copy into GPU memory failed");
+                        self.recv_error.get_or_insert(e.status());
+                    }
+                    self.recv_copies.pop_front();
+                    self.holds.finished();
+                }
+            }
+        }
+        let first = done.len();
+        self.holds.release(done);
+        if let Some(err) = self.recv_error {
+            for d in &mut done[first..] {
+                if d.1 == Status::Ok {
+                    d.1 = err;
+                }
+            }
+            if self.holds.outstanding() == 0 {
+                self.recv_error = None;
+            }
+        }
     }
 
     /// The completion held for `req`, once its read is done.
@@ -228,24 +466,6 @@ impl DeviceMem {
                 }
             }
         }
-    }
-
-    /// The bytes of a GPU buffer range, copied into host memory.
-    pub(crate) fn stage_out(&mut self, addr: usize, len: usize) -> Result<Vec<u8>> {
-        let device = device_of(addr)?;
-        let mut v = vec![0u8; len];
-        // SAFETY: `addr..addr+len` is inside a pending send's GPU buffer (the engine names only
-        // such ranges); `v` is ours for the whole (synchronous) copy.
-        unsafe { self.copier().copy_sync(device, v.as_mut_ptr() as u64, addr as u64, len) }?;
-        Ok(v)
-    }
-
-    /// Copy host bytes into a GPU buffer range.
-    pub(crate) fn stage_in(&mut self, dst: usize, src: &[u8]) -> Result<()> {
-        let device = device_of(dst)?;
-        // SAFETY: `dst..dst+len` is inside a pending receive's GPU buffer (clipped by the
-        // engine); `src` is borrowed for the whole (synchronous) copy.
-        unsafe { self.copier().copy_sync(device, dst as u64, src.as_ptr() as u64, src.len()) }
     }
 }
 

@@ -11,6 +11,7 @@ pub mod memory;
 pub mod prepared;
 pub mod request;
 pub mod request_area;
+mod staging;
 pub mod worker;
 
 pub use address::WorkerAddress;

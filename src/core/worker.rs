@@ -12,6 +12,7 @@ use super::device_mem::{DeviceMem, PendingWrite, ReadStart};
 use super::endpoint::Endpoint;
 use super::request::{self, Callback, ReqKind, RequestParams, Slot, Started};
 use super::request_area::AreaPool;
+use super::staging;
 use crate::condition::{Condition, Issued, Signal, Stage, StageDir};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
@@ -94,6 +95,11 @@ pub(crate) struct Conn {
     /// yet reads the producer's newest line, a cross-core miss in the middle of a ping-pong's
     /// critical path; UCX's shared-memory FIFO adapts its poll count the same way.
     poll_window: usize,
+    /// The host-staging pipeline (core/staging.rs): frames of `outq` before this index were
+    /// looked at (every GPU payload among them is in a chunk), and chunks started and not yet
+    /// fully sent.
+    staged_upto: usize,
+    chunks_staging: usize,
 }
 
 /// Most frames one poll of a link delivers.
@@ -207,7 +213,7 @@ impl Worker {
             listeners.push(Box::new(shm::ShmListener::new(&shm_config(cfg), uuid)?));
         }
         let ucx = if cfg.tls.contains(&LaneKind::Ucx) {
-            match ucx::UcxLane::new(&ucx::UcxConfig::default(), uuid) {
+            match ucx::UcxLane::new(&ucx::UcxConfig::of(&context.inner.config), uuid) {
                 Ok(lane) => {
                     listeners.push(Box::new(lane.listener()));
                     Some(Ok(lane))
@@ -609,6 +615,11 @@ impl Worker {
             let mut st = self.lock();
             st.device.prepare_for(addr)?;
             let lane = st.conns.get(conn).map(|c| c.props.lane).ok_or_else(|| Error::new(Status::NotConnected, "endpoint closed"))?;
+            if lane == LaneKind::Ucx || st.device.ipc == crate::config::Tristate::Off {
+                // The data will be staged through host memory: bounce buffers made here, on
+                // the user's thread, not by the proxy.
+                st.device.reserve_staging(addr)?;
+            }
             (lane, st.device.ipc)
         };
         Ok(DeviceMem::send_key(ipc, lane, addr, len))
@@ -661,7 +672,13 @@ impl Worker {
             }
             None => {
                 if mem == MemType::Cuda {
-                    self.lock().device.prepare_for(addr)?;
+                    let mut st = self.lock();
+                    st.device.prepare_for(addr)?;
+                    // Data from a link that cannot reach GPU memory comes staged; the sender is
+                    // not known yet, so any such link (or IPC off) is reason enough.
+                    if st.device.ipc == crate::config::Tristate::Off || st.conns.iter().any(|(_, c)| c.props.lane == LaneKind::Ucx) {
+                        st.device.reserve_staging(addr)?;
+                    }
                 }
                 (None, UserBuf { addr, len, mem })
             }
@@ -1164,6 +1181,8 @@ impl State {
             closing: None,
             short_max: self.engine.tag.eager_short_limit(&props),
             poll_window: 1,
+            staged_upto: 0,
+            chunks_staging: 0,
         });
         self.engine.add_conn(conn, props, peer_worker);
         (conn, generation)
@@ -1305,6 +1324,15 @@ impl State {
                 }
             }
         }
+        if self.device.staging_busy() {
+            let mut done = Vec::new();
+            self.device.poll_staging(&mut done);
+            events += done.len();
+            for (req, status, info) in done {
+                // Not through `complete`: that could hold it again behind newer copies.
+                self.finish_complete(req, status, info, &mut actions);
+            }
+        }
         if !self.host_rounds.is_empty() {
             events += super::gpu_rounds::poll_host_rounds(&mut self.host_rounds, &mut actions);
         }
@@ -1420,22 +1448,42 @@ impl State {
         1
     }
 
-    /// Write queued frames into the link while it has room.
+    /// Write queued frames into the link while it has room. GPU payloads are staged ahead in
+    /// chunks (`stage_ahead`); a frame whose chunk is still being copied waits for it.
     fn flush_outq(&mut self, conn: ConnId, out: &mut Actions) -> usize {
         let mut sent = 0;
         loop {
-            let Some(c) = self.conns.get_mut(conn) else { return sent };
+            if let Err(e) = self.stage_ahead(conn) {
+                self.fail_conn(conn, e.context("staging a GPU send buffer"), out);
+                return sent;
+            }
+            let State { conns, device, .. } = self;
+            let Some(c) = conns.get_mut(conn) else { return sent };
             let Some(front) = c.outq.front() else { return sent };
-            let payload = match &front.payload {
-                Payload::None => &[][..],
-                Payload::User { addr, len } => user_slice(*addr, *len),
-                Payload::Owned(v) => v.as_slice(),
-                Payload::Device { .. } => unreachable!("queue_frame stages device payloads"),
+            let (payload, chunk) = match &front.payload {
+                Payload::None => (&[][..], None),
+                Payload::User { addr, len } => (user_slice(*addr, *len), None),
+                Payload::Owned(v) => (v.as_slice(), None),
+                Payload::Device { .. } => unreachable!("stage_ahead puts the front's GPU payload in a chunk"),
+                &Payload::Staged { chunk, offset, len } => match device.send_chunk_ready(chunk) {
+                    None => return sent, // still copying
+                    Some(Err(e)) => {
+                        self.fail_conn(conn, e.context("copying a GPU send buffer to host memory"), out);
+                        return sent;
+                    }
+                    Some(Ok(())) => (device.staged_bytes(chunk, offset, len), Some(chunk)),
+                },
             };
             match c.link.try_send(&[front.header.as_bytes(), payload]) {
                 Ok(true) => {
                     timeline::record(Event::FrameOut, front.header.as_bytes()[0] as u64);
                     let f = c.outq.pop_front().expect("front exists");
+                    c.staged_upto = c.staged_upto.saturating_sub(1);
+                    if let Some(id) = chunk
+                        && device.staged_frame_sent(id)
+                    {
+                        c.chunks_staging -= 1;
+                    }
                     sent += 1;
                     if let Some(req) = f.on_sent {
                         self.frame_sent(req, out);
@@ -1450,6 +1498,29 @@ impl State {
         }
     }
 
+    /// Start copying the GPU payloads of `conn`'s queue into bounce buffers, chunk by chunk,
+    /// until `GSC_CUDA_PIPELINE_DEPTH` chunks are being copied or waiting to be sent.
+    fn stage_ahead(&mut self, conn: ConnId) -> Result<()> {
+        let State { conns, device, .. } = self;
+        let Some(c) = conns.get_mut(conn) else { return Ok(()) };
+        while c.chunks_staging < device.pipeline_depth {
+            let Some(plan) = staging::next_chunk(&c.outq, c.staged_upto, device.pipeline_chunk) else {
+                c.staged_upto = c.outq.len();
+                break;
+            };
+            let id = device.start_send_chunk(conn, plan.addr, plan.len, plan.frames)?;
+            let mut offset = 0;
+            for f in c.outq.range_mut(plan.start..plan.start + plan.frames) {
+                let len = f.payload.len();
+                f.payload = Payload::Staged { chunk: id, offset, len };
+                offset += len;
+            }
+            c.staged_upto = plan.start + plan.frames;
+            c.chunks_staging += 1;
+        }
+        Ok(())
+    }
+
     fn queue_frame(&mut self, conn: ConnId, mut frame: OutFrame, out: &mut Actions) {
         let Some(c) = self.conns.get_mut(conn) else {
             tracing::debug!(target: "gsc::core", conn, "frame for a connection that is gone; dropped");
@@ -1458,17 +1529,11 @@ impl State {
         if c.failed.is_some() {
             return;
         }
-        if let Payload::Device { addr, len } = frame.payload {
-            // GPU bytes go through host memory: staged now, so the frame owns them.
-            match self.device.stage_out(addr, len) {
-                Ok(v) => frame.payload = Payload::Owned(v),
-                Err(e) => {
-                    // The message cannot be completed and the peer is waiting for its frames.
-                    self.conns[conn].outq.push_back(OutFrame { payload: Payload::None, ..frame });
-                    self.fail_conn(conn, e.context("staging a GPU send buffer"), out);
-                    return;
-                }
-            }
+        if let Payload::Device { .. } = frame.payload {
+            // GPU bytes go through host memory, in chunks copied ahead (`flush_outq`).
+            c.outq.push_back(frame);
+            self.flush_outq(conn, out);
+            return;
         }
         let c = &mut self.conns[conn];
         if c.outq.is_empty() {
@@ -1476,7 +1541,7 @@ impl State {
                 Payload::None => &[][..],
                 Payload::User { addr, len } => user_slice(*addr, *len),
                 Payload::Owned(v) => v.as_slice(),
-                Payload::Device { .. } => unreachable!("staged above"),
+                Payload::Device { .. } | Payload::Staged { .. } => unreachable!("queued above"),
             };
             match c.link.try_send(&[frame.header.as_bytes(), payload]) {
                 Ok(true) => {
@@ -1525,7 +1590,9 @@ impl State {
         // Requests completed by their frame being sent and tracked by no protocol (closes) would
         // never complete once their frame is dropped; a close that meets a dead link is a close.
         let unsent: Vec<ReqId> = c.outq.drain(..).filter_map(|f| f.on_sent).collect();
+        (c.staged_upto, c.chunks_staging) = (0, 0);
         c.link.close();
+        self.device.drop_send_chunks(conn);
         let closing = c.closing.take();
         let keep = c.has_user_ep;
         c.failed = Some(error);
@@ -1675,6 +1742,11 @@ impl State {
         if self.device.copies_in_flight() > 0 && self.device.hold_completion(req, status, info) {
             return;
         }
+        self.finish_complete(req, status, info, out);
+    }
+
+    /// `complete`, past the holds for copies into (or out of) the request's buffer.
+    fn finish_complete(&mut self, req: ReqId, status: Status, info: RecvInfo, out: &mut Actions) {
         let Some(slot) = self.slot_mut(req) else {
             tracing::debug!(target: "gsc::core", req, "completion for a request that is gone");
             return;

@@ -21,6 +21,7 @@
 
 pub(crate) mod alloc;
 pub mod api;
+pub(crate) mod bounce;
 pub(crate) mod coll;
 pub(crate) mod copy;
 mod device_handle;

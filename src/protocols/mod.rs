@@ -111,12 +111,7 @@ pub fn selection_table(cfg: &crate::Config) -> String {
                 }
             }
             // No remote memory yet, and CUDA IPC never reaches another host.
-            LaneKind::Ucx => lanes.push(LaneProps {
-                lane: *lane,
-                max_frame: crate::transport::ucx::DEFAULT_MAX_FRAME,
-                remote_memory: false,
-                device_ipc: false,
-            }),
+            LaneKind::Ucx => lanes.push(LaneProps { lane: *lane, max_frame: cfg.ucx_max_frame, remote_memory: false, device_ipc: false }),
         }
     }
     let mut table = select::describe(&proto, &lanes);

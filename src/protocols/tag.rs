@@ -68,13 +68,20 @@ pub enum Payload {
         addr: usize,
         len: usize,
     },
+    /// A `Device` payload the worker has put in a chunk of its host staging pipeline
+    /// (core/staging.rs): `len` bytes at `offset` of chunk `chunk`. Never made by the engine.
+    Staged {
+        chunk: u64,
+        offset: usize,
+        len: usize,
+    },
 }
 
 impl Payload {
     pub fn len(&self) -> usize {
         match self {
             Payload::None => 0,
-            Payload::User { len, .. } | Payload::Device { len, .. } => *len,
+            Payload::User { len, .. } | Payload::Device { len, .. } | Payload::Staged { len, .. } => *len,
             Payload::Owned(v) => v.len(),
         }
     }

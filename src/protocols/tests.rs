@@ -152,6 +152,7 @@ impl Pair {
                         // Simulated "device" memory is plain memory here; the worker stages it.
                         Payload::Device { addr, len } => bytes.extend(self.sides[s].mem.read(*addr, *len)),
                         Payload::Owned(v) => bytes.extend_from_slice(v),
+                        Payload::Staged { .. } => panic!("the engine never emits staged payloads (the worker makes them)"),
                     }
                     self.wire[s].push_back(bytes);
                     if let Some(req) = f.on_sent {

@@ -15,6 +15,12 @@
 //! ncclSend/ncclRecv in the same run with `--nccl`. Beside each time, `proxy ops/iter`: the
 //! operations the proxy thread started per iteration (0.00 for the g* modes: no host work).
 //!
+//! GPU buffers against host buffers over one link, one way (see `staged.rs`):
+//!   gsc-bench staged-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW]
+//!                       [--gpus SEND,RECV] [--mem cuda,host] [--no-pin]
+//! With `GSC_TLS=ucx`: the UCX lane's host-staging pipeline for GPU data beside a plain host
+//! transfer over the same lane, in nccl-tests' columns.
+//!
 //! Collectives between GPUs, one process per GPU (see `coll.rs`):
 //!   gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR]
 //!             [-n ITERS] [-w WARMUP] [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT]
@@ -31,6 +37,7 @@ mod coll;
 mod gpu;
 mod host;
 mod nccl;
+mod staged;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -40,6 +47,7 @@ fn usage() -> ! {
         "usage: gsc-bench tag-lat|tag-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--ucx] [--no-pin] [--prepared] [--buffer-per-send]\n\
          \x20      gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]\n\
          \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]\n\
+         \x20      gsc-bench staged-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--gpus SEND,RECV] [--mem cuda,host] [--no-pin]\n\
          \x20      gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n\
          \x20                             [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT] [-m stream,graph] [--nccl]\n\
          \x20        TYPE: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)\n\
@@ -200,6 +208,10 @@ fn main() {
         Some("tag-lat" | "tag-bw") => {
             let o = host::parse_args(&args).unwrap_or_else(|| usage());
             if server { host::server(&o) } else { host::client(&o, &args) }
+        }
+        Some("staged-bw") => {
+            let o = staged::parse_args(&args[1..]).unwrap_or_else(|| usage());
+            if server { staged::server(&o) } else { staged::client(&o, &args) }
         }
         Some("gpu-sendrecv") => {
             let o = gpu::parse_args(&args[1..]).unwrap_or_else(|| usage());

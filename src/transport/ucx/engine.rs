@@ -4,9 +4,19 @@
 //! Locking: UCP objects of a worker are created `UCS_THREAD_MODE_SERIALIZED` (any thread, one at
 //! a time); `raw` is the lock that makes it so, held around every UCP call. UCX runs our
 //! callbacks (received messages, endpoint failures) inside `ucp_worker_progress`, so they must
-//! not take `raw`: they only take `inbox`, which is never held while UCP is called. The inbox
+//! not take `raw` nor call UCP: they only take the locks of `Shared` (the inbox, the announced
+//! rendezvous frames, the buffer pool), which are never held while UCP is called. `Shared`
 //! lives in a `Box` whose address UCX keeps as the callbacks' argument; it is freed only after
 //! `ucp_worker_destroy`, after which UCX calls nothing of ours.
+//!
+//! Large frames (`UcxConfig::rndv_min` and up) go by UCX's rendezvous: the handler only gets a
+//! descriptor, files it in `Shared::announced`, and `progress` (which holds `raw`) starts
+//! `ucp_am_recv_data_nbx` into a pool buffer right after the `ucp_worker_progress` call that
+//! announced it; the frame enters the inbox when that receive completes. Eager copies (bcopy)
+//! of such frames were what made large transfers slow: UCX's TCP transport cuts an eager
+//! message into 8 KiB segments (`UCX_TCP_TX_SEG_SIZE`), each packed and sent on its own, and
+//! reassembles them on the other side; its rendezvous moves the bytes in one zero-copy
+//! operation (`UCX_TCP_PUT_ENABLE`, and `cma`/`rc` where they apply) into our buffer.
 //!
 //! Lifetimes: the engine is shared (`Arc`) by the listener and every link of a gscomm worker. A
 //! link that goes away hands its endpoint and unfinished sends to `closing`: its buffers must
@@ -26,22 +36,49 @@ use super::UcxConfig;
 use super::address::UcxAddress;
 use super::inbox::{Inbox, Key, ORPHAN_TTL};
 use super::loader::{self, StatusPtr, Ucp};
+use super::pool::BufPool;
 use super::sys;
 use super::wire::{HEADER_LEN, Header};
 use crate::error::{Error, Result, Status};
 
 /// Our active-message id. One handler per UCP worker serves every link of it.
 const AM_ID: u32 = 0x47;
-/// UCX settings gscomm changes unless the user sets them (`UCX_<name>`), and why.
-const DEFAULTS: &[(&str, &str, &str)] = &[(
-    "ZCOPY_THRESH",
-    "inf",
-    // UCX 1.13's TCP transport aborts on an internal assertion (uct_iface.h:884, `comp->count >
-    // 0`) when a peer fails while a zero-copy eager message to it is in flight; our frames are
-    // copied into one buffer anyway, so copy sends cost little. Remote memory access (the next
-    // step) uses put/get, which this does not affect.
-    "avoid UCX 1.13's TCP abort on peer failure during zero-copy sends",
-)];
+/// A UCX setting gscomm changes unless the user set it.
+struct UcxDefault {
+    /// The environment variable, without `UCX_`, whose presence means the user chose.
+    env: &'static str,
+    /// The name `ucp_config_modify` takes: a UCP setting's own name, or a transport setting's
+    /// field name without its table's prefix (UCP hands unknown names to every transport's
+    /// table; `TCP_TX_SEG_SIZE` is silently ignored, `TX_SEG_SIZE` reaches TCP's, and no other
+    /// transport of 1.13 or 1.16 has a field of that name).
+    name: &'static str,
+    value: String,
+    why: &'static str,
+}
+
+/// The UCX settings gscomm changes (docs/UCX.md has the table).
+fn ucx_defaults(cfg: &UcxConfig) -> Vec<UcxDefault> {
+    // Room for UCT's, UCP's and our own headers beside the largest frame.
+    let seg = format!("{}", cfg.max_frame + (4 << 10));
+    vec![
+        UcxDefault {
+            env: "ZCOPY_THRESH",
+            name: "ZCOPY_THRESH",
+            value: "inf".to_string(),
+            // UCX 1.13's TCP transport aborts on an internal assertion (uct_iface.h:884,
+            // `comp->count > 0`) when a peer fails while a zero-copy eager message to it is in
+            // flight; our frames are copied into one buffer anyway, so copy sends cost little.
+            why: "avoid UCX 1.13's TCP abort on peer failure during zero-copy sends",
+        },
+        // UCX's TCP transport sends an eager message in segments of UCX_TCP_TX_SEG_SIZE (8 KiB by
+        // default), each packed, sent and parsed on its own, and reassembled by the receiver:
+        // at 256 KiB a frame that was 32+ system calls and copies a side, and the lane moved
+        // ~1 GB/s where UCX's own tag rendezvous moved 3–5 (dev VM, docs/UCX.md). Segments that
+        // hold a whole frame made it 3x faster.
+        UcxDefault { env: "TCP_TX_SEG_SIZE", name: "TX_SEG_SIZE", value: seg.clone(), why: "a whole frame per TCP segment" },
+        UcxDefault { env: "TCP_RX_SEG_SIZE", name: "RX_SEG_SIZE", value: seg, why: "a whole frame per TCP segment" },
+    ]
+}
 /// Most rounds of `ucp_worker_progress` one `progress` call makes while they find work.
 const PROGRESS_ROUNDS: usize = 32;
 
@@ -94,13 +131,41 @@ struct Raw {
     context: NonNull<sys::ucp_context>,
     worker: NonNull<sys::ucp_worker>,
     closing: Vec<Closing>,
+    /// Rendezvous frames being received: filed in the inbox when UCX completes them.
+    fetching: Vec<Fetch>,
+}
+
+/// A rendezvous frame UCX is receiving into `buf`.
+struct Fetch {
+    req: NonNull<c_void>,
+    header: Header,
+    buf: Vec<u8>,
+}
+
+/// A rendezvous frame the handler was told of: its header and UCX's data descriptor (kept by
+/// UCX because the handler returned `UCS_INPROGRESS`; handed back by `ucp_am_recv_data_nbx` or
+/// `ucp_am_data_release`).
+struct Announced {
+    header: Header,
+    desc: NonNull<c_void>,
+    len: usize,
+}
+
+// SAFETY: the descriptor is only used through the engine, under its `raw` lock.
+unsafe impl Send for Announced {}
+
+/// What the callbacks reach through their argument (module docs).
+struct Shared {
+    inbox: Mutex<Inbox>,
+    announced: Mutex<Vec<Announced>>,
+    pool: BufPool,
 }
 
 pub(crate) struct Engine {
     ucp: &'static Ucp,
     raw: Mutex<Raw>,
     /// The callbacks' argument: must stay at this address until the worker is destroyed.
-    inbox: Box<Mutex<Inbox>>,
+    shared: Box<Shared>,
     uuid: u128,
     blob: Vec<u8>,
     next_number: AtomicU64,
@@ -137,11 +202,16 @@ impl Engine {
     /// message handler and build the address blob.
     pub(crate) fn new(cfg: &UcxConfig, uuid: u128) -> Result<Arc<Engine>> {
         let ucp = loader::ucp()?;
-        let (context, worker) = Engine::create(ucp)?;
+        let (context, worker) = Engine::create(ucp, cfg)?;
         let mut engine = Engine {
             ucp,
-            raw: Mutex::new(Raw { context, worker, closing: Vec::new() }),
-            inbox: Box::new(Mutex::new(Inbox::default())),
+            raw: Mutex::new(Raw { context, worker, closing: Vec::new(), fetching: Vec::new() }),
+            shared: Box::new(Shared {
+                inbox: Mutex::new(Inbox::default()),
+                announced: Mutex::new(Vec::new()),
+                // Enough for what one link keeps in flight, in frames of the largest size.
+                pool: BufPool::new((cfg.max_in_flight / cfg.max_frame.max(1)).clamp(8, 256), cfg.max_frame.saturating_add(HEADER_LEN)),
+            }),
             uuid,
             blob: Vec::new(),
             next_number: AtomicU64::new(1),
@@ -160,18 +230,18 @@ impl Engine {
         Ok(Arc::new(engine))
     }
 
-    fn create(ucp: &Ucp) -> Result<(NonNull<sys::ucp_context>, NonNull<sys::ucp_worker>)> {
+    fn create(ucp: &Ucp, cfg: &UcxConfig) -> Result<(NonNull<sys::ucp_context>, NonNull<sys::ucp_worker>)> {
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: NULL prefix and file mean "UCX_" and no file; a valid out-pointer.
         let st = unsafe { (ucp.config_read)(ptr::null(), ptr::null(), &mut config) };
         if st != sys::ucs_status_t::UCS_OK {
             return Err(ucp.error("ucp_config_read (is a UCX_* variable invalid?)", st));
         }
-        for (name, value, why) in DEFAULTS {
-            if std::env::var_os(format!("UCX_{name}")).is_some() {
+        for UcxDefault { env, name, value, why } in ucx_defaults(cfg) {
+            if std::env::var_os(format!("UCX_{env}")).is_some() {
                 continue; // the user's choice wins
             }
-            let (cname, cvalue) = (CString::new(*name).expect("no NUL"), CString::new(*value).expect("no NUL"));
+            let (cname, cvalue) = (CString::new(name).expect("no NUL"), CString::new(value.as_str()).expect("no NUL"));
             // SAFETY: a live config and NUL-terminated strings, copied by UCX.
             let st = unsafe { (ucp.config_modify)(config, cname.as_ptr(), cvalue.as_ptr()) };
             if st != sys::ucs_status_t::UCS_OK {
@@ -234,7 +304,7 @@ impl Engine {
     }
 
     fn inbox_arg(&self) -> *mut c_void {
-        let p: *const Mutex<Inbox> = &*self.inbox;
+        let p: *const Shared = &*self.shared;
         p.cast_mut().cast()
     }
 
@@ -269,7 +339,17 @@ impl Engine {
     }
 
     pub(crate) fn with_inbox<R>(&self, f: impl FnOnce(&mut Inbox) -> R) -> R {
-        f(&mut lock(&self.inbox))
+        f(&mut lock(&self.shared.inbox))
+    }
+
+    /// An empty frame buffer with room for `capacity` bytes (`pool`).
+    pub(crate) fn buffer(&self, capacity: usize) -> Vec<u8> {
+        self.shared.pool.take_empty(capacity)
+    }
+
+    /// Give a frame buffer back for reuse.
+    pub(crate) fn recycle(&self, buf: Vec<u8>) {
+        self.shared.pool.give(buf);
     }
 
     /// Run UCX's progress engine (which files received messages and failures in the inbox) and
@@ -282,14 +362,73 @@ impl Engine {
             // SAFETY: a live worker, under the serializing lock.
             let n = unsafe { (self.ucp.worker_progress)(raw.worker.as_ptr()) } as usize;
             total += n;
+            // Right away: the sender's rendezvous waits for this receive to start.
+            self.fetch_announced(&mut raw);
             if n == 0 {
                 break;
             }
         }
+        if !raw.fetching.is_empty() {
+            total += self.reap_fetches(&mut raw);
+        }
         if !raw.closing.is_empty() {
-            reap_closing(self.ucp, &self.inbox, &mut raw);
+            reap_closing(self.ucp, &self.shared.inbox, &mut raw);
         }
         total
+    }
+
+    /// Start receiving the rendezvous frames the handler was told of, each into a pool buffer.
+    fn fetch_announced(&self, raw: &mut Raw) {
+        let announced = std::mem::take(&mut *lock(&self.shared.announced));
+        for a in announced {
+            let mut buf = self.shared.pool.take_len(a.len);
+            // No flags, no callback: the request is polled (`reap_fetches`); contiguous bytes.
+            let params = params_with_flags(0);
+            // SAFETY: a live worker under the serializing lock; `desc` is a descriptor this
+            // worker's handler kept (returned UCS_INPROGRESS) and is handed back exactly once,
+            // here; `buf` holds `a.len` writable bytes and stays at its address until the
+            // request completes (moved into `fetching`, or dropped only after the worker is
+            // destroyed).
+            let p = unsafe { (self.ucp.am_recv_data_nbx)(raw.worker.as_ptr(), a.desc.as_ptr(), buf.as_mut_ptr().cast(), a.len, &params) };
+            match loader::status_ptr(p) {
+                StatusPtr::Done => self.with_inbox(|ib| ib.arrive(a.header, buf, Instant::now())),
+                StatusPtr::Failed(st) => self.fetch_failed(&a.header, st),
+                StatusPtr::Pending(req) => raw.fetching.push(Fetch { req, header: a.header, buf }),
+            }
+        }
+    }
+
+    /// File the rendezvous frames UCX finished receiving. Returns how many ended.
+    fn reap_fetches(&self, raw: &mut Raw) -> usize {
+        let mut ended = 0;
+        let mut i = 0;
+        while i < raw.fetching.len() {
+            let req = raw.fetching[i].req;
+            // SAFETY: a request of this worker not yet freed, under the lock.
+            let st = unsafe { (self.ucp.request_check_status)(req.as_ptr()) };
+            if st == sys::ucs_status_t::UCS_INPROGRESS {
+                i += 1;
+                continue;
+            }
+            // SAFETY: completed, freed once (the entry is removed just below).
+            unsafe { (self.ucp.request_free)(req.as_ptr()) };
+            let f = raw.fetching.swap_remove(i);
+            ended += 1;
+            if st == sys::ucs_status_t::UCS_OK {
+                self.with_inbox(|ib| ib.arrive(f.header, f.buf, Instant::now()));
+            } else {
+                self.fetch_failed(&f.header, st);
+            }
+        }
+        ended
+    }
+
+    /// A rendezvous frame could not be received: its link cannot go on (a frame is missing).
+    fn fetch_failed(&self, h: &Header, st: sys::ucs_status_t::Type) {
+        let e = self.ucp.error("ucp_am_recv_data_nbx", st);
+        let e = Error::new(Status::PeerFailed, format!("receiving a UCX rendezvous frame failed: {}", e.message()));
+        let key = Key { link: h.link, to: h.from.other() };
+        self.with_inbox(|ib| ib.fail(&key, e));
     }
 
     fn now_ns(&self) -> u64 {
@@ -355,10 +494,15 @@ impl Engine {
     /// what it cannot send now, and the returned `InFlight` keeps the bytes until it is done.
     pub(crate) fn send(&self, ep: &Ep, buf: Vec<u8>) -> Result<Sent> {
         debug_assert!(buf.len() >= HEADER_LEN);
-        // Eager only: the receiver's handler then always gets the whole frame in its call (a
-        // rendezvous message would have to be fetched with a separate receive).
-        let params = params_with_flags(sys::ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER);
+        // Large frames by rendezvous (module docs); small ones eager, so that the handler gets
+        // them whole in its call, with no round trip.
         let (head, body) = buf.split_at(HEADER_LEN);
+        let flag = if body.len() >= self.cfg.rndv_min {
+            sys::ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV
+        } else {
+            sys::ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER
+        };
+        let params = params_with_flags(flag);
         let raw = lock(&self.raw);
         // SAFETY: a live endpoint of this worker, under the lock; header and body stay valid
         // until the request completes (the buffer moves into the returned InFlight, or into
@@ -368,7 +512,10 @@ impl Engine {
         };
         drop(raw);
         match loader::status_ptr(p) {
-            StatusPtr::Done => Ok(Sent::Done),
+            StatusPtr::Done => {
+                self.recycle(buf);
+                Ok(Sent::Done)
+            }
             StatusPtr::Failed(st) => Err(self.send_error(st)),
             StatusPtr::Pending(req) => Ok(Sent::Pending(InFlight { req, buf })),
         }
@@ -399,9 +546,10 @@ impl Engine {
                 break;
             }
             let done = q.pop_front().expect("front exists");
-            // SAFETY: a completed request, freed once; its buffer is dropped after.
+            // SAFETY: a completed request, freed once; its buffer is reused after.
             unsafe { (self.ucp.request_free)(done.req.as_ptr()) };
             released += done.len();
+            self.shared.pool.give(done.buf);
             if st != sys::ucs_status_t::UCS_OK && failure.is_none() {
                 failure = Some(self.send_error(st));
             }
@@ -428,7 +576,7 @@ impl Engine {
             }
             StatusPtr::Pending(req) => raw.closing.push(Closing::Ep { req, ep: ep.addr() }),
         }
-        reap_closing(self.ucp, &self.inbox, &mut raw);
+        reap_closing(self.ucp, &self.shared.inbox, &mut raw);
     }
 }
 
@@ -472,7 +620,7 @@ impl Drop for Engine {
                 // SAFETY: a live worker; `&mut self` excludes every other caller.
                 n += unsafe { (ucp.worker_progress)(raw.worker.as_ptr()) };
             }
-            reap_closing(ucp, &self.inbox, raw);
+            reap_closing(ucp, &self.shared.inbox, raw);
             if n == 0 {
                 std::thread::sleep(Duration::from_micros(200));
             }
@@ -480,8 +628,18 @@ impl Drop for Engine {
         if sending(raw) {
             tracing::warn!(target: "gsc::ucx", ?timeout, "UCX sends of closed links still pending at worker destruction; abandoned");
         }
+        // Rendezvous frames announced but never fetched: their descriptors go back to UCX.
+        for a in std::mem::take(&mut *lock(&self.shared.announced)) {
+            // SAFETY: a descriptor the handler kept, not handed back before (the list is taken).
+            unsafe { (ucp.am_data_release)(raw.worker.as_ptr(), a.desc.as_ptr()) };
+        }
         // UCX requires every request to be released before its worker is destroyed; released
         // ones still in progress are ended by the destruction.
+        for f in &raw.fetching {
+            // SAFETY: a receive request of this worker not yet freed, freed once (the list is
+            // cleared after the destruction, which is when its buffer may go).
+            unsafe { (ucp.request_free)(f.req.as_ptr()) };
+        }
         for c in &raw.closing {
             let req = match c {
                 Closing::Send(f) => f.req,
@@ -496,15 +654,17 @@ impl Drop for Engine {
         // buffers in `closing` nor calls our callbacks (so the inbox may go after it).
         unsafe { (ucp.worker_destroy)(raw.worker.as_ptr()) };
         raw.closing.clear();
+        raw.fetching.clear();
         // SAFETY: the context's only worker is destroyed.
         unsafe { (ucp.cleanup)(raw.context.as_ptr()) };
     }
 }
 
-/// The active-message handler: file the frame in the inbox. Runs inside `ucp_worker_progress`.
+/// The active-message handler: file an eager frame in the inbox, or announce a rendezvous one
+/// for `progress` to fetch. Runs inside `ucp_worker_progress`.
 ///
 /// # Safety
-/// Called by UCX only, with `arg` the engine's boxed inbox and header/data valid for the call.
+/// Called by UCX only, with `arg` the engine's boxed `Shared` and header/data valid for the call.
 unsafe extern "C" fn on_message(
     arg: *mut c_void,
     header: *const c_void,
@@ -515,53 +675,67 @@ unsafe extern "C" fn on_message(
 ) -> sys::ucs_status_t::Type {
     // Nothing may unwind into UCX.
     let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: `arg` is the inbox the handler was installed with; it outlives the worker.
-        let inbox = unsafe { &*arg.cast::<Mutex<Inbox>>() };
+        // SAFETY: `arg` is the `Shared` the handler was installed with; it outlives the worker.
+        let shared = unsafe { &*arg.cast::<Shared>() };
+        let inbox = &shared.inbox;
         let head: &[u8] = if header.is_null() {
             &[]
         } else {
             // SAFETY: UCX passes `header_length` readable bytes, valid during this call.
             unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) }
         };
+        // SAFETY: UCX passes a valid parameter block (or none).
+        let attr = if param.is_null() { 0 } else { unsafe { (*param).recv_attr } };
+        let rndv = attr & u64::from(sys::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
         let h = match Header::decode(head) {
             Ok(h) => h,
             Err(e) => {
+                // A rendezvous descriptor returned with UCS_OK is dropped by UCX (the sender's
+                // send completes); nothing of it is kept.
                 tracing::warn!(target: "gsc::ucx", error = %e, "message with a bad header dropped");
-                return;
+                return sys::ucs_status_t::UCS_OK;
             }
         };
-        // SAFETY: UCX passes a valid parameter block (or none).
-        let attr = if param.is_null() { 0 } else { unsafe { (*param).recv_attr } };
-        if attr & u64::from(sys::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
-            // We send eager only; a rendezvous descriptor means the sender is not gscomm's.
-            let key = Key { link: h.link, to: h.from.other() };
-            let e = Error::new(Status::PeerFailed, "UCX rendezvous message on a gscomm link (the sender is not eager-only)");
-            lock(inbox).fail(&key, e);
-            return;
+        if rndv {
+            match NonNull::new(data) {
+                Some(desc) => {
+                    lock(&shared.announced).push(Announced { header: h, desc, len: length });
+                    // Keep the descriptor: `progress` fetches it after this call returns.
+                    return sys::ucs_status_t::UCS_INPROGRESS;
+                }
+                None => {
+                    let key = Key { link: h.link, to: h.from.other() };
+                    lock(inbox).fail(&key, Error::new(Status::PeerFailed, "UCX rendezvous message without a descriptor"));
+                    return sys::ucs_status_t::UCS_OK;
+                }
+            }
         }
-        let body = if data.is_null() || length == 0 {
-            Vec::new()
-        } else {
+        let mut body = shared.pool.take_empty(length);
+        if !data.is_null() && length > 0 {
             // SAFETY: without the rendezvous flag, `data` holds `length` readable bytes during
             // this call (copied now; returning UCS_OK tells UCX we kept nothing).
-            unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) }.to_vec()
-        };
+            body.extend_from_slice(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length) });
+        }
         lock(inbox).arrive(h, body, Instant::now());
+        sys::ucs_status_t::UCS_OK
     }));
-    if r.is_err() {
-        tracing::error!(target: "gsc::ucx", "panic in the UCX message handler (bug); message dropped");
+    match r {
+        Ok(st) => st,
+        Err(_) => {
+            tracing::error!(target: "gsc::ucx", "panic in the UCX message handler (bug); message dropped");
+            sys::ucs_status_t::UCS_OK
+        }
     }
-    sys::ucs_status_t::UCS_OK
 }
 
 /// The endpoint error handler: record the failure for the owning link.
 ///
 /// # Safety
-/// Called by UCX only, with `arg` the engine's boxed inbox.
+/// Called by UCX only, with `arg` the engine's boxed `Shared`.
 unsafe extern "C" fn on_ep_error(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t::Type) {
     let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: `arg` is the inbox the endpoint was created with; it outlives the worker.
-        let inbox = unsafe { &*arg.cast::<Mutex<Inbox>>() };
+        // SAFETY: `arg` is the `Shared` the endpoint was created with; it outlives the worker.
+        let inbox = unsafe { &(*arg.cast::<Shared>()).inbox };
         let why = loader::ucp().map_or_else(|_| format!("UCX status {status}"), |u| u.describe(status));
         // A clean close arrives as a close frame: an endpoint error means the peer failed.
         let e = Error::new(Status::PeerFailed, format!("UCX endpoint failed: {why} (UCX status {status})"));

@@ -71,10 +71,10 @@ impl UcxLink {
         Ok(())
     }
 
-    /// A buffer with room for the header, then `body`.
-    fn framed(body: &[&[u8]]) -> Vec<u8> {
+    /// A buffer (from the engine's pool) with room for the header, then `body`.
+    fn framed(&self, body: &[&[u8]]) -> Vec<u8> {
         let len = body.iter().map(|p| p.len()).sum::<usize>();
-        let mut buf = Vec::with_capacity(HEADER_LEN + len);
+        let mut buf = self.engine.buffer(HEADER_LEN + len);
         buf.resize(HEADER_LEN, 0);
         for p in body {
             buf.extend_from_slice(p);
@@ -110,6 +110,7 @@ impl UcxLink {
             let end = match next {
                 Next::Frame(f) => {
                     deliver(&f);
+                    self.engine.recycle(f);
                     n += 1;
                     continue;
                 }
@@ -166,7 +167,8 @@ impl Link for UcxLink {
         {
             return Ok(false);
         }
-        self.post(Kind::Data, UcxLink::framed(parts))?;
+        let buf = self.framed(parts);
+        self.post(Kind::Data, buf)?;
         Ok(true)
     }
 
@@ -220,7 +222,8 @@ impl Link for UcxLink {
         }
         // Sequenced after every frame sent before it, so the peer delivers those first.
         let body = wire::encode_close(CloseReason::Closed, "");
-        if let Err(e) = self.post(Kind::Close, UcxLink::framed(&[&body])) {
+        let buf = self.framed(&[&body]);
+        if let Err(e) = self.post(Kind::Close, buf) {
             tracing::debug!(target: "gsc::ucx", error = %e, "close notice not sent");
         }
         tracing::debug!(target: "gsc::ucx", peer = %format_args!("{:032x}", self.peer), "UCX link closed");

@@ -47,6 +47,8 @@ pub(crate) struct Ucp {
     pub request_check_status: sys::ucp_request_check_status_fn,
     pub request_free: sys::ucp_request_free_fn,
     pub status_string: sys::ucs_status_string_fn,
+    pub am_recv_data_nbx: sys::ucp_am_recv_data_nbx_fn,
+    pub am_data_release: sys::ucp_am_data_release_fn,
     /// (major, minor, release) of the loaded library.
     pub version: (u32, u32, u32),
 }
@@ -105,6 +107,8 @@ impl Ucp {
             request_check_status: required!(lib, name, ucp_request_check_status_fn),
             request_free: required!(lib, name, ucp_request_free_fn),
             status_string: required!(lib, name, ucs_status_string_fn),
+            am_recv_data_nbx: required!(lib, name, ucp_am_recv_data_nbx_fn),
+            am_data_release: required!(lib, name, ucp_am_data_release_fn),
             version: (major, minor, release),
             _lib: lib,
         })

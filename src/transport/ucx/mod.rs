@@ -25,6 +25,7 @@ mod inbox;
 mod link;
 mod listener;
 mod loader;
+mod pool;
 mod sys;
 #[cfg(test)]
 mod tests;
@@ -51,18 +52,39 @@ pub struct UcxConfig {
     /// Bytes one link may have handed to UCX and not yet seen completed before `try_send` says
     /// the link is full.
     pub max_in_flight: usize,
+    /// Frames whose body is at least this long go by UCX's rendezvous protocol (zero-copy
+    /// where the transport can: TCP's put, cma, rc) instead of eager copies (engine.rs).
+    pub rndv_min: usize,
     /// How long destroying a worker waits for the last frames of closed links to leave.
     pub close_timeout: Duration,
 }
 
 impl Default for UcxConfig {
     fn default() -> UcxConfig {
-        UcxConfig { max_frame: DEFAULT_MAX_FRAME, max_in_flight: 8 << 20, close_timeout: Duration::from_secs(2) }
+        UcxConfig {
+            max_frame: DEFAULT_MAX_FRAME,
+            max_in_flight: 8 << 20,
+            rndv_min: DEFAULT_RNDV_MIN,
+            close_timeout: Duration::from_secs(2),
+        }
     }
 }
 
-/// The default `max_frame` (what `gsc-info -p` shows for the lane).
+impl UcxConfig {
+    /// The lane's settings from gscomm's configuration (`GSC_UCX_*`).
+    pub fn of(cfg: &crate::Config) -> UcxConfig {
+        let max_frame = cfg.ucx_max_frame;
+        // At least 32 frames in flight: with fewer, a link waits for completions between frames.
+        UcxConfig { max_frame, max_in_flight: (8 << 20).max(32 * max_frame), rndv_min: cfg.ucx_rndv_min, ..UcxConfig::default() }
+    }
+}
+
+/// The default `max_frame` (`GSC_UCX_MAX_FRAME`'s default).
 pub const DEFAULT_MAX_FRAME: usize = 256 << 10;
+/// The default `rndv_min`: off. Measured on the dev VM over UCX 1.13's TCP (docs/UCX.md), eager
+/// frames in segments that hold a whole frame beat its rendezvous (which there is a fragmented
+/// copy, not a zero-copy put) by 20–40%.
+pub const DEFAULT_RNDV_MIN: usize = usize::MAX;
 
 /// A gscomm worker's UCX lane: its UCP worker, from which the listener and every link come.
 #[derive(Clone)]

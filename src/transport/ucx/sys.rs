@@ -139,6 +139,12 @@ pub mod ucp_err_handling_mode_t {
 }
 #[repr(C)]
 #[derive(Debug)]
+pub struct ucp_rkey {
+    _unused: [u8; 0],
+}
+pub type ucp_rkey_h = *mut ucp_rkey;
+#[repr(C)]
+#[derive(Debug)]
 pub struct ucp_mem {
     _unused: [u8; 0],
 }
@@ -320,6 +326,16 @@ pub mod ucp_ep_close_flags_t {
     pub type Type = ::std::os::raw::c_uint;
     pub const UCP_EP_CLOSE_FLAG_FORCE: Type = 1;
 }
+pub mod ucp_mem_map_params_field {
+    #[allow(unused_imports)]
+    use super::*;
+    pub type Type = ::std::os::raw::c_uint;
+    pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: Type = 1;
+    pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: Type = 2;
+    pub const UCP_MEM_MAP_PARAM_FIELD_FLAGS: Type = 4;
+    pub const UCP_MEM_MAP_PARAM_FIELD_PROT: Type = 8;
+    pub const UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE: Type = 16;
+}
 pub mod ucp_dt_type {
     #[allow(unused_imports)]
     use super::*;
@@ -444,6 +460,29 @@ const _: () = {
     ["Offset of field: ucp_worker_params::client_id"][::std::mem::offset_of!(ucp_worker_params, client_id) - 192usize];
 };
 pub type ucp_worker_params_t = ucp_worker_params;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ucp_mem_map_params {
+    pub field_mask: u64,
+    pub address: *mut ::std::os::raw::c_void,
+    pub length: usize,
+    pub flags: ::std::os::raw::c_uint,
+    pub prot: ::std::os::raw::c_uint,
+    pub memory_type: ucs_memory_type_t,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+#[cfg(target_arch = "x86_64")]
+const _: () = {
+    ["Size of ucp_mem_map_params"][::std::mem::size_of::<ucp_mem_map_params>() - 40usize];
+    ["Alignment of ucp_mem_map_params"][::std::mem::align_of::<ucp_mem_map_params>() - 8usize];
+    ["Offset of field: ucp_mem_map_params::field_mask"][::std::mem::offset_of!(ucp_mem_map_params, field_mask) - 0usize];
+    ["Offset of field: ucp_mem_map_params::address"][::std::mem::offset_of!(ucp_mem_map_params, address) - 8usize];
+    ["Offset of field: ucp_mem_map_params::length"][::std::mem::offset_of!(ucp_mem_map_params, length) - 16usize];
+    ["Offset of field: ucp_mem_map_params::flags"][::std::mem::offset_of!(ucp_mem_map_params, flags) - 24usize];
+    ["Offset of field: ucp_mem_map_params::prot"][::std::mem::offset_of!(ucp_mem_map_params, prot) - 28usize];
+    ["Offset of field: ucp_mem_map_params::memory_type"][::std::mem::offset_of!(ucp_mem_map_params, memory_type) - 32usize];
+};
+pub type ucp_mem_map_params_t = ucp_mem_map_params;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct ucp_tag_recv_info {
@@ -594,6 +633,19 @@ pub type ucp_worker_progress_fn = unsafe extern "C" fn(worker: ucp_worker_h) -> 
 pub type ucp_ep_create_fn =
     unsafe extern "C" fn(worker: ucp_worker_h, params: *const ucp_ep_params_t, ep_p: *mut ucp_ep_h) -> ucs_status_t::Type;
 pub type ucp_ep_close_nbx_fn = unsafe extern "C" fn(ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t;
+pub type ucp_mem_map_fn =
+    unsafe extern "C" fn(context: ucp_context_h, params: *const ucp_mem_map_params_t, memh_p: *mut ucp_mem_h) -> ucs_status_t::Type;
+pub type ucp_mem_unmap_fn = unsafe extern "C" fn(context: ucp_context_h, memh: ucp_mem_h) -> ucs_status_t::Type;
+pub type ucp_rkey_pack_fn = unsafe extern "C" fn(
+    context: ucp_context_h,
+    memh: ucp_mem_h,
+    rkey_buffer_p: *mut *mut ::std::os::raw::c_void,
+    size_p: *mut usize,
+) -> ucs_status_t::Type;
+pub type ucp_rkey_buffer_release_fn = unsafe extern "C" fn(rkey_buffer: *mut ::std::os::raw::c_void);
+pub type ucp_ep_rkey_unpack_fn =
+    unsafe extern "C" fn(ep: ucp_ep_h, rkey_buffer: *const ::std::os::raw::c_void, rkey_p: *mut ucp_rkey_h) -> ucs_status_t::Type;
+pub type ucp_rkey_destroy_fn = unsafe extern "C" fn(rkey: ucp_rkey_h);
 pub type ucp_worker_set_am_recv_handler_fn =
     unsafe extern "C" fn(worker: ucp_worker_h, param: *const ucp_am_handler_param_t) -> ucs_status_t::Type;
 pub type ucp_am_send_nbx_fn = unsafe extern "C" fn(
@@ -603,6 +655,30 @@ pub type ucp_am_send_nbx_fn = unsafe extern "C" fn(
     header_length: usize,
     buffer: *const ::std::os::raw::c_void,
     count: usize,
+    param: *const ucp_request_param_t,
+) -> ucs_status_ptr_t;
+pub type ucp_am_recv_data_nbx_fn = unsafe extern "C" fn(
+    worker: ucp_worker_h,
+    data_desc: *mut ::std::os::raw::c_void,
+    buffer: *mut ::std::os::raw::c_void,
+    count: usize,
+    param: *const ucp_request_param_t,
+) -> ucs_status_ptr_t;
+pub type ucp_am_data_release_fn = unsafe extern "C" fn(worker: ucp_worker_h, data: *mut ::std::os::raw::c_void);
+pub type ucp_put_nbx_fn = unsafe extern "C" fn(
+    ep: ucp_ep_h,
+    buffer: *const ::std::os::raw::c_void,
+    count: usize,
+    remote_addr: u64,
+    rkey: ucp_rkey_h,
+    param: *const ucp_request_param_t,
+) -> ucs_status_ptr_t;
+pub type ucp_get_nbx_fn = unsafe extern "C" fn(
+    ep: ucp_ep_h,
+    buffer: *mut ::std::os::raw::c_void,
+    count: usize,
+    remote_addr: u64,
+    rkey: ucp_rkey_h,
     param: *const ucp_request_param_t,
 ) -> ucs_status_ptr_t;
 pub type ucp_request_check_status_fn = unsafe extern "C" fn(request: *mut ::std::os::raw::c_void) -> ucs_status_t::Type;

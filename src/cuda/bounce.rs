@@ -1,0 +1,124 @@
+//! Page-locked bounce buffers for the host-staging pipeline (core/staging.rs): GPU data that a
+//! lane cannot reach is copied by the copy engine between the GPU buffer and one of these, and
+//! the lane sends from (or the receiver fills) the bounce buffer.
+//!
+//! Page-locked because the copy engine moves page-locked memory asynchronously and at full
+//! speed; pageable memory is staged by the driver itself, in pieces, and `cuMemcpyAsync` from it
+//! is synchronous with respect to the host. Buffers come in power-of-two sizes from a
+//! process-wide pool and are never freed (freeing page-locked memory can synchronize the
+//! device, which the proxy must never risk: crate::cuda's module note). `reserve` allocates them
+//! on a user's thread when an operation that may need them is posted, so that the proxy only
+//! takes buffers from the pool; if the pool runs dry it allocates, as the staging slots do.
+
+use super::copy::primary_context;
+use super::{CtxScope, pinned};
+use crate::error::Result;
+use std::sync::Mutex;
+
+/// Smallest buffer size (smaller requests get this).
+const MIN: usize = 64 << 10;
+
+/// Free buffers' host addresses, by size class (log2 of the size).
+static POOL: Mutex<Vec<(u32, usize)>> = Mutex::new(Vec::new());
+/// Buffers ever allocated, by size class: `reserve` tops the pool up to a count, not beyond.
+static ALLOCATED: Mutex<Vec<(u32, usize)>> = Mutex::new(Vec::new());
+
+fn class_of(len: usize) -> (u32, usize) {
+    let size = len.max(MIN).next_power_of_two();
+    (size.trailing_zeros(), size)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn allocate(device: i32, class: u32, size: usize) -> Result<usize> {
+    let _scope = CtxScope::enter(primary_context(device)?)?;
+    let (host, _dev) = pinned::alloc_mapped(size)?;
+    let mut all = lock(&ALLOCATED);
+    match all.iter_mut().find(|(c, _)| *c == class) {
+        Some((_, n)) => *n += 1,
+        None => all.push((class, 1)),
+    }
+    Ok(host)
+}
+
+/// Make at least `count` buffers of `len` bytes exist in the process (allocated with `device`'s
+/// primary context; the memory is portable to every context). Call on a user's thread.
+pub(crate) fn reserve(device: i32, len: usize, count: usize) -> Result<()> {
+    let (class, size) = class_of(len);
+    loop {
+        let have = lock(&ALLOCATED).iter().find(|(c, _)| *c == class).map_or(0, |(_, n)| *n);
+        if have >= count {
+            return Ok(());
+        }
+        let host = allocate(device, class, size)?;
+        lock(&POOL).push((class, host));
+    }
+}
+
+/// One page-locked buffer of at least `len` bytes; back in the pool when dropped.
+pub(crate) struct Bounce {
+    host: usize,
+    size: usize,
+    class: u32,
+}
+
+impl Bounce {
+    /// A buffer from the pool, or a new one (allocated with `device`'s primary context).
+    pub(crate) fn take(device: i32, len: usize) -> Result<Bounce> {
+        let (class, size) = class_of(len);
+        let found = {
+            let mut pool = lock(&POOL);
+            pool.iter().position(|(c, _)| *c == class).map(|i| pool.swap_remove(i).1)
+        };
+        let host = match found {
+            Some(h) => h,
+            None => {
+                tracing::debug!(target: "gsc::cuda", size, "staging pool empty; allocating a bounce buffer");
+                allocate(device, class, size)?
+            }
+        };
+        Ok(Bounce { host, size, class })
+    }
+
+    /// The buffer's address, for the copy engine.
+    pub(crate) fn addr(&self) -> u64 {
+        self.host as u64
+    }
+
+    /// `len` bytes at `offset`. Only read once the copy engine has finished writing them.
+    pub(crate) fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        assert!(offset.checked_add(len).is_some_and(|end| end <= self.size), "bounce buffer range out of bounds");
+        // SAFETY: the range is inside this buffer (checked), which is live page-locked memory
+        // owned by this value; the caller reads it only when no copy into it is running.
+        unsafe { std::slice::from_raw_parts((self.host + offset) as *const u8, len) }
+    }
+
+    /// Copy `src` into the buffer at `offset`. Only while no copy engine transfer reads it.
+    pub(crate) fn write(&mut self, offset: usize, src: &[u8]) {
+        assert!(offset.checked_add(src.len()).is_some_and(|end| end <= self.size), "bounce buffer range out of bounds");
+        // SAFETY: the range is inside this buffer (checked), owned by this value and not read
+        // by a copy now (`&mut self`, and the caller starts copies only after writing).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), (self.host + offset) as *mut u8, src.len()) };
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        lock(&POOL).push((self.class, self.host));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::class_of;
+
+    #[test]
+    fn sizes_round_up_to_powers_of_two_from_64k() {
+        assert_eq!(class_of(1), (16, 64 << 10));
+        assert_eq!(class_of(64 << 10), (16, 64 << 10));
+        assert_eq!(class_of((64 << 10) + 1), (17, 128 << 10));
+        assert_eq!(class_of(4 << 20), (22, 4 << 20));
+    }
+}
