@@ -237,6 +237,8 @@ impl DeviceMem {
                 let mut buf = Bounce::take(device, self.pipeline_chunk)?;
                 buf.write(0, src);
                 self.acc_buf = Some((device, buf));
+                // Later frames join this copy only inside the same allocation (`set_limit`).
+                self.acc.set_limit(memory::allocation_end(dst, device)?);
             }
             Place::Direct { closed } => {
                 if let Some(range) = closed {

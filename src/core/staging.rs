@@ -38,15 +38,21 @@ pub(crate) struct ChunkPlan {
 
 /// The next chunk to stage: skips frames from `from` that carry no GPU payload, then takes the
 /// run of GPU frames that continue each other in memory, up to `max` bytes (at least one frame,
-/// whatever its size). `None` when no GPU frame follows `from`. The caller keeps `from` past
-/// every frame already looked at (`ChunkPlan::start + frames`), so a long queue is walked once.
-pub(crate) fn next_chunk(queue: &VecDeque<OutFrame>, from: usize, max: usize) -> Option<ChunkPlan> {
+/// whatever its size), and within the allocation of the first (`end_of(addr)`: where the GPU
+/// allocation holding `addr` ends; one copy cannot span two allocations, and separately
+/// allocated send buffers may be adjacent). `None` when no GPU frame follows `from`. The caller
+/// keeps `from` past every frame already looked at (`ChunkPlan::start + frames`), so a long
+/// queue is walked once.
+pub(crate) fn next_chunk(queue: &VecDeque<OutFrame>, from: usize, max: usize, end_of: impl Fn(usize) -> usize) -> Option<ChunkPlan> {
     let start = (from..queue.len()).find(|&i| matches!(queue[i].payload, Payload::Device { .. }))?;
     let Payload::Device { addr, len } = queue[start].payload else { unreachable!("found above") };
     let mut plan = ChunkPlan { start, frames: 1, addr, len };
+    let mut end = None;
     for f in queue.iter().skip(start + 1) {
         match f.payload {
-            Payload::Device { addr, len } if addr == plan.addr + plan.len && plan.len + len <= max => {
+            Payload::Device { addr, len }
+                if addr == plan.addr + plan.len && plan.len + len <= max && addr + len <= *end.get_or_insert_with(|| end_of(plan.addr)) =>
+            {
                 plan.frames += 1;
                 plan.len += len;
             }
@@ -74,12 +80,23 @@ pub(crate) enum Place {
 pub(crate) struct Accumulator {
     /// (GPU address of the buffer's first byte, bytes in it).
     open: Option<(usize, usize)>,
+    /// End of the GPU allocation the open range lies in (`set_limit`): one copy cannot span two
+    /// allocations (`cuMemcpyAsync` refuses it), and two receive buffers allocated separately may
+    /// well be adjacent (small `cuMemAlloc`s share a 2 MiB block), so frames that follow on in
+    /// address but land in the next allocation open a buffer of their own.
+    limit: usize,
     capacity: usize,
 }
 
 impl Accumulator {
     pub(crate) fn new(capacity: usize) -> Accumulator {
-        Accumulator { open: None, capacity }
+        Accumulator { open: None, limit: 0, capacity }
+    }
+
+    /// The open range lies in an allocation ending at `end` (called after `Place::Open`; until
+    /// then nothing is appended to a range).
+    pub(crate) fn set_limit(&mut self, end: usize) {
+        self.limit = end;
     }
 
     /// Decide where `len` bytes for `dst` go, and account for them.
@@ -87,6 +104,7 @@ impl Accumulator {
         if let Some((start, filled)) = &mut self.open
             && dst == *start + *filled
             && *filled + len <= self.capacity
+            && dst + len <= self.limit
         {
             let offset = *filled;
             *filled += len;
@@ -97,6 +115,7 @@ impl Accumulator {
             return Place::Direct { closed };
         }
         self.open = Some((dst, len));
+        self.limit = dst + len;
         Place::Open { closed }
     }
 
@@ -192,18 +211,24 @@ mod tests {
         q.push_back(frame(Payload::Owned(vec![1, 2, 3])));
         q.push_back(dev(0x90_0000, 100));
         // Up to 512 KiB a chunk: two frames each, then the lone frame after the host frame.
-        let a = next_chunk(&q, 0, 512 * K).unwrap();
+        let a = next_chunk(&q, 0, 512 * K, |_| usize::MAX).unwrap();
         assert_eq!(a, ChunkPlan { start: 1, frames: 2, addr: 0x10_0000, len: 512 * K });
-        let b = next_chunk(&q, a.start + a.frames, 512 * K).unwrap();
+        let b = next_chunk(&q, a.start + a.frames, 512 * K, |_| usize::MAX).unwrap();
         assert_eq!(b, ChunkPlan { start: 3, frames: 2, addr: 0x10_0000 + 512 * K, len: 512 * K });
-        let c = next_chunk(&q, b.start + b.frames, 512 * K).unwrap();
+        let c = next_chunk(&q, b.start + b.frames, 512 * K, |_| usize::MAX).unwrap();
         assert_eq!(c, ChunkPlan { start: 6, frames: 1, addr: 0x90_0000, len: 100 });
-        assert_eq!(next_chunk(&q, 7, 512 * K), None);
+        assert_eq!(next_chunk(&q, 7, 512 * K, |_| usize::MAX), None);
         // A frame larger than the limit still makes a chunk of its own.
-        assert_eq!(next_chunk(&q, 0, 1000).unwrap(), ChunkPlan { start: 1, frames: 1, addr: 0x10_0000, len: 256 * K });
+        assert_eq!(next_chunk(&q, 0, 1000, |_| usize::MAX).unwrap(), ChunkPlan { start: 1, frames: 1, addr: 0x10_0000, len: 256 * K });
         // Frames that do not continue each other in memory split chunks.
         let q2: VecDeque<OutFrame> = [dev(0, 10), dev(20, 10)].into_iter().collect();
-        assert_eq!(next_chunk(&q2, 0, 1 << 20).unwrap().frames, 1);
+        assert_eq!(next_chunk(&q2, 0, 1 << 20, |_| usize::MAX).unwrap().frames, 1);
+        // Frames that continue each other in address but not in allocation split chunks too:
+        // two 256 KiB send buffers side by side, the first allocation ending where the second
+        // begins.
+        let alloc_end = |a: usize| if a < 0x10_0000 + 256 * K { 0x10_0000 + 256 * K } else { usize::MAX };
+        let a = next_chunk(&q, 0, 1 << 20, alloc_end).unwrap();
+        assert_eq!(a, ChunkPlan { start: 1, frames: 1, addr: 0x10_0000, len: 256 * K });
     }
 
     #[test]
@@ -211,6 +236,7 @@ mod tests {
         let mut a = Accumulator::new(100);
         assert_eq!(a.open(), None);
         assert_eq!(a.place(1000, 40), Place::Open { closed: None });
+        a.set_limit(1 << 20);
         assert_eq!(a.place(1040, 40), Place::Append { offset: 40 });
         assert!(!a.is_full());
         assert_eq!(a.place(1080, 20), Place::Append { offset: 80 });
@@ -219,6 +245,17 @@ mod tests {
         // Full: the next frame opens another buffer, closing the full one.
         assert_eq!(a.place(1100, 10), Place::Open { closed: Some((1000, 100)) });
         assert_eq!(a.open(), Some((1100, 10)));
+        // Following on in address but past the end of the allocation: another buffer.
+        a.set_limit(1110);
+        assert_eq!(a.place(1110, 10), Place::Open { closed: Some((1100, 10)) });
+        // Without a limit set after opening, nothing is appended.
+        assert_eq!(a.place(1120, 10), Place::Open { closed: Some((1110, 10)) });
+        a.set_limit(1 << 20);
+        assert_eq!(a.place(1130, 10), Place::Append { offset: 10 });
+        assert_eq!(a.place(5000, 10), Place::Open { closed: Some((1120, 20)) });
+        assert_eq!(a.close(), Some((5000, 10)));
+        assert_eq!(a.place(1100, 10), Place::Open { closed: None });
+        a.set_limit(1 << 20);
         // Not following on (another message): a new buffer.
         assert_eq!(a.place(5000, 10), Place::Open { closed: Some((1100, 10)) });
         assert_eq!(a.close(), Some((5000, 10)));

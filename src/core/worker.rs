@@ -1504,7 +1504,15 @@ impl State {
         let State { conns, device, .. } = self;
         let Some(c) = conns.get_mut(conn) else { return Ok(()) };
         while c.chunks_staging < device.pipeline_depth {
-            let Some(plan) = staging::next_chunk(&c.outq, c.staged_upto, device.pipeline_chunk) else {
+            // Where the first frame's allocation ends: unknown (a failed query) joins nothing.
+            let end_of = |addr: usize| {
+                crate::cuda::memory::device_ptr(addr)
+                    .ok()
+                    .flatten()
+                    .and_then(|p| crate::cuda::memory::allocation_end(addr, p.device).ok())
+                    .unwrap_or(addr)
+            };
+            let Some(plan) = staging::next_chunk(&c.outq, c.staged_upto, device.pipeline_chunk, end_of) else {
                 c.staged_upto = c.outq.len();
                 break;
             };

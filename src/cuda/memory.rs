@@ -136,6 +136,15 @@ pub(crate) fn device_ptr(addr: usize) -> Result<Option<DevicePtr>> {
     Ok(Some(DevicePtr { device, buffer_id }))
 }
 
+/// One past the last byte of the device allocation holding `addr` (on `device`).
+pub(crate) fn allocation_end(addr: usize, device: i32) -> Result<usize> {
+    let _scope = super::CtxScope::enter(super::copy::primary_context(device)?)?;
+    let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: valid out-pointers; the driver only looks the address up.
+    super::check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, addr as cu::CUdeviceptr) }, "cuMemGetAddressRange")?;
+    Ok(base as usize + size)
+}
+
 /// The memory type of `addr`, detected.
 pub(crate) fn memtype_of(addr: usize) -> Result<MemType> {
     Ok(if device_ptr(addr)?.is_some() { MemType::Cuda } else { MemType::Host })
