@@ -415,9 +415,6 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
     const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank, b = blockIdx.x;
     const unsigned long long region = a->chunk, round_bytes = region * gridDim.x;
     int ok = 1;
-    /* All-reduce: the round whose sums are still to be copied into the receive buffer. */
-    unsigned long long out_off = 0, out_len = 0, out_par = 0;
-    #define GSC_BIG_OUT_AT(q, p) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + (p)) * GSC_BIG_ROUND_MAX + b * region)
     for (unsigned long long k = 0; ok && k < a->rounds; k++) {
         const unsigned long long e = e0 + k, par = e & 1;
         const unsigned long long off = k * round_bytes + b * region;
@@ -473,10 +470,6 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             const unsigned long long q0 = q * slice, q1 = GSC_SLICE_END(q);
             if (q0 < q1) gsc_big_copy_input<T, OP>(GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
         }
-        /* The previous round's sums into the receive buffer while those NVLink writes drain
-         * (local traffic beside them). Safe: peers write that parity of our "out" area again in
-         * round k + 1's reduction, which waits for our round k + 1 "in" flag, raised after this. */
-        if (k > 0) gsc_big_copy((unsigned char *)a->recv + out_off, GSC_BIG_OUT_AT(me, out_par), out_len, true);
         if (!(ok = gsc_big_flags(a, 0, e))) break;
         /* Reduce our slice from the n copies (rank order) and push the sum to every rank. */
         const unsigned long long s1 = GSC_SLICE_END(me) > me * slice ? GSC_SLICE_END(me) - me * slice : 0;
@@ -495,18 +488,12 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             for (unsigned long long q = 0; q < n; q++) *(uint4 *)(GSC_BIG_OUT(q) + me * slice + i) = acc.v;
         }
         if (!(ok = gsc_big_flags(a, 1, e))) break;
-        /* Every slice's sum is in our "out" area: copied into the receive buffer beside the
-         * next round's pushes, or after the last round. */
-        out_off = off;
-        out_len = len;
-        out_par = par;
+        /* Every slice's sum is in our "out" area: into the receive buffer. */
+        gsc_big_copy((unsigned char *)a->recv + off, GSC_BIG_OUT(me), len, true);
         #undef GSC_SLICE_END
         #undef GSC_BIG_IN
         #undef GSC_BIG_OUT
     }
-    if (ok && a->kind != GSC_REDUCE_SCATTER && a->kind != GSC_ALL_GATHER && a->rounds > 0)
-        gsc_big_copy((unsigned char *)a->recv + out_off, GSC_BIG_OUT_AT(me, out_par), out_len, true);
-    #undef GSC_BIG_OUT_AT
     gsc_coll_end(a, e0 + a->rounds - 1, ok);
 }
 
