@@ -95,6 +95,13 @@ const SIZES: [usize; 9] = [0, 1, 128, 129, 65_535, 65_536, 65_537, 1 << 20, 64 <
 const GRAPH_ROUNDS: usize = 10_000;
 const CAPTURE_ROUNDS: usize = 1_000;
 const KERNEL_ROUNDS: u64 = 500;
+
+/// `n` rounds, divided by `GSC_TEST_ROUNDS_DIVISOR` (default 1): compute-sanitizer's racecheck
+/// runs kernels hundreds of times slower, and 10,000 replays do not fit a device run there.
+fn rounds(n: usize) -> usize {
+    let d = std::env::var("GSC_TEST_ROUNDS_DIVISOR").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
+    (n / d).max(1)
+}
 const ROUND_BYTES: usize = 4096;
 
 /// One side's scenario list; `side` 0 is the test process, 1 the child.
@@ -159,7 +166,8 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     let _ = check;
     let exec = g.instantiate().unwrap();
     let t0 = Instant::now();
-    for _ in 0..GRAPH_ROUNDS {
+    let graph_rounds = rounds(GRAPH_ROUNDS);
+    for _ in 0..graph_rounds {
         exec.launch(&stream).unwrap();
     }
     stream.synchronize().unwrap();
@@ -172,7 +180,7 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
             format!("errors={} query={:?}", pinned_u64(&err), gc.query())
         },
     );
-    eprintln!("side {side}: {GRAPH_ROUNDS} graph replays in {dt:?} ({:.1} us/replay)", dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64);
+    eprintln!("side {side}: {graph_rounds} graph replays in {dt:?} ({:.1} us/replay)", dt.as_secs_f64() * 1e6 / graph_rounds as f64);
     drop(exec);
     drop(g);
 
@@ -191,7 +199,7 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
     k.check_round.launch(1, 256, &cap, &[dst.device_ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()]).unwrap();
     let cg = cap.end_capture().unwrap();
     let cexec = cg.instantiate().unwrap();
-    for _ in 0..CAPTURE_ROUNDS {
+    for _ in 0..rounds(CAPTURE_ROUNDS) {
         cexec.launch(&stream).unwrap();
     }
     stream.synchronize().unwrap();
@@ -210,7 +218,16 @@ fn scenarios(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, report: &mut dyn Fn
             1,
             256,
             &stream,
-            &[hs.device_handle, hr.device_handle, src.device_ptr(), dst.device_ptr(), n, KERNEL_ROUNDS, side, err.device_ptr()],
+            &[
+                hs.device_handle,
+                hr.device_handle,
+                src.device_ptr(),
+                dst.device_ptr(),
+                n,
+                rounds(KERNEL_ROUNDS as usize) as u64,
+                side,
+                err.device_ptr(),
+            ],
         )
         .unwrap();
     stream.synchronize().unwrap();
