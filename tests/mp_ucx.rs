@@ -6,7 +6,10 @@
 //!   the lane choice itself must pick UCX (the namespaces count as two hosts). The test makes the
 //!   namespaces (root needed) and skips with a printed reason where it cannot;
 //! - a peer SIGKILLed in the middle of a 64 MiB exchange: the survivor's requests end with an
-//!   error within a bounded time.
+//!   error within a bounded time;
+//! - host-memory collectives (`HostComm`: all-reduce, reduce-scatter, all-gather, broadcast)
+//!   between the two ranks, on this host with `GSC_TLS=ucx` and between the namespaces, every
+//!   result checked exactly.
 //!
 //! Both ranks are children of the test (each with its own UCX environment, which the test process
 //! itself cannot change safely); the test relays addresses and collects results. Every wait is
@@ -128,7 +131,72 @@ fn prepared_exchange(w: &Worker, ep: &Endpoint, me: u64) -> Vec<Status> {
 
 /// The roles. "rank0"/"rank1": connect to the peer, exchange tag messages and prepared rounds,
 /// report. "survivor"/"victim": the peer-failure scenario (see `peer_killed_mid_transfer_ucx`).
+/// Rank `rank`'s input of `len` bytes for collective case `case`.
+fn coll_input(rank: usize, case: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 11 + rank * 97 + case * 37 + 3) as u8).collect()
+}
+
+/// One rank of the collectives: bootstrap (rank 0 hosts the root at the address the test gives
+/// it), a `HostComm`, then every collective on sizes that are eager and rendezvous over UCX.
+/// Reports "ok" or what went wrong.
+fn coll_role(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
+    use gscomm::bootstrap::{Bootstrap, UniqueId};
+    use gscomm::collectives::{DataType, HostComm, RedOp, types::reduce_reference};
+    let rank = usize::from(role == "coll1");
+    let uid = if rank == 0 {
+        let ip: std::net::IpAddr = String::from_utf8(chan.get("ip")).unwrap().parse().unwrap();
+        let uid = UniqueId::create(Some(ip)).unwrap();
+        chan.put("uid", &uid.to_bytes());
+        uid
+    } else {
+        UniqueId::from_bytes(&chan.get("uid")).unwrap()
+    };
+    let run = || -> Result<(), String> {
+        let boot = Bootstrap::init(&uid, rank as u32, 2, T).map_err(|e| e.to_string())?;
+        let comm = HostComm::new(&boot, ctx.config()).map_err(|e| e.to_string())?;
+        let lane = comm.lane_to(1 - rank).map_err(|e| e.to_string())?;
+        if lane.name() != "ucx" {
+            return Err(format!("the peer is reached over {}, not UCX", lane.name()));
+        }
+        let cases =
+            [(DataType::Int32, RedOp::Sum, 1usize), (DataType::Float32, RedOp::Sum, (1 << 20) + 3), (DataType::Float16, RedOp::Max, 999)];
+        for (case, &(dtype, op, count)) in cases.iter().enumerate() {
+            let len = count * dtype.size();
+            let inputs: Vec<Vec<u8>> = (0..2).map(|r| coll_input(r, case, len)).collect();
+            let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+            let mut out = vec![0u8; len];
+            comm.all_reduce(&inputs[rank], &mut out, dtype, op).map_err(|e| format!("all_reduce {case}: {e}"))?;
+            if out != reduce_reference(dtype, op, &refs) {
+                return Err(format!("all_reduce case {case} differs"));
+            }
+            let mut part = vec![0u8; len / 2 / dtype.size() * dtype.size()];
+            let whole: Vec<Vec<u8>> = inputs.iter().map(|i| i[..part.len() * 2].to_vec()).collect();
+            comm.reduce_scatter(&whole[rank], &mut part, dtype, op).map_err(|e| format!("reduce_scatter {case}: {e}"))?;
+            let slices: Vec<&[u8]> = whole.iter().map(|w| &w[rank * part.len()..(rank + 1) * part.len()]).collect();
+            if !part.is_empty() && part != reduce_reference(dtype, op, &slices) {
+                return Err(format!("reduce_scatter case {case} differs"));
+            }
+            let mut all = vec![0u8; 2 * len];
+            comm.all_gather(&inputs[rank], &mut all).map_err(|e| format!("all_gather {case}: {e}"))?;
+            if all != inputs.concat() {
+                return Err(format!("all_gather case {case} differs"));
+            }
+            let mut b = if rank == 1 { inputs[1].clone() } else { vec![0u8; len] };
+            comm.broadcast(&mut b, 1).map_err(|e| format!("broadcast {case}: {e}"))?;
+            if b != inputs[1] {
+                return Err(format!("broadcast case {case} differs"));
+            }
+        }
+        boot.barrier().map_err(|e| e.to_string())
+    };
+    let result = run();
+    chan.put("result", result.as_ref().map_or_else(|e| e.as_bytes(), |()| b"ok".as_slice()));
+}
+
 fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
+    if role.starts_with("coll") {
+        return coll_role(role, chan, ctx);
+    }
     let w = ctx.create_worker().unwrap();
     chan.put("addr", w.address());
     let ep = w.connect(&chan.get("peer")).unwrap();
@@ -247,6 +315,30 @@ fn exchange(test: &str, cfg: &[(&str, &str)], wrappers: [&[&str]; 2]) {
     println!("{test}: {:?}", t0.elapsed());
 }
 
+/// Host collectives between two ranks (children, through their wrappers); rank 0 hosts the
+/// bootstrap root on `ip`.
+fn collectives(test: &str, cfg: &[(&str, &str)], wrappers: [&[&str]; 2], ip: &str) {
+    let t0 = Instant::now();
+    let mut a = spawn_child_with(test, "coll0", cfg, UCX_ENV, wrappers[0]);
+    let mut b = spawn_child_with(test, "coll1", cfg, UCX_ENV, wrappers[1]);
+    a.put("ip", ip.as_bytes());
+    let uid = a.get("uid", T);
+    b.put("uid", &uid);
+    for c in [&mut a, &mut b] {
+        let r = c.get("result", T);
+        assert_eq!(String::from_utf8_lossy(&r), "ok", "{}", c.role);
+    }
+    for c in [&mut a, &mut b] {
+        c.wait_success(T);
+    }
+    println!("{test}: {:?}", t0.elapsed());
+}
+
+#[test]
+fn host_collectives_over_ucx_tcp() {
+    child_or(|| collectives("host_collectives_over_ucx_tcp", &[("GSC_TLS", "ucx")], [&[], &[]], "127.0.0.1"));
+}
+
 #[test]
 fn tag_and_prepared_over_ucx_tcp() {
     child_or(|| exchange("tag_and_prepared_over_ucx_tcp", &[("GSC_TLS", "ucx")], [&[], &[]]));
@@ -329,6 +421,21 @@ fn tag_and_prepared_between_network_namespaces() {
         // Default GSC_TLS (every lane): the ranks are on one machine, yet in different network
         // namespaces, so they count as two hosts and must pick UCX on their own.
         exchange("tag_and_prepared_between_network_namespaces", &[], [&pair.wrapper(0), &pair.wrapper(1)]);
+    });
+}
+
+#[test]
+fn host_collectives_between_network_namespaces() {
+    child_or(|| {
+        let pair = match NetnsPair::create() {
+            Ok(p) => p,
+            Err(why) => {
+                println!("skipped: cannot make network namespaces here: {why}");
+                return;
+            }
+        };
+        // The bootstrap root listens in the first namespace, on its end of the veth pair.
+        collectives("host_collectives_between_network_namespaces", &[], [&pair.wrapper(0), &pair.wrapper(1)], "10.213.7.1");
     });
 }
 

@@ -5,14 +5,17 @@
 //! reduce-scatter, broadcast, reduce) on NCCL's datatypes and operators (types.rs) run as
 //! kernels on the caller's stream or as nodes of its graph (`cuda::coll`): small ones in one
 //! round, larger ones in rounds of 64 KiB per rank. Send/recv between ranks (p2p.rs) go through
-//! the point-to-point engine on a worker of the communicator's own. The NCCL-ABI library is the
-//! workspace member nccl/.
+//! the point-to-point engine on a worker of the communicator's own. `HostComm` (host.rs): the
+//! same collectives on host memory between ranks on any hosts, over the point-to-point engine
+//! (UCX between hosts). The NCCL-ABI library is the workspace member nccl/.
 
 pub(crate) mod agreement;
 pub mod comm;
+pub mod host;
 pub mod p2p;
 pub mod select;
 pub mod types;
 
 pub use comm::{Communicator, PremulKind, Registration};
+pub use host::HostComm;
 pub use types::{DataType, PreMulScalar, RedOp};

@@ -104,6 +104,14 @@ impl PeerLinks {
         Ok(())
     }
 
+    /// The lane this rank's transfers to `peer` take (connecting first if need be).
+    pub fn lane_to(&self, peer: usize) -> Result<crate::transport::LaneKind> {
+        if peer >= self.addresses.len() {
+            return Err(Error::invalid_param(format!("peer {peer} of a communicator of {} ranks", self.addresses.len())));
+        }
+        self.endpoint(peer)?.lane()
+    }
+
     /// The endpoint to `peer`, made at the first use.
     fn endpoint(&self, peer: usize) -> Result<Arc<Endpoint>> {
         let mut eps = self.endpoints.lock().unwrap_or_else(|e| e.into_inner());
