@@ -48,8 +48,10 @@ pub struct HostComm {
     failed: Mutex<Option<Error>>,
 }
 
-/// One transfer of a step: `PeerOp`, peer, and the byte range of a buffer.
-type Transfer = (PeerOp, usize, *const u8, usize);
+/// One transfer of a step: `PeerOp`, peer, and the byte range of a buffer. Receive ranges
+/// come from `as_mut_ptr` of their buffer (the engine writes through them); send ranges are
+/// only read.
+type Transfer = (PeerOp, usize, *mut u8, usize);
 
 impl HostComm {
     /// Make this rank's side of the communicator: a worker and a host stream of its own, and
@@ -120,7 +122,7 @@ impl HostComm {
         if root >= self.nranks {
             return Err(Error::invalid_param(format!("root {root} of a communicator of {} ranks", self.nranks)));
         }
-        let (ptr, len) = (buf.as_ptr(), buf.len());
+        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
         let steps: Vec<Transfer> = if self.rank == root {
             (0..self.nranks).filter(|&q| q != root).map(|q| (PeerOp::Send, q, ptr, len)).collect()
         } else {
@@ -137,10 +139,10 @@ impl HostComm {
         let (_, my_len) = parts[self.rank];
         let mut copies: Vec<Vec<u8>> = (0..self.nranks).map(|_| vec![0u8; my_len]).collect();
         let mut steps: Vec<Transfer> = Vec::with_capacity(2 * self.nranks);
-        for q in (0..self.nranks).filter(|&q| q != self.rank) {
-            steps.push((PeerOp::Recv, q, copies[q].as_ptr(), my_len));
+        for (q, copy) in copies.iter_mut().enumerate().filter(|(q, _)| *q != self.rank) {
+            steps.push((PeerOp::Recv, q, copy.as_mut_ptr(), my_len));
             let (at, len) = parts[q];
-            steps.push((PeerOp::Send, q, send[at..at + len].as_ptr(), len));
+            steps.push((PeerOp::Send, q, send[at..at + len].as_ptr() as *mut u8, len));
         }
         // SAFETY: each range lies in `send` (borrowed for the call) or in a `copies` buffer,
         // which lives to the end of this function; `run` returns only once every transfer ended.
@@ -158,10 +160,13 @@ impl HostComm {
     /// part comes into ours.
     fn gather_parts(&self, mine: &[u8], recv: &mut [u8], parts: &[(usize, usize)]) -> Result<()> {
         let mut steps: Vec<Transfer> = Vec::with_capacity(2 * self.nranks);
+        // One base pointer for every part, so no later borrow of `recv` invalidates another's.
+        let base = recv.as_mut_ptr();
         for q in (0..self.nranks).filter(|&q| q != self.rank) {
             let (at, len) = parts[q];
-            steps.push((PeerOp::Recv, q, recv[at..at + len].as_ptr(), len));
-            steps.push((PeerOp::Send, q, mine.as_ptr(), mine.len()));
+            // SAFETY: `at + len <= recv.len()` (the parts cover `recv`).
+            steps.push((PeerOp::Recv, q, unsafe { base.add(at) }, len));
+            steps.push((PeerOp::Send, q, mine.as_ptr() as *mut u8, mine.len()));
         }
         // SAFETY: each range lies in `recv` (borrowed mutably for the call; the ranges of
         // different peers do not overlap) or in `mine`; `run` returns once every transfer ended.
