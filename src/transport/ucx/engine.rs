@@ -782,25 +782,20 @@ impl Engine {
                 drop(raw);
                 return if st == sys::ucs_status_t::UCS_OK { self.got(len) } else { Err(self.rma_error("ucp_get_nbx", st)) };
             }
-            if Instant::now() >= deadline {
-                ep.dead.store(true, Ordering::Relaxed);
-                let close = params_with_flags(sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE);
-                // SAFETY: a live endpoint (not dead until the line above, under this lock),
-                // closed once: `dead` keeps every later call (the link's drop included) off it.
-                // A forced close completes the endpoint's outstanding requests as canceled.
-                let p = unsafe { (self.ucp.ep_close_nbx)(ep.raw.as_ptr(), &close) };
-                match loader::status_ptr(p) {
-                    StatusPtr::Pending(creq) => raw.closing.push(Closing::Ep { req: creq, ep: ep.addr() }),
-                    _ => self.with_inbox(|ib| ib.forget_ep(ep.addr())),
-                }
-                // SAFETY: our request, freed once; UCX releases it when it completes (now
-                // canceled by the forced close).
-                unsafe { (self.ucp.request_free)(req.as_ptr()) };
+            // The link failed (the endpoint error callback ran during `progress`): UCX 1.13's
+            // TCP does not always complete an outstanding get when its endpoint fails (seen in
+            // peer_killed_during_a_get_ucx: the request stayed in progress until the deadline),
+            // so the failure ends the read here, as the deadline does.
+            let failed = self.with_inbox(|ib| ib.failure(key));
+            if failed.is_some() || Instant::now() >= deadline {
+                self.abandon_get(&mut raw, ep, req);
                 drop(raw);
-                let e = Error::new(
-                    Status::TimedOut,
-                    format!("UCX remote read of {len} bytes not done within {:?}; link closed", self.cfg.rma_timeout),
-                );
+                let e = failed.unwrap_or_else(|| {
+                    Error::new(
+                        Status::TimedOut,
+                        format!("UCX remote read of {len} bytes not done within {:?}; link closed", self.cfg.rma_timeout),
+                    )
+                });
                 self.with_inbox(|ib| ib.fail(key, e.clone()));
                 return Err(e);
             }
@@ -809,6 +804,24 @@ impl Engine {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// End a get that will not complete: force-close its endpoint (which cancels the
+    /// endpoint's requests, so UCX no longer writes into the read's buffer) and release the
+    /// request. `dead` keeps every later call, the link's drop included, off the endpoint.
+    fn abandon_get(&self, raw: &mut Raw, ep: &Ep, req: NonNull<c_void>) {
+        ep.dead.store(true, Ordering::Relaxed);
+        let close = params_with_flags(sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE);
+        // SAFETY: a live endpoint (not dead until the line above; the caller holds the `raw`
+        // lock), closed once.
+        let p = unsafe { (self.ucp.ep_close_nbx)(ep.raw.as_ptr(), &close) };
+        match loader::status_ptr(p) {
+            StatusPtr::Pending(creq) => raw.closing.push(Closing::Ep { req: creq, ep: ep.addr() }),
+            _ => self.with_inbox(|ib| ib.forget_ep(ep.addr())),
+        }
+        // SAFETY: our request, freed once; UCX releases it when it completes (canceled by the
+        // forced close).
+        unsafe { (self.ucp.request_free)(req.as_ptr()) };
     }
 
     fn got(&self, len: usize) -> Result<()> {

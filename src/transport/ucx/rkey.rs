@@ -70,6 +70,10 @@ impl RemoteKey<'_> {
         if b[4] != VERSION {
             return Err(bad(&format!("version {} (this build reads {VERSION})", b[4])));
         }
+        if b[5] != 0 {
+            // Strict: a later version that uses the byte bumps `VERSION` instead.
+            return Err(bad("reserved byte set"));
+        }
         let n = usize::from(u16::from_le_bytes([b[6], b[7]]));
         if n == 0 || n > MAX_UCX_RKEY {
             return Err(bad(&format!("UCX rkey length {n}")));
@@ -108,7 +112,7 @@ mod tests {
         // Truncated, extended, wrong magic / version / length field.
         assert!(RemoteKey::decode(&b[..b.len() - 1]).is_err());
         assert!(RemoteKey::decode(&[b.as_slice(), &[0]].concat()).is_err());
-        for (at, v) in [(0, b'X'), (4, 2), (6, 0), (7, 0x80)] {
+        for (at, v) in [(0, b'X'), (4, 2), (5, 1), (6, 0), (7, 0x80)] {
             let mut m = b.clone();
             m[at] = v;
             assert!(RemoteKey::decode(&m).is_err(), "byte {at} = {v}");
