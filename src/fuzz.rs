@@ -36,6 +36,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("coll_signature", |b| drop(crate::collectives::agreement::Signature::decode(b))),
     ("ucx_address", |b| drop(crate::transport::ucx::address::UcxAddress::decode(b))),
     ("ucx_frame", ucx_frame),
+    ("ucx_rkey", ucx_rkey),
 ];
 
 /// Run target `name` on `data` (what each fuzz/fuzz_targets/*.rs does).
@@ -67,6 +68,18 @@ fn ucx_frame(b: &[u8]) {
     drop(wire::Header::decode(head));
     drop(wire::Hello::decode(body));
     drop(wire::decode_close(body));
+}
+
+/// A UCX lane remote key as an RTS payload brings it: the decoder, then the range check the
+/// link applies before any get (it must not overflow on any key and address).
+fn ucx_rkey(b: &[u8]) {
+    use crate::transport::ucx::rkey::RemoteKey;
+    if let Ok(k) = RemoteKey::decode(b) {
+        assert!(!k.ucx.is_empty() && k.ucx.len() <= crate::transport::ucx::rkey::MAX_UCX_RKEY);
+        let _ = k.covers(k.base, usize::try_from(k.len).unwrap_or(usize::MAX));
+        let _ = k.covers(u64::MAX, usize::MAX);
+        assert_eq!(RemoteKey { base: k.base, len: k.len, ucx: k.ucx }.encode().ok().as_deref(), Some(b), "re-encoding differs");
+    }
 }
 
 /// The unique id's binary form and its string form (what a launcher passes in the environment).
@@ -157,6 +170,13 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 [close.encode().as_slice(), &wire::encode_close(wire::CloseReason::Closed, "bye")].concat(),
             ]
         }
+        "ucx_rkey" => {
+            use crate::transport::ucx::rkey::{MAX_UCX_RKEY, RemoteKey};
+            [(0x7f00_0000_1000u64, 1u64 << 20, vec![0x5a; 18]), (0, 0, vec![1]), (1 << 40, 64 << 20, vec![0xc3; MAX_UCX_RKEY])]
+                .iter()
+                .map(|(base, len, ucx)| RemoteKey { base: *base, len: *len, ucx }.encode().expect("a valid key"))
+                .collect()
+        }
         other => panic!("no fuzz target named {other}"),
     }
 }
@@ -219,6 +239,7 @@ mod tests {
                             Err(_) => false,
                         }
                     }
+                    "ucx_rkey" => crate::transport::ucx::rkey::RemoteKey::decode(&seed).is_ok(),
                     other => panic!("no seed check for {other}"),
                 };
                 assert!(ok, "{name}: a seed its decoder refuses");

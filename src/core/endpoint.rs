@@ -100,11 +100,31 @@ impl Endpoint {
         self.worker.start_staged_op(ReqKind::Send, Some(self.conn), params, stage, move |st, req, out| {
             let conn = key.usable(st)?;
             let buf = UserBuf { addr, len, mem };
-            let device_key = match st.engine.tag.protocol_for(conn, buf)? {
-                ProtoId::RndvGet => gpu_key.clone(),
+            let proto = st.engine.tag.protocol_for(conn, buf)?;
+            // A host buffer offered for reading on a lane that reads by key (UCX): the link
+            // opens it and the key rides in the RTS (in `device_key`'s place; the engine tells
+            // them apart by memory type). The hold keeps the registration until the send
+            // completes. A registration that fails only costs the zero copy: the receiver,
+            // seeing no key, asks for a push.
+            let exposed = match (proto, mem) {
+                (ProtoId::RndvGet, MemType::Host) if st.conns[conn].props.lane.remote_needs_key() => {
+                    st.conns[conn].link_ref().expose(addr, len).unwrap_or_else(|e| {
+                        tracing::debug!(target: "gsc::core", error = %e, "send buffer not opened for remote reads; the receiver will ask for a push");
+                        None
+                    })
+                }
                 _ => None,
             };
-            st.engine.tag.send(out, conn, req, tag, buf, device_key).map(|_| ())
+            let (device_key, hold) = match (proto, exposed) {
+                (_, Some(x)) => (Some(x.key), Some(x.hold)),
+                (ProtoId::RndvGet, None) => (gpu_key.clone(), None),
+                _ => (None, None),
+            };
+            st.engine.tag.send(out, conn, req, tag, buf, device_key)?;
+            if let Some(h) = hold {
+                st.exposed.insert(req, h);
+            }
+            Ok(())
         })
     }
 
@@ -146,7 +166,8 @@ impl Endpoint {
             let conn = key.usable(st)?;
             let buf = addr as *const u8;
             let c = &st.conns[conn];
-            if c.props.remote_memory {
+            // gscomm keys carry no lane key: a lane that reads by key (UCX) emulates.
+            if c.props.remote_memory && !c.props.lane.remote_needs_key() {
                 // SAFETY: `buf` is readable for `len` (caller contract); the remote range was
                 // checked against the key, and the kernel checks it against the peer's mappings.
                 unsafe { c.link_ref().write_remote(buf, remote_addr, len)? };
@@ -173,7 +194,8 @@ impl Endpoint {
             let conn = key.usable(st)?;
             let buf = addr as *mut u8;
             let c = &st.conns[conn];
-            if c.props.remote_memory {
+            // gscomm keys carry no lane key: a lane that reads by key (UCX) emulates.
+            if c.props.remote_memory && !c.props.lane.remote_needs_key() {
                 // SAFETY: as in `put_nbx`, with the buffer written instead of read.
                 unsafe { c.link_ref().read_remote(buf, remote_addr, len)? };
                 out.push(Action::Complete { req, status: Status::Ok, info: RecvInfo::default() });

@@ -134,6 +134,9 @@ pub(crate) struct State {
     /// Receives whose buffered data could not be copied into their (GPU) buffer: their
     /// completion reports this status.
     failed_copies: Vec<(ReqId, Status)>,
+    /// Send buffers a link opened for the peer's remote reads (`Link::expose`, UCX): held
+    /// until the send's request completes, then closed again (the registration is unmapped).
+    pub(crate) exposed: std::collections::HashMap<ReqId, Box<dyn std::any::Any + Send>>,
     /// Prepared transfers' GPU rounds started from the host, until their kernels end.
     pub(crate) host_rounds: Vec<super::gpu_rounds::HostRoundInFlight>,
     /// `Worker::abort` ran: links peers open from now on are closed at once.
@@ -257,6 +260,7 @@ impl Worker {
             device: DeviceMem::new(cfg),
             reads_done: Vec::new(),
             failed_copies: Vec::new(),
+            exposed: std::collections::HashMap::new(),
             host_rounds: Vec::new(),
             aborted: false,
         };
@@ -1248,6 +1252,7 @@ impl State {
             && self.requests.get(key).is_some_and(|s| s.generation == generation)
         {
             let slot = self.requests.remove(key);
+            self.exposed.remove(&req);
             if let Some(area) = slot.area {
                 self.areas.give(area);
             }
@@ -1683,14 +1688,15 @@ impl State {
                             }
                         }
                     }
-                    Action::ReadRemote { conn, dst, remote, len, req, device_key: None } => {
+                    Action::ReadRemote { conn, dst, remote, len, req, device_key: None, lane_key } => {
                         let started = Instant::now();
                         let result = match self.conns.get(conn) {
                             Some(c) if c.failed.is_none() => {
                                 // SAFETY: `dst..dst+len` is inside the pending receive's host
                                 // buffer (the engine clips `len` to it and sends only host
-                                // buffers this way); the kernel checks `remote`.
-                                unsafe { c.link.read_remote(dst.addr as *mut u8, remote, len) }
+                                // buffers this way); the kernel (CMA) or the key's range and
+                                // the peer's registration (UCX) bound `remote`.
+                                unsafe { c.link.read_remote_keyed(dst.addr as *mut u8, remote, len, lane_key.as_deref().unwrap_or(&[])) }
                             }
                             _ => Err(Error::new(Status::NotConnected, "connection gone before the rendezvous read")),
                         };
@@ -1755,6 +1761,10 @@ impl State {
 
     /// `complete`, past the holds for copies into (or out of) the request's buffer.
     fn finish_complete(&mut self, req: ReqId, status: Status, info: RecvInfo, out: &mut Actions) {
+        // The peer has read the send buffer (ATS) or never will (failure): close it again.
+        if !self.exposed.is_empty() {
+            self.exposed.remove(&req);
+        }
         let Some(slot) = self.slot_mut(req) else {
             tracing::debug!(target: "gsc::core", req, "completion for a request that is gone");
             return;

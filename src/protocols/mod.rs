@@ -110,8 +110,9 @@ pub fn selection_table(cfg: &crate::Config) -> String {
                     lanes.push(LaneProps { lane: *lane, max_frame: cfg.shm_max_frame, remote_memory: false, device_ipc });
                 }
             }
-            // No remote memory yet, and CUDA IPC never reaches another host.
-            LaneKind::Ucx => lanes.push(LaneProps { lane: *lane, max_frame: cfg.ucx_max_frame, remote_memory: false, device_ipc: false }),
+            // Remote memory by key (host buffers read by ucp_get_nbx); CUDA IPC never reaches
+            // another host.
+            LaneKind::Ucx => lanes.push(LaneProps { lane: *lane, max_frame: cfg.ucx_max_frame, remote_memory: true, device_ipc: false }),
         }
     }
     let mut table = select::describe(&proto, &lanes);

@@ -583,7 +583,11 @@ impl PreparedEngine {
                 MemType::Host => {
                     h.direct_ok
                         && links.get(&p.spec.conn).is_some_and(|l| {
-                            l.props.remote_memory && matches!(select::select(cfg, part.mem, &l.props, part.len), Ok(ProtoId::RndvGet))
+                            l.props.remote_memory
+                                // Direct writes need only the announced address; a lane that
+                                // needs a key for it (UCX) sends frames (put: docs/UCX.md).
+                                && !l.props.lane.remote_needs_key()
+                                && matches!(select::select(cfg, part.mem, &l.props, part.len), Ok(ProtoId::RndvGet))
                         })
                 }
                 // GPU to GPU through the receiver's key, at every size: a copy-engine write

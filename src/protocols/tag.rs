@@ -13,7 +13,7 @@ use super::idmap::IdMap;
 use super::matching::{PostedQueue, UnexpectedQueue};
 use super::rndv_tuner::{RndvTuner, RndvWay};
 use super::select::{self, LaneProps, MemType, ProtoConfig, ProtoId, RndvScheme};
-use super::wire::{self, Encoded, Header, RTS_DEVICE_KEY, RTS_REMOTE_MEMORY};
+use super::wire::{self, Encoded, Header, RTS_DEVICE_KEY, RTS_LANE_KEY, RTS_REMOTE_MEMORY};
 use crate::error::{Error, Result, Status};
 use crate::transport::LaneKind;
 
@@ -135,6 +135,9 @@ pub enum Action {
         len: usize,
         req: ReqId,
         device_key: Option<Vec<u8>>,
+        /// Host memory on a lane that reads by key (`LaneKind::remote_needs_key`): the
+        /// sender's link's key for its buffer.
+        lane_key: Option<Vec<u8>>,
     },
     /// Write `len` bytes at `src` into the peer's memory at `remote`, then transmit `then`;
     /// if the write fails, report `prepared.write_failed(req)` instead. Without `device_key`
@@ -225,6 +228,7 @@ enum UnexpectedBody {
         sreq: ReqId,
         remote_addr: u64,
         remote_memory: bool,
+        lane_key: Option<Vec<u8>>,
         device_key: Option<Vec<u8>>,
     },
 }
@@ -234,6 +238,7 @@ struct RtsFrom {
     sreq: ReqId,
     remote_addr: u64,
     remote_memory: bool,
+    lane_key: Option<Vec<u8>>,
     device_key: Option<Vec<u8>>,
 }
 
@@ -424,7 +429,11 @@ impl TagEngine {
             ProtoId::RndvGet | ProtoId::RndvPipeline => {
                 let (flags, payload) = match (proto, buf.mem, device_key) {
                     (ProtoId::RndvGet, MemType::Cuda, Some(key)) => (RTS_DEVICE_KEY, Payload::Owned(key)),
-                    (ProtoId::RndvGet, MemType::Host, _) => (RTS_REMOTE_MEMORY, Payload::None),
+                    // A lane that reads by key: the key from the sender's link (the worker
+                    // passes it in `device_key`'s place for host memory); without one (the
+                    // registration failed) the receiver asks for a push.
+                    (ProtoId::RndvGet, MemType::Host, Some(key)) => (RTS_REMOTE_MEMORY | RTS_LANE_KEY, Payload::Owned(key)),
+                    (ProtoId::RndvGet, MemType::Host, None) if !props.lane.remote_needs_key() => (RTS_REMOTE_MEMORY, Payload::None),
                     _ => (0, Payload::None),
                 };
                 let h = Header::Rts { tag, sreq: req, total: buf.len as u64, remote_addr: buf.addr as u64, flags };
@@ -581,10 +590,12 @@ impl TagEngine {
             Header::Rts { tag, sreq, total, remote_addr, flags } => {
                 let total = usize::try_from(total).map_err(|_| protocol_error("rendezvous length overflows"))?;
                 let device_key = (flags & RTS_DEVICE_KEY != 0).then(|| payload.to_vec());
+                let lane_key = (flags & RTS_LANE_KEY != 0 && flags & RTS_DEVICE_KEY == 0).then(|| payload.to_vec());
+                let remote_memory = flags & RTS_REMOTE_MEMORY != 0;
                 let u = Unexpected {
                     conn,
                     total,
-                    body: UnexpectedBody::Rts { sreq, remote_addr, remote_memory: flags & RTS_REMOTE_MEMORY != 0, device_key },
+                    body: UnexpectedBody::Rts { sreq, remote_addr, remote_memory, lane_key, device_key },
                     failed: None,
                 };
                 self.arrive(out, conn, tag, u, &[], None);
@@ -669,8 +680,8 @@ impl TagEngine {
                     copy_clipped(out, buf, 0, first, CopySrc::Frame);
                     self.eager_progress(out, conn, req, buf, info, first.len(), msg_id);
                 }
-                UnexpectedBody::Rts { sreq, remote_addr, remote_memory, device_key } => {
-                    self.match_rts(out, conn, req, buf, info, RtsFrom { sreq, remote_addr, remote_memory, device_key });
+                UnexpectedBody::Rts { sreq, remote_addr, remote_memory, lane_key, device_key } => {
+                    self.match_rts(out, conn, req, buf, info, RtsFrom { sreq, remote_addr, remote_memory, lane_key, device_key });
                 }
             }
         } else {
@@ -713,10 +724,12 @@ impl TagEngine {
     }
 
     fn match_rts(&mut self, out: &mut Actions, conn: ConnId, req: ReqId, buf: UserBuf, info: RecvInfo, rts: RtsFrom) {
-        let RtsFrom { sreq, remote_addr, remote_memory, device_key } = rts;
+        let RtsFrom { sreq, remote_addr, remote_memory, lane_key, device_key } = rts;
         let want = info.length.min(buf.len);
         let local = self.conns.get(&conn).map(|c| c.props);
-        let host_read = remote_memory && local.is_some_and(|p| p.remote_memory) && buf.mem == MemType::Host;
+        // On a lane that reads by key, only with the key.
+        let keyed = lane_key.is_some() || local.is_some_and(|p| !p.lane.remote_needs_key());
+        let host_read = remote_memory && keyed && local.is_some_and(|p| p.remote_memory) && buf.mem == MemType::Host;
         // How a host read offer is taken: as the knob says, except that under Auto on shm the
         // tuner decides (and the transfer is timed for it). Loopback reads are one memcpy.
         let (read, tuned) = match (host_read, self.cfg.rndv_scheme) {
@@ -734,7 +747,7 @@ impl TagEngine {
             // GPU memory is read by the copy engine through the key; host memory by the lane's
             // remote read (which cannot write into GPU memory, hence the host-only condition).
             self.recvs.insert(req, RecvState::Reading { conn, buf, info, sreq, tuned });
-            out.push(Action::ReadRemote { conn, dst: buf, remote: remote_addr, len: want, req, device_key });
+            out.push(Action::ReadRemote { conn, dst: buf, remote: remote_addr, len: want, req, device_key, lane_key });
         } else {
             transmit(out, conn, Header::Rtr { sreq, rreq: req, len: want as u64 }, Payload::None, None);
             let timer = if tuned { PushTimer::AwaitingData } else { PushTimer::Off };
@@ -755,8 +768,8 @@ impl TagEngine {
                 copy_clipped(out, buf, 0, &data, CopySrc::Owned(req));
                 self.eager_progress(out, u.conn, req, buf, info, received, msg_id);
             }
-            UnexpectedBody::Rts { sreq, remote_addr, remote_memory, device_key } => {
-                self.match_rts(out, u.conn, req, buf, info, RtsFrom { sreq, remote_addr, remote_memory, device_key });
+            UnexpectedBody::Rts { sreq, remote_addr, remote_memory, lane_key, device_key } => {
+                self.match_rts(out, u.conn, req, buf, info, RtsFrom { sreq, remote_addr, remote_memory, lane_key, device_key });
             }
         }
     }

@@ -138,6 +138,10 @@ pub const RTS_REMOTE_MEMORY: u32 = 1;
 /// RTS flag: `remote_addr` is GPU memory and the frame's payload is the key that opens it
 /// (a CUDA IPC handle and the allocation it names; see cuda/ipc.rs).
 pub const RTS_DEVICE_KEY: u32 = 2;
+/// RTS flag, with `RTS_REMOTE_MEMORY`: the lane needs a key to read `remote_addr` (UCX) and
+/// the frame's payload is the one the sender's link issued (`Link::expose`; for UCX
+/// `transport::ucx::rkey`). Exclusive with `RTS_DEVICE_KEY` (one payload).
+pub const RTS_LANE_KEY: u32 = 4;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WireError {

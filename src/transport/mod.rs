@@ -11,7 +11,8 @@
 //! - `shm`: processes on one host; frames through SPSC rings in a shared mapping, memory through
 //!   cross-memory attach (process_vm_readv/writev) when the kernel allows it.
 //! - `ucx`: workers on other hosts (or in other network namespaces of this one), over UCP active
-//!   messages; UCX is loaded at run time. No remote memory yet (docs/UCX.md).
+//!   messages; UCX is loaded at run time. Remote memory needs a key the owner issues
+//!   (`expose`, `read_remote_keyed`; docs/UCX.md).
 //! - later: `nvlink` (CUDA IPC), `verbs`.
 //!
 //! Beside the lanes: `fd_pass`, a per-process service that hands file descriptors to other
@@ -54,6 +55,14 @@ impl LaneKind {
 
     pub const ALL: &'static [LaneKind] = &[LaneKind::Loopback, LaneKind::Shm, LaneKind::Ucx];
 
+    /// Does reading the peer's memory need a key the peer issued for it (`Link::expose`)? On
+    /// loopback and shm (CMA) an address is enough; UCX needs the peer's registration (a packed
+    /// rkey). Callers that have only an address (one-sided put/get with gscomm's own keys,
+    /// prepared direct writes) use frames on such lanes.
+    pub fn remote_needs_key(self) -> bool {
+        matches!(self, LaneKind::Ucx)
+    }
+
     /// Does this lane only reach workers of this host (and this network namespace)? Only such
     /// links may hand the peer CUDA IPC handles.
     pub fn is_host_local(self) -> bool {
@@ -78,6 +87,14 @@ pub struct ProcessIdentity {
 pub struct LinkCaps {
     /// `read_remote` / `write_remote` work: the peer's memory can be accessed directly.
     pub remote_memory: bool,
+}
+
+/// A range of this process's memory opened to the peer of a link (`Link::expose`): the key to
+/// send the peer, and what must be kept alive while the peer may read (dropping it closes the
+/// range again).
+pub struct Exposed {
+    pub key: Vec<u8>,
+    pub hold: Box<dyn std::any::Any + Send>,
 }
 
 /// One ordered, reliable, bidirectional connection to a peer worker.
@@ -113,6 +130,25 @@ pub trait Link: Send {
     /// `local` must be valid for `len` bytes of writes. `remote` is checked by the kernel (or, in
     /// loopback, must have been validated by the caller against a registered region).
     unsafe fn read_remote(&self, local: *mut u8, remote: u64, len: usize) -> Result<()>;
+
+    /// Open `[addr, addr+len)` of this process to the peer's `read_remote_keyed`, on lanes
+    /// where reading needs a key (`LaneKind::remote_needs_key`); `None` where an address is
+    /// enough. The range must stay valid while the returned hold lives.
+    fn expose(&self, _addr: usize, _len: usize) -> Result<Option<Exposed>> {
+        Ok(None)
+    }
+
+    /// `read_remote` with the key the peer's `expose` made for a range containing `remote`
+    /// (empty where none is needed). It may progress the lane until the read is done, bounded by
+    /// `GSC_TIMEOUT` (UCX: docs/UCX.md, "Remote memory").
+    ///
+    /// # Safety
+    /// As for `read_remote`.
+    unsafe fn read_remote_keyed(&self, local: *mut u8, remote: u64, len: usize, key: &[u8]) -> Result<()> {
+        let _ = key;
+        // SAFETY: the caller's promise is the one `read_remote` needs.
+        unsafe { self.read_remote(local, remote, len) }
+    }
 
     /// Copy `len` bytes from `local` to the peer's address `remote`.
     ///

@@ -24,12 +24,13 @@
 //! (the close notice among them) leave. The engine's drop waits for those, bounded by
 //! `UcxConfig::close_timeout`, then destroys the worker, which ends whatever is left.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{CString, c_void};
 use std::panic::AssertUnwindSafe;
 use std::ptr::{self, NonNull};
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use super::UcxConfig;
@@ -85,6 +86,9 @@ const PROGRESS_ROUNDS: usize = 32;
 /// An endpoint to a peer UCP worker, owned by one link.
 pub(crate) struct Ep {
     raw: NonNull<sys::ucp_ep>,
+    /// Force-closed by a get that ran past its deadline (`Engine::get`): UCX released it, so
+    /// nothing may use `raw` again (checked under the `raw` lock by every call that would).
+    dead: AtomicBool,
 }
 
 // SAFETY: an endpoint handle is only used through the engine, under its `raw` lock.
@@ -173,6 +177,9 @@ pub(crate) struct Engine {
     /// When `progress` last ran, in ns since `born` (so idle polling can be spaced out).
     last_progress: AtomicU64,
     born: Instant,
+    /// Registrations of this process's memory alive now, by range (`register`): sends of one
+    /// buffer in flight together share one.
+    regs: Mutex<HashMap<(usize, usize), Weak<Registration>>>,
     pub(crate) cfg: UcxConfig,
 }
 
@@ -218,6 +225,7 @@ impl Engine {
             last_gc: Mutex::new(Instant::now()),
             last_progress: AtomicU64::new(0),
             born: Instant::now(),
+            regs: Mutex::new(HashMap::new()),
             cfg: cfg.clone(),
         };
         // From here on, dropping `engine` destroys the worker and the context.
@@ -251,7 +259,9 @@ impl Engine {
         // SAFETY: plain C data; all-zero is valid and only `field_mask` fields are read.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = u64::from(sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES);
-        params.features = u64::from(sys::ucp_feature::UCP_FEATURE_AM);
+        // RMA for rendezvous by get (`get`, `register`); where no transport does RMA in
+        // hardware UCX emulates it over its own active messages, so asking costs nothing.
+        params.features = u64::from(sys::ucp_feature::UCP_FEATURE_AM | sys::ucp_feature::UCP_FEATURE_RMA);
         let mut context: sys::ucp_context_h = ptr::null_mut();
         // SAFETY: valid params and config (read above), a valid out-pointer; the API version is
         // the one of the headers the bindings came from.
@@ -482,7 +492,7 @@ impl Engine {
         // argument outlives the worker.
         let st = unsafe { (self.ucp.ep_create)(raw.worker.as_ptr(), &params, &mut ep) };
         let ep = match (st, NonNull::new(ep)) {
-            (sys::ucs_status_t::UCS_OK, Some(ep)) => Ep { raw: ep },
+            (sys::ucs_status_t::UCS_OK, Some(ep)) => Ep { raw: ep, dead: AtomicBool::new(false) },
             _ => return Err(self.ucp.error("ucp_ep_create", st)),
         };
         drop(raw);
@@ -504,6 +514,9 @@ impl Engine {
         };
         let params = params_with_flags(flag);
         let raw = lock(&self.raw);
+        if ep.dead.load(Ordering::Relaxed) {
+            return Err(dead_ep());
+        }
         // SAFETY: a live endpoint of this worker, under the lock; header and body stay valid
         // until the request completes (the buffer moves into the returned InFlight, or into
         // `closing` if the link goes away first; moving a Vec does not move its heap bytes).
@@ -565,6 +578,11 @@ impl Engine {
         let params = params_with_flags(flags);
         let mut raw = lock(&self.raw);
         raw.closing.extend(sends.into_iter().map(Closing::Send));
+        if ep.dead.load(Ordering::Relaxed) {
+            // Already force-closed by a timed-out get, which handed its close to `closing`.
+            reap_closing(self.ucp, &self.shared.inbox, &mut raw);
+            return;
+        }
         // SAFETY: a live endpoint owned by the caller, closed once (it is consumed here).
         let p = unsafe { (self.ucp.ep_close_nbx)(ep.raw.as_ptr(), &params) };
         match loader::status_ptr(p) {
@@ -577,6 +595,250 @@ impl Engine {
             StatusPtr::Pending(req) => raw.closing.push(Closing::Ep { req, ep: ep.addr() }),
         }
         reap_closing(self.ucp, &self.shared.inbox, &mut raw);
+    }
+}
+
+/// The error of a call on an endpoint a timed-out get force-closed.
+fn dead_ep() -> Error {
+    Error::new(Status::TimedOut, "UCX endpoint closed after a remote read ran past GSC_TIMEOUT")
+}
+
+/// Process-wide counts of the lane's remote-memory work, for tests and `gsc-bench` (they show
+/// that rendezvous data moved by get and not in frames).
+pub(crate) static GETS: AtomicU64 = AtomicU64::new(0);
+pub(crate) static GET_BYTES: AtomicU64 = AtomicU64::new(0);
+pub(crate) static REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// A range of this process's memory registered with UCX (`ucp_mem_map`) and its packed key
+/// (`rkey::RemoteKey`, what an RTS carries). Shared by the sends of that range in flight;
+/// unmapped when the last of them completes (the worker holds it per request), so UCX never
+/// keeps a registration of memory the user may have freed since (with a NIC that pins pages,
+/// a stale registration would read old pages at a reused address).
+pub(crate) struct Registration {
+    engine: Arc<Engine>,
+    memh: NonNull<sys::ucp_mem>,
+    base: usize,
+    len: usize,
+    pub(crate) key: Vec<u8>,
+}
+
+// SAFETY: the memory handle is only used through the engine, under its `raw` lock (unmap in
+// drop); the rest is plain data.
+unsafe impl Send for Registration {}
+// SAFETY: as above; shared readers only read `key`.
+unsafe impl Sync for Registration {}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let me: *const Registration = self;
+        {
+            let mut regs = lock(&self.engine.regs);
+            // Only our own entry: a new registration of the same range may have replaced it.
+            if regs.get(&(self.base, self.len)).is_some_and(|w| std::ptr::eq(w.as_ptr(), me)) {
+                regs.remove(&(self.base, self.len));
+            }
+        }
+        let raw = lock(&self.engine.raw);
+        // SAFETY: a handle this context mapped, unmapped once (here, as the last owner goes).
+        let st = unsafe { (self.engine.ucp.mem_unmap)(raw.context.as_ptr(), self.memh.as_ptr()) };
+        if st != sys::ucs_status_t::UCS_OK {
+            // Nothing to give back to: the next registration is unaffected.
+            tracing::warn!(target: "gsc::ucx", error = %self.engine.ucp.error("ucp_mem_unmap", st), "UCX registration not released");
+        }
+    }
+}
+
+/// A peer's packed key unpacked on one of our endpoints (`ucp_ep_rkey_unpack`); destroyed by
+/// the link that owns the endpoint, before the endpoint goes.
+pub(crate) struct RkeyHandle(NonNull<sys::ucp_rkey>);
+
+// SAFETY: only used through the engine, under its `raw` lock.
+unsafe impl Send for RkeyHandle {}
+
+impl Engine {
+    /// The registration covering `[addr, addr+len)` of this process: one alive already (a send
+    /// of the same buffer in flight), or a new `ucp_mem_map` of exactly that range.
+    pub(crate) fn register(self: &Arc<Engine>, addr: usize, len: usize) -> Result<Arc<Registration>> {
+        let mut regs = lock(&self.regs);
+        let end = addr.checked_add(len).ok_or_else(|| Error::invalid_param("registered range overflows"))?;
+        if let Some(r) = regs.get(&(addr, len)).and_then(Weak::upgrade) {
+            return Ok(r);
+        }
+        // A covering one (a send of part of a buffer whose whole is in flight). The map holds
+        // only what is in flight, so a scan is short.
+        if let Some(r) = regs.iter().filter(|((b, l), _)| *b <= addr && end <= b + l).find_map(|(_, w)| w.upgrade()) {
+            return Ok(r);
+        }
+        regs.retain(|_, w| w.strong_count() > 0);
+        let raw = lock(&self.raw);
+        // SAFETY: plain C data; all-zero is valid and only `field_mask` fields are read.
+        let mut params: sys::ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = u64::from(
+            sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        );
+        params.address = addr as *mut c_void;
+        params.length = len;
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: a live context under the lock; the range is the caller's send buffer, valid
+        // until the send completes, which is when the registration goes (the worker's hold).
+        // UCX only records (or pins) the range here; it reads it when a peer's get arrives.
+        let st = unsafe { (self.ucp.mem_map)(raw.context.as_ptr(), &params, &mut memh) };
+        let memh = match (st, NonNull::new(memh)) {
+            (sys::ucs_status_t::UCS_OK, Some(m)) => m,
+            _ => return Err(self.ucp.error("ucp_mem_map", st)),
+        };
+        let mut buf: *mut c_void = ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: a handle this context just mapped; valid out-pointers.
+        let st = unsafe { (self.ucp.rkey_pack)(raw.context.as_ptr(), memh.as_ptr(), &mut buf, &mut size) };
+        let packed = if st == sys::ucs_status_t::UCS_OK && !buf.is_null() {
+            // SAFETY: UCX returned `size` readable bytes at `buf`; copied, then released once.
+            let v = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
+            // SAFETY: the buffer rkey_pack returned, released once.
+            unsafe { (self.ucp.rkey_buffer_release)(buf) };
+            Ok(v)
+        } else {
+            Err(self.ucp.error("ucp_rkey_pack", st))
+        };
+        let key = match packed.and_then(|ucx| super::rkey::RemoteKey { base: addr as u64, len: len as u64, ucx: &ucx }.encode()) {
+            Ok(k) => k,
+            Err(e) => {
+                // SAFETY: mapped just above, unmapped once; nobody else knows the handle.
+                unsafe { (self.ucp.mem_unmap)(raw.context.as_ptr(), memh.as_ptr()) };
+                return Err(e);
+            }
+        };
+        drop(raw);
+        // From here on dropping `reg` unmaps (after `regs` is unlocked: its drop takes it).
+        let reg = Arc::new(Registration { engine: self.clone(), memh, base: addr, len, key });
+        regs.insert((addr, len), Arc::downgrade(&reg));
+        REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
+        Ok(reg)
+    }
+
+    /// Unpack a peer's UCX packed key on `ep` (UCX checks the bytes; a malformed key is an
+    /// error status).
+    pub(crate) fn rkey_unpack(&self, ep: &Ep, packed: &[u8]) -> Result<RkeyHandle> {
+        let raw = lock(&self.raw);
+        if ep.dead.load(Ordering::Relaxed) {
+            return Err(dead_ep());
+        }
+        let mut rkey: sys::ucp_rkey_h = ptr::null_mut();
+        // SAFETY: a live endpoint under the lock; `packed` is readable for the call (UCX copies
+        // what it keeps); a valid out-pointer.
+        let st = unsafe { (self.ucp.ep_rkey_unpack)(ep.raw.as_ptr(), packed.as_ptr().cast(), &mut rkey) };
+        drop(raw);
+        match (st, NonNull::new(rkey)) {
+            (sys::ucs_status_t::UCS_OK, Some(k)) => Ok(RkeyHandle(k)),
+            _ => Err(self.ucp.error("ucp_ep_rkey_unpack", st)),
+        }
+    }
+
+    pub(crate) fn rkey_destroy(&self, rkey: RkeyHandle) {
+        let _raw = lock(&self.raw);
+        // SAFETY: a key unpacked by this worker, destroyed once (consumed), before its endpoint
+        // is closed (the link destroys its keys first).
+        unsafe { (self.ucp.rkey_destroy)(rkey.0.as_ptr()) };
+    }
+
+    /// Read `len` bytes at the peer's `remote` into `local` with `ucp_get_nbx`, progressing this
+    /// worker until the read is done (the gscomm `Link` contract is synchronous).
+    ///
+    /// Why progress here rather than return and poll: a rendezvous read is one call, and the
+    /// worker's lock is held around it either way; a read ends when the peer's transport has
+    /// served it (over TCP the peer's progress answers it, which a peer waiting for our ATS
+    /// does), when the peer fails (PEER error mode completes the request with an error), or at
+    /// `timeout` (GSC_TIMEOUT: a peer that is alive but never progresses). At the deadline the
+    /// endpoint is force-closed, which cancels the read, so UCX no longer writes into `local`
+    /// once this returns; the link is failed with `TimedOut`.
+    ///
+    /// # Safety
+    /// `local` must be valid for `len` bytes of writes until this returns.
+    pub(crate) unsafe fn get(&self, ep: &Ep, rkey: &RkeyHandle, local: *mut u8, remote: u64, len: usize, key: &Key) -> Result<()> {
+        let params = params_with_flags(0);
+        let raw = lock(&self.raw);
+        if ep.dead.load(Ordering::Relaxed) {
+            return Err(dead_ep());
+        }
+        // SAFETY: a live endpoint and a key unpacked on it, under the lock; `local` is valid for
+        // `len` bytes until this function returns, and it returns only once the request is
+        // complete or its endpoint is force-closed (which ends the request).
+        let p = unsafe { (self.ucp.get_nbx)(ep.raw.as_ptr(), local.cast(), len, remote, rkey.0.as_ptr(), &params) };
+        drop(raw);
+        let req = match loader::status_ptr(p) {
+            StatusPtr::Done => return self.got(len),
+            StatusPtr::Failed(st) => return Err(self.rma_error("ucp_get_nbx", st)),
+            StatusPtr::Pending(req) => req,
+        };
+        let deadline = Instant::now() + self.cfg.rma_timeout;
+        loop {
+            let n = self.progress();
+            let mut raw = lock(&self.raw);
+            // SAFETY: a request of this worker not yet freed, under the lock.
+            let st = unsafe { (self.ucp.request_check_status)(req.as_ptr()) };
+            if st != sys::ucs_status_t::UCS_INPROGRESS {
+                // SAFETY: completed, freed once.
+                unsafe { (self.ucp.request_free)(req.as_ptr()) };
+                drop(raw);
+                return if st == sys::ucs_status_t::UCS_OK { self.got(len) } else { Err(self.rma_error("ucp_get_nbx", st)) };
+            }
+            // The link failed (the endpoint error callback ran during `progress`): UCX 1.13's
+            // TCP does not always complete an outstanding get when its endpoint fails (seen in
+            // peer_killed_during_a_get_ucx: the request stayed in progress until the deadline),
+            // so the failure ends the read here, as the deadline does.
+            let failed = self.with_inbox(|ib| ib.failure(key));
+            if failed.is_some() || Instant::now() >= deadline {
+                self.abandon_get(&mut raw, ep, req);
+                drop(raw);
+                let e = failed.unwrap_or_else(|| {
+                    Error::new(
+                        Status::TimedOut,
+                        format!("UCX remote read of {len} bytes not done within {:?}; link closed", self.cfg.rma_timeout),
+                    )
+                });
+                self.with_inbox(|ib| ib.fail(key, e.clone()));
+                return Err(e);
+            }
+            drop(raw);
+            if n == 0 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// End a get that will not complete: force-close its endpoint (which cancels the
+    /// endpoint's requests, so UCX no longer writes into the read's buffer) and release the
+    /// request. `dead` keeps every later call, the link's drop included, off the endpoint.
+    fn abandon_get(&self, raw: &mut Raw, ep: &Ep, req: NonNull<c_void>) {
+        ep.dead.store(true, Ordering::Relaxed);
+        let close = params_with_flags(sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE);
+        // SAFETY: a live endpoint (not dead until the line above; the caller holds the `raw`
+        // lock), closed once.
+        let p = unsafe { (self.ucp.ep_close_nbx)(ep.raw.as_ptr(), &close) };
+        match loader::status_ptr(p) {
+            StatusPtr::Pending(creq) => raw.closing.push(Closing::Ep { req: creq, ep: ep.addr() }),
+            _ => self.with_inbox(|ib| ib.forget_ep(ep.addr())),
+        }
+        // SAFETY: our request, freed once; UCX releases it when it completes (canceled by the
+        // forced close).
+        unsafe { (self.ucp.request_free)(req.as_ptr()) };
+    }
+
+    fn got(&self, len: usize) -> Result<()> {
+        GETS.fetch_add(1, Ordering::Relaxed);
+        GET_BYTES.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn rma_error(&self, what: &str, st: sys::ucs_status_t::Type) -> Error {
+        let e = self.ucp.error(what, st);
+        // As for sends: an RMA operation fails because its endpoint did.
+        match e.status() {
+            Status::ConnectionReset | Status::IoError | Status::TimedOut | Status::Canceled => {
+                Error::new(Status::PeerFailed, e.message().to_string())
+            }
+            _ => e,
+        }
     }
 }
 

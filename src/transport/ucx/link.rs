@@ -1,16 +1,20 @@
 //! `UcxLink`: one side of a link over UCX active messages, as a `Link`.
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 
-use super::engine::{Engine, Ep, InFlight, Sent};
+use super::engine::{Engine, Ep, InFlight, RkeyHandle, Sent};
 use super::inbox::{Key, Next};
 use super::wire::{self, CloseReason, HEADER_LEN, Header, Kind, Side};
 use crate::error::{Error, Result, Status};
-use crate::transport::{LaneKind, Link, LinkCaps};
+use crate::transport::{Exposed, LaneKind, Link, LinkCaps};
 
 /// Most frames one link keeps in flight (sent to UCX, not yet completed).
 const MAX_SENDS: usize = 1024;
+/// Most unpacked peer keys one link caches. A peer registers each send buffer anew, so over TCP
+/// the packed bytes repeat (and hit) while on NICs with per-registration keys they change; past
+/// this many the cache starts over rather than grow without bound.
+const MAX_RKEYS: usize = 256;
 
 pub struct UcxLink {
     engine: Arc<Engine>,
@@ -28,6 +32,8 @@ pub struct UcxLink {
     closed: bool,
     /// A failure this side saw (a send failed); the inbox holds the ones UCX reported.
     failure: Option<Error>,
+    /// The peer's packed UCX keys unpacked on `ep`, by their bytes (`read_remote_keyed`).
+    rkeys: Mutex<HashMap<Vec<u8>, RkeyHandle>>,
 }
 
 impl UcxLink {
@@ -43,6 +49,7 @@ impl UcxLink {
             in_flight_bytes: 0,
             closed: false,
             failure: None,
+            rkeys: Mutex::new(HashMap::new()),
         }
     }
 
@@ -142,10 +149,9 @@ impl Link for UcxLink {
         self.engine.cfg.max_frame
     }
 
-    /// No remote memory yet: rendezvous data travels in frames (put/get with rkeys is the next
-    /// step of issue #7).
+    /// Remote memory by key (`expose` / `read_remote_keyed`): rendezvous reads by get.
     fn caps(&self) -> LinkCaps {
-        LinkCaps { remote_memory: false }
+        LinkCaps { remote_memory: true }
     }
 
     fn try_send(&mut self, parts: &[&[u8]]) -> Result<bool> {
@@ -191,11 +197,45 @@ impl Link for UcxLink {
     }
 
     unsafe fn read_remote(&self, _local: *mut u8, _remote: u64, _len: usize) -> Result<()> {
-        Err(Error::unsupported("the UCX lane has no remote memory access yet (put/get with rkeys is a follow-up of issue #7)"))
+        Err(Error::unsupported("a UCX remote read needs the peer's key (read_remote_keyed)"))
+    }
+
+    fn expose(&self, addr: usize, len: usize) -> Result<Option<Exposed>> {
+        let reg = Engine::register(&self.engine, addr, len)?;
+        Ok(Some(Exposed { key: reg.key.clone(), hold: Box::new(reg) }))
+    }
+
+    unsafe fn read_remote_keyed(&self, local: *mut u8, remote: u64, len: usize, key: &[u8]) -> Result<()> {
+        let k = super::rkey::RemoteKey::decode(key)?;
+        // UCX would serve any address of the peer for some transports: the key's range is the
+        // bound the peer gave.
+        if !k.covers(remote, len) {
+            return Err(Error::new(
+                Status::OutOfRange,
+                format!("remote read {remote:#x}+{len} outside the range {:#x}+{} the peer opened", k.base, k.len),
+            ));
+        }
+        if let Some(e) = self.dead_reason() {
+            return Err(e);
+        }
+        let ep = self.ep.as_ref().expect("endpoint present until drop");
+        let mut rkeys = self.rkeys.lock().unwrap_or_else(|e| e.into_inner());
+        if !rkeys.contains_key(k.ucx) {
+            if rkeys.len() >= MAX_RKEYS {
+                for (_, r) in rkeys.drain() {
+                    self.engine.rkey_destroy(r);
+                }
+            }
+            let r = self.engine.rkey_unpack(ep, k.ucx).map_err(|e| e.context(self.peer_name()))?;
+            rkeys.insert(k.ucx.to_vec(), r);
+        }
+        let rkey = &rkeys[k.ucx];
+        // SAFETY: the caller's promise (`local` writable for `len` bytes) is what `get` needs.
+        unsafe { self.engine.get(ep, rkey, local, remote, len, &self.key) }.map_err(|e| e.context(self.peer_name()))
     }
 
     unsafe fn write_remote(&self, _local: *const u8, _remote: u64, _len: usize) -> Result<()> {
-        Err(Error::unsupported("the UCX lane has no remote memory access yet (put/get with rkeys is a follow-up of issue #7)"))
+        Err(Error::unsupported("UCX remote writes (put) are not built yet; prepared rounds and one-sided puts use frames"))
     }
 
     /// Progresses UCX, so a failure is noticed even while nothing is polled. A failure is only
@@ -238,6 +278,10 @@ impl Drop for UcxLink {
         self.reap();
         let force = self.dead_reason().is_some();
         self.engine.with_inbox(|ib| ib.remove(&self.key));
+        // Keys unpacked on the endpoint go before it does.
+        for (_, r) in self.rkeys.get_mut().unwrap_or_else(|e| e.into_inner()).drain() {
+            self.engine.rkey_destroy(r);
+        }
         if let Some(ep) = self.ep.take() {
             self.engine.retire(ep, std::mem::take(&mut self.sends), force);
         }

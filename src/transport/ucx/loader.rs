@@ -49,6 +49,14 @@ pub(crate) struct Ucp {
     pub status_string: sys::ucs_status_string_fn,
     pub am_recv_data_nbx: sys::ucp_am_recv_data_nbx_fn,
     pub am_data_release: sys::ucp_am_data_release_fn,
+    // Remote memory (rendezvous by get): registration, keys, the get itself.
+    pub mem_map: sys::ucp_mem_map_fn,
+    pub mem_unmap: sys::ucp_mem_unmap_fn,
+    pub rkey_pack: sys::ucp_rkey_pack_fn,
+    pub rkey_buffer_release: sys::ucp_rkey_buffer_release_fn,
+    pub ep_rkey_unpack: sys::ucp_ep_rkey_unpack_fn,
+    pub rkey_destroy: sys::ucp_rkey_destroy_fn,
+    pub get_nbx: sys::ucp_get_nbx_fn,
     /// (major, minor, release) of the loaded library.
     pub version: (u32, u32, u32),
 }
@@ -109,6 +117,13 @@ impl Ucp {
             status_string: required!(lib, name, ucs_status_string_fn),
             am_recv_data_nbx: required!(lib, name, ucp_am_recv_data_nbx_fn),
             am_data_release: required!(lib, name, ucp_am_data_release_fn),
+            mem_map: required!(lib, name, ucp_mem_map_fn),
+            mem_unmap: required!(lib, name, ucp_mem_unmap_fn),
+            rkey_pack: required!(lib, name, ucp_rkey_pack_fn),
+            rkey_buffer_release: required!(lib, name, ucp_rkey_buffer_release_fn),
+            ep_rkey_unpack: required!(lib, name, ucp_ep_rkey_unpack_fn),
+            rkey_destroy: required!(lib, name, ucp_rkey_destroy_fn),
+            get_nbx: required!(lib, name, ucp_get_nbx_fn),
             version: (major, minor, release),
             _lib: lib,
         })

@@ -15,9 +15,14 @@
 //!   them out whole and in order. `try_send` never blocks: a link with too much in flight says
 //!   `Ok(false)`. `poll_recv` runs `ucp_worker_progress`.
 //!
-//! Not yet (docs/UCX.md): remote memory (`caps().remote_memory` is false, so rendezvous data is
-//! pushed in frames; put/get with packed rkeys comes next), GPU memory without host staging,
-//! receiver-side flow control beyond what the protocols keep in flight.
+//! - Remote memory (`rkey`, `engine::Registration`, `UcxLink::read_remote_keyed`): a sender's
+//!   host buffer is registered (`ucp_mem_map`) and its packed key travels in the RTS; the
+//!   receiver unpacks it on its endpoint (cached per link) and reads with `ucp_get_nbx` straight
+//!   into the receive buffer, progressing until the read is done (bounded by `GSC_TIMEOUT`).
+//!
+//! Not yet (docs/UCX.md): put for prepared rounds and one-sided put/get (they still go in
+//! frames), GPU memory without host staging, receiver-side flow control beyond what the
+//! protocols keep in flight.
 
 pub(crate) mod address;
 mod engine;
@@ -26,6 +31,7 @@ mod link;
 mod listener;
 mod loader;
 mod pool;
+pub(crate) mod rkey;
 mod sys;
 #[cfg(test)]
 mod tests;
@@ -57,6 +63,9 @@ pub struct UcxConfig {
     pub rndv_min: usize,
     /// How long destroying a worker waits for the last frames of closed links to leave.
     pub close_timeout: Duration,
+    /// Longest a remote read (rendezvous by get) may take before its link is closed
+    /// (`GSC_TIMEOUT`): the bound for a peer that is alive but never serves the read.
+    pub rma_timeout: Duration,
 }
 
 impl Default for UcxConfig {
@@ -66,6 +75,7 @@ impl Default for UcxConfig {
             max_in_flight: 8 << 20,
             rndv_min: DEFAULT_RNDV_MIN,
             close_timeout: Duration::from_secs(2),
+            rma_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -75,7 +85,14 @@ impl UcxConfig {
     pub fn of(cfg: &crate::Config) -> UcxConfig {
         let max_frame = cfg.ucx_max_frame;
         // At least 32 frames in flight: with fewer, a link waits for completions between frames.
-        UcxConfig { max_frame, max_in_flight: (8 << 20).max(32 * max_frame), rndv_min: cfg.ucx_rndv_min, ..UcxConfig::default() }
+        UcxConfig {
+            max_frame,
+            max_in_flight: (8 << 20).max(32 * max_frame),
+            rndv_min: cfg.ucx_rndv_min,
+            // No GSC_TIMEOUT (off) still bounds a read: a day, not forever.
+            rma_timeout: cfg.timeout.unwrap_or(Duration::from_secs(86_400)),
+            ..UcxConfig::default()
+        }
     }
 }
 
@@ -131,6 +148,25 @@ impl UcxLane {
         link.post(Kind::Hello, hello)?;
         tracing::debug!(target: "gsc::ucx", peer = %format_args!("{:032x}", peer.uuid), "UCX connect posted");
         Ok(link)
+    }
+}
+
+/// What the lane's remote memory did in this process so far (all workers): rendezvous reads
+/// by `ucp_get_nbx` and registrations made for them. Tests use it to see that data moved by
+/// get rather than in frames.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RmaStats {
+    pub gets: u64,
+    pub get_bytes: u64,
+    pub registrations: u64,
+}
+
+pub fn rma_stats() -> RmaStats {
+    use std::sync::atomic::Ordering::Relaxed;
+    RmaStats {
+        gets: engine::GETS.load(Relaxed),
+        get_bytes: engine::GET_BYTES.load(Relaxed),
+        registrations: engine::REGISTRATIONS.load(Relaxed),
     }
 }
 

@@ -74,7 +74,7 @@ fn frames_cross_whole_and_in_order_both_ways() {
     let mut listener = b.listener();
     let mut ab = a.connect(&listener.address_blob()).unwrap();
     assert_eq!(ab.lane(), crate::transport::LaneKind::Ucx);
-    assert!(!ab.caps().remote_memory);
+    assert!(ab.caps().remote_memory, "remote memory by key");
     // Sent before the peer accepted: they wait behind the hello.
     let sizes = [0, 1, 8, 4096, 65_537, cfg.max_frame];
     for (i, &n) in sizes.iter().enumerate() {
@@ -233,4 +233,87 @@ fn malformed_addresses_are_named_errors() {
     let Some(a) = lane_with(&UcxConfig::default(), 0xe) else { return };
     let e = a.connect(b"GSHM not a ucx address at all, no").err().expect("refused");
     assert_eq!(e.status(), Status::InvalidAddress, "{e:?}");
+}
+
+/// Progress `link` on another thread until `stop`, then hand it back: the target of a get over
+/// TCP serves it from its own progress.
+fn progress_until(link: Box<dyn Link>, stop: &std::sync::atomic::AtomicBool) -> Box<dyn Link> {
+    let mut link = link;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let _ = link.poll_recv(0, &mut |_| {});
+        std::thread::yield_now();
+    }
+    link
+}
+
+#[test]
+fn remote_read_by_key_into_the_buffer_and_bounded_by_the_key() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let cfg = UcxConfig::default();
+    let Some((a, b)) = pair(&cfg) else { return };
+    let mut listener = b.listener();
+    let ab = a.connect(&listener.address_blob()).unwrap();
+    let mut ab = ab;
+    let (_, ba) = accept(&mut listener, &mut *ab);
+    let src = frame(3, 3 << 20);
+    let exposed = ba.expose(src.as_ptr() as usize, src.len()).unwrap().expect("UCX needs a key");
+    let key = exposed.key.clone();
+    // A second exposure of the same range (or part of it) while the first lives shares it.
+    let again = ba.expose(src.as_ptr() as usize + 10, 100).unwrap().unwrap();
+    assert_eq!(again.key, key, "a covering registration is reused");
+    let before = rma_stats();
+    let stop = AtomicBool::new(false);
+    let mut dst = vec![0u8; src.len() - 100];
+    std::thread::scope(|s| {
+        let peer = s.spawn(|| progress_until(ba, &stop));
+        // SAFETY: `dst` is writable for its length and outlives the call.
+        let r = unsafe { ab.read_remote_keyed(dst.as_mut_ptr(), src.as_ptr() as u64 + 100, dst.len(), &key) };
+        r.expect("remote read");
+        assert!(dst == src[100..], "the read brought the peer's bytes");
+        // One byte past the range the peer opened: refused before UCX sees it.
+        // SAFETY: as above (nothing is written on refusal).
+        let e = unsafe { ab.read_remote_keyed(dst.as_mut_ptr(), src.as_ptr() as u64 + 101, dst.len(), &key) }.unwrap_err();
+        assert_eq!(e.status(), Status::OutOfRange);
+        let mut bad = key.clone();
+        bad[0] ^= 1;
+        // SAFETY: as above.
+        let e = unsafe { ab.read_remote_keyed(dst.as_mut_ptr(), src.as_ptr() as u64, 1, &bad) }.unwrap_err();
+        assert_eq!(e.status(), Status::InvalidParam);
+        // Without a key a UCX link cannot read.
+        // SAFETY: as above.
+        assert!(unsafe { ab.read_remote(dst.as_mut_ptr(), src.as_ptr() as u64, 1) }.is_err());
+        stop.store(true, Ordering::Relaxed);
+        drop(peer.join().unwrap());
+    });
+    let after = rma_stats();
+    assert!(after.gets > before.gets && after.get_bytes >= before.get_bytes + dst.len() as u64, "{before:?} -> {after:?}");
+    drop((exposed, again));
+}
+
+#[test]
+fn remote_read_from_a_peer_that_never_progresses_ends_at_the_deadline() {
+    let cfg = UcxConfig { rma_timeout: Duration::from_millis(300), ..UcxConfig::default() };
+    let Some((a, b)) = pair(&cfg) else { return };
+    let mut listener = b.listener();
+    let mut ab = a.connect(&listener.address_blob()).unwrap();
+    let (_, ba) = accept(&mut listener, &mut *ab);
+    let src = frame(5, 8 << 20);
+    let exposed = ba.expose(src.as_ptr() as usize, src.len()).unwrap().unwrap();
+    let mut dst = vec![0u8; src.len()];
+    let t0 = Instant::now();
+    // `ba`'s worker is not progressed by anyone.
+    // SAFETY: `dst` is writable for its length and outlives the call.
+    let r = unsafe { ab.read_remote_keyed(dst.as_mut_ptr(), src.as_ptr() as u64, dst.len(), &exposed.key) };
+    match r {
+        Ok(()) => eprintln!("note: the transport served the get without the peer's progress; deadline not exercised"),
+        Err(e) => {
+            assert_eq!(e.status(), Status::TimedOut, "{e}");
+            assert!(t0.elapsed() < Duration::from_secs(5), "ended after {:?}", t0.elapsed());
+            // The link is failed from then on, and dropping it does not touch the closed endpoint.
+            assert!(ab.try_send(&[b"x"]).is_err());
+            assert!(ab.check_peer().is_err());
+        }
+    }
+    drop(ab);
+    drop((exposed, ba));
 }
