@@ -659,20 +659,6 @@ fn kill_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     }
 }
 
-/// `f` on a thread of its own, failing the test if it takes longer than `limit` (a hang must
-/// fail, not stall the suite; a stuck CUDA call cannot be interrupted, only abandoned).
-fn bounded<R: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> (R, Duration) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let t0 = Instant::now();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(r) => (r, t0.elapsed()),
-        Err(_) => panic!("{what}: still running after {limit:?}"),
-    }
-}
-
 /// Two ranks on two GPUs (rank 1 a child process) run a checked all-reduce; then rank 0 starts
 /// an all-reduce and a receive from rank 1, and rank 1 is SIGKILLed (waitpid must say so). Rank
 /// 0's all-reduce kernel must give up and release its stream within GSC_TIMEOUT (5 s) plus

@@ -371,20 +371,6 @@ fn abort_during_stream_capture_then_replays_fail_fast() {
     }
 }
 
-/// `f` on a thread of its own; panics if it takes longer than `limit` (a stuck CUDA call cannot
-/// be interrupted, only abandoned, so a hang fails the test instead of stalling the suite).
-fn bounded<R: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> (R, Duration) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let t0 = Instant::now();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(r) => (r, t0.elapsed()),
-        Err(_) => panic!("{what}: still running after {limit:?}"),
-    }
-}
-
 fn kill_roles(role: &str, chan: &dyn Chan, ctx: Context) {
     assert_eq!(role, "victim");
     set_device(device_for(1)).unwrap();

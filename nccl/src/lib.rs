@@ -1031,6 +1031,20 @@ mod tests {
     use super::*;
     use std::ffi::CStr;
 
+    /// Whether the GPU tests may run here with `n` GPUs; says why not when they may not.
+    fn gpus_or_skip(n: i32) -> bool {
+        use gscomm::cuda::api::{device_count, gpu_test_skip_reason};
+        if let Some(why) = gpu_test_skip_reason() {
+            eprintln!("skipped: {why}");
+            return false;
+        }
+        if device_count() < n {
+            eprintln!("skipped: needs {n} GPUs, found {}", device_count());
+            return false;
+        }
+        true
+    }
+
     fn last() -> String {
         // SAFETY: a NUL-terminated string owned by this thread.
         unsafe { CStr::from_ptr(ncclGetLastError(std::ptr::null_mut())) }.to_string_lossy().into_owned()
@@ -1123,13 +1137,8 @@ mod tests {
     /// one-rank communicators that then all-reduce, and registration. Skips without GPUs.
     #[test]
     fn non_blocking_init_send_recv_split_and_registration_on_gpus() {
-        use gscomm::cuda::api::{DeviceBuf, Stream, device_count, gpu_test_skip_reason, set_device};
-        if let Some(why) = gpu_test_skip_reason() {
-            eprintln!("skipped: {why}");
-            return;
-        }
-        if device_count() < 2 {
-            eprintln!("skipped: needs 2 GPUs, found {}", device_count());
+        use gscomm::cuda::api::{DeviceBuf, Stream, set_device};
+        if !gpus_or_skip(2) {
             return;
         }
         let mut id = ncclUniqueId { internal: [0; 128] };
@@ -1266,15 +1275,8 @@ mod tests {
     /// pointer and foreign memory are refused. Skips without `GSC_TEST_GPU=1` and 2 GPUs.
     #[test]
     fn mem_alloc_carved_buffers_all_reduce_and_send_recv_on_two_gpus() {
-        use gscomm::cuda::api::{
-            DeviceBuf, Stream, copy_from_device, copy_to_device, device_count, gpu_test_skip_reason, ipc_export_kind, set_device,
-        };
-        if let Some(why) = gpu_test_skip_reason() {
-            eprintln!("skipped: {why}");
-            return;
-        }
-        if device_count() < 2 {
-            eprintln!("skipped: needs 2 GPUs, found {}", device_count());
+        use gscomm::cuda::api::{DeviceBuf, Stream, copy_from_device, copy_to_device, ipc_export_kind, set_device};
+        if !gpus_or_skip(2) {
             return;
         }
         let mut id = ncclUniqueId { internal: [0; 128] };
@@ -1470,9 +1472,8 @@ mod tests {
     /// seconds, and the communicator is freed. Skips without `GSC_TEST_GPU=1` and a GPU.
     #[test]
     fn abort_while_collectives_are_enqueued_on_a_gpu() {
-        use gscomm::cuda::api::{DeviceBuf, Stream, gpu_test_skip_reason, set_device};
-        if let Some(why) = gpu_test_skip_reason() {
-            eprintln!("skipped: {why}");
+        use gscomm::cuda::api::{DeviceBuf, Stream, set_device};
+        if !gpus_or_skip(1) {
             return;
         }
         set_device(0).unwrap();

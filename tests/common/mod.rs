@@ -681,3 +681,19 @@ pub fn armed(s: Started) -> gscomm::condition::ArmedOutputs {
 pub fn pinned_u64(b: &gscomm::cuda::api::PinnedBuf) -> u64 {
     u64::from_le_bytes(b.to_vec()[..8].try_into().unwrap())
 }
+
+/// `f` on a thread of its own, failing the test if it takes longer than `limit` (a hang must
+/// fail, not stall the suite; a stuck CUDA call cannot be interrupted, only abandoned). Returns
+/// `f`'s result and how long it took.
+#[allow(dead_code)]
+pub fn bounded<R: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> (R, Duration) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t0 = Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(r) => (r, t0.elapsed()),
+        Err(_) => panic!("{what}: still running after {limit:?}"),
+    }
+}

@@ -86,7 +86,7 @@ pub(crate) fn ncpus() -> usize {
 }
 
 /// Wait for a pending request by spinning on progress (no yields: this is a benchmark).
-fn wait(w: &Worker, s: Started) {
+pub(crate) fn wait(w: &Worker, s: Started) {
     if let Started::Pending(h) = s {
         loop {
             match w.progress_and_test(h) {

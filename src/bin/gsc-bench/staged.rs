@@ -14,7 +14,7 @@
 //! header line names the lane. Without a GPU (or CUDA) the GPU column says why and the host
 //! column is still measured.
 
-use crate::host::{ncpus, pin_to};
+use crate::host::{ncpus, pin_to, wait};
 use crate::{Control, Sweep, config, die, hex, parse_size, spawn_peer, unhex};
 use gscomm::cuda::api::{DeviceBuf, device_count, set_device};
 use gscomm::protocols::MemType;
@@ -116,24 +116,6 @@ impl Buf {
 
 fn params(kind: MemType) -> RequestParams {
     RequestParams { memory_type: Some(kind), ..RequestParams::default() }
-}
-
-fn wait(w: &Worker, s: Started) {
-    if let Started::Pending(h) = s {
-        loop {
-            match w.progress_and_test(h) {
-                Ok((_, Some(c))) => {
-                    if c.status != gscomm::Status::Ok {
-                        die("request failed", c.status);
-                    }
-                    break;
-                }
-                Ok((_, None)) => {}
-                Err(e) => die("progress_and_test", e),
-            }
-        }
-        let _ = w.request_release(h);
-    }
 }
 
 /// Why GPU buffers cannot be measured in this process, if they cannot.
