@@ -1158,9 +1158,10 @@ pub(crate) fn beat_period(heartbeat_timeout: Duration) -> Duration {
     (heartbeat_timeout / 10).clamp(Duration::from_millis(10), Duration::from_secs(1))
 }
 
-/// The proxy thread's heartbeat: beat if due. It runs this after every sleep (idle, or polling
-/// persistent triggers), when no pass of its own would reach the 64-pass check in `progress`.
 impl Worker {
+    /// The proxy thread's heartbeat: beat if due. It runs this after every sleep (idle, or
+    /// polling persistent triggers), when no pass of its own would reach the 64-pass check in
+    /// `progress`. Under the worker's lock, so a worker deadlocked on it falls silent too.
     pub(crate) fn heartbeat(&self) {
         self.lock().beat_if_due(Instant::now());
     }
