@@ -128,6 +128,17 @@ fn positive_duration(value: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A positive duration, or `inf` (`None`): no bound.
+fn duration_or_inf(value: &str) -> Result<Option<Duration>, String> {
+    let value = value.trim();
+    if value.eq_ignore_ascii_case("inf") || value.eq_ignore_ascii_case("infinity") {
+        return Ok(None);
+    }
+    positive_duration(value)
+        .map(Some)
+        .map_err(|reason| if reason == parse::DURATION_EXPECTED { DURATION_INF_EXPECTED.to_string() } else { reason })
+}
+
 fn optional_count(value: &str) -> Result<Option<u32>, String> {
     let value = value.trim();
     if value.is_empty() {
@@ -578,18 +589,29 @@ pub(super) static KNOBS: &[Knob] = &[
         doc: "Bound on every blocking wait; inf: wait forever",
         kind: KnobKind::DurationOrInf,
         parse: |c, v| {
-            let v = v.trim();
-            c.timeout = if v.eq_ignore_ascii_case("inf") || v.eq_ignore_ascii_case("infinity") {
-                None
-            } else {
-                Some(
-                    positive_duration(v)
-                        .map_err(|reason| if reason == parse::DURATION_EXPECTED { DURATION_INF_EXPECTED.to_string() } else { reason })?,
-                )
-            };
+            c.timeout = duration_or_inf(v)?;
             Ok(())
         },
         show: |c| c.timeout.map(format_duration).unwrap_or_else(|| "inf".to_string()),
+    },
+    // Why 10 s: a peer's proxy thread beats every tenth of its own timeout (at most every
+    // second), so a live process misses this only if none of its threads that beat gets the
+    // worker for ten whole seconds. CPU throttling (cgroup quotas: 100 ms periods), page
+    // reclaim and an overloaded run queue stall threads for milliseconds to a second or two,
+    // not ten; yet 10 s still finds a stopped peer six times sooner than GSC_TIMEOUT's 60 s.
+    Knob {
+        name: "GSC_HEARTBEAT_TIMEOUT",
+        default: "10s",
+        doc: "A shm peer whose proxy thread promised a heartbeat and stayed silent this long \
+              (stopped, hung, starved) fails its link with TIMED_OUT, well before GSC_TIMEOUT. \
+              A peer without a proxy thread promises none and is never judged by it. inf: \
+              neither promise a heartbeat nor judge peers by theirs (e.g. while debugging)",
+        kind: KnobKind::DurationOrInf,
+        parse: |c, v| {
+            c.heartbeat_timeout = duration_or_inf(v)?;
+            Ok(())
+        },
+        show: |c| c.heartbeat_timeout.map(format_duration).unwrap_or_else(|| "inf".to_string()),
     },
     Knob {
         name: "GSC_PEER_CHECK_INTERVAL",

@@ -311,6 +311,9 @@ pub struct Config {
     pub timeout: Option<Duration>,
     /// `GSC_PEER_CHECK_INTERVAL`, non-zero.
     pub peer_check_interval: Duration,
+    /// `GSC_HEARTBEAT_TIMEOUT`: how long a shm peer that promised a heartbeat may stay silent
+    /// before its link fails; `None` neither promises nor judges heartbeats.
+    pub heartbeat_timeout: Option<Duration>,
     /// `GSC_CONNECT_TIMEOUT`, non-zero.
     pub connect_timeout: Duration,
     /// `GSC_PROXY_SPIN`: how long the proxy keeps spinning on persistent triggers after the last
@@ -384,6 +387,7 @@ impl Default for Config {
             flush_rdma_write: false,
             timeout: Some(Duration::from_secs(60)),
             peer_check_interval: Duration::from_millis(100),
+            heartbeat_timeout: Some(Duration::from_secs(10)),
             connect_timeout: Duration::from_secs(10),
             proxy_spin: Duration::from_millis(100),
             proxy_poll: Duration::from_micros(50),

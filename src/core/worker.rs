@@ -127,6 +127,13 @@ pub(crate) struct State {
     deliveries: Vec<EagerDelivery>,
     last_peer_check: Instant,
     peer_check_interval: Duration,
+    /// How often this side beats its links' heartbeats (`beat_period`); `None` with
+    /// `GSC_HEARTBEAT_TIMEOUT=inf`.
+    beat_period: Option<Duration>,
+    /// A proxy thread runs and beats every `beat_period` even while the application is idle, so
+    /// the beats carry a promise that peers may judge (see `Link::heartbeat`).
+    beat_promise: bool,
+    last_beat: Instant,
     /// GPU-memory copies (IPC reads, host staging).
     pub(crate) device: DeviceMem,
     /// Scratch for finished device reads.
@@ -257,6 +264,9 @@ impl Worker {
             deliveries: Vec::new(),
             last_peer_check: Instant::now(),
             peer_check_interval: cfg.peer_check_interval,
+            beat_period: cfg.heartbeat_timeout.map(beat_period),
+            beat_promise: false,
+            last_beat: Instant::now(),
             device: DeviceMem::new(cfg),
             reads_done: Vec::new(),
             failed_copies: Vec::new(),
@@ -539,13 +549,20 @@ impl Worker {
         let _starting = self.inner.proxy_start.lock().unwrap_or_else(|e| e.into_inner());
         if self.inner.proxy.get().is_none() {
             let cfg = &self.inner.context.inner.config;
+            let beat = cfg.heartbeat_timeout.map(beat_period);
             let proxy = if cfg.proxy_thread {
-                Proxy::spawn(Arc::downgrade(&self.inner), cfg.proxy_spin, cfg.proxy_poll)?
+                Proxy::spawn(Arc::downgrade(&self.inner), cfg.proxy_spin, cfg.proxy_poll, beat)?
             } else {
                 Proxy::in_caller(Arc::downgrade(&self.inner))
             };
+            let thread = cfg.proxy_thread;
             // Under `proxy_start` nobody else sets it: this is the one proxy.
             let _ = self.inner.proxy.set(proxy);
+            if thread {
+                // Only a thread beats while the application is idle; a caller-run proxy
+                // (GSC_PROXY_THREAD=off) beats only when called, so it promises nothing.
+                self.lock().promise_heartbeat();
+            }
         }
         Ok(())
     }
@@ -1137,6 +1154,23 @@ pub(crate) fn require_host_memory(params: &RequestParams, addr: usize, len: usiz
     }
 }
 
+/// How often a worker beats its heartbeats, given `GSC_HEARTBEAT_TIMEOUT`: a tenth of it, so a
+/// peer with the same timeout sees ten beats per timeout and a few late ones (a busy machine)
+/// never fail a link; at most once a second (a stopped peer is found within the timeout plus
+/// one peer check either way) and at least 10 ms apart (each beat locks the worker).
+pub(crate) fn beat_period(heartbeat_timeout: Duration) -> Duration {
+    (heartbeat_timeout / 10).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
+impl Worker {
+    /// The proxy thread's heartbeat: beat if due. It runs this after every sleep (idle, or
+    /// polling persistent triggers), when no pass of its own would reach the 64-pass check in
+    /// `progress`. Under the worker's lock, so a worker deadlocked on it falls silent too.
+    pub(crate) fn heartbeat(&self) {
+        self.lock().beat_if_due(Instant::now());
+    }
+}
+
 pub(crate) fn shm_config(cfg: &crate::Config) -> shm::ShmConfig {
     shm::ShmConfig {
         dir: cfg.shm_dir.clone(),
@@ -1148,6 +1182,7 @@ pub(crate) fn shm_config(cfg: &crate::Config) -> shm::ShmConfig {
             crate::config::Tristate::Off => shm::CmaMode::Off,
         },
         connect_timeout: cfg.connect_timeout,
+        heartbeat_timeout: cfg.heartbeat_timeout,
     }
 }
 
@@ -1174,6 +1209,11 @@ impl State {
         };
         let generation = self.next_conn_generation;
         self.next_conn_generation = self.next_conn_generation.wrapping_add(1).max(1);
+        let mut link = link;
+        if let Some(period) = self.beat_period {
+            // A new link carries the worker's promise (or its absence) from its first moment.
+            link.heartbeat(self.beat_promise.then_some(period));
+        }
         let conn = self.conns.insert(Conn {
             link,
             generation,
@@ -1341,9 +1381,14 @@ impl State {
         if !self.host_rounds.is_empty() {
             events += super::gpu_rounds::poll_host_rounds(&mut self.host_rounds, &mut actions);
         }
-        if self.polls % 64 == 0 && self.last_peer_check.elapsed() >= self.peer_check_interval {
-            self.last_peer_check = Instant::now();
-            self.check_peers(&mut actions);
+        // One clock read per 64 passes serves both the heartbeat and the peer checks.
+        if self.polls % 64 == 0 {
+            let now = Instant::now();
+            self.beat_if_due(now);
+            if now.saturating_duration_since(self.last_peer_check) >= self.peer_check_interval {
+                self.last_peer_check = now;
+                self.check_peers(&mut actions);
+            }
         }
         if actions.is_empty() {
             self.give_actions(actions);
@@ -1622,6 +1667,33 @@ impl State {
         // Requests the engine does not track (none today) would be failed here by slot.conn.
         if !keep {
             self.conns.remove(conn);
+        }
+    }
+
+    /// Beat every live link's heartbeat if a beat period has passed since the last beat. Every
+    /// progress pass may beat (the beats then show that someone progresses this worker), but only
+    /// a worker with a proxy thread promises it (`beat_promise`): without one, an application
+    /// that stops calling progress stops the beats while alive and well.
+    pub(crate) fn beat_if_due(&mut self, now: Instant) {
+        let Some(period) = self.beat_period else { return };
+        if now.saturating_duration_since(self.last_beat) < period {
+            return;
+        }
+        self.last_beat = now;
+        let promise = self.beat_promise.then_some(period);
+        for (_, c) in self.conns.iter_mut().filter(|(_, c)| c.failed.is_none()) {
+            c.link.heartbeat(promise);
+        }
+    }
+
+    /// From now on a proxy thread beats this worker's heartbeats: promise it on every link (and
+    /// on every later one, at `add_conn`), beating now so the promise comes with a fresh beat.
+    pub(crate) fn promise_heartbeat(&mut self) {
+        let Some(period) = self.beat_period else { return };
+        self.beat_promise = true;
+        self.last_beat = Instant::now();
+        for (_, c) in self.conns.iter_mut().filter(|(_, c)| c.failed.is_none()) {
+            c.link.heartbeat(Some(period));
         }
     }
 

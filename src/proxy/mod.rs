@@ -14,6 +14,11 @@
 //! polls every `GSC_PROXY_POLL`. A persistent operation is dropped once only the proxy refers
 //! to its channel (its graphs were destroyed, or its kernel-triggered condition released).
 //!
+//! Heartbeat: a proxy thread is what lets the worker promise its shm peers a heartbeat (issue
+//! #8, `Link::heartbeat`), so it never sleeps longer than the beat period: an idle thread wakes
+//! to beat (only that: it runs no pass, so it never progresses the worker or fires callbacks
+//! while idle, as before), and after any sleep it beats if a beat is due.
+//!
 //! Accounting: `ProxyCounters` count what the thread did (operations handed over, operations
 //! started, passes), read by `Worker::stats`: they show how much host work a transfer costs,
 //! e.g. none per iteration when the rounds run on the GPU.
@@ -131,10 +136,12 @@ enum Runner {
 }
 
 impl Proxy {
-    pub(crate) fn spawn(worker: Weak<WorkerInner>, spin: Duration, poll: Duration) -> Result<Proxy> {
+    /// `beat`: the heartbeat period (`None`: no heartbeat, `GSC_HEARTBEAT_TIMEOUT=inf`).
+    pub(crate) fn spawn(worker: Weak<WorkerInner>, spin: Duration, poll: Duration, beat: Option<Duration>) -> Result<Proxy> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let counters = Arc::new(ProxyCounters::default());
-        let engine = Engine::new(worker, rx, spin, poll, counters.clone());
+        let mut engine = Engine::new(worker, rx, spin, poll, counters.clone());
+        engine.beat = beat;
         let thread = std::thread::Builder::new()
             .name("gsc-proxy".into())
             .spawn(move || engine.run())
@@ -264,6 +271,21 @@ struct Engine {
     aborted: Option<Error>,
     /// When started operations were last checked against `GSC_TIMEOUT`.
     last_expiry_check: Instant,
+    /// The heartbeat period: the longest the thread may sleep. `None` for a caller-run proxy
+    /// (it sleeps in no call of its own) and with `GSC_HEARTBEAT_TIMEOUT=inf`.
+    beat: Option<Duration>,
+}
+
+/// How `wait_for_work` ended.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Wake {
+    /// Time to exit.
+    Exit,
+    /// Run a pass; `slept`: after a sleep (a message, or the persistent triggers' poll), not a
+    /// spin.
+    Pass { slept: bool },
+    /// Idle and the beat period passed: beat, run no pass.
+    Beat,
 }
 
 impl Engine {
@@ -281,6 +303,7 @@ impl Engine {
             counters,
             aborted: None,
             last_expiry_check: Instant::now(),
+            beat: None,
         }
     }
 
@@ -288,10 +311,19 @@ impl Engine {
         tracing::debug!(target: "gsc::proxy", "proxy thread started");
         let mut idle_spins = 0u32;
         loop {
-            if !self.wait_for_work(idle_spins) {
+            let wake = self.wait_for_work(idle_spins);
+            if wake == Wake::Exit {
                 break;
             }
             let Some(worker) = self.worker.upgrade().map(|inner| Worker { inner }) else { break };
+            // After a sleep the 64-pass check inside `progress` may be far off (one pass per
+            // GSC_PROXY_POLL, or none at all while idle); spinning passes reach it on their own.
+            if matches!(wake, Wake::Beat | Wake::Pass { slept: true }) && self.beat.is_some() {
+                worker.heartbeat();
+            }
+            if wake == Wake::Beat {
+                continue;
+            }
             let events = self.pass(&worker);
             drop(worker);
             if events > 0 {
@@ -304,11 +336,13 @@ impl Engine {
         self.shutdown();
     }
 
-    /// Take new messages; sleep first when nothing needs watching. False: time to exit.
-    fn wait_for_work(&mut self, idle_spins: u32) -> bool {
+    /// Take new messages; sleep first when nothing needs watching.
+    fn wait_for_work(&mut self, idle_spins: u32) -> Wake {
         let busy = !self.armed.is_empty() || !self.in_flight.is_empty();
+        let go_on = |go: bool, slept: bool| if go { Wake::Pass { slept } } else { Wake::Exit };
+        let mut slept = false;
         let msg = if self.disconnected {
-            return busy;
+            return go_on(busy, false);
         } else if busy || (!self.persistent.is_empty() && self.last_activity.elapsed() < self.spin) {
             if idle_spins > 0 && idle_spins % 64 == 0 {
                 // Spinning, but let a producer thread on the same core run.
@@ -323,7 +357,8 @@ impl Engine {
                 }
             }
         } else if !self.persistent.is_empty() {
-            match self.rx.recv_timeout(self.poll) {
+            slept = true;
+            match self.rx.recv_timeout(self.beat.map_or(self.poll, |b| b.min(self.poll))) {
                 Ok(m) => Some(m),
                 Err(RecvTimeoutError::Timeout) => None,
                 Err(RecvTimeoutError::Disconnected) => {
@@ -331,10 +366,23 @@ impl Engine {
                     None
                 }
             }
+        } else if let Some(beat) = self.beat {
+            // Idle, but the promised heartbeat must go on: sleep at most one beat period.
+            match self.rx.recv_timeout(beat) {
+                Ok(m) => {
+                    slept = true;
+                    Some(m)
+                }
+                Err(RecvTimeoutError::Timeout) => return Wake::Beat,
+                Err(RecvTimeoutError::Disconnected) => return Wake::Exit,
+            }
         } else {
             match self.rx.recv() {
-                Ok(m) => Some(m),
-                Err(_) => return false,
+                Ok(m) => {
+                    slept = true;
+                    Some(m)
+                }
+                Err(_) => return Wake::Exit,
             }
         };
         if let Some(m) = msg {
@@ -343,7 +391,7 @@ impl Engine {
                 self.take(m);
             }
         }
-        !self.disconnected || busy
+        go_on(!self.disconnected || busy, slept)
     }
 
     /// Take every message waiting in the channel (a caller-run proxy's start of a pass).

@@ -157,8 +157,18 @@ pub trait Link: Send {
     unsafe fn write_remote(&self, local: *const u8, remote: u64, len: usize) -> Result<()>;
 
     /// Is the peer still alive? Cheap enough to call every few milliseconds. An error names the
-    /// failure (`PeerFailed`, `ConnectionReset` when the peer closed the link).
+    /// failure (`PeerFailed`, `ConnectionReset` when the peer closed the link; `TimedOut` when a
+    /// peer that promised a heartbeat went silent: it lives but does not run).
     fn check_peer(&mut self) -> Result<()>;
+
+    /// Beat this side's heartbeat, if the lane keeps one (shm). `promise`: a thread of this
+    /// process beats every link at least this often whatever the application does (the proxy
+    /// thread), so the peer may fail the link when the beats stop; `None` withdraws the promise
+    /// (the beat then only shows progress, and silence proves nothing). Lanes whose peer
+    /// failures are found otherwise ignore it.
+    fn heartbeat(&mut self, promise: Option<std::time::Duration>) {
+        let _ = promise;
+    }
 
     /// Tell the peer this side is going away; frames already queued are still delivered.
     fn close(&mut self);

@@ -82,7 +82,7 @@ pub fn connect_link(blob: &[u8], my_worker_uuid: u128, cfg: &ShmConfig) -> Resul
     ctrl.geometry.ring_capacity.store(cfg.ring_size as u64, Ordering::Relaxed);
     ctrl.geometry.max_frame.store(cfg.max_frame as u64, Ordering::Relaxed);
     // On error from here, dropping the link drops the segment, which unlinks it.
-    let link = ShmLink::new(seg, Side::Connector, addr.listener, cma)?;
+    let link = ShmLink::new(seg, Side::Connector, addr.listener, cma, cfg.heartbeat_timeout)?;
     post(area, my_worker_uuid, &path, &addr.listener, cfg.connect_timeout)?;
     tracing::debug!(target: "gsc::shm", listener = addr.listener.pid, cma, "shm connect posted");
     Ok(link)

@@ -11,8 +11,8 @@
 //! slot is reclaimed by the next connector that finds all slots busy.
 //!
 //! **Connection segment** (one per link, created by the connector): a control block (one line per
-//! side: open/closed state, identity, CMA probe; one line of ring geometry), then ring 0
-//! (connector to acceptor) and ring 1 (acceptor to connector).
+//! side: open/closed state, identity, CMA probe; one line of ring geometry; one heartbeat line
+//! per side), then ring 0 (connector to acceptor) and ring 1 (acceptor to connector).
 
 use std::mem::size_of;
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
@@ -128,11 +128,28 @@ pub struct Geometry {
     pub max_frame: AtomicU64,
 }
 
+/// One side's heartbeat, written only by that side, on a line of its own: the peer reads the
+/// side's `state` line on every progress pass, and that line must stay read-mostly.
+///
+/// The peer judges by whether `count` moves, timed on its own clock, so the two processes need
+/// no common clock (a time namespace may shift CLOCK_MONOTONIC between them).
+#[repr(C, align(64))]
+pub struct Heartbeat {
+    /// Beats so far.
+    pub count: AtomicU64,
+    /// 0: no promise — nothing beats while the application does not progress the worker (no
+    /// proxy thread), so silence means nothing. Otherwise the promise: a thread of this side's
+    /// process beats at least every this many milliseconds, whatever the application does.
+    pub period_ms: AtomicU64,
+}
+
 #[repr(C)]
 pub struct ConnCtrl {
     /// Index 0: the connector; 1: the acceptor.
     pub sides: [SideInfo; 2],
     pub geometry: Geometry,
+    /// Indexed like `sides`. Zero in a fresh segment: no promise until a side makes one.
+    pub beats: [Heartbeat; 2],
 }
 
 pub const CTRL_SIZE: usize = size_of::<ConnCtrl>();

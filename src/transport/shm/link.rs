@@ -1,6 +1,7 @@
 //! `ShmLink`: one side of a connection segment, as a `Link`.
 
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
 use crate::transport::shm::cma::{self, Dir};
@@ -29,13 +30,20 @@ pub struct ShmLink {
     closed: bool,
     /// A failure already seen (dead peer, corrupt ring); reported once the ring is drained.
     failure: Option<Error>,
+    /// How long a peer that promised a heartbeat may stay silent; `None`: never judged by it.
+    heartbeat_timeout: Option<Duration>,
+    /// The peer's heartbeat count as last seen, and when (our clock) it was first seen at that
+    /// value; `None` while the peer promises nothing.
+    peer_beat: Option<(u64, Instant)>,
+    /// Our own beats so far (we are the only writer of our heartbeat word).
+    beats: u64,
     seg: Segment,
 }
 
 impl ShmLink {
     /// Attach to the rings of connection segment `seg` as `side`. The geometry is read from the
     /// segment (written by the connector) so both sides agree on it.
-    pub fn new(seg: Segment, side: Side, peer: ProcessIdentity, cma: bool) -> Result<ShmLink> {
+    pub fn new(seg: Segment, side: Side, peer: ProcessIdentity, cma: bool, heartbeat_timeout: Option<Duration>) -> Result<ShmLink> {
         if seg.payload_len() < layout::CTRL_SIZE {
             return Err(Error::new(Status::InvalidAddress, "connection segment too small"));
         }
@@ -58,13 +66,59 @@ impl ShmLink {
                 RingConsumer::attach(seg.payload().add(layout::ring_offset(cap, rx_ring)), cap, max_frame)?,
             )
         };
-        Ok(ShmLink { tx, rx, side, peer, max_frame, cma, closed: false, failure: None, seg })
+        Ok(ShmLink { tx, rx, side, peer, max_frame, cma, closed: false, failure: None, heartbeat_timeout, peer_beat: None, beats: 0, seg })
     }
 
     fn ctrl(&self) -> &ConnCtrl {
         // SAFETY: checked in `new` that the payload holds a ConnCtrl; all its fields are atomics,
         // so a shared reference is sound while the peer writes them.
         unsafe { &*self.seg.payload().cast::<ConnCtrl>() }
+    }
+
+    /// Has a peer that promised a heartbeat stayed silent for longer than we allow? Judged by
+    /// whether its count moves between our checks, timed on our own clock from when we first saw
+    /// the count at its present value. That instant is never earlier than the peer's last beat,
+    /// so a pause of *ours* (we were stopped, or not progressed) cannot make a live peer look
+    /// silent: it beat meanwhile, and we see a new count. The limit is ours, but never less than
+    /// four of the peer's promised periods, so a peer configured to beat rarely is not failed by
+    /// a process configured to judge quickly.
+    fn heartbeat_silence(&mut self) -> Option<Error> {
+        let timeout = self.heartbeat_timeout?;
+        let beat = &self.ctrl().beats[1 - self.side as usize];
+        // Relaxed: each word is read on its own; a promise seen with an older count only starts
+        // the watch one beat early, and the next beat moves the count.
+        let period_ms = beat.period_ms.load(Ordering::Relaxed);
+        if period_ms == 0 {
+            // No promise (no proxy thread on the peer, or it runs with GSC_HEARTBEAT_TIMEOUT=inf):
+            // its silence proves nothing, so it is never judged by it.
+            self.peer_beat = None;
+            return None;
+        }
+        let count = beat.count.load(Ordering::Relaxed);
+        let now = Instant::now();
+        match self.peer_beat {
+            Some((seen, since)) if seen == count => {
+                let silent = now.saturating_duration_since(since);
+                let limit = timeout.max(Duration::from_millis(period_ms.saturating_mul(4)));
+                (silent > limit).then(|| {
+                    Error::new(
+                        Status::TimedOut,
+                        format!(
+                            "shm peer pid {} is alive but its heartbeat stopped: silent for {} ms \
+                             (GSC_HEARTBEAT_TIMEOUT {} ms; it promised a beat every {period_ms} ms) \
+                             — stopped, hung or starved",
+                            self.peer.pid,
+                            silent.as_millis(),
+                            timeout.as_millis(),
+                        ),
+                    )
+                })
+            }
+            _ => {
+                self.peer_beat = Some((count, now));
+                None
+            }
+        }
     }
 
     fn my_state(&self) -> &std::sync::atomic::AtomicU32 {
@@ -204,7 +258,22 @@ impl Link for ShmLink {
             self.failure = Some(e.clone());
             return Err(e);
         }
+        if let Some(e) = self.heartbeat_silence() {
+            tracing::warn!(target: "gsc::shm", peer = self.peer.pid, error = %e, "shm peer silent");
+            self.failure = Some(e.clone());
+            return Err(e);
+        }
         Ok(())
+    }
+
+    fn heartbeat(&mut self, promise: Option<Duration>) {
+        self.beats = self.beats.wrapping_add(1);
+        let mine = &self.ctrl().beats[self.side as usize];
+        // Relaxed: the peer only looks for a change of the count (see `heartbeat_silence`).
+        mine.count.store(self.beats, Ordering::Relaxed);
+        // A promise of less than a millisecond still reads as one (0 would mean "none").
+        let period_ms = promise.map_or(0, |p| u64::try_from(p.as_millis()).unwrap_or(u64::MAX).max(1));
+        mine.period_ms.store(period_ms, Ordering::Relaxed);
     }
 
     fn close(&mut self) {

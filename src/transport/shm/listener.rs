@@ -122,7 +122,7 @@ impl ShmListener {
             }
         };
         mine.set_identity(proc_identity::current(), cma::cookie(), self.uuid);
-        ShmLink::new(seg, Side::Acceptor, peer, cma)
+        ShmLink::new(seg, Side::Acceptor, peer, cma, self.cfg.heartbeat_timeout)
     }
 
     /// Tell a connector whose request will never be accepted that the connection is closed.

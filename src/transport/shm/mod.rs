@@ -7,7 +7,9 @@
 //! - Memory of the peer is read and written with cross-memory attach where the kernel allows it
 //!   (`cma`); `caps().remote_memory` says whether it does for a given link.
 //! - Liveness: the control block carries each side's closed flag; `check_peer` also verifies the
-//!   peer process (pid + start time) is still running (`proc_identity`).
+//!   peer process (pid + start time) is still running (`proc_identity`), and, where the peer
+//!   promised a heartbeat (its proxy thread beats its word even while the application is idle),
+//!   that the heartbeat moved within `heartbeat_timeout`: a stopped or hung peer looks alive.
 //!
 //! Nothing is left in the shm directory after a clean run: the acceptor unlinks a connection
 //! segment as soon as it has mapped it (the connector unlinks it on drop if never accepted), and
@@ -65,6 +67,9 @@ pub struct ShmConfig {
     pub cma: CmaMode,
     /// How long `connect` waits for a free accept slot while the listener is alive.
     pub connect_timeout: Duration,
+    /// How long a peer that promised a heartbeat may stay silent before `check_peer` fails the
+    /// link (`GSC_HEARTBEAT_TIMEOUT`); `None`: peers are not judged by their heartbeat.
+    pub heartbeat_timeout: Option<Duration>,
 }
 
 impl Default for ShmConfig {
@@ -75,6 +80,7 @@ impl Default for ShmConfig {
             max_frame: 64 << 10,
             cma: CmaMode::Auto,
             connect_timeout: Duration::from_secs(10),
+            heartbeat_timeout: Some(Duration::from_secs(10)),
         }
     }
 }

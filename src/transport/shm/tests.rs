@@ -226,6 +226,80 @@ fn busy_slots_time_out_and_dropped_listener_refuses_pending() {
     assert!(dir.entries().is_empty(), "left behind: {:?}", dir.entries());
 }
 
+/// The heartbeat judgment on one pair of links: a side that promises nothing is never failed
+/// by its silence; one that promised is failed (TimedOut, naming the silence) once its count
+/// stays put past the limit, and not while it beats; a judge's own pause does not count against
+/// a peer that beat meanwhile; the limit is never less than four promised periods.
+#[test]
+fn heartbeat_fails_only_a_silent_peer_that_promised_one() {
+    let dir = TestDir::new("heartbeat");
+    let timeout = Duration::from_millis(150);
+    let cfg = ShmConfig { heartbeat_timeout: Some(timeout), ..small_cfg(&dir) };
+    let mut l = ShmListener::new(&cfg, LISTENER_UUID).unwrap();
+    let mut a = connect(&l.address_blob(), CONNECTOR_UUID, &cfg).unwrap();
+    let (_, mut b) = accept_one(&mut l);
+
+    // No promise: `b` beats now and then but promised nothing; `a` never fails it.
+    b.heartbeat(None);
+    let t0 = Instant::now();
+    while t0.elapsed() < 3 * timeout {
+        a.check_peer().unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    // A promise kept: beats every 20 ms, checked for several timeouts.
+    let period = Duration::from_millis(20);
+    b.heartbeat(Some(period));
+    let t0 = Instant::now();
+    while t0.elapsed() < 3 * timeout {
+        b.heartbeat(Some(period));
+        a.check_peer().unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    // The judge pauses longer than the limit while the peer beats: not a silence.
+    a.check_peer().unwrap();
+    std::thread::sleep(2 * timeout);
+    // The promise broken after this last beat: failed after the limit, not before, and sticky.
+    // (Taken before the check that sees the beat: the judge's watch starts at that check.)
+    let silent_from = Instant::now();
+    b.heartbeat(Some(period));
+    a.check_peer().unwrap();
+    let e = loop {
+        match a.check_peer() {
+            Ok(()) => {
+                assert!(silent_from.elapsed() < timeout + Duration::from_secs(5), "a silent peer was never failed");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(silent_from.elapsed() >= timeout, "failed after {:?}, the limit is {timeout:?}", silent_from.elapsed());
+    assert_eq!(e.status(), Status::TimedOut, "{e}");
+    assert!(e.message().contains("heartbeat") && e.message().contains(&std::process::id().to_string()), "{e}");
+    assert_eq!(a.check_peer().unwrap_err().status(), Status::TimedOut, "sticky");
+    assert_eq!(a.try_send(&[b"x"]).unwrap_err().status(), Status::TimedOut, "the link is dead");
+
+    // A peer that promised a slow beat (1 s) is given four of its periods, not our 150 ms.
+    let mut c = connect(&l.address_blob(), CONNECTOR_UUID, &cfg).unwrap();
+    let (_, mut d) = accept_one(&mut l);
+    d.heartbeat(Some(Duration::from_secs(1)));
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(600) {
+        c.check_peer().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // And the judge that judges nothing (timeout None) never fails anyone.
+    let quiet = ShmConfig { heartbeat_timeout: None, ..small_cfg(&dir) };
+    let mut e1 = connect(&l.address_blob(), CONNECTOR_UUID, &quiet).unwrap();
+    let (_, mut f1) = accept_one(&mut l);
+    f1.heartbeat(Some(Duration::from_millis(10)));
+    std::thread::sleep(Duration::from_millis(50));
+    e1.check_peer().unwrap();
+    std::thread::sleep(3 * timeout);
+    e1.check_peer().unwrap();
+}
+
 /// Connect from a child process given the listener blob and directory in the environment.
 fn child_connect(ring_size: usize) -> Box<dyn Link> {
     let cfg = ShmConfig {
@@ -234,6 +308,7 @@ fn child_connect(ring_size: usize) -> Box<dyn Link> {
         max_frame: ring_size / 4,
         cma: CmaMode::On,
         connect_timeout: testutil::TIME_LIMIT,
+        heartbeat_timeout: None,
     };
     connect(&unhex(&testutil::env("SHM_BLOB")), CONNECTOR_UUID, &cfg).unwrap()
 }
