@@ -340,6 +340,9 @@ fn peer_killed_mid_transfer_shm() {
         let seed_at = inb[8..16].as_ptr() as *const u64;
         progress_until(w, T, "victim's data arriving", || unsafe { std::ptr::read_volatile(seed_at) } != 0);
         assert!(w.request_test(recv).unwrap().is_none(), "64 MiB arrived before the kill");
+        // Our send may have finished already (the victim took all 64 MiB while its own data was
+        // still coming): then it ended Ok, honestly, before any failure.
+        let send_done_before_kill = w.request_test(send).unwrap().is_some_and(|c| c.status == Status::Ok);
         let c = victim.proc();
         c.signal(libc::SIGKILL);
         let t0 = Instant::now();
@@ -350,6 +353,9 @@ fn peer_killed_mid_transfer_shm() {
         let took = t0.elapsed();
         let (sc, rc) = (w.request_test(send).unwrap().unwrap(), w.request_test(recv).unwrap().unwrap());
         for (what, st) in [("send", sc.status), ("recv", rc.status)] {
+            if what == "send" && send_done_before_kill {
+                continue;
+            }
             assert!(matches!(st, Status::PeerFailed | Status::ConnectionReset), "{what} ended with {st:?}");
         }
         assert!(took < Duration::from_secs(5), "failure noticed after {took:?}");
