@@ -255,9 +255,64 @@ fn coll_role(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
     chan.put("result", result.as_ref().map_or_else(|e| e.as_bytes(), |()| b"ok".as_slice()));
 }
 
+/// A `HostComm` rank of the killed-rank test: "kcoll1" joins and then only waits to be killed;
+/// "kcoll0" starts a 4 MiB all-reduce its peer never joins, says so, and reports how the call
+/// ended, how long after the parent's "killed" it returned, and what a later call says.
+fn kill_coll_role(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
+    use gscomm::bootstrap::{Bootstrap, UniqueId};
+    use gscomm::collectives::{DataType, HostComm, RedOp};
+    let rank = usize::from(role == "kcoll1");
+    let uid = if rank == 0 {
+        let uid = UniqueId::create(Some(std::net::Ipv4Addr::LOCALHOST.into())).unwrap();
+        chan.put("uid", &uid.to_bytes());
+        uid
+    } else {
+        UniqueId::from_bytes(&chan.get("uid")).unwrap()
+    };
+    let boot = Bootstrap::init(&uid, rank as u32, 2, T).unwrap();
+    let comm = HostComm::new(&boot, ctx.config()).unwrap();
+    // A first all-reduce, checked. With one element rank 0 only sends in the first half and
+    // rank 1 only in the second, so rank 1's link to rank 0 is made after rank 0's carried
+    // traffic, and rank 1 has nothing left to wait for once its frame is handed to UCX: the case
+    // that hung before the proxy kept progressing lanes with frames still to send.
+    let mut one = [0u8; 4];
+    comm.all_reduce(&1i32.to_le_bytes(), &mut one, DataType::Int32, RedOp::Sum).unwrap();
+    assert_eq!(i32::from_le_bytes(one), 2);
+    if rank == 1 {
+        chan.put("joined", &[]);
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+    let comm = std::sync::Arc::new(comm);
+    let call = std::thread::spawn({
+        let comm = comm.clone();
+        move || {
+            let send = vec![1u8; 4 << 20];
+            let mut recv = vec![0u8; 4 << 20];
+            let r = comm.all_reduce(&send, &mut recv, DataType::Int32, RedOp::Sum);
+            (r, Instant::now())
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    chan.put("started", &[]);
+    chan.get("killed");
+    let killed = Instant::now();
+    let (r, ended) = call.join().unwrap();
+    let took = ended.saturating_duration_since(killed);
+    let status = r.map_err(|e| e.status()).err();
+    let t0 = Instant::now();
+    let later = comm.all_reduce(&[0u8; 4], &mut one, DataType::Int32, RedOp::Sum).map_err(|e| e.to_string()).err();
+    let later_took = t0.elapsed();
+    chan.put("result", format!("{status:?}|{}|{later:?}|{}", took.as_millis(), later_took.as_millis()).as_bytes());
+}
+
 fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
     if role.starts_with("coll") {
         return coll_role(role, chan, ctx);
+    }
+    if role.starts_with("kcoll") {
+        return kill_coll_role(role, chan, ctx);
     }
     let w = ctx.create_worker().unwrap();
     chan.put("addr", w.address());
@@ -438,6 +493,39 @@ fn collectives(test: &str, cfg: &[(&str, &str)], wrappers: [&[&str]; 2], ip: &st
 #[test]
 fn host_collectives_over_ucx_tcp() {
     child_or(|| collectives("host_collectives_over_ucx_tcp", &[("GSC_TLS", "ucx")], [&[], &[]], "127.0.0.1"));
+}
+
+/// Issue #8 for host collectives: one rank of a `HostComm` is SIGKILLed while the other waits
+/// in an all-reduce over UCX TCP. The survivor's call must fail (PeerFailed, ConnectionReset or
+/// TimedOut) within GSC_TIMEOUT (3 s) plus the call's 5 s margin, and a later call must fail at
+/// once with the first error (sticky).
+#[test]
+fn host_collective_with_a_killed_rank_ucx() {
+    child_or(|| {
+        let cfg = [("GSC_TLS", "ucx"), ("GSC_TIMEOUT", "3s")];
+        let mut a = spawn_child_with("host_collective_with_a_killed_rank_ucx", "kcoll0", &cfg, UCX_ENV, &[]);
+        let mut b = spawn_child_with("host_collective_with_a_killed_rank_ucx", "kcoll1", &cfg, UCX_ENV, &[]);
+        let uid = a.get("uid", T);
+        b.put("uid", &uid);
+        b.get("joined", T);
+        a.get("started", T);
+        b.sigkill_proven();
+        a.put("killed", &[]);
+        let r = String::from_utf8(a.get("result", T)).unwrap();
+        let parts: Vec<&str> = r.split('|').collect();
+        assert!(
+            ["Some(PeerFailed)", "Some(ConnectionReset)", "Some(TimedOut)"].contains(&parts[0]),
+            "the survivor's all-reduce ended with {}",
+            parts[0]
+        );
+        let took: u64 = parts[1].parse().unwrap();
+        assert!(took < 3_000 + 5_000 + 1_000, "the all-reduce returned {took} ms after the kill");
+        assert!(parts[2].contains("an earlier collective of this host communicator failed"), "later call: {}", parts[2]);
+        let later_took: u64 = parts[3].parse().unwrap();
+        assert!(later_took < 100, "a later call took {later_took} ms");
+        a.wait_success(T);
+        println!("survivor: {} after {took} ms; later call refused in {later_took} ms", parts[0]);
+    });
 }
 
 #[test]

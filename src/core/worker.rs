@@ -72,6 +72,9 @@ pub(crate) struct WorkerInner {
     proxy_start: Mutex<()>,
     /// Set once by `Worker::abort`: every later operation fails with it (sticky).
     aborted: OnceLock<Error>,
+    /// After the last progress pass, some link still had frames waiting for progress to leave
+    /// (`Link::sending`): the proxy thread reads it without the lock to keep passing.
+    lanes_sending: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct Conn {
@@ -285,6 +288,7 @@ impl Worker {
             proxy: OnceLock::new(),
             proxy_start: Mutex::new(()),
             aborted: OnceLock::new(),
+            lanes_sending: std::sync::atomic::AtomicBool::new(false),
         });
         workers().lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::downgrade(&inner));
         tracing::debug!(target: "gsc::core", worker = id, "worker created");
@@ -375,10 +379,17 @@ impl Worker {
         let (n, ready) = {
             let mut st = self.lock();
             let n = st.progress(&self.inner.context);
+            let sending = st.conns.iter().any(|(_, c)| c.failed.is_none() && c.link.sending());
+            self.inner.lanes_sending.store(sending, std::sync::atomic::Ordering::Relaxed);
             (n, std::mem::take(&mut st.ready))
         };
         self.fire(ready);
         n
+    }
+
+    /// Some link had frames waiting for progress to leave after the last pass (`Link::sending`).
+    pub(crate) fn lanes_sending(&self) -> bool {
+        self.inner.lanes_sending.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Run `f` under the lock with an action list, execute what it emitted (also on error: the

@@ -274,6 +274,8 @@ struct Engine {
     /// The heartbeat period: the longest the thread may sleep. `None` for a caller-run proxy
     /// (it sleeps in no call of its own) and with `GSC_HEARTBEAT_TIMEOUT=inf`.
     beat: Option<Duration>,
+    /// After the last pass some link still had frames waiting to leave (`Worker::lanes_sending`).
+    lanes_sending: bool,
 }
 
 /// How `wait_for_work` ended.
@@ -304,6 +306,7 @@ impl Engine {
             aborted: None,
             last_expiry_check: Instant::now(),
             beat: None,
+            lanes_sending: false,
         }
     }
 
@@ -338,7 +341,7 @@ impl Engine {
 
     /// Take new messages; sleep first when nothing needs watching.
     fn wait_for_work(&mut self, idle_spins: u32) -> Wake {
-        let busy = !self.armed.is_empty() || !self.in_flight.is_empty();
+        let busy = !self.armed.is_empty() || !self.in_flight.is_empty() || self.lanes_sending;
         let go_on = |go: bool, slept: bool| if go { Wake::Pass { slept } } else { Wake::Exit };
         let mut slept = false;
         let msg = if self.disconnected {
@@ -495,6 +498,10 @@ impl Engine {
         if !self.in_flight.is_empty() || !self.armed.is_empty() {
             events += progressed;
         }
+        // Frames a lane took but has not sent yet (UCX) leave only through progress: keep
+        // passing until they are out (`Link::sending`), or a sender that completed would leave
+        // its data, even a new link's hello, sitting in this process.
+        self.lanes_sending = worker.lanes_sending();
         self.in_flight.retain(|(c, seq)| c.done_word() < *seq);
         // Started operations whose peer stopped answering (without dying) would hold their
         // producers forever: a few times a second, fail those older than GSC_TIMEOUT.

@@ -124,6 +124,15 @@ pub trait Link: Send {
         true
     }
 
+    /// Frames `try_send` accepted are still waiting for this process's progress to leave (UCX:
+    /// its sends complete only inside `ucp_worker_progress`, a new endpoint's connection too).
+    /// While any link says so the proxy thread keeps passing, even with no operation of its own
+    /// in flight: an eager send completes for its sender as soon as the lane took the frame, and
+    /// nothing else would move it out. Lanes that write straight into the peer (shm) say false.
+    fn sending(&self) -> bool {
+        false
+    }
+
     /// Copy `len` bytes from the peer's address `remote` into `local`.
     ///
     /// # Safety

@@ -196,6 +196,10 @@ impl Link for UcxLink {
         Ok(n)
     }
 
+    fn sending(&self) -> bool {
+        !self.sends.is_empty()
+    }
+
     unsafe fn read_remote(&self, _local: *mut u8, _remote: u64, _len: usize) -> Result<()> {
         Err(Error::unsupported("a UCX remote read needs the peer's key (read_remote_keyed)"))
     }
