@@ -278,6 +278,9 @@ struct Engine {
     lanes_sending: bool,
 }
 
+/// How often the thread passes while only lanes' frames wait to leave (`Worker::lanes_sending`).
+const SENDING_POLL: Duration = Duration::from_micros(100);
+
 /// How `wait_for_work` ended.
 #[derive(Copy, Clone, PartialEq, Eq)]
 enum Wake {
@@ -341,7 +344,7 @@ impl Engine {
 
     /// Take new messages; sleep first when nothing needs watching.
     fn wait_for_work(&mut self, idle_spins: u32) -> Wake {
-        let busy = !self.armed.is_empty() || !self.in_flight.is_empty() || self.lanes_sending;
+        let busy = !self.armed.is_empty() || !self.in_flight.is_empty();
         let go_on = |go: bool, slept: bool| if go { Wake::Pass { slept } } else { Wake::Exit };
         let mut slept = false;
         let msg = if self.disconnected {
@@ -355,6 +358,19 @@ impl Engine {
                 Ok(m) => Some(m),
                 Err(TryRecvError::Empty) => None,
                 Err(TryRecvError::Disconnected) => {
+                    self.disconnected = true;
+                    None
+                }
+            }
+        } else if self.lanes_sending {
+            // Only frames of senders that already completed wait to leave (UCX): no one waits on
+            // them this instant, so poll instead of spinning — a peer that stopped reading would
+            // otherwise keep this thread at 100 % until the link fails.
+            slept = true;
+            match self.rx.recv_timeout(SENDING_POLL) {
+                Ok(m) => Some(m),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => {
                     self.disconnected = true;
                     None
                 }
