@@ -496,36 +496,44 @@ fn host_collectives_over_ucx_tcp() {
 }
 
 /// Issue #8 for host collectives: one rank of a `HostComm` is SIGKILLed while the other waits
-/// in an all-reduce over UCX TCP. The survivor's call must fail (PeerFailed, ConnectionReset or
+/// in an all-reduce (over UCX TCP here; `_shm` below on the shm lane). The survivor's call must fail (PeerFailed, ConnectionReset or
 /// TimedOut) within GSC_TIMEOUT (3 s) plus the call's 5 s margin, and a later call must fail at
 /// once with the first error (sticky).
 #[test]
 fn host_collective_with_a_killed_rank_ucx() {
-    child_or(|| {
-        let cfg = [("GSC_TLS", "ucx"), ("GSC_TIMEOUT", "3s")];
-        let mut a = spawn_child_with("host_collective_with_a_killed_rank_ucx", "kcoll0", &cfg, UCX_ENV, &[]);
-        let mut b = spawn_child_with("host_collective_with_a_killed_rank_ucx", "kcoll1", &cfg, UCX_ENV, &[]);
-        let uid = a.get("uid", T);
-        b.put("uid", &uid);
-        b.get("joined", T);
-        a.get("started", T);
-        b.sigkill_proven();
-        a.put("killed", &[]);
-        let r = String::from_utf8(a.get("result", T)).unwrap();
-        let parts: Vec<&str> = r.split('|').collect();
-        assert!(
-            ["Some(PeerFailed)", "Some(ConnectionReset)", "Some(TimedOut)"].contains(&parts[0]),
-            "the survivor's all-reduce ended with {}",
-            parts[0]
-        );
-        let took: u64 = parts[1].parse().unwrap();
-        assert!(took < 3_000 + 5_000 + 1_000, "the all-reduce returned {took} ms after the kill");
-        assert!(parts[2].contains("an earlier collective of this host communicator failed"), "later call: {}", parts[2]);
-        let later_took: u64 = parts[3].parse().unwrap();
-        assert!(later_took < 100, "a later call took {later_took} ms");
-        a.wait_success(T);
-        println!("survivor: {} after {took} ms; later call refused in {later_took} ms", parts[0]);
-    });
+    child_or(|| killed_rank("host_collective_with_a_killed_rank_ucx", "ucx"));
+}
+
+/// The same on the shm lane (one host, no UCX), so every lane a `HostComm` uses is covered.
+#[test]
+fn host_collective_with_a_killed_rank_shm() {
+    child_or(|| killed_rank("host_collective_with_a_killed_rank_shm", "shm"));
+}
+
+fn killed_rank(test: &str, tls: &str) {
+    let cfg = [("GSC_TLS", tls), ("GSC_TIMEOUT", "3s")];
+    let mut a = spawn_child_with(test, "kcoll0", &cfg, UCX_ENV, &[]);
+    let mut b = spawn_child_with(test, "kcoll1", &cfg, UCX_ENV, &[]);
+    let uid = a.get("uid", T);
+    b.put("uid", &uid);
+    b.get("joined", T);
+    a.get("started", T);
+    b.sigkill_proven();
+    a.put("killed", &[]);
+    let r = String::from_utf8(a.get("result", T)).unwrap();
+    let parts: Vec<&str> = r.split('|').collect();
+    assert!(
+        ["Some(PeerFailed)", "Some(ConnectionReset)", "Some(TimedOut)"].contains(&parts[0]),
+        "the survivor's all-reduce ended with {}",
+        parts[0]
+    );
+    let took: u64 = parts[1].parse().unwrap();
+    assert!(took < 3_000 + 5_000 + 1_000, "the all-reduce returned {took} ms after the kill");
+    assert!(parts[2].contains("an earlier collective of this host communicator failed"), "later call: {}", parts[2]);
+    let later_took: u64 = parts[3].parse().unwrap();
+    assert!(later_took < 100, "a later call took {later_took} ms");
+    a.wait_success(T);
+    println!("{tls} survivor: {} after {took} ms; later call refused in {later_took} ms", parts[0]);
 }
 
 #[test]
