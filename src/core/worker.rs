@@ -379,8 +379,12 @@ impl Worker {
         let (n, ready) = {
             let mut st = self.lock();
             let n = st.progress(&self.inner.context);
-            let sending = st.conns.iter().any(|(_, c)| c.failed.is_none() && c.link.sending());
-            self.inner.lanes_sending.store(sending, std::sync::atomic::Ordering::Relaxed);
+            // Only UCX links hold frames back (`Link::sending`): workers without the lane skip
+            // the look on this hot path.
+            if matches!(self.inner.ucx, Some(Ok(_))) {
+                let sending = st.conns.iter().any(|(_, c)| c.failed.is_none() && c.link.sending());
+                self.inner.lanes_sending.store(sending, std::sync::atomic::Ordering::Relaxed);
+            }
             (n, std::mem::take(&mut st.ready))
         };
         self.fire(ready);
