@@ -397,6 +397,25 @@ fn kill_roles(role: &str, chan: &dyn Chan, ctx: Context) {
 /// the test at the deadline.
 #[test]
 fn a_killed_peer_releases_stream_graph_capture_and_kernel_waits() {
+    killed_peer_releases_every_wait("a_killed_peer_releases_stream_graph_capture_and_kernel_waits", "shm");
+}
+
+/// The same over the UCX lane (`GSC_TLS=ucx`; GPU buffers go through the page-locked staging
+/// pipeline). UCX's transports come from the environment: run it with `UCX_TLS=tcp` for the
+/// network transport between the two processes (the children inherit it). The dead peer is
+/// found by UCX's peer error handling instead of the shm lane's process check.
+#[test]
+fn a_killed_peer_on_the_ucx_lane_releases_stream_graph_capture_and_kernel_waits() {
+    if !run_child_role(kill_roles)
+        && let Err(e) = gscomm::transport::ucx::availability()
+    {
+        eprintln!("skipped: the UCX lane cannot load here: {e}");
+        return;
+    }
+    killed_peer_releases_every_wait("a_killed_peer_on_the_ucx_lane_releases_stream_graph_capture_and_kernel_waits", "ucx");
+}
+
+fn killed_peer_releases_every_wait(test: &str, lane: &str) {
     use gscomm::cuda::api::DeviceBuf;
     if run_child_role(kill_roles) {
         return;
@@ -408,12 +427,13 @@ fn a_killed_peer_releases_stream_graph_capture_and_kernel_waits() {
     set_device(device_for(0)).unwrap();
     let k = kernels();
     let dir = ShmDir::new("gpu_kill");
-    let cfg = [("GSC_TLS", "shm"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "5s")];
+    let cfg = [("GSC_TLS", lane), ("GSC_SHM_DIR", dir.as_str()), ("GSC_TIMEOUT", "5s")];
     let w = ctx_with(&cfg).create_worker().unwrap();
-    let mut victim = spawn_child("a_killed_peer_releases_stream_graph_capture_and_kernel_waits", "victim", &cfg);
+    let mut victim = spawn_child(test, "victim", &cfg);
     victim.put("addr", w.address());
     let addr = victim.get("ready", T);
     let ep = w.connect(&addr).unwrap();
+    assert_eq!(ep.lane().unwrap().name(), lane, "the lane under test");
     const BIG: usize = 64 << 20;
     let (big, small) = (DeviceBuf::new(BIG).unwrap(), DeviceBuf::new(1 << 20).unwrap());
     let streams: Vec<std::sync::Arc<Stream>> = (0..4).map(|_| std::sync::Arc::new(Stream::new().unwrap())).collect();
