@@ -528,6 +528,19 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
                 }
             }
         }
+        if !gpu_rounds && failure.is_none() {
+            // Proxy rounds between two processes signal through shared words unless
+            // GSC_PREP_WORDS=off (the frame fallback, for A/B runs).
+            let words = std::env::var("GSC_PREP_WORDS").map_or(true, |v| v != "off");
+            for (what, p) in [("send", &tx), ("receive", &rx)] {
+                match p.shared_words() {
+                    Ok(Some(w)) if w == words => {}
+                    other => {
+                        failure.get_or_insert(format!("size {n}: {what} side's shared words: {other:?} (expected {words})"));
+                    }
+                }
+            }
+        }
         drop((tx, rx));
         if failure.is_some() {
             break;

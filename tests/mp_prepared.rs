@@ -106,8 +106,14 @@ struct Setup {
 
 impl Setup {
     fn new(lane: Lane, test: &'static str) -> Setup {
+        Setup::with(lane, test, &[])
+    }
+
+    /// `new` with more configuration (both processes get it).
+    fn with(lane: Lane, test: &'static str, extra: &[(&str, &str)]) -> Setup {
         let dir = ShmDir::new(test);
-        let cfg = vec![("GSC_TLS".to_string(), lane.tls().to_string()), ("GSC_SHM_DIR".to_string(), dir.as_str().to_string())];
+        let mut cfg = vec![("GSC_TLS".to_string(), lane.tls().to_string()), ("GSC_SHM_DIR".to_string(), dir.as_str().to_string())];
+        cfg.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         let w = ctx_with(&refs(&cfg)).create_worker().unwrap();
         Setup { lane, test, _dir: dir, cfg, w }
     }
@@ -150,8 +156,10 @@ fn child_or(f: impl FnOnce()) {
 // ---------------------------------------------------------------------------------------------
 // 1. Persistent rounds: new data every round, every size class, both lanes
 
-fn echo_rounds(lane: Lane, test: &'static str) {
-    let s = Setup::new(lane, test);
+/// `words`: whether the pairs must have used shared words (`GSC_PREP_WORDS`): between
+/// processes (shm) by default, never on loopback or with the knob off.
+fn echo_rounds(lane: Lane, test: &'static str, extra: &[(&str, &str)], words: bool) {
+    let s = Setup::with(lane, test, extra);
     for (size, rounds) in [(0usize, 50u64), (8, 1000), (4096, 500), (70_000, 100), (1 << 20, 20)] {
         let (peer, ep) = s.peer("echo", size, rounds, 1);
         let mut sbuf = vec![0u8; size];
@@ -172,6 +180,12 @@ fn echo_rounds(lane: Lane, test: &'static str) {
             let got = unsafe { std::slice::from_raw_parts(rbuf.as_ptr(), size) };
             assert_same(got, &want, &format!("size {size} round {r}"));
         }
+        // Ready and arrival through the page, or frames: the receive decided at pairing, the
+        // send saw its receiver's readiness come one way or the other.
+        assert_eq!(rx.shared_words().unwrap(), Some(words), "size {size}: receive");
+        if rounds > 0 {
+            assert_eq!(tx.shared_words().unwrap(), Some(words), "size {size}: send");
+        }
         let mut peer = peer;
         peer.get_progress("done", T, &s.w);
         drop(tx);
@@ -183,12 +197,18 @@ fn echo_rounds(lane: Lane, test: &'static str) {
 
 #[test]
 fn prepared_echo_rounds_carry_new_data_every_round_shm() {
-    child_or(|| echo_rounds(Lane::Shm, "prepared_echo_rounds_carry_new_data_every_round_shm"))
+    child_or(|| echo_rounds(Lane::Shm, "prepared_echo_rounds_carry_new_data_every_round_shm", &[], true))
+}
+
+/// The frame path as the fallback and the A/B switch: the same rounds with shared words off.
+#[test]
+fn prepared_echo_rounds_with_shared_words_off_use_frames_shm() {
+    child_or(|| echo_rounds(Lane::Shm, "prepared_echo_rounds_with_shared_words_off_use_frames_shm", &[("GSC_PREP_WORDS", "off")], false))
 }
 
 #[test]
 fn prepared_echo_rounds_carry_new_data_every_round_loopback() {
-    child_or(|| echo_rounds(Lane::Loopback, "prepared_echo_rounds_carry_new_data_every_round_loopback"))
+    child_or(|| echo_rounds(Lane::Loopback, "prepared_echo_rounds_carry_new_data_every_round_loopback", &[], false))
 }
 
 // ---------------------------------------------------------------------------------------------

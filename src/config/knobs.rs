@@ -402,6 +402,23 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| c.cuda_pdl.name().to_string(),
     },
     Knob {
+        name: "GSC_PREP_WORDS",
+        default: "auto",
+        doc: "Prepared transfers between processes of one host (shm lane, one partition): the \
+              sender makes a page both processes map, the receiver raises a 'ready' word in it \
+              each round and the sender an 'arrived' word after its direct write (from the copy \
+              stream for GPU buffers), instead of a ready frame and a completion frame per \
+              round. off: frames (for A/B comparisons). auto: shared words where the page can \
+              be made and mapped (else frames, logged at pairing); on: as auto, but a sender \
+              that cannot make or register its page fails the preparation",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.prep_words = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.prep_words.name().to_string(),
+    },
+    Knob {
         name: "GSC_CUDA_WAIT_KERNEL",
         default: "auto",
         doc: "A CUDA stream's trigger and wait (stream conditions not being captured) are one small \

@@ -284,6 +284,8 @@ pub struct Config {
     pub cuda_pdl: Tristate,
     /// `GSC_CUDA_WAIT_KERNEL`
     pub cuda_wait_kernel: Tristate,
+    /// `GSC_PREP_WORDS`: prepared rounds signalled through a shared word page.
+    pub prep_words: Tristate,
     /// `GSC_ENGINE`
     pub engine: Engine,
     /// `GSC_ENGINE_GPU_MAX`, bytes: the largest prepared transfer `Engine::Auto` runs on the GPU.
@@ -374,6 +376,7 @@ impl Default for Config {
             cuda_ipc: Tristate::Auto,
             cuda_pdl: Tristate::Auto,
             cuda_wait_kernel: Tristate::Auto,
+            prep_words: Tristate::Auto,
             engine: Engine::Auto,
             engine_gpu_max: 16 << 20,
             coll_large_min: 256 << 10,

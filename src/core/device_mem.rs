@@ -73,6 +73,11 @@ pub(crate) struct PendingWrite {
     pub(crate) req: ReqId,
     pub(crate) conn: ConnId,
     pub(crate) then: OutFrame,
+    /// Shared words: (send preparation, round) whose "arrived" word ends this write instead of
+    /// `then` (see `Action::WriteRemote`).
+    pub(crate) arrived_word: Option<(u64, u64)>,
+    /// The copy stream wrote that word after the copy; otherwise the worker stores it.
+    pub(crate) word_by_stream: bool,
 }
 
 /// What became of a rendezvous read this side was asked to do.
@@ -411,16 +416,31 @@ impl DeviceMem {
 
     /// Start writing `len` bytes of our GPU memory at `src` into the peer's GPU memory at
     /// `remote`, opened by `key` (a prepared transfer's round). `poll_writes` reports it.
-    pub(crate) fn start_write(&mut self, src: usize, remote: u64, len: usize, key: &[u8], write: PendingWrite) -> Result<()> {
+    /// `word`: (device address, value) of a word for the copy stream to write after the copy
+    /// (shared words); `write.word_by_stream` tells whether it was enqueued.
+    pub(crate) fn start_write(
+        &mut self,
+        src: usize,
+        remote: u64,
+        len: usize,
+        key: &[u8],
+        word: Option<(u64, u64)>,
+        mut write: PendingWrite,
+    ) -> Result<()> {
         timeline::record(Event::WriteIssue, write.req as u64);
         let key = ipc::DeviceKey::decode(key)?;
         let device = device_of(src)?;
         let dst = ipc::map_peer(&key, remote, len, device).map_err(|e| e.context("opening the peer's prepared GPU buffer"))?;
         // SAFETY: `src` is the prepared send's buffer, which stays valid while its round is in
         // flight (the round completes only after this copy); `dst` is the peer's receive buffer,
-        // mapped, and ready for this round (its readiness frame came before).
-        let ticket = unsafe { self.copier().start(device, dst, src as u64, len) }?;
+        // mapped, and ready for this round (its readiness frame or word came before); `word`,
+        // if any, is in a registered page the worker keeps mapped until exit (`prep_words`).
+        let (ticket, by_stream) = unsafe { self.copier().start_then_write(device, dst, src as u64, len, word) }?;
+        write.word_by_stream = by_stream;
         timeline::record(Event::WriteQueued, write.req as u64);
+        if let (true, Some((_, round))) = (by_stream, write.arrived_word) {
+            timeline::record(Event::WordWrite, round);
+        }
         self.writes.push((ticket, write));
         Ok(())
     }
@@ -471,7 +491,7 @@ impl DeviceMem {
     }
 }
 
-fn device_of(addr: usize) -> Result<i32> {
+pub(crate) fn device_of(addr: usize) -> Result<i32> {
     memory::device_ptr(addr)?
         .map(|p| p.device)
         .ok_or_else(|| Error::new(Status::InvalidParam, "a buffer declared as GPU memory is not (or no longer) GPU memory"))

@@ -8,6 +8,7 @@ mod device_mem;
 pub mod endpoint;
 mod gpu_rounds;
 pub mod memory;
+mod prep_words;
 pub mod prepared;
 pub mod request;
 pub mod request_area;

@@ -82,6 +82,25 @@ impl Endpoint {
         let stage_max = worker.context().config().cuda_stage_max;
         let cfg = worker.context().config();
         let (policy, gpu_max) = (cfg.engine, cfg.engine_gpu_max);
+        // Shared words (core/prep_words.rs): a send of one partition to a process of this host
+        // makes its page now, outside the worker's lock (registering it with CUDA may take a
+        // while, and the proxy needs the lock meanwhile). Not for a send that requires GPU
+        // rounds: the proxy never runs those.
+        let words = if params.dir == PrepDir::Send && params.partitions.is_none() && params.engine != Engine::Gpu {
+            let lane = worker.with_state(|st, _| Ok(st.conns[key.usable(st)?].props.lane))?;
+            match lane {
+                crate::transport::LaneKind::Shm => {
+                    let device = match mem {
+                        MemType::Cuda => Some(super::device_mem::device_of(addr)?),
+                        MemType::Host => None,
+                    };
+                    super::prep_words::SendPage::make(cfg.prep_words, &cfg.shm_dir, device)?
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
         let (id, conn, gpu) = worker.with_state(|st, out| {
             let conn = key.usable(st)?;
             let query = EngineQuery {
@@ -124,7 +143,12 @@ impl Endpoint {
             }
             let buf = UserBuf { addr, len, mem };
             let spec = PrepSpec { dir: params.dir, conn, tag: params.tag, buf, partitions: params.partitions, engine: offer };
-            Ok((st.engine.prepared.prepare(out, spec, device_key, hello)?, conn, gpu))
+            let path = words.as_ref().map(|w| w.path());
+            let id = st.engine.prepared.prepare_with_words(out, spec, device_key, hello, path.as_deref())?;
+            if let Some(w) = words {
+                st.prep_words.add_send(id, w);
+            }
+            Ok((id, conn, gpu))
         })?;
         Ok(Prepared {
             worker,
@@ -197,6 +221,13 @@ impl Prepared {
     /// receive) from include/gsc_device.cuh. Waits for the peer to have prepared.
     pub fn device_handle(&self) -> Result<u64> {
         self.gpu_side()?.ok_or_else(not_on_gpu)?.device_handle(self)
+    }
+
+    /// Whether the pair's per-round signals go through a shared word page (`GSC_PREP_WORDS`)
+    /// instead of a ready frame and a completion frame: `None` before pairing. A receive knows
+    /// at pairing; a send once its receiver readied a round through the page.
+    pub fn shared_words(&self) -> Result<Option<bool>> {
+        self.worker.with_state(|st, _| Ok(st.engine.prepared.shared_words(self.id)))
     }
 
     /// Whether the pair's rounds run on the GPU (waits for the peer to have prepared, up to

@@ -149,6 +149,8 @@ pub(crate) struct State {
     pub(crate) exposed: std::collections::HashMap<ReqId, Box<dyn std::any::Any + Send>>,
     /// Prepared transfers' GPU rounds started from the host, until their kernels end.
     pub(crate) host_rounds: Vec<super::gpu_rounds::HostRoundInFlight>,
+    /// Prepared pairs' shared word pages (core/prep_words.rs), polled every pass.
+    pub(crate) prep_words: super::prep_words::PrepWords,
     /// `Worker::abort` ran: links peers open from now on are closed at once.
     aborted: bool,
 }
@@ -275,6 +277,7 @@ impl Worker {
             failed_copies: Vec::new(),
             exposed: std::collections::HashMap::new(),
             host_rounds: Vec::new(),
+            prep_words: super::prep_words::PrepWords::new(cfg.prep_words),
             aborted: false,
         };
         let id = register_worker_id()?;
@@ -1378,9 +1381,15 @@ impl State {
                 if self.slot(write.req).is_none_or(|s| s.result.is_some()) || self.device.is_held(write.req) {
                     continue; // the round ended while this write ran: nothing more to announce
                 }
-                match result {
-                    Ok(()) => self.queue_frame(write.conn, write.then, &mut actions),
-                    Err(e) => self.engine.prepared.write_failed(&mut actions, write.req, e.status()),
+                match (result, write.arrived_word) {
+                    (Ok(()), Some((id, round))) => {
+                        if !write.word_by_stream {
+                            self.prep_words.raise_arrived(id, round);
+                        }
+                        self.frame_sent(write.req, &mut actions);
+                    }
+                    (Ok(()), None) => self.queue_frame(write.conn, write.then, &mut actions),
+                    (Err(e), _) => self.engine.prepared.write_failed(&mut actions, write.req, e.status()),
                 }
             }
         }
@@ -1395,6 +1404,16 @@ impl State {
         }
         if !self.host_rounds.is_empty() {
             events += super::gpu_rounds::poll_host_rounds(&mut self.host_rounds, &mut actions);
+        }
+        if !self.prep_words.is_empty() {
+            let (moves, violation) = self.prep_words.poll(&mut self.engine.prepared, &mut actions);
+            events += moves;
+            if let Some((conn, e)) = violation {
+                self.fail_conn(conn, e, &mut actions);
+            }
+            if self.polls.is_multiple_of(64) {
+                self.prep_words.sweep(&self.engine.prepared);
+            }
         }
         // One clock read per 64 passes serves both the heartbeat and the peer checks.
         if self.polls % 64 == 0 {
@@ -1792,15 +1811,16 @@ impl State {
                         }
                         self.engine.tag.remote_read_done(&mut next, req, result);
                     }
-                    Action::WriteRemote { conn, src, remote, len, req, device_key: Some(key), then } => {
-                        let write = PendingWrite { req, conn, then: then.0 };
-                        if let Err(e) = self.device.start_write(src, remote, len, &key, write) {
+                    Action::WriteRemote { conn, src, remote, len, req, device_key: Some(key), then, arrived_word } => {
+                        let write = PendingWrite { req, conn, then: then.0, arrived_word, word_by_stream: false };
+                        let word = arrived_word.and_then(|(id, round)| Some((self.prep_words.arrived_device_word(id)?, round)));
+                        if let Err(e) = self.device.start_write(src, remote, len, &key, word, write) {
                             // Like a refused rendezvous read: the data goes in frames instead.
                             tracing::debug!(target: "gsc::cuda", req, error = %e, "prepared GPU write refused");
                             self.engine.prepared.direct_refused(&mut next, req, src, len);
                         }
                     }
-                    Action::WriteRemote { conn, src, remote, len, req, device_key: None, then } => {
+                    Action::WriteRemote { conn, src, remote, len, req, device_key: None, then, arrived_word } => {
                         let result = match self.conns.get(conn) {
                             Some(c) if c.failed.is_none() => {
                                 // SAFETY: `src..src+len` is inside the prepared send's host
@@ -1811,15 +1831,32 @@ impl State {
                             }
                             _ => Err(Error::new(Status::NotConnected, "connection gone before a prepared write")),
                         };
-                        match result {
-                            Ok(()) => self.queue_frame(conn, then.0, &mut next),
-                            Err(e) => {
+                        match (result, arrived_word) {
+                            // The bytes are in the peer (the syscall returned): the raise
+                            // (release) publishes them with the round.
+                            (Ok(()), Some((id, round))) => {
+                                self.prep_words.raise_arrived(id, round);
+                                self.frame_sent(req, &mut next);
+                            }
+                            (Ok(()), None) => self.queue_frame(conn, then.0, &mut next),
+                            (Err(e), _) => {
                                 tracing::debug!(target: "gsc::core", req, error = %e, "prepared direct write failed");
                                 self.engine.prepared.write_failed(&mut next, req, e.status());
                             }
                         }
                     }
                     Action::Complete { req, status, info } => self.complete(req, status, info, &mut next),
+                    Action::MapWords { id, path } => {
+                        if let Err(e) = self.prep_words.map_recv(id, &path) {
+                            tracing::info!(target: "gsc::core", id, error = %e, "prepared receive: the sender's word page is not \
+                                           usable here; readiness and arrival go in frames");
+                            self.engine.prepared.words_refused(&mut next, id);
+                        }
+                    }
+                    Action::RaiseReady { id, round } => {
+                        // No page: `words_refused` already sent this round's frame.
+                        let _ = self.prep_words.raise_ready(id, round);
+                    }
                 }
             }
             // Completing a send may let a pending close go out.

@@ -126,11 +126,35 @@ impl Copier {
     /// `dst` and `src` are unified addresses valid for `len` bytes until the copy completes
     /// (the ticket is polled done or the worker is gone).
     pub(crate) unsafe fn start(&mut self, device: i32, dst: u64, src: u64, len: usize) -> Result<CopyTicket> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.start_then_write(device, dst, src, len, None) }.map(|(t, _)| t)
+    }
+
+    /// `start`, and then, once every piece is done, write `word.1` to the 64-bit word at device
+    /// address `word.0` from the copy stream (a memop write with the default memory barrier:
+    /// the copy's bytes are visible to whoever sees the value). Returns the ticket (done only
+    /// after the write) and whether the write was enqueued: `false` when the memop was refused,
+    /// and the caller then stores the word itself once the ticket is done.
+    ///
+    /// # Safety
+    /// As for `start`; `word.0` is a device address of a mapped host word that stays mapped
+    /// (registered) until the ticket is done.
+    pub(crate) unsafe fn start_then_write(
+        &mut self,
+        device: i32,
+        dst: u64,
+        src: u64,
+        len: usize,
+        word: Option<(u64, u64)>,
+    ) -> Result<(CopyTicket, bool)> {
         let starts = piece_starts(len, self.streams_per_gpu, self.split_min);
         let lane = self.lane(device)?;
         let _scope = CtxScope::enter(lane.ctx)?;
         let mut ticket = CopyTicket { device, events: Vec::with_capacity(starts.len()) };
-        for (i, &at) in starts.iter().enumerate() {
+        let mut word_written = false;
+        // Pieces after the first get their events first, so the first stream can wait for them
+        // before it writes the word; the first piece's event is recorded last, after the write.
+        for (i, &at) in starts.iter().enumerate().rev() {
             let end = starts.get(i + 1).copied().unwrap_or(len);
             let stream = lane.streams[i];
             let event = match lane.take_event() {
@@ -140,10 +164,22 @@ impl Copier {
                     return Err(e);
                 }
             };
-            let enqueue = || -> Result<()> {
+            let mut enqueue = || -> Result<()> {
                 if end > at {
                     // SAFETY: the caller's promise on `dst`/`src` covers every piece; our stream.
                     check(unsafe { cu::cuMemcpyAsync(dst + at as u64, src + at as u64, end - at, stream) }, "cuMemcpyAsync")?;
+                }
+                if i == 0
+                    && let Some((addr, value)) = word
+                {
+                    for &other in &ticket.events {
+                        // SAFETY: events of this context, recorded on our other streams above.
+                        check(unsafe { cu::cuStreamWaitEvent(stream, other, 0) }, "cuStreamWaitEvent")?;
+                    }
+                    // A refused write is not an error of the copy: the caller stores the word.
+                    word_written = super::enqueue_write_value(stream as usize, addr, value)
+                        .inspect_err(|e| tracing::debug!(target: "gsc::cuda", error = %e, "word write after a copy refused"))
+                        .is_ok();
                 }
                 // SAFETY: our event and stream, both of this context.
                 check(unsafe { cu::cuEventRecord(event, stream) }, "cuEventRecord")
@@ -155,7 +191,7 @@ impl Copier {
                 return Err(e);
             }
         }
-        Ok(ticket)
+        Ok((ticket, word_written))
     }
 
     /// `None` while the copy runs; its result once it is done (the ticket is then spent).

@@ -103,6 +103,8 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuIpcOpenMemHandle_v2",
     "cuIpcCloseMemHandle",
     "cuMemcpyAsync",
+    "cuMemHostRegister_v2",
+    "cuStreamWaitEvent",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
@@ -329,6 +331,42 @@ pub(crate) fn enqueue_trigger_wait(stream: usize, trigger: u64, value: u64, wait
     // SAFETY: `ops` holds `count` initialized descriptors naming mapped page-locked words that
     // stay allocated while any stream may still use them (see `pinned`).
     check(unsafe { cu::cuStreamBatchMemOp_v2(raw(stream), count, ops.as_mut_ptr(), 0) }, "cuStreamBatchMemOp")
+}
+
+/// Enqueue on `stream` a write of `value` to the 64-bit word at device address `word`, with
+/// the default system-wide memory barrier (what the stream did before is visible first).
+pub(crate) fn enqueue_write_value(stream: usize, word: u64, value: u64) -> Result<()> {
+    // SAFETY: as in `enqueue_trigger_wait`.
+    let mut op: cu::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
+    op.writeValue.operation = cu::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    op.writeValue.address = word;
+    op.writeValue.__bindgen_anon_1.value64 = value;
+    op.writeValue.flags = 0;
+    // SAFETY: one initialized descriptor naming a mapped host word its owner keeps mapped while
+    // a stream may write it (`register_host`'s contract).
+    check(unsafe { cu::cuStreamBatchMemOp_v2(raw(stream), 1, &mut op, 0) }, "cuStreamBatchMemOp")
+}
+
+/// Register `len` bytes of host memory at `host` (page aligned: a shared mapping) with
+/// DEVICEMAP | PORTABLE, so every context's streams and kernels reach it; returns its device
+/// address. Called on a user's thread (registration may wait for the device). Never undone: the
+/// caller keeps the memory mapped until exit (unregistering could synchronize the device while
+/// a stream waits on gscomm, and a stream may still write into it).
+///
+/// # Safety
+/// `host..host + len` is a mapping the caller never unmaps.
+pub(crate) unsafe fn register_host(device: i32, host: *mut u8, len: usize) -> Result<u64> {
+    let ctx = copy::primary_context(device)?;
+    let _scope = CtxScope::enter(ctx)?;
+    let flags = cu::CU_MEMHOSTREGISTER_DEVICEMAP | cu::CU_MEMHOSTREGISTER_PORTABLE;
+    with_relaxed_capture(|| {
+        // SAFETY: the caller's promise on the range; flags are valid registration flags.
+        check(unsafe { cu::cuMemHostRegister_v2(host.cast(), len, flags) }, "cuMemHostRegister")?;
+        let mut dev: cu::CUdeviceptr = 0;
+        // SAFETY: `host` was registered with DEVICEMAP just above.
+        check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) }, "cuMemHostGetDevicePointer")?;
+        Ok(dev)
+    })
 }
 
 /// Enqueue only a wait (`done >= value`) on `stream`.

@@ -50,6 +50,14 @@ pub enum Event {
     WriteDone,
     /// A request completed and its done word was written (arg: request).
     Done,
+    /// Shared words (prepared pairs, `GSC_PREP_WORDS`): the receiver raised "ready" (arg: round).
+    WordReady,
+    /// The sender saw "ready" move (arg: round).
+    WordSeen,
+    /// The sender raised "arrived" from the CPU or enqueued its write on the copy stream (arg: round).
+    WordWrite,
+    /// The receiver saw "arrived" move (arg: round).
+    WordArrived,
 }
 
 impl Event {
@@ -68,6 +76,10 @@ impl Event {
 
             Event::WriteDone => "write-done",
             Event::Done => "done",
+            Event::WordReady => "word-ready",
+            Event::WordSeen => "word-seen",
+            Event::WordWrite => "word-write",
+            Event::WordArrived => "word-arrived",
         }
     }
 }

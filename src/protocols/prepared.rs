@@ -15,6 +15,16 @@
 //!    `PrepData` frames carrying the bytes, or a direct write followed by one `PrepData` that
 //!    says the range is there. A receive round completes when every sender partition ended
 //!    (`PREP_LAST`); a send round when its last frame is in the link.
+//!
+//!    *Shared words* (processes of one host, `PREP_WORDS`): the sender makes a page both
+//!    processes map with two 64-bit words that only grow. The receiver announces round `k` by
+//!    raising "ready" to `k` (`Action::RaiseReady`) instead of sending `PrepReady`; a sender that
+//!    saw round `k` ready that way ends a direct write by raising "arrived" to `k` (its copy
+//!    stream, or the worker after a CPU write) instead of sending the announcing `PrepData`. The
+//!    worker polls the words it watches and reports them (`ready_word`, `arrived_word`). Data
+//!    frames (staged rounds, refused direct writes) and error reports stay frames, and a
+//!    receiver that cannot map the page stays on `PrepReady` frames: the sender answers each
+//!    round the way its readiness came, so both paths work without another message.
 //! 3. *Release*: refused while a round is in flight; otherwise the peer is told (`PrepBye`) and
 //!    its later rounds fail with `NotConnected` instead of waiting forever.
 //!
@@ -23,7 +33,7 @@
 use super::idmap::IdMap;
 use super::select::{self, EngineOffer, LaneProps, MemType, ProtoConfig, ProtoId};
 use super::tag::{Action, Actions, ConnId, OutFrame, OutFrameEq, Payload, RecvInfo, ReqId, UserBuf};
-use super::wire::{Header, PREP_DEVICE, PREP_DIRECT, PREP_GPU_REQUIRED, PREP_GPU_ROUNDS, PREP_LAST, PREP_RECV};
+use super::wire::{Header, PREP_DEVICE, PREP_DIRECT, PREP_GPU_REQUIRED, PREP_GPU_ROUNDS, PREP_LAST, PREP_RECV, PREP_WORDS};
 use crate::error::{Error, Result, Status};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -181,6 +191,12 @@ struct Prep {
     received: usize,
     parts_left: usize,
     round_error: Option<Status>,
+    /// Shared words. A send: it made a page (`prepare_with_words`), and the highest round the
+    /// receiver readied through it. A receive: fixed at pairing, readiness goes through the
+    /// sender's page (not `PrepReady`) and a round may end by the "arrived" word.
+    words_offered: bool,
+    ready_by_word: u64,
+    words: bool,
 }
 
 impl Prep {
@@ -211,6 +227,8 @@ struct Hello {
     tag: u64,
     peer: Peer,
     direct_ok: bool,
+    /// A send's shared word page (`PREP_WORDS`): its path.
+    words: Option<Arc<str>>,
 }
 
 /// A link as this engine sees it.
@@ -272,6 +290,20 @@ fn send_frames(out: &mut Actions, p: &mut Prep, peer_id: PrepId, req: ReqId, max
     }
 }
 
+/// A send hello's payload with `PREP_WORDS`: (what precedes the page's path, the path). The
+/// path is its bytes followed by their count as a little-endian u16.
+pub fn split_words_trailer(payload: &[u8]) -> Result<(&[u8], &str)> {
+    let short = || bad("short shared-words trailer");
+    let n = payload.len().checked_sub(2).ok_or_else(short)?;
+    let len = u16::from_le_bytes([payload[n], payload[n + 1]]) as usize;
+    let start = n.checked_sub(len).ok_or_else(short)?;
+    let path = std::str::from_utf8(&payload[start..n]).map_err(|_| bad("shared-words path is not UTF-8"))?;
+    if path.is_empty() {
+        return Err(bad("empty shared-words path"));
+    }
+    Ok((&payload[..start], path))
+}
+
 /// Bytes of `[a0, a1)` inside `[b0, b1)`.
 fn overlap(a0: usize, a1: usize, b0: usize, b1: usize) -> usize {
     a1.min(b1).saturating_sub(a0.max(b0))
@@ -318,6 +350,24 @@ impl PreparedEngine {
     /// the peer sends frames).
     /// `gpu`: when `spec.engine` offers GPU rounds, what to announce for them.
     pub fn prepare(&mut self, out: &mut Actions, spec: PrepSpec, device_key: Option<Vec<u8>>, gpu: Option<DeviceHello>) -> Result<PrepId> {
+        self.prepare_with_words(out, spec, device_key, gpu, None)
+    }
+
+    /// `prepare`, for a send that made a shared word page at `words` (its path, announced in the
+    /// hello): the receiver may use it instead of frames (module doc). Ignored for a receive or
+    /// a partitioned send.
+    pub fn prepare_with_words(
+        &mut self,
+        out: &mut Actions,
+        spec: PrepSpec,
+        device_key: Option<Vec<u8>>,
+        gpu: Option<DeviceHello>,
+        words: Option<&str>,
+    ) -> Result<PrepId> {
+        let words = words.filter(|_| spec.dir == PrepDir::Send && spec.partitions.is_none());
+        if words.is_some_and(|w| w.is_empty() || w.len() > u16::MAX as usize) {
+            return Err(Error::invalid_param("a shared word page's path must be 1 to 65535 bytes"));
+        }
         let Some(worker) = self.worker_of(spec.conn) else {
             return Err(Error::new(Status::NotConnected, "prepare on a connection the protocol layer does not know"));
         };
@@ -356,7 +406,8 @@ impl PreparedEngine {
                 | if direct_ok { PREP_DIRECT } else { 0 }
                 | if own_key.is_some() { PREP_DEVICE } else { 0 }
                 | if gpu.is_some() { PREP_GPU_ROUNDS } else { 0 }
-                | if spec.engine == EngineOffer::GpuRequired { PREP_GPU_REQUIRED } else { 0 },
+                | if spec.engine == EngineOffer::GpuRequired { PREP_GPU_REQUIRED } else { 0 }
+                | if words.is_some() { PREP_WORDS } else { 0 },
         };
         let key_payload = match (gpu, &own_key) {
             // The GPU hello carries the proxy rounds' key too, for a pair that falls back.
@@ -365,6 +416,18 @@ impl PreparedEngine {
             }
             (None, Some(k)) => Payload::Owned(k.to_vec()),
             (None, None) => Payload::None,
+        };
+        let key_payload = match words {
+            Some(path) => {
+                let mut v = match key_payload {
+                    Payload::Owned(v) => v,
+                    _ => Vec::new(),
+                };
+                v.extend_from_slice(path.as_bytes());
+                v.extend_from_slice(&(path.len() as u16).to_le_bytes());
+                Payload::Owned(v)
+            }
+            None => key_payload,
         };
         transmit(out, spec.conn, hello, key_payload, None);
         self.preps.insert(
@@ -393,6 +456,9 @@ impl PreparedEngine {
                 received: 0,
                 parts_left: 0,
                 round_error: None,
+                words_offered: words.is_some(),
+                ready_by_word: 0,
+                words: false,
             },
         );
         // The peer's hello may have come first.
@@ -595,7 +661,29 @@ impl PreparedEngine {
                 MemType::Cuda => h.key.is_some() && links.get(&p.spec.conn).is_some_and(|l| l.props.device_ipc),
             };
         }
-        tracing::debug!(target: "gsc::proto", id, peer = h.peer.id, dir = ?p.spec.dir, direct = p.direct, "prepared transfer paired");
+        // Shared words: a receive of one partition paired with a send that made a page (one
+        // partition too: a send offers only then), with proxy rounds. The worker maps the page
+        // now; if it cannot, it calls `words_refused` and this side stays on frames.
+        if p.spec.dir == PrepDir::Recv
+            && p.broken.is_none()
+            && !p.on_gpu
+            && p.spec.partitions.is_none()
+            && h.peer.partitions == 1
+            && let Some(path) = &h.words
+        {
+            p.words = true;
+            out.push(Action::MapWords { id, path: path.clone() });
+        }
+        tracing::debug!(
+            target: "gsc::proto",
+            id,
+            peer = h.peer.id,
+            dir = ?p.spec.dir,
+            direct = p.direct,
+            words = p.words || (p.words_offered && p.spec.dir == PrepDir::Send),
+            "prepared transfer paired ({})",
+            if p.words { "ready and arrival through shared words" } else { "frames" }
+        );
         if let Some(req) = p.active {
             // A round started before pairing: announce readiness or fail it now.
             if let Some(e) = p.broken.clone() {
@@ -631,7 +719,11 @@ impl PreparedEngine {
         match p.spec.dir {
             PrepDir::Recv => {
                 p.parts_left = peer.partitions;
-                transmit(out, p.spec.conn, Header::PrepReady { id: peer.id, round: p.round }, Payload::None, None);
+                if p.words {
+                    out.push(Action::RaiseReady { id, round: p.round });
+                } else {
+                    transmit(out, p.spec.conn, Header::PrepReady { id: peer.id, round: p.round }, Payload::None, None);
+                }
             }
             PrepDir::Send => {
                 self.sending.insert(req, id);
@@ -667,6 +759,9 @@ impl PreparedEngine {
                     status: 0,
                 };
                 p.unsent += 1;
+                // The receiver readied this round through the shared page: it learns of the
+                // data the same way (the whole buffer is one partition on both sides then).
+                let arrived_word = (p.words_offered && p.ready_by_word >= p.round).then_some((id, p.round));
                 out.push(Action::WriteRemote {
                     conn: p.spec.conn,
                     src: p.spec.buf.addr + offset,
@@ -674,6 +769,7 @@ impl PreparedEngine {
                     len: pl,
                     req,
                     device_key,
+                    arrived_word,
                     then: Box::new(OutFrameEq(OutFrame {
                         header: header.encode(),
                         payload: Payload::None,
@@ -700,6 +796,84 @@ impl PreparedEngine {
         p.direct = false;
         p.unsent = p.unsent.saturating_sub(1);
         send_frames(out, p, peer.id, req, max_frame, src - p.spec.buf.addr, len);
+    }
+
+    /// A receive's worker could not map the sender's word page (or shared words are off
+    /// there): readiness goes in `PrepReady` frames from now on, starting with the round in
+    /// progress (its `RaiseReady` found no page). The sender answers each round the way its
+    /// readiness came, so it needs no word of this.
+    pub fn words_refused(&mut self, out: &mut Actions, id: PrepId) {
+        let Some(p) = self.preps.get_mut(&id) else { return };
+        if !p.words {
+            return;
+        }
+        p.words = false;
+        tracing::debug!(target: "gsc::proto", id, "prepared transfer: shared words refused here; readiness goes in frames");
+        if let (Some(_), Some(peer)) = (p.active, p.peer) {
+            transmit(out, p.spec.conn, Header::PrepReady { id: peer.id, round: p.round }, Payload::None, None);
+        }
+    }
+
+    /// The worker saw send `id`'s shared "ready" word at `value`: the receiver is ready for
+    /// every round up to it. (It may come before our pairing: the receiver's hello can still be
+    /// in the link when its word moves.) An error is a protocol violation by the peer.
+    pub fn ready_word(&mut self, out: &mut Actions, id: PrepId, value: u64) -> Result<()> {
+        let Some(p) = self.preps.get_mut(&id) else { return Ok(()) };
+        if p.spec.dir != PrepDir::Send || !p.words_offered || value <= p.ready_by_word {
+            return Ok(());
+        }
+        // The receiver begins round k + 1 only after round k's data, which we write only after
+        // its readiness: it can never be more than one round ahead of what it readied before.
+        if value > p.ready_round + 1 {
+            return Err(bad(&format!("ready word at round {value} after round {}", p.ready_round)));
+        }
+        p.ready_by_word = value;
+        p.ready_round = p.ready_round.max(value);
+        self.write_ready(out, id);
+        Ok(())
+    }
+
+    /// The worker saw receive `id`'s shared "arrived" word at `value`: the sender's direct
+    /// write of every round up to it is complete and visible. Ends the round in progress when
+    /// it is covered. An error is a protocol violation by the peer.
+    pub fn arrived_word(&mut self, out: &mut Actions, id: PrepId, value: u64) -> Result<()> {
+        let Some(p) = self.preps.get_mut(&id) else { return Ok(()) };
+        if p.spec.dir != PrepDir::Recv || !p.words {
+            return Ok(());
+        }
+        if value > p.round {
+            return Err(bad(&format!("arrived word at round {value}, but round {} is the last readied", p.round)));
+        }
+        let (Some(req), Some(peer)) = (p.active, p.peer) else { return Ok(()) };
+        if value < p.round {
+            return Ok(());
+        }
+        if p.round_buf.is_some() {
+            // A staged round is moved in frames; a word for it is not the sender's to raise.
+            return Err(bad("arrived word for a round that goes in frames"));
+        }
+        // One partition on both sides (shared words need it): the write covered the buffer.
+        p.received = peer.len;
+        p.arrived[0] = peer.len.min(p.spec.buf.len);
+        p.parts_left = 0;
+        p.active = None;
+        let status = p.round_error.take().unwrap_or(Status::Ok);
+        p.last_ok = status == Status::Ok;
+        out.push(Action::Complete { req, status, info: RecvInfo { tag: p.spec.tag, length: peer.len } });
+        self.next_round(out, id);
+        Ok(())
+    }
+
+    /// Whether the pair's per-round signals go through shared words, once paired (`None`
+    /// before): a receive decided at pairing (and stays so unless its worker refused the page);
+    /// a send whose receiver has readied a round through its page.
+    pub fn shared_words(&self, id: PrepId) -> Option<bool> {
+        let p = self.preps.get(&id).filter(|p| !p.released)?;
+        p.peer?;
+        Some(match p.spec.dir {
+            PrepDir::Recv => p.words,
+            PrepDir::Send => p.words_offered && p.ready_by_word > 0,
+        })
     }
 
     /// A frame of a send round is in the link.
@@ -759,6 +933,12 @@ impl PreparedEngine {
                 let len = usize::try_from(len).map_err(|_| bad("length overflows"))?;
                 let partitions = usize::try_from(partitions).ok().filter(|n| *n > 0).ok_or_else(|| bad("zero partitions"))?;
                 let recv = flags & PREP_RECV != 0;
+                let (payload, words) = if flags & PREP_WORDS != 0 && !recv {
+                    let (rest, path) = split_words_trailer(payload)?;
+                    (rest, Some(Arc::<str>::from(path)))
+                } else {
+                    (payload, None)
+                };
                 let device = if flags & PREP_GPU_ROUNDS != 0 { Some(Arc::new(DeviceHello::decode(payload)?)) } else { None };
                 // The proxy rounds' key: the whole payload, or inside the GPU hello.
                 let key_bytes = match &device {
@@ -770,7 +950,7 @@ impl PreparedEngine {
                 let direct_ok = recv && flags & PREP_DIRECT != 0;
                 let worker = self.worker_of(conn).ok_or_else(|| bad("hello on an unknown link"))?;
                 let peer = Peer { id, len, partitions, addr: (direct_ok || key.is_some()).then_some(addr), conn };
-                let h = Hello { worker, seq, key, device, gpu_required, recv, tag, peer, direct_ok };
+                let h = Hello { worker, seq, key, device, gpu_required, recv, tag, peer, direct_ok, words };
                 // Our preparation towards that worker, of the other direction, with this tag
                 // and the same sequence number (a broken one lost its link: it pairs no more).
                 let links = &self.links;

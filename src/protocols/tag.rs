@@ -150,6 +150,10 @@ pub enum Action {
         len: usize,
         req: ReqId,
         device_key: Option<std::sync::Arc<[u8]>>,
+        /// Shared words (protocols/prepared.rs): instead of transmitting `then`, raise the
+        /// receiver's "arrived" word in the page of send preparation `.0` to round `.1` once the
+        /// write is complete and visible, then report `then.on_sent` as sent.
+        arrived_word: Option<(u64, u64)>,
         /// Boxed: the rare large variant would otherwise set the size of every action (all
         /// are moved several times per message).
         then: Box<OutFrameEq>,
@@ -158,6 +162,18 @@ pub enum Action {
         req: ReqId,
         status: Status,
         info: RecvInfo,
+    },
+    /// Shared words: map the word page of the send paired with receive preparation `id` (at
+    /// `path`); if that fails, report `prepared.words_refused(id)`.
+    MapWords {
+        id: u64,
+        path: std::sync::Arc<str>,
+    },
+    /// Shared words: receive preparation `id` is ready for `round`; raise the page's "ready"
+    /// word to it (nothing when the page is not mapped: `words_refused` sent a frame instead).
+    RaiseReady {
+        id: u64,
+        round: u64,
     },
 }
 

@@ -81,6 +81,12 @@ struct Pair {
     push_frame_cost_ns: u64,
     /// Host remote reads performed.
     host_reads: usize,
+    /// Shared word pages by path: [ready, arrived]; which (side, preparation) maps which; a
+    /// receiver's worker that refuses pages; frames transmitted so far.
+    pages: HashMap<String, [u64; 2]>,
+    mapped: HashMap<(usize, PrepId), String>,
+    refuse_words: bool,
+    frames_sent: usize,
 }
 
 thread_local! {
@@ -118,6 +124,10 @@ impl Pair {
             read_cost_ns: 0,
             push_frame_cost_ns: 0,
             host_reads: 0,
+            pages: HashMap::new(),
+            mapped: HashMap::new(),
+            refuse_words: false,
+            frames_sent: 0,
         }
     }
 
@@ -144,6 +154,7 @@ impl Pair {
         for a in actions {
             match a {
                 Action::Transmit { frame: f, .. } => {
+                    self.frames_sent += 1;
                     let f = f.0;
                     let mut bytes = f.header.as_bytes().to_vec();
                     match &f.payload {
@@ -186,7 +197,7 @@ impl Pair {
                     self.sides[s].engine.tag.remote_read_done(&mut out, req, result);
                     followups.push(out);
                 }
-                Action::WriteRemote { src, remote, len, req, then, device_key, .. } => {
+                Action::WriteRemote { src, remote, len, req, then, device_key, arrived_word, .. } => {
                     self.keys_seen.extend(device_key.map(|k| k.to_vec()));
                     let mut out = Actions::new();
                     match self.fail_writes {
@@ -195,13 +206,34 @@ impl Pair {
                         None => {
                             let data = self.sides[s].mem.read(src, len);
                             self.sides[1 - s].mem.write(remote as usize, &data);
-                            out.push(Action::Transmit { conn: 0, frame: *then });
+                            match arrived_word {
+                                Some((id, round)) => {
+                                    let page = self.pages.get_mut(&self.mapped[&(s, id)]).expect("the sender's page");
+                                    page[1] = page[1].max(round);
+                                    self.sides[s].engine.prepared.frame_sent(&mut out, req);
+                                }
+                                None => out.push(Action::Transmit { conn: 0, frame: *then }),
+                            }
                         }
                     }
                     followups.push(out);
                 }
                 Action::Complete { req, status, info } => {
                     assert!(self.sides[s].done.insert(req, (status, info)).is_none(), "request {req} completed twice");
+                }
+                Action::MapWords { id, path } => {
+                    if self.refuse_words || !self.pages.contains_key(&*path) {
+                        let mut out = Actions::new();
+                        self.sides[s].engine.prepared.words_refused(&mut out, id);
+                        followups.push(out);
+                    } else {
+                        self.mapped.insert((s, id), path.to_string());
+                    }
+                }
+                Action::RaiseReady { id, round } => {
+                    if let Some(page) = self.mapped.get(&(s, id)).and_then(|p| self.pages.get_mut(p)) {
+                        page[0] = page[0].max(round);
+                    }
                 }
             }
         }
@@ -210,8 +242,41 @@ impl Pair {
         }
     }
 
-    /// Deliver frames until both directions are empty.
+    /// Deliver frames and report moved shared words until nothing moves any more.
     fn pump(&mut self) {
+        loop {
+            self.pump_frames();
+            if !self.poll_words() {
+                break;
+            }
+        }
+    }
+
+    /// What a worker's pass does with its mapped pages: report each peer-written word.
+    fn poll_words(&mut self) -> bool {
+        let mut moved = false;
+        let mut mapped: Vec<_> = self.mapped.iter().map(|(k, v)| (*k, v.clone())).collect();
+        mapped.sort();
+        for ((s, id), path) in mapped {
+            let page = self.pages[&path];
+            let mut out = Actions::new();
+            let dir = self.sides[s].engine.prepared.spec(id).map(|sp| sp.dir);
+            let before = out.len();
+            match dir {
+                Some(PrepDir::Send) => self.sides[s].engine.prepared.ready_word(&mut out, id, page[0]).expect("honest ready word"),
+                Some(PrepDir::Recv) => self.sides[s].engine.prepared.arrived_word(&mut out, id, page[1]).expect("honest arrived word"),
+                None => continue,
+            }
+            if out.len() > before {
+                moved = true;
+                self.run(s, out, None);
+            }
+        }
+        moved || self.frames_in_flight() > 0
+    }
+
+    /// Deliver frames until both directions are empty.
+    fn pump_frames(&mut self) {
         while let Some((to, f)) = self.wire[0].pop_front().map(|f| (1, f)).or_else(|| self.wire[1].pop_front().map(|f| (0, f))) {
             let mut out = Actions::new();
             let side = &mut self.sides[to];
@@ -1218,4 +1283,143 @@ fn pairing_follows_each_sides_creation_order_whatever_link_delivers_first() {
     let ready = frames(std::mem::take(&mut out));
     let (h, _) = wire::Header::decode(&ready[0]).unwrap();
     assert_eq!(h, wire::Header::PrepReady { id: s2, round: 1 }, "R2 pairs with S2");
+}
+
+// ---- prepared transfers through shared words ---------------------------------------------
+
+impl Pair {
+    /// `prepare` of a send that made a shared word page (a fresh simulated one).
+    fn prepare_send_with_words(&mut self, len: usize, tag: u64) -> (PrepId, usize) {
+        let addr = self.sides[0].mem.alloc(vec![0xEE; len + 64]);
+        let path = format!("/sim/gsc-words-{}", self.pages.len());
+        self.pages.insert(path.clone(), [0, 0]);
+        let mut out = Actions::new();
+        let spec =
+            PrepSpec { dir: PrepDir::Send, conn: 0, tag, buf: UserBuf::host(addr, len), partitions: None, engine: EngineOffer::Proxy };
+        let id = self.sides[0].engine.prepared.prepare_with_words(&mut out, spec, None, None, Some(&path)).unwrap();
+        self.mapped.insert((0, id), path);
+        self.run(0, out, None);
+        (id, addr)
+    }
+
+    /// Start a round on each side (the receive first or not), pump, and check the data and
+    /// both completions.
+    fn words_round(&mut self, send: (PrepId, usize), recv: (PrepId, usize), size: usize, round: u8) {
+        let data = pattern(size, round);
+        self.sides[0].mem.write(send.1, &data);
+        let (r, s) = if round.is_multiple_of(2) {
+            let r = self.pstart(1, recv.0);
+            (r, self.pstart(0, send.0))
+        } else {
+            let s = self.pstart(0, send.0);
+            (self.pstart(1, recv.0), s)
+        };
+        self.pump();
+        assert_eq!(self.sides[1].done[&r], (Status::Ok, RecvInfo { tag: 9, length: size }), "round {round}");
+        assert_eq!(self.sides[0].done[&s].0, Status::Ok, "round {round}");
+        assert_eq!(&self.sides[1].mem.get(recv.1)[..size], &data[..], "round {round}");
+    }
+}
+
+#[test]
+fn shared_words_carry_ready_and_arrival_so_direct_rounds_send_no_frame() {
+    for size in [1, 1000, 100_000] {
+        for recv_first in [true, false] {
+            let mut p = Pair::new(cfg(), true, 1 << 20);
+            let (send, recv) = if recv_first {
+                let r = p.prepare(1, PrepDir::Recv, size, 9, None);
+                (p.prepare_send_with_words(size, 9), r)
+            } else {
+                let s = p.prepare_send_with_words(size, 9);
+                (s, p.prepare(1, PrepDir::Recv, size, 9, None))
+            };
+            p.pump();
+            assert_eq!(p.sides[1].engine.prepared.shared_words(recv.0), Some(true));
+            let hellos = p.frames_sent;
+            for round in 0..6u8 {
+                p.words_round(send, recv, size, round);
+            }
+            // Small host messages go in one data frame (the table would not read them
+            // directly); from the rendezvous threshold up the sender writes them directly.
+            let direct = size >= 64 << 10;
+            let per_round = if direct { 0 } else { 1 };
+            assert_eq!(p.frames_sent - hellos, 6 * per_round, "size {size}: no ready frame, and no completion frame after a direct write");
+            let page = p.pages[&p.mapped[&(0, send.0)]];
+            assert_eq!(page, [6, if direct { 6 } else { 0 }], "the words count the rounds");
+            assert_eq!(p.sides[0].engine.prepared.shared_words(send.0), Some(true));
+        }
+    }
+}
+
+#[test]
+fn shared_words_ready_with_frames_for_the_data_when_the_lane_cannot_write_directly() {
+    // No remote memory: the sender moves the bytes in data frames; readiness is still a word.
+    let size = 3000;
+    let mut p = Pair::new(cfg(), false, 1024);
+    let recv = p.prepare(1, PrepDir::Recv, size, 9, None);
+    let send = p.prepare_send_with_words(size, 9);
+    p.pump();
+    for round in 0..4u8 {
+        p.words_round(send, recv, size, round);
+    }
+    let page = p.pages[&p.mapped[&(0, send.0)]];
+    assert_eq!(page, [4, 0], "ready by word, arrival by the data frames");
+}
+
+#[test]
+fn a_receiver_that_cannot_map_the_page_stays_on_frames_and_the_sender_follows() {
+    for started_before_pairing in [false, true] {
+        let size = 5000;
+        let mut p = Pair::new(cfg(), true, 1024);
+        p.refuse_words = true;
+        let recv = p.prepare(1, PrepDir::Recv, size, 9, None);
+        let early = started_before_pairing.then(|| p.pstart(1, recv.0));
+        let send = p.prepare_send_with_words(size, 9);
+        p.pump();
+        assert_eq!(p.sides[1].engine.prepared.shared_words(recv.0), Some(false));
+        if let Some(r) = early {
+            let s = p.pstart(0, send.0);
+            p.pump();
+            assert_eq!(p.sides[1].done[&r].0, Status::Ok);
+            assert_eq!(p.sides[0].done[&s].0, Status::Ok);
+        }
+        let before = p.frames_sent;
+        for round in 1..4u8 {
+            p.words_round(send, recv, size, round);
+        }
+        assert_eq!(p.frames_sent - before, 6, "a ready and a completion frame per round");
+        assert_eq!(p.pages[&p.mapped[&(0, send.0)]], [0, 0], "nobody used the page");
+        assert_eq!(p.sides[0].engine.prepared.shared_words(send.0), Some(false));
+    }
+}
+
+#[test]
+fn partitioned_and_gpu_required_pairs_do_not_use_shared_words_and_words_never_run_ahead() {
+    // A partitioned receive ignores the page (one arrival word cannot tell partitions apart).
+    let mut p = Pair::new(cfg(), true, 1024);
+    let recv = p.prepare(1, PrepDir::Recv, 4096, 9, Some(4));
+    let send = p.prepare_send_with_words(4096, 9);
+    p.pump();
+    assert_eq!(p.sides[1].engine.prepared.shared_words(recv.0), Some(false));
+    let mut out = Actions::new();
+    // Hostile words: "ready" two rounds ahead, "arrived" for a round never readied.
+    assert_eq!(p.sides[0].engine.prepared.ready_word(&mut out, send.0, 2).unwrap_err().status(), Status::ConnectionReset);
+    let mut q = Pair::new(cfg(), true, 1024);
+    let recv = q.prepare(1, PrepDir::Recv, 64, 9, None);
+    q.prepare_send_with_words(64, 9);
+    q.pump();
+    assert_eq!(q.sides[1].engine.prepared.arrived_word(&mut out, recv.0, 1).unwrap_err().status(), Status::ConnectionReset);
+    assert!(out.is_empty());
+}
+
+#[test]
+fn the_words_trailer_round_trips_and_rejects_garbage() {
+    let mut payload = b"key".to_vec();
+    payload.extend_from_slice(b"/dev/shm/gsc-0123");
+    payload.extend_from_slice(&17u16.to_le_bytes());
+    assert_eq!(prepared::split_words_trailer(&payload).unwrap(), (&b"key"[..], "/dev/shm/gsc-0123"));
+    assert!(prepared::split_words_trailer(&[]).is_err());
+    assert!(prepared::split_words_trailer(&[5, 0]).is_err(), "longer than the payload");
+    assert!(prepared::split_words_trailer(&[0, 0]).is_err(), "empty path");
+    assert!(prepared::split_words_trailer(&[0xff, 1, 0]).is_err(), "not UTF-8");
 }

@@ -132,6 +132,11 @@ pub const PREP_GPU_ROUNDS: u32 = 16;
 /// PrepHello, with `PREP_GPU_ROUNDS`: the announcing side requires GPU rounds (its kernels drive
 /// them): a peer that cannot offer them fails the pair instead of falling back to the proxy.
 pub const PREP_GPU_REQUIRED: u32 = 32;
+/// PrepHello of a send: the announcing side made a shared word page (processes of one host)
+/// where the receiver raises "ready" and the sender raises "arrived", each round's number, so
+/// no frame crosses the link per round. The page's path ends the payload: its bytes, then their
+/// count as a little-endian u16 (see `protocols::prepared::split_words_trailer`).
+pub const PREP_WORDS: u32 = 64;
 
 /// RTS flag: `remote_addr` may be read directly (the lane has remote memory access).
 pub const RTS_REMOTE_MEMORY: u32 = 1;

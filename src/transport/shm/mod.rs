@@ -32,6 +32,7 @@ pub mod segment;
 mod tests;
 #[cfg(test)]
 pub(crate) mod testutil;
+pub mod words;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -44,6 +44,8 @@ pub enum SegmentKind {
     Connection = 2,
     /// Raw payload, for tests and tools.
     Raw = 3,
+    /// A prepared pair's shared words (`shm::words`).
+    PrepWords = 4,
 }
 
 #[repr(C)]
@@ -251,6 +253,12 @@ impl Segment {
 
     pub fn payload_len(&self) -> usize {
         self.len - HEADER_SIZE
+    }
+
+    /// The whole mapping (header included): page aligned, `len` bytes. What
+    /// `cuMemHostRegister` needs.
+    pub fn mapping(&self) -> (*mut u8, usize) {
+        (self.base.as_ptr(), self.len)
     }
 
     /// Remove the file name. Mappings stay valid; `Ok(false)` if it was already gone.
