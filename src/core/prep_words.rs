@@ -9,9 +9,11 @@
 //! whichever thread progresses; no CUDA call). Each progress pass loads the word each mapped
 //! page's peer writes and reports a move to the engine.
 //!
-//! Registered pages are never unregistered or unmapped (`cuda::register_host`): dropping one
-//! only removes its name, so a process that prepares and releases sends in a loop keeps one
-//! page (4 KiB) per such send.
+//! Registered pages are never unregistered or unmapped (`cuda::register_host`: unregistering
+//! could wait for the device while a stream waits on gscomm): dropping one only removes its
+//! name. So that a process preparing and releasing GPU sends in a loop does not pin a page per
+//! send forever, at most `MAX_REGISTERED_PAGES` are registered per process; later GPU sends
+//! still get a page, unregistered, and the worker stores "arrived" after each copy's event.
 
 use crate::config::Tristate;
 use crate::error::{Error, Result, Status};
@@ -21,6 +23,17 @@ use crate::protocols::{Actions, ConnId};
 use crate::transport::shm::words::{Word, WordPage};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Pages a process registers with CUDA at most (4 KiB each, kept until exit): enough for every
+/// prepared GPU send a program keeps at once in practice (a halo exchange has a few dozen).
+const MAX_REGISTERED_PAGES: usize = 256;
+static REGISTERED_PAGES: AtomicUsize = AtomicUsize::new(0);
+
+/// Take one of the process's registrations; false when all are taken.
+fn take_registration() -> bool {
+    REGISTERED_PAGES.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < MAX_REGISTERED_PAGES).then_some(n + 1)).is_ok()
+}
 
 /// A send's page, made before its preparation is announced.
 pub(crate) struct SendPage {
@@ -40,6 +53,11 @@ impl SendPage {
         let made = (|| -> Result<SendPage> {
             let mut page = WordPage::create(dir)?;
             let arrived_dev = match cuda_device {
+                Some(_) if !take_registration() => {
+                    tracing::debug!(target: "gsc::core", "{MAX_REGISTERED_PAGES} shared word pages registered already; \
+                                    the proxy writes 'arrived' after each copy of this send");
+                    None
+                }
                 Some(device) => {
                     let (host, len) = page.mapping();
                     // SAFETY: the page's mapping, never unmapped once registered (marked
@@ -51,8 +69,12 @@ impl SendPage {
                             page.keep_mapped();
                             Some(dev + page.offset_of(Word::Arrived) as u64)
                         }
-                        Err(e) if mode == Tristate::On => return Err(e.context("registering a shared word page")),
+                        Err(e) if mode == Tristate::On => {
+                            REGISTERED_PAGES.fetch_sub(1, Ordering::AcqRel);
+                            return Err(e.context("registering a shared word page"));
+                        }
                         Err(e) => {
+                            REGISTERED_PAGES.fetch_sub(1, Ordering::AcqRel);
                             // Still no frame: the worker stores the word after the copy's event.
                             tracing::info!(target: "gsc::core", error = %e, "shared word page not registered with CUDA; \
                                            the proxy writes 'arrived' after each copy");
