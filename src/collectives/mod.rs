@@ -7,15 +7,19 @@
 //! round, larger ones in rounds of 64 KiB per rank. Send/recv between ranks (p2p.rs) go through
 //! the point-to-point engine on a worker of the communicator's own. `HostComm` (host.rs): the
 //! same collectives on host memory between ranks on any hosts, over the point-to-point engine
-//! (UCX between hosts). The NCCL-ABI library is the workspace member nccl/.
+//! (UCX between hosts). `NetComm` (net.rs): collectives on GPU buffers between ranks on several
+//! hosts — hierarchical: NVLink kernels inside a host, the point-to-point engine between hosts.
+//! The NCCL-ABI library is the workspace member nccl/.
 
 pub(crate) mod agreement;
 pub mod comm;
 pub mod host;
+pub mod net;
 pub mod p2p;
 pub mod select;
 pub mod types;
 
 pub use comm::{Communicator, PremulKind, Registration};
 pub use host::HostComm;
+pub use net::{GroupPlan, NetComm};
 pub use types::{DataType, PreMulScalar, RedOp};

@@ -265,6 +265,12 @@ impl Condition {
         Ok(())
     }
 
+    /// Whether a group is open on this condition (`group_start` without its end yet): what is
+    /// issued now reaches the stream only at the group's end.
+    pub(crate) fn in_group(&self) -> bool {
+        self.inner.group.lock().unwrap_or_else(|e| e.into_inner()).depth > 0
+    }
+
     /// Close a group; the outermost end puts what was issued in it on the stream. If that fails,
     /// the group's operations can never start: they fail, and so does the condition (sticky).
     pub fn group_end(&self) -> Result<()> {

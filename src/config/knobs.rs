@@ -114,6 +114,19 @@ fn optional_text(value: &str) -> Option<String> {
     (!value.is_empty()).then(|| value.to_string())
 }
 
+/// `GSC_FAKE_HOST`: empty is unset; otherwise 1 to 64 characters that are safe in logs and
+/// file names, so a typo (a stray space, a quote) is an error rather than a silent other host.
+fn parse_fake_host(value: &str) -> Result<Option<String>, String> {
+    let Some(label) = optional_text(value) else { return Ok(None) };
+    if label.len() > 64 {
+        return Err(format!("a host label of at most 64 characters (this one has {})", label.len()));
+    }
+    if let Some(bad) = label.chars().find(|ch| !(ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | '-'))) {
+        return Err(format!("a host label of A-Z a-z 0-9 . _ - (found {bad:?})"));
+    }
+    Ok(Some(label))
+}
+
 fn show_optional(value: &Option<String>) -> String {
     value.clone().unwrap_or_default()
 }
@@ -504,6 +517,20 @@ pub(super) static KNOBS: &[Knob] = &[
             Ok(())
         },
         show: |c| format_size(c.coll_large_round as u64),
+    },
+    Knob {
+        name: "GSC_FAKE_HOST",
+        default: "",
+        doc: "Testing: a label (1 to 64 of A-Z a-z 0-9 . _ -) mixed into this process's host \
+              identity, so processes of one machine with different labels count as different \
+              hosts: no shm lane between them (UCX instead), and hierarchical collectives put \
+              them in different groups (e.g. 4 GPUs as 2 hosts x 2 GPUs). Empty: the real host",
+        kind: KnobKind::Text,
+        parse: |c, v| {
+            c.fake_host = parse_fake_host(v)?;
+            Ok(())
+        },
+        show: |c| show_optional(&c.fake_host),
     },
     Knob {
         name: "GSC_CUDA_COPY_STREAMS",

@@ -296,6 +296,9 @@ pub struct Config {
     pub coll_large_round: usize,
     /// `GSC_COLL_CHECK`: ranks compare each collective call over the bootstrap first.
     pub coll_check: bool,
+    /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
+    /// processes of one machine count as different hosts). `None`: the real host only.
+    pub fake_host: Option<String>,
     /// `GSC_CUDA_COPY_STREAMS`, 1..=16.
     pub cuda_copy_streams: usize,
     /// `GSC_CUDA_COPY_SPLIT`, bytes, non-zero.
@@ -382,6 +385,7 @@ impl Default for Config {
             coll_large_min: 256 << 10,
             coll_large_round: 8 << 20,
             coll_check: false,
+            fake_host: None,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,
             cuda_pipeline_chunk: 4 << 20,

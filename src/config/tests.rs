@@ -441,3 +441,15 @@ fn cuda_stage_max_is_bounded_by_the_largest_slot() {
     rejects("GSC_CUDA_STAGE_MAX", "65537", "at most 64K");
     rejects("GSC_CUDA_STAGE_MAX", "1M", "at most 64K");
 }
+
+#[test]
+fn fake_host_labels_are_checked() {
+    assert_eq!(with(&[("GSC_FAKE_HOST", "")]).fake_host, None);
+    assert_eq!(with(&[("GSC_FAKE_HOST", " hostA-1.x_y ")]).fake_host.as_deref(), Some("hostA-1.x_y"));
+    assert_eq!(with(&[("GSC_FAKE_HOST", &"a".repeat(64))]).fake_host.map(|l| l.len()), Some(64));
+    rejects("GSC_FAKE_HOST", "two words", "A-Z a-z 0-9 . _ -");
+    rejects("GSC_FAKE_HOST", "a/b", "A-Z a-z 0-9 . _ -");
+    rejects("GSC_FAKE_HOST", &"a".repeat(65), "at most 64");
+    let c = with(&[("GSC_FAKE_HOST", "h1")]);
+    assert_eq!(c.get("GSC_FAKE_HOST").unwrap(), "h1");
+}

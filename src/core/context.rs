@@ -47,12 +47,14 @@ impl Context {
         if let Some(pattern) = &config.timeline {
             crate::log::timeline::enable(crate::log::file_path(pattern, "GSC_TIMELINE")?);
         }
+        // GSC_FAKE_HOST makes processes of one machine count as other hosts.
+        let host_id = proc_identity::host_id_labelled(config.fake_host.as_deref());
         Ok(Context {
             inner: Arc::new(ContextInner {
                 config,
                 uuid: random_u128()?,
                 process: proc_identity::current(),
-                host_id: proc_identity::host_id(),
+                host_id,
                 regions: RegionTable::default(),
                 request_area,
             }),

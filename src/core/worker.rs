@@ -324,7 +324,9 @@ impl Worker {
         // Lane choice, per peer: loopback within this process, shm within this host (and
         // network namespace), UCX otherwise, or where shm cannot reach the peer after all (a
         // container with its own /dev/shm).
-        let link: Box<dyn Link> = if cfg.tls.contains(&LaneKind::Loopback) && same_process && loopback::is_local(peer.uuid) {
+        // Loopback needs the same host too: workers of one process given different
+        // GSC_FAKE_HOST labels (tests) must reach each other the way other hosts do.
+        let link: Box<dyn Link> = if cfg.tls.contains(&LaneKind::Loopback) && same_process && same_host && loopback::is_local(peer.uuid) {
             loopback::connect(peer.uuid, self.inner.uuid)?
         } else if let (true, true, Some(blob)) = (cfg.tls.contains(&LaneKind::Shm), same_host, peer.lane_blob(LaneKind::Shm)) {
             match shm::connect(blob, self.inner.uuid, &shm_config(cfg)) {

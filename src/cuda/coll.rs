@@ -497,7 +497,42 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
     gsc_coll_end(a, e0 + a->rounds - 1, ok);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* The reduction step of collectives between hosts (collectives/net.rs): the n members' copies */
+/* of one part, reduced element by element in member order with the same arithmetic as the     */
+/* kernels above (gsc_apply: 16-bit floats in float, rounded after every step). Member `me`'s  */
+/* input is `own`; the others arrived over the point-to-point engine into a scratch buffer, in */
+/* member order, `stride` bytes apart. `out` may be `own` (each element is read by every input */
+/* before it is written, by the same thread).                                                  */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct {
+    unsigned long long own, copies, stride, out;
+    unsigned long long count;   /* elements */
+    unsigned long long n, me;   /* members; own's place among them */
+    unsigned long long divisor; /* average: divide the sum by this; 0: no division */
+} gsc_net_reduce_args_t;
+
+template <typename T, int OP> static __device__ void gsc_net_reduce(const gsc_net_reduce_args_t *a)
+{
+    const T *own = (const T *)a->own;
+    T *out = (T *)a->out;
+    const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < a->count; i += step) {
+        T acc = (a->me == 0 ? own : (const T *)a->copies)[i];
+        for (unsigned long long q = 1; q < a->n; q++) {
+            const T *in = q == a->me ? own : (const T *)(a->copies + (q - (q > a->me ? 1 : 0)) * a->stride);
+            acc = gsc_apply<OP>(acc, in[i]);
+        }
+        if (a->divisor) acc = gsc_div(acc, a->divisor);
+        out[i] = acc;
+    }
+}
+
 #define GSC_COLL(T, TAG) \
+    extern "C" __global__ void gsc_net_reduce_##TAG##_sum(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 0>(&a); } \
+    extern "C" __global__ void gsc_net_reduce_##TAG##_prod(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 1>(&a); } \
+    extern "C" __global__ void gsc_net_reduce_##TAG##_max(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 2>(&a); } \
+    extern "C" __global__ void gsc_net_reduce_##TAG##_min(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 3>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_ll<T, 0, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_ll<T, 1, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_max(gsc_coll_args_t a) { gsc_coll_ll<T, 2, false>(&a); } \
@@ -728,4 +763,79 @@ fn blocks(kernel_name: &str, a: &CollArgs) -> u32 {
         return BIG_BLOCKS as u32;
     }
     a.bytes.min(a.chunk).div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32
+}
+
+/// `gsc_net_reduce_args_t`: the reduction step of collectives between hosts
+/// (`collectives::net`).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct NetReduceArgs {
+    /// This member's input.
+    pub(crate) own: u64,
+    /// The other members' inputs, in member order, `stride` bytes apart.
+    pub(crate) copies: u64,
+    pub(crate) stride: u64,
+    /// Where the result goes (may be `own`).
+    pub(crate) out: u64,
+    pub(crate) count: u64,
+    pub(crate) n: u64,
+    pub(crate) me: u64,
+    /// An average: the sum is divided by this (0: no division).
+    pub(crate) divisor: u64,
+}
+impl ArgBlock for NetReduceArgs {}
+
+/// Launch `gsc_net_reduce_<type>_<op>` (`op_tag`: sum, prod, max or min) on `stream` of
+/// `device`'s primary context: a thread per element, at most 1024 blocks (a grid-stride loop
+/// covers the rest).
+pub(crate) fn launch_net_reduce(
+    device: i32,
+    stream: usize,
+    type_tag: &str,
+    op_tag: &str,
+    cache_dir: Option<&Path>,
+    args: NetReduceArgs,
+) -> Result<()> {
+    if args.count == 0 {
+        return Ok(());
+    }
+    let ctx = primary_context(device)?;
+    let f = kernel(ctx, &format!("gsc_net_reduce_{type_tag}_{op_tag}"), cache_dir)?;
+    let blocks = args.count.div_ceil(u64::from(THREADS)).clamp(1, 1024) as u32;
+    let _scope = CtxScope::enter(ctx)?;
+    replay::launch_uncached(f, stream, blocks, &args)
+}
+
+/// `bytes` of GPU memory of `device` allocated in `stream`'s order (`cuMemAllocAsync`, the
+/// device's default pool): usable by work queued on the stream after this call, and by the
+/// proxy once that work triggered it. Never waits.
+pub(crate) fn stream_alloc(device: i32, stream: usize, bytes: usize) -> Result<u64> {
+    let _scope = CtxScope::enter(primary_context(device)?)?;
+    let mut ptr: cu::CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer; `stream` is the caller's live stream of this context.
+    check(unsafe { cu::cuMemAllocAsync(&mut ptr, bytes, super::raw(stream)) }, "cuMemAllocAsync (collective scratch)")?;
+    Ok(ptr)
+}
+
+/// Give `ptr` (from `stream_alloc`) back in `stream`'s order: after the work queued before this
+/// call. Never waits.
+pub(crate) fn stream_free(device: i32, stream: usize, ptr: u64) -> Result<()> {
+    let _scope = CtxScope::enter(primary_context(device)?)?;
+    // SAFETY: an allocation of `stream_alloc`, freed once; work that uses it precedes this on
+    // the stream (the caller's order), and nothing queued after it touches it.
+    check(unsafe { cu::cuMemFreeAsync(ptr, super::raw(stream)) }, "cuMemFreeAsync (collective scratch)")
+}
+
+/// Copy `bytes` from `src` to `dst` (GPU memory of `device`) in `stream`'s order. Never waits.
+///
+/// # Safety
+/// Both ranges are valid GPU memory for `bytes` until the copy ran on the stream, and do not
+/// overlap.
+pub(crate) unsafe fn stream_copy(device: i32, stream: usize, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 || dst == src {
+        return Ok(());
+    }
+    let _scope = CtxScope::enter(primary_context(device)?)?;
+    // SAFETY: the caller's promise; the caller's live stream.
+    check(unsafe { cu::cuMemcpyAsync(dst, src, bytes, super::raw(stream)) }, "cuMemcpyAsync (collective copy)")
 }

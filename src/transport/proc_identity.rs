@@ -150,6 +150,16 @@ pub fn host_id() -> u64 {
     fnv1a(h, &net_namespace().to_le_bytes())
 }
 
+/// `host_id`, with a `GSC_FAKE_HOST` label mixed in when there is one: processes of one machine
+/// with different labels count as different hosts (the way tests make one machine look like
+/// several, for the UCX lane and hierarchical collectives).
+pub fn host_id_labelled(label: Option<&str>) -> u64 {
+    match label {
+        None => host_id(),
+        Some(l) => fnv1a(fnv1a(host_id(), b"\0fake-host\0"), l.as_bytes()),
+    }
+}
+
 fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: `buf` is valid for `buf.len()` bytes of writes; the kernel NUL-terminates within it
@@ -202,6 +212,10 @@ mod tests {
         assert_ne!(pid_namespace(), 0);
         assert_ne!(net_namespace(), 0);
         assert_ne!(fnv1a(1, b"a"), fnv1a(1, b"b"));
+        assert_eq!(host_id_labelled(None), host_id());
+        assert_eq!(host_id_labelled(Some("a")), host_id_labelled(Some("a")));
+        assert_ne!(host_id_labelled(Some("a")), host_id_labelled(Some("b")));
+        assert_ne!(host_id_labelled(Some("a")), host_id());
     }
 
     /// The child waits for its stdin to close; the parent watches it live, exit (zombie), and be
