@@ -33,8 +33,8 @@
 //!
 //! **Stream order, nothing waits.** The point-to-point operations go on the caller's stream
 //! condition (a group of them: the stream triggers them together and waits for all), the
-//! kernels and the scratch's stream-ordered allocation and free (`cuMemAllocAsync`) on its
-//! stream, in that order; the call returns after enqueueing. No host thread waits for the
+//! kernels on its stream, in that order (the scratch the copies land in is kept between calls,
+//! ordered across streams by an event: `cuda::coll::StreamScratch`); the call returns after enqueueing. No host thread waits for the
 //! stream, so the proxy that serves the stream's waits is never held up by us. A dead or silent
 //! peer ends the waiting operations within `GSC_TIMEOUT` (the proxy's expiry, issue #8) and
 //! releases the stream with the condition's sticky error (`Condition::query`), or a kernel of
@@ -194,6 +194,8 @@ pub struct NetComm {
     failed: OnceLock<Error>,
     /// Serializes calls: a call's point-to-point steps must reach the engine in one piece.
     issue: Mutex<()>,
+    /// Where peers' parts land before they are reduced, kept between calls.
+    scratch: Mutex<crate::cuda::coll::StreamScratch>,
 }
 
 impl NetComm {
@@ -261,6 +263,7 @@ impl NetComm {
             check_calls: config.coll_check,
             failed: OnceLock::new(),
             issue: Mutex::new(()),
+            scratch: Mutex::new(crate::cuda::coll::StreamScratch::new(device)),
         })
     }
 
@@ -468,19 +471,20 @@ impl NetComm {
         self.check_buffer(recv, "receive")?;
         let stream = on.cuda_stream()?;
         let n = self.nranks;
-        let scratch = Scratch::new(self.device, stream, part * (n - 1))?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let base = scratch.take(stream, part * (n - 1))?;
         let mut steps = Vec::with_capacity(2 * n);
         for (k, q) in (0..n).filter(|&q| q != self.rank).enumerate() {
-            steps.push((PeerOp::Recv, q, scratch.at(k * part), part));
+            steps.push((PeerOp::Recv, q, base + (k * part) as u64, part));
             steps.push((PeerOp::Send, q, send + (q * part) as u64, part));
         }
-        // SAFETY: the ranges lie in the caller's buffers and in the scratch, which is freed on
-        // the stream after the kernel that reads it.
+        // SAFETY: the ranges lie in the caller's buffers and in the scratch, which the next call
+        // reuses only after this one's kernel read it (`StreamScratch`).
         let exchanged = unsafe { self.exchange(on, &steps) };
         let reduced = exchanged.and_then(|()| {
             let args = NetReduceArgs {
                 own: send + (self.rank * part) as u64,
-                copies: scratch.at(0),
+                copies: base,
                 stride: part as u64,
                 out: recv,
                 count: recv_count as u64,
@@ -490,7 +494,7 @@ impl NetComm {
             };
             self.reduce(stream, dtype, op, args)
         });
-        reduced.and(scratch.free())
+        reduced.and(scratch.queued(stream))
     }
 
     /// Every rank's `recv` = `root`'s `send` (`send` is read on the root only). The root sends
@@ -590,12 +594,13 @@ impl NetComm {
             layout.push((at, p, scratch_bytes, stride));
             scratch_bytes += (stride * (g - 1)).next_multiple_of(256);
         }
-        let scratch = Scratch::new(self.device, stream, scratch_bytes)?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let base = scratch.take(stream, scratch_bytes)?;
         let addr = |base: u64, element: usize| base + (element * size) as u64;
         let mut steps = Vec::new();
         for (at, p, off, stride) in &layout {
             for (k, q) in (0..g).filter(|&q| q != me).enumerate() {
-                steps.push((PeerOp::Recv, column[q], scratch.at(off + k * stride), *stride));
+                steps.push((PeerOp::Recv, column[q], base + (off + k * stride) as u64, *stride));
                 steps.push((PeerOp::Send, column[q], addr(src, at + p[q].0), p[q].1 * size));
             }
         }
@@ -604,7 +609,7 @@ impl NetComm {
         for (at, p, off, stride) in &layout {
             let args = NetReduceArgs {
                 own: addr(src, at + p[me].0),
-                copies: scratch.at(*off),
+                copies: base + *off as u64,
                 stride: *stride as u64,
                 out: addr(dst, at + p[me].0),
                 count: p[me].1 as u64,
@@ -614,7 +619,8 @@ impl NetComm {
             };
             result = result.and_then(|()| self.reduce(stream, dtype, op, args));
         }
-        result = result.and(scratch.free());
+        result = result.and(scratch.queued(stream));
+        drop(scratch);
         result?;
         let mut steps = Vec::new();
         for (at, p, _, _) in &layout {
@@ -682,32 +688,6 @@ impl NetComm {
 
 /// One point-to-point step: direction, peer, GPU address, bytes.
 type Step = (PeerOp, usize, u64, usize);
-
-/// Scratch GPU memory allocated and freed in a stream's order (`cuda::coll::stream_alloc`).
-struct Scratch {
-    device: i32,
-    stream: usize,
-    base: u64,
-}
-
-impl Scratch {
-    fn new(device: i32, stream: usize, bytes: usize) -> Result<Scratch> {
-        let base = if bytes == 0 { 0 } else { crate::cuda::coll::stream_alloc(device, stream, bytes)? };
-        Ok(Scratch { device, stream, base })
-    }
-
-    fn at(&self, offset: usize) -> u64 {
-        self.base + offset as u64
-    }
-
-    /// Free after everything queued on the stream so far.
-    fn free(self) -> Result<()> {
-        match self.base {
-            0 => Ok(()),
-            base => crate::cuda::coll::stream_free(self.device, self.stream, base),
-        }
-    }
-}
 
 fn bytes(count: usize, dtype: DataType) -> Result<usize> {
     count.checked_mul(dtype.size()).filter(|b| *b <= isize::MAX as usize).ok_or_else(too_large)

@@ -224,13 +224,21 @@ impl DeviceMem {
             return Ok(());
         }
         match self.acc.place(dst, src.len()) {
-            Place::Append { offset } => {
-                let (_, buf) = self.acc_buf.as_mut().expect("an open range has a buffer");
-                buf.write(offset, src);
-            }
+            Place::Append { offset } => match self.acc_buf.as_mut() {
+                Some((_, buf)) => buf.write(offset, src),
+                None => {
+                    self.acc.close();
+                    return Err(Error::new(Status::Internal, "staging: an open range without its bounce buffer"));
+                }
+            },
             Place::Open { closed } => {
-                if let Some(range) = closed {
-                    self.issue_recv(range)?;
+                // `place` opened the new range already: on any failure below it is closed
+                // again, so no later frame joins a range that has no buffer.
+                if let Some(range) = closed
+                    && let Err(e) = self.issue_recv(range)
+                {
+                    self.acc.close();
+                    return Err(e);
                 }
                 // Bounded: with `depth` copies to the GPU outstanding, wait for the oldest
                 // (it waits on our own copy stream only) rather than take ever more page-locked
@@ -238,12 +246,24 @@ impl DeviceMem {
                 while self.recv_copies.len() >= self.pipeline_depth {
                     self.wait_oldest_recv_copy();
                 }
-                let device = device_of(dst)?;
-                let mut buf = Bounce::take(device, self.pipeline_chunk)?;
-                buf.write(0, src);
-                self.acc_buf = Some((device, buf));
-                // Later frames join this copy only inside the same allocation (`set_limit`).
-                self.acc.set_limit(memory::allocation_end(dst, device)?);
+                let opened = (|| -> Result<(i32, Bounce, usize)> {
+                    let device = device_of(dst)?;
+                    let mut buf = Bounce::take(device, self.pipeline_chunk)?;
+                    buf.write(0, src);
+                    Ok((device, buf, memory::allocation_end(dst, device)?))
+                })();
+                match opened {
+                    Ok((device, buf, end)) => {
+                        self.acc_buf = Some((device, buf));
+                        // Later frames join this copy only inside the same allocation.
+                        self.acc.set_limit(end);
+                    }
+                    Err(e) => {
+                        self.acc.close();
+                        tracing::warn!(target: "gsc::cuda", error = %e, dst, "staging into GPU memory refused");
+                        return Err(e);
+                    }
+                }
             }
             Place::Direct { closed } => {
                 if let Some(range) = closed {
@@ -291,7 +311,9 @@ impl DeviceMem {
     }
 
     fn issue_recv(&mut self, (dst, len): (usize, usize)) -> Result<()> {
-        let (device, buf) = self.acc_buf.take().expect("an open range has a buffer");
+        let Some((device, buf)) = self.acc_buf.take() else {
+            return Err(Error::new(Status::Internal, "staging: an open range without its bounce buffer"));
+        };
         // SAFETY: `dst..dst+len` is inside pending receives' GPU buffers (each range was placed
         // by the engine's clipped copies), whose completions are held until this copy is done
         // (`holds`); `buf` is page-locked, holds those `len` bytes, and is kept in

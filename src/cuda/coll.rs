@@ -806,24 +806,123 @@ pub(crate) fn launch_net_reduce(
     replay::launch_uncached(f, stream, blocks, &args)
 }
 
-/// `bytes` of GPU memory of `device` allocated in `stream`'s order (`cuMemAllocAsync`, the
-/// device's default pool): usable by work queued on the stream after this call, and by the
-/// proxy once that work triggered it. Never waits.
-pub(crate) fn stream_alloc(device: i32, stream: usize, bytes: usize) -> Result<u64> {
-    let _scope = CtxScope::enter(primary_context(device)?)?;
-    let mut ptr: cu::CUdeviceptr = 0;
-    // SAFETY: a valid out-pointer; `stream` is the caller's live stream of this context.
-    check(unsafe { cu::cuMemAllocAsync(&mut ptr, bytes, super::raw(stream)) }, "cuMemAllocAsync (collective scratch)")?;
-    Ok(ptr)
+/// Scratch GPU memory one communicator keeps between its calls (collectives across hosts:
+/// the copies of peers' parts before they are reduced), grown on demand.
+///
+/// Why not `cuMemAllocAsync` per call: the proxy thread and the copy engine of the staging
+/// pipeline read and write the scratch from streams of their own, and ask the driver about it
+/// (memory type, allocation range) from another thread — none of which the stream-ordered
+/// allocator promises for memory whose allocation the stream may not have reached yet. A plain
+/// allocation is valid from the moment it is made. Calls that use it on different streams are
+/// ordered by an event: a call waits (on the GPU, not the host) for the previous call's last
+/// use. A buffer outgrown is freed once its last use is done (`cuEventQuery`; never waits).
+pub(crate) struct StreamScratch {
+    device: i32,
+    /// (address, bytes) of the current buffer.
+    buf: Option<(u64, usize)>,
+    /// The stream of the last call that used `buf`, and the event recorded after that use.
+    last: Option<(usize, usize)>,
+    /// Outgrown buffers and the events after their last use.
+    retired: Vec<(u64, usize)>,
 }
 
-/// Give `ptr` (from `stream_alloc`) back in `stream`'s order: after the work queued before this
-/// call. Never waits.
-pub(crate) fn stream_free(device: i32, stream: usize, ptr: u64) -> Result<()> {
-    let _scope = CtxScope::enter(primary_context(device)?)?;
-    // SAFETY: an allocation of `stream_alloc`, freed once; work that uses it precedes this on
-    // the stream (the caller's order), and nothing queued after it touches it.
-    check(unsafe { cu::cuMemFreeAsync(ptr, super::raw(stream)) }, "cuMemFreeAsync (collective scratch)")
+// SAFETY: the addresses and events are plain driver handles, valid from any thread with the
+// device's context current (every method enters it).
+unsafe impl Send for StreamScratch {}
+
+/// Scratch is allocated in multiples of this (fewer regrowths for sizes that creep up).
+const SCRATCH_GRAIN: usize = 1 << 20;
+
+impl StreamScratch {
+    pub(crate) fn new(device: i32) -> StreamScratch {
+        StreamScratch { device, buf: None, last: None, retired: Vec::new() }
+    }
+
+    /// At least `bytes` of scratch for work about to be queued on `stream`, which is first made
+    /// to wait (on the GPU) for the previous call's use when that was on another stream. Call
+    /// `queued` once the work using it is queued. Never waits on the host.
+    pub(crate) fn take(&mut self, stream: usize, bytes: usize) -> Result<u64> {
+        let _scope = CtxScope::enter(primary_context(self.device)?)?;
+        self.free_done();
+        if self.buf.is_none_or(|(_, len)| len < bytes) {
+            let len = bytes.max(1).next_multiple_of(SCRATCH_GRAIN);
+            let mut base: cu::CUdeviceptr = 0;
+            // SAFETY: a valid out-pointer, the device's context is current.
+            check(unsafe { cu::cuMemAlloc_v2(&mut base, len) }, "cuMemAlloc (collective scratch)")?;
+            match (self.buf.take(), self.last.take()) {
+                (Some((old, _)), Some((_, event))) => self.retired.push((old, event as usize)),
+                // Never used by queued work: free now.
+                // SAFETY: our allocation, no work refers to it.
+                (Some((old, _)), None) => unsafe {
+                    cu::cuMemFree_v2(old);
+                },
+                (None, last) => self.last = last,
+            }
+            self.buf = Some((base, len));
+        }
+        if let Some((previous, event)) = self.last
+            && previous != stream
+        {
+            // SAFETY: our event (recorded on the previous stream), the caller's live stream.
+            check(unsafe { cu::cuStreamWaitEvent(super::raw(stream), event as cu::CUevent, 0) }, "cuStreamWaitEvent")?;
+        }
+        Ok(self.buf.expect("allocated above").0)
+    }
+
+    /// The work using the scratch has been queued on `stream`.
+    pub(crate) fn queued(&mut self, stream: usize) -> Result<()> {
+        let _scope = CtxScope::enter(primary_context(self.device)?)?;
+        let event = match self.last {
+            Some((_, e)) => e as cu::CUevent,
+            None => {
+                let mut e: cu::CUevent = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer.
+                check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+                e
+            }
+        };
+        self.last = Some((stream, event as usize));
+        // SAFETY: our event, the caller's live stream.
+        check(unsafe { cu::cuEventRecord(event, super::raw(stream)) }, "cuEventRecord")
+    }
+
+    /// Free the outgrown buffers whose last use is done. The context must be current.
+    fn free_done(&mut self) {
+        self.retired.retain(|&(base, event)| {
+            // SAFETY: our event; `cuEventQuery` never waits.
+            let done = unsafe { cu::cuEventQuery(event as cu::CUevent) } != cu::CUresult::CUDA_ERROR_NOT_READY;
+            if done {
+                // SAFETY: our allocation and event; the work that used them is done.
+                unsafe {
+                    cu::cuMemFree_v2(base);
+                    cu::cuEventDestroy_v2(event as cu::CUevent);
+                }
+            }
+            !done
+        });
+    }
+}
+
+impl Drop for StreamScratch {
+    /// Buffers whose last use is done are freed; one still in use by queued work (a stream held
+    /// by a peer that will time out) is left allocated rather than freed under it or waited for.
+    fn drop(&mut self) {
+        let Ok(ctx) = primary_context(self.device) else { return };
+        let Ok(_scope) = CtxScope::enter(ctx) else { return };
+        if let Some((base, _)) = self.buf.take() {
+            match self.last.take() {
+                Some((_, event)) => self.retired.push((base, event)),
+                // SAFETY: our allocation, never used by queued work.
+                None => unsafe {
+                    cu::cuMemFree_v2(base);
+                },
+            }
+        }
+        self.free_done();
+        if !self.retired.is_empty() {
+            tracing::warn!(target: "gsc::cuda", buffers = self.retired.len(), "collective scratch still in use by queued work at destroy: left allocated");
+        }
+    }
 }
 
 /// Copy `bytes` from `src` to `dst` (GPU memory of `device`) in `stream`'s order. Never waits.

@@ -111,9 +111,6 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuMemFreeHost",
     "cuMemsetD8_v2",
-    // Stream-ordered scratch of collectives between hosts (`coll::stream_alloc`).
-    "cuMemAllocAsync",
-    "cuMemFreeAsync",
     "cuThreadExchangeStreamCaptureMode",
     // VMM allocations shared as POSIX file descriptors (`vmm`).
     "cuMemRetainAllocationHandle",

@@ -330,7 +330,23 @@ impl Engine {
             if wake == Wake::Beat {
                 continue;
             }
-            let events = self.pass(&worker);
+            // A panic in a pass is a bug, but it must not leave every stream and request
+            // waiting on this thread forever (issue #8, promise 1): the worker is aborted with
+            // the panic's message, which completes everything with an error, and the thread
+            // goes on serving (an aborted worker's operations fail fast).
+            let events = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.pass(&worker))) {
+                Ok(events) => events,
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic without a message".into());
+                    tracing::error!(target: "gsc::proxy", panic = %what, "the proxy thread panicked; aborting its worker");
+                    let _ = worker.abort(&format!("internal error in the proxy thread: {what}"));
+                    1
+                }
+            };
             drop(worker);
             if events > 0 {
                 self.last_activity = Instant::now();
