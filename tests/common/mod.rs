@@ -38,12 +38,14 @@ pub fn config_with(overrides: &[(&str, &str)]) -> Config {
     c.set("GSC_TIMEOUT", "20s").unwrap();
     // Tests build their config from defaults, not the environment; these let a run on the
     // device machines turn logging on without a rebuild, and run the suite under another
-    // engine policy for prepared transfers (`GSC_ENGINE=gpu|proxy`).
+    // engine policy for prepared transfers (`GSC_ENGINE=gpu|proxy`) or signalling (`GSC_PREP_WORDS`).
     let passed_on = [
         ("GSC_TEST_LOG_LEVEL", "GSC_LOG_LEVEL"),
         ("GSC_TEST_LOG_SUBSYS", "GSC_LOG_SUBSYS"),
         ("GSC_ENGINE", "GSC_ENGINE"),
         ("GSC_ENGINE_GPU_MAX", "GSC_ENGINE_GPU_MAX"),
+        // Shared words or frames for prepared proxy rounds (A/B runs of the GPU tests).
+        ("GSC_PREP_WORDS", "GSC_PREP_WORDS"),
     ];
     for (env, knob) in passed_on {
         if let Ok(v) = std::env::var(env) {
