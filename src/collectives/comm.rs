@@ -261,6 +261,11 @@ impl Communicator {
         self.rank
     }
 
+    /// The large kernels' algorithm and shape this communicator runs (`GSC_COLL_LARGE_*`).
+    pub fn large_shape(&self) -> &LargeShape {
+        &self.large
+    }
+
     pub fn nranks(&self) -> usize {
         self.nranks
     }

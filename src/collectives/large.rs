@@ -111,7 +111,9 @@ pub(crate) fn launch(shape: &LargeShape, kind: LargeKind, nranks: usize, bytes: 
             bytes.div_ceil(blocks).next_multiple_of(unit).min(area / blocks / unit * unit)
         }
         // n regions per block and round.
-        LargeKind::ReduceScatter | LargeKind::AllGather => bytes.div_ceil(blocks).next_multiple_of(16).min(area / (nranks * blocks) / 16 * 16),
+        LargeKind::ReduceScatter | LargeKind::AllGather => {
+            bytes.div_ceil(blocks).next_multiple_of(16).min(area / (nranks * blocks) / 16 * 16)
+        }
     };
     debug_assert!(region > 0, "knob ranges keep a region at 16 bytes or more");
     let (push_threads, reduce_threads, _) = match shape.algo {
@@ -182,16 +184,17 @@ mod tests {
                 for n in 1..=8 {
                     for round_max in [1 << 20, 8 << 20, 64 << 20] {
                         let s = shape(LargeAlgo::Pipelined, blocks, 512, stages, None);
-                        for (kind, per_block_parts) in [(LargeKind::AllReduce, 1), (LargeKind::ReduceScatter, n), (LargeKind::AllGather, n)] {
+                        for (kind, per_block_parts) in [(LargeKind::AllReduce, 1), (LargeKind::ReduceScatter, n), (LargeKind::AllGather, n)]
+                        {
                             for bytes in [16, 4096, 3 << 20, (512 << 20) + 48] {
                                 let l = launch(&s, kind, n, bytes, round_max);
-                                assert!(l.region > 0 && l.region % 16 == 0);
+                                assert!(l.region > 0 && l.region.is_multiple_of(16));
                                 if kind == LargeKind::AllReduce {
-                                    assert_eq!(l.region % (16 * n), 0, "whole slices");
+                                    assert!(l.region.is_multiple_of(16 * n), "whole slices");
                                 }
                                 assert!(l.region * per_block_parts * blocks <= l.stage_bytes, "{kind:?} {l:?}");
                                 assert!(2 * l.stages * l.stage_bytes <= 4 * round_max, "the stages fit the workspace");
-                                assert_eq!(l.stage_bytes % 16, 0);
+                                assert!(l.stage_bytes.is_multiple_of(16));
                                 assert!(l.rounds * l.region * blocks >= bytes && (l.rounds - 1) * l.region * blocks < bytes);
                             }
                         }
@@ -209,7 +212,7 @@ mod tests {
                 for kind in [LargeKind::AllReduce, LargeKind::ReduceScatter, LargeKind::AllGather] {
                     let (p, r, c) = role_threads(&s, kind);
                     assert_eq!(p + r + c, threads, "{kind:?} {warps:?} {threads}");
-                    assert!(p >= 32 && p % 32 == 0 && r % 32 == 0 && c % 32 == 0);
+                    assert!(p >= 32 && [p, r, c].iter().all(|t| t.is_multiple_of(32)));
                     assert_eq!(r > 0, kind != LargeKind::AllGather, "{kind:?}: reducers");
                     assert_eq!(c > 0, kind != LargeKind::ReduceScatter, "{kind:?}: copiers");
                 }

@@ -90,7 +90,7 @@ pub fn describe(large_min: usize, shape: &LargeShape) -> String {
     let _ = writeln!(out, "# collectives (GSC_COLL_LARGE_MIN={}), bytes per rank", crate::config::format_size(large_min as u64));
     let _ = writeln!(out, "# large kernels: {}", shape.describe());
     for coll in Collective::ALL {
-        let line = match choose(coll, usize::MAX, true, large_min, shape.algo) {
+        let line = match choose(coll, usize::MAX & !15, true, large_min, shape.algo) {
             Algorithm::OneShotLl if coll.rooted() => format!("{} at every size, a launch per 64 KiB round", Algorithm::OneShotLl.name()),
             Algorithm::OneShotLl => format!("{} at every size", Algorithm::OneShotLl.name()),
             large => format!(
@@ -137,6 +137,7 @@ mod tests {
             assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
         }
         assert!(t.contains("256K") || t.contains("256 KiB"), "{t}");
+        assert!(t.contains("[all_gather] one-shot LL (all pairs, flags in the data) below 256K"), "the large halves are listed: {t}");
         assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
     }
 }

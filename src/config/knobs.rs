@@ -519,8 +519,8 @@ pub(super) static KNOBS: &[Knob] = &[
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
         doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \
-              + all-gather by NVLink writes, 128 channels) instead of the one-shot LL exchange; \
-              gsc-info -p prints the collectives' table",
+              + all-gather by NVLink writes, GSC_COLL_LARGE_BLOCKS channels) instead of the \
+              one-shot LL exchange; gsc-info -p prints the collectives' table",
         kind: KnobKind::Size,
         parse: |c, v| {
             c.coll_large_min = parse_usize(v)?;
@@ -533,7 +533,8 @@ pub(super) static KNOBS: &[Knob] = &[
         default: "8M",
         doc: "Bytes per rank one round of the large collectives moves (1M..=64M, whole MiB): each \
               round costs two flag exchanges between ranks, and each communicator holds four \
-              areas of this size in GPU memory. Read once per process",
+              areas of this size in GPU memory (the pipelined kernel cuts them into \
+              GSC_COLL_LARGE_STAGES stages: rounds of 2 x this / stages). Read once per process",
         kind: KnobKind::Size,
         parse: |c, v| {
             let n = parse_usize(v)?;
@@ -603,7 +604,7 @@ pub(super) static KNOBS: &[Knob] = &[
                 return Ok(());
             }
             let n = parse_usize(v).map_err(|_| "expected auto or a number of threads".to_string())?;
-            if !(64..=1024).contains(&n) || n % 32 != 0 {
+            if !(64..=1024).contains(&n) || !n.is_multiple_of(32) {
                 return Err("expected auto or whole warps (a multiple of 32) from 64 to 1024".into());
             }
             c.coll_large_threads = Some(n);

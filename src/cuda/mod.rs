@@ -624,9 +624,7 @@ pub(super) fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, grid: Grid
     // SAFETY: `f` takes exactly one parameter laid out as `T` (repr(C) mirrors of the kernels'
     // structs); the driver copies it from `args` during the call.
     check(
-        unsafe {
-            cu::cuLaunchKernel(f, grid.blocks, 1, 1, grid.threads, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut())
-        },
+        unsafe { cu::cuLaunchKernel(f, grid.blocks, 1, 1, grid.threads, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
         "cuLaunchKernel",
     )
 }
