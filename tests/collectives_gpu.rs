@@ -161,15 +161,22 @@ fn exact_results(r: &Rank) -> Vec<String> {
     bad
 }
 
-/// The large all-reduce (reduce-scatter + all-gather by direct reads) over several 8 MiB
-/// rounds, in place and not, on the datatypes of each size.
+/// The datatypes of each size.
+const LARGE_TYPES: [DataType; 5] = [DataType::Int8, DataType::Bfloat16, DataType::Float32, DataType::Uint64, DataType::Float64];
+
+/// The large all-reduce (reduce-scatter + all-gather by NVLink writes) over several rounds, in
+/// place and not, on the datatypes of each size and every operator.
 fn large_all_reduce(r: &Rank) -> Vec<String> {
+    large_all_reduce_of(r, 2_500_001, &LARGE_TYPES, &RedOp::ALL)
+}
+
+/// `large_all_reduce` on `count` elements of `dtypes` × `ops`.
+fn large_all_reduce_of(r: &Rank, count: usize, dtypes: &[DataType], ops: &[RedOp]) -> Vec<String> {
     let me = r.comm.rank();
     let mut bad = Vec::new();
-    let count = 2_500_001;
-    for dtype in [DataType::Int8, DataType::Bfloat16, DataType::Float32, DataType::Uint64, DataType::Float64] {
-        for op in RedOp::ALL {
-            let seed = 90_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64;
+    for &dtype in dtypes {
+        for &op in ops {
+            let seed = 90_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64 + count as u64;
             let ins: Vec<Vec<u8>> = (0..r.comm.nranks()).map(|q| input(dtype, q, seed, count)).collect();
             let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
             let want = reduce_reference(dtype, op, &refs);
@@ -249,12 +256,18 @@ fn premul_sums(r: &Rank) -> Vec<String> {
 /// The large all-gather and reduce-scatter (the halves of the large all-reduce), parts of whole
 /// 16-byte pieces over several rounds, in place and not.
 fn large_halves(r: &Rank) -> Vec<String> {
+    large_halves_of(r, 1 << 20, &[(DataType::Float32, RedOp::Sum), (DataType::Bfloat16, RedOp::Max), (DataType::Uint64, RedOp::Prod)])
+}
+
+/// `large_halves` on parts of `count` elements (whole 16-byte pieces) of each (datatype,
+/// operator) of `cases`.
+fn large_halves_of(r: &Rank, count: usize, cases: &[(DataType, RedOp)]) -> Vec<String> {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
     let mut bad = Vec::new();
-    let count = 1 << 20;
-    for (dtype, op) in [(DataType::Float32, RedOp::Sum), (DataType::Bfloat16, RedOp::Max), (DataType::Uint64, RedOp::Prod)] {
+    for &(dtype, op) in cases {
+        assert_eq!(count * dtype.size() % 16, 0, "the large halves take parts of whole 16-byte pieces");
         let sz = dtype.size();
-        let seed = 70_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64;
+        let seed = 70_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64 + count as u64;
         for in_place in [false, true] {
             // Reduce-scatter.
             let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, count * n)).collect();
@@ -581,6 +594,64 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
+/// The pipelined large kernel (`GSC_COLL_LARGE_ALGO=pipelined`) on two shapes: the default
+/// (128 blocks of 512 threads, 4 stages: 4 MiB rounds) and a small odd one (37 blocks of three
+/// warps, one per role, 8 stages: 2 MiB rounds, so stages are reused many times per call):
+/// all-reduce on every datatype size × operator (odd counts: a one-shot tail), at the threshold
+/// and over more rounds than stages; all-gather on every datatype and reduce-scatter on every
+/// operator; pre-multiplied sums; captured and graph-condition replays with new data each time.
+fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
+    set_device(rank as i32).unwrap();
+    let uid = UniqueId::from_bytes(uid).unwrap();
+    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
+    let pipelined = [("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on"), ("GSC_COLL_LARGE_ALGO", "pipelined")];
+    let comm = Communicator::new(boot, rank as i32, &config_with(&pipelined)).unwrap();
+    let small = config_with(
+        &[pipelined.as_slice(), &[("GSC_COLL_LARGE_BLOCKS", "37"), ("GSC_COLL_LARGE_THREADS", "96"), ("GSC_COLL_LARGE_STAGES", "8")]]
+            .concat(),
+    );
+    let stream = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let r = Rank { comm, stream, cond };
+    let mut bad = Vec::new();
+    // Both shapes, the second on a communicator split from the first (same ranks).
+    for shape in 0..2 {
+        let sub;
+        let r = if shape == 0 {
+            &r
+        } else {
+            let stream = Stream::new().unwrap();
+            let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+            sub = Rank { comm: r.comm.split(Some(0), rank as i32, &small).unwrap().unwrap(), stream, cond };
+            &sub
+        };
+        let s = *r.comm.large_shape();
+        if s.algo != gscomm::config::LargeAlgo::Pipelined {
+            return format!("rank {rank}: the communicator runs {s:?}, not the pipelined kernel");
+        }
+        let t0 = Instant::now();
+        bad.extend(large_all_reduce(r));
+        // At the threshold (one round, blocks past the end), just above it (a tail), and more
+        // rounds than stages.
+        for count in [65_536, 65_541, 9_000_017] {
+            bad.extend(large_all_reduce_of(r, count, &[DataType::Float32], &[RedOp::Sum, RedOp::Min]));
+        }
+        let every_type: Vec<(DataType, RedOp)> = DataType::ALL.iter().map(|&d| (d, RedOp::Sum)).collect();
+        bad.extend(large_halves_of(r, 1 << 20, &every_type));
+        let every_op: Vec<(DataType, RedOp)> = RedOp::ALL.iter().map(|&op| (DataType::Float16, op)).collect();
+        bad.extend(large_halves_of(r, 3 << 19, &every_op));
+        bad.extend(large_halves_of(r, (1 << 20) + 16, &[(DataType::Int8, RedOp::Max), (DataType::Float64, RedOp::Prod)]));
+        bad.extend(premul_sums(r));
+        bad.extend(graph_replays(r, 300_000));
+        bad.extend(graph_replays(r, 2_000_003));
+        eprintln!("rank {rank}: pipelined {} checks in {:?}", s.describe(), t0.elapsed());
+    }
+    if let Err(e) = r.comm.async_error() {
+        bad.push(format!("rank {rank}: async error {e}"));
+    }
+    bad.join("\n")
+}
+
 fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
     let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
@@ -589,7 +660,19 @@ fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     chan.put("result", v.as_bytes());
 }
 
+fn pipelined_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
+    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
+    let uid = chan.get("uid");
+    let v = run_rank_pipelined(rank, n, &uid);
+    chan.put("result", v.as_bytes());
+}
+
 fn run_job(test: &str, n: usize) {
+    run_job_with(test, n, roles, run_rank)
+}
+
+fn run_job_with(test: &str, n: usize, roles: fn(&str, &dyn Chan, Context), run_rank: fn(usize, usize, &[u8]) -> String) {
     if let Some(why) = gpu_test_skip_reason() {
         eprintln!("skipped: {why}");
         return;
@@ -629,6 +712,22 @@ fn collectives_exact_on_four_gpus() {
         return;
     }
     run_job("collectives_exact_on_four_gpus", 4);
+}
+
+#[test]
+fn pipelined_large_collectives_exact_on_two_gpus() {
+    if run_child_role(pipelined_roles) {
+        return;
+    }
+    run_job_with("pipelined_large_collectives_exact_on_two_gpus", 2, pipelined_roles, run_rank_pipelined);
+}
+
+#[test]
+fn pipelined_large_collectives_exact_on_four_gpus() {
+    if run_child_role(pipelined_roles) {
+        return;
+    }
+    run_job_with("pipelined_large_collectives_exact_on_four_gpus", 4, pipelined_roles, run_rank_pipelined);
 }
 
 // ---------------------------------------------------------------------------------------------

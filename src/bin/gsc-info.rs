@@ -173,7 +173,11 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     }
     if let (true, Some(load)) = (wanted.protocols, &load) {
         out.write_all(gscomm::protocols::selection_table(&load.config).as_bytes()).map_err(io_failed)?;
-        out.write_all(gscomm::collectives::select::describe(load.config.coll_large_min).as_bytes()).map_err(io_failed)?;
+        let table = match gscomm::collectives::large::LargeShape::from_config(&load.config) {
+            Ok(shape) => gscomm::collectives::select::describe(load.config.coll_large_min, &shape),
+            Err(e) => format!("# collectives: {e}\n"),
+        };
+        out.write_all(table.as_bytes()).map_err(io_failed)?;
     }
     if wanted.rdma {
         print_rdma(&mut out).map_err(io_failed)?;

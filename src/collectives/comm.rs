@@ -14,13 +14,15 @@
 //! any number of times.
 
 use super::agreement::{self, Signature};
+use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
-use super::select::{self, Algorithm, Collective};
+use super::select::{self, Collective};
 use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::Config;
-use crate::cuda::coll::{BIG_BLOCKS, CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max};
+use crate::cuda::Grid;
+use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max, one_shot_grid};
 use crate::error::{Error, Result, Status};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -35,6 +37,9 @@ pub struct Communicator {
     kernel_cache: Option<PathBuf>,
     /// `GSC_COLL_LARGE_MIN` (see `select`).
     large_min: usize,
+    /// The large kernels' algorithm and shape (`GSC_COLL_LARGE_*`), fixed for the
+    /// communicator's life: its workspace's flags keep their meaning from launch to launch.
+    large: LargeShape,
     /// `GSC_COLL_CHECK`: every call is compared across the ranks first (`agreement`).
     check_calls: bool,
     /// Kept for the collective teardown, the call check and split.
@@ -112,6 +117,9 @@ impl Communicator {
                 "a communicator of {nranks} ranks: collectives run between the GPUs of one host, at most {MAX_RANKS}"
             )));
         }
+        // Before anything collective: a shape this rank cannot run fails here on every rank
+        // given the same configuration.
+        let large = LargeShape::from_config(config)?;
         let (mut workspace, key) = Workspace::allocate(device, nranks)?;
         let mut mine = workspace.base().to_le_bytes().to_vec();
         mine.extend_from_slice(&key);
@@ -138,6 +146,7 @@ impl Communicator {
             timeout: config.timeout.unwrap_or(Duration::from_secs(3600)),
             kernel_cache: config.kernel_cache_dir.clone(),
             large_min: config.coll_large_min,
+            large,
             check_calls: config.coll_check,
             bootstrap,
             peers,
@@ -250,6 +259,11 @@ impl Communicator {
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// The large kernels' algorithm and shape this communicator runs (`GSC_COLL_LARGE_*`).
+    pub fn large_shape(&self) -> &LargeShape {
+        &self.large
     }
 
     pub fn nranks(&self) -> usize {
@@ -439,10 +453,7 @@ impl Communicator {
             }
         }
         if self.large(&call) {
-            return match call.kind {
-                CollKind::AllReduce => self.launch_large_all_reduce(&call, on),
-                _ => self.launch_large_halves(&call, on),
-            };
+            return self.launch_large(&call, on);
         }
         self.launch_one_shot(&call, on, None)
     }
@@ -494,21 +505,21 @@ impl Communicator {
             let cache = self.kernel_cache.as_deref();
             match on.category() {
                 Category::Graph => {
-                    let node = self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, last_node)?;
+                    let node = self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, one_shot_grid(&args), last_node)?;
                     if last_node.is_none() {
                         outputs.start_node = node;
                     }
                     outputs.done_node = node;
                     last_node = Some(node);
                 }
-                _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, repeats)?,
+                _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, one_shot_grid(&args), repeats)?,
             }
             off += bytes;
         }
         Ok(outputs)
     }
 
-    /// Whether the call takes the large algorithm (the table in `select`).
+    /// Whether the call takes a large algorithm (the table in `select`).
     fn large(&self, call: &Call) -> bool {
         let coll = match call.kind {
             CollKind::AllReduce => Collective::AllReduce,
@@ -519,69 +530,54 @@ impl Communicator {
         };
         // A rank that does not touch a buffer passes 0 for it, which is aligned.
         let aligned = (call.send | call.recv).is_multiple_of(16);
-        select::choose(coll, call.part_bytes, aligned, self.large_min) == Algorithm::TwoShotPush
+        select::choose(coll, call.part_bytes, aligned, self.large_min, self.large.algo).is_large()
     }
 
-    /// Large all-gather and reduce-scatter: the halves of the large all-reduce, each channel
-    /// owning a region of every part in every round (n regions per channel per round), one
-    /// launch. Parts are whole 16-byte pieces (`select`).
-    fn launch_large_halves(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
-        let (blocks, part) = (BIG_BLOCKS, call.part_bytes);
-        let region = part.div_ceil(blocks).next_multiple_of(16).min(big_round_max() / (self.nranks * blocks) / 16 * 16);
-        let args = CollArgs {
-            send: call.send,
-            recv: call.recv,
-            bytes: part as u64,
-            chunk: region as u64,
-            rounds: part.div_ceil(region * blocks) as u64,
-            send_stride: if call.kind == CollKind::ReduceScatter { part as u64 } else { 0 },
-            recv_stride: if call.kind == CollKind::AllGather { part as u64 } else { 0 },
-            nranks: self.nranks as u64,
-            rank: self.rank as u64,
-            kind: call.kind as u64,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            premul_bits: call.premul_bits(),
-            premul_ptr: call.premul_ptr(),
-            ..Default::default()
+    /// A large collective: one launch of the communicator's large kernel (phased or pipelined,
+    /// `large`), each block owning a region of every round. All-gather and reduce-scatter run
+    /// the halves of the all-reduce on parts of whole 16-byte pieces (`select`); the all-reduce
+    /// moves whole 16-byte pieces and a tail of fewer bytes (whole elements: 16 is a multiple
+    /// of every datatype's size) follows as a one-shot exchange.
+    fn launch_large(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
+        let (kind, bytes) = match call.kind {
+            CollKind::AllReduce => (LargeKind::AllReduce, call.part_bytes & !15),
+            CollKind::ReduceScatter => (LargeKind::ReduceScatter, call.part_bytes),
+            CollKind::AllGather => (LargeKind::AllGather, call.part_bytes),
+            CollKind::Broadcast | CollKind::Reduce => unreachable!("rooted collectives are one-shot (select)"),
         };
-        self.launch_large_kernel(call, on, args).map(|node| ArmedOutputs { start_node: node, done_node: node, device_handle: 0 })
-    }
-
-    /// One launch of the large kernel (`gsc_coll_big_<type>_<op>`): on the stream, or as a node
-    /// of the graph (returned; 0 on a stream).
-    fn launch_large_kernel(&self, call: &Call, on: &Condition, args: CollArgs) -> Result<usize> {
-        let kernel = format!("gsc_coll_big_{}_{}", call.dtype.kernel_tag(), call.op_tag());
-        let cache = self.kernel_cache.as_deref();
-        match on.category() {
-            Category::Graph => self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, None),
-            _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, true).map(|()| 0),
-        }
-    }
-
-    /// The kernel moves whole 16-byte pieces; a tail of fewer bytes (whole elements: 16 is a
-    /// multiple of every datatype's size) follows as a one-shot exchange.
-    fn launch_large_all_reduce(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
-        let bytes = call.part_bytes & !15;
-        // Regions of whole slices (16 bytes × nranks), as even as the size allows.
-        let unit = 16 * self.nranks;
-        let blocks = BIG_BLOCKS;
-        let region = bytes.div_ceil(blocks).next_multiple_of(unit).min(big_round_max() / blocks / unit * unit);
+        let l = large::launch(&self.large, kind, self.nranks, bytes, big_round_max());
         let args = CollArgs {
             send: call.send,
             recv: call.recv,
             bytes: bytes as u64,
-            chunk: region as u64,
-            rounds: bytes.div_ceil(region * blocks) as u64,
+            chunk: l.region as u64,
+            rounds: l.rounds as u64,
+            send_stride: if kind == LargeKind::ReduceScatter { bytes as u64 } else { 0 },
+            recv_stride: if kind == LargeKind::AllGather { bytes as u64 } else { 0 },
             nranks: self.nranks as u64,
             rank: self.rank as u64,
             kind: call.kind as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             premul_bits: call.premul_bits(),
             premul_ptr: call.premul_ptr(),
+            stages: l.stages as u64,
+            stage_bytes: l.stage_bytes as u64,
+            push_threads: l.push_threads as u64,
+            reduce_threads: l.reduce_threads as u64,
             ..Default::default()
         };
+        let family = match self.large.algo {
+            crate::config::LargeAlgo::Phased => "big",
+            crate::config::LargeAlgo::Pipelined => "pipe",
+        };
+        let kernel = format!("gsc_coll_{family}_{}_{}", call.dtype.kernel_tag(), call.op_tag());
+        let grid = Grid { blocks: self.large.blocks as u32, threads: self.large.threads as u32 };
+        let cache = self.kernel_cache.as_deref();
+        let node = match on.category() {
+            Category::Graph => self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, grid, None)?,
+            _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, grid, true).map(|()| 0)?,
+        };
         let tail = Call { send: call.send + bytes as u64, recv: call.recv + bytes as u64, part_bytes: call.part_bytes - bytes, ..*call };
-        let node = self.launch_large_kernel(call, on, args)?;
         let done = match (tail.part_bytes, on.category()) {
             (0, _) => node,
             (_, Category::Graph) => self.launch_one_shot(&tail, on, Some(node))?.done_node,

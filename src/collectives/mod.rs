@@ -4,7 +4,8 @@
 //! with a workspace every peer writes over NVLink. Collectives (all-reduce, all-gather,
 //! reduce-scatter, broadcast, reduce) on NCCL's datatypes and operators (types.rs) run as
 //! kernels on the caller's stream or as nodes of its graph (`cuda::coll`): small ones in one
-//! round, larger ones in rounds of 64 KiB per rank. Send/recv between ranks (p2p.rs) go through
+//! round, larger ones in rounds of 64 KiB per rank, large ones by the kernels whose geometry
+//! large.rs computes. Send/recv between ranks (p2p.rs) go through
 //! the point-to-point engine on a worker of the communicator's own. `HostComm` (host.rs): the
 //! same collectives on host memory between ranks on any hosts, over the point-to-point engine
 //! (UCX between hosts). `NetComm` (net.rs): collectives on GPU buffers between ranks on several
@@ -14,6 +15,7 @@
 pub(crate) mod agreement;
 pub mod comm;
 pub mod host;
+pub mod large;
 pub mod net;
 pub mod p2p;
 pub mod select;

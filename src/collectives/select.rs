@@ -3,6 +3,8 @@
 //! `gsc-info -p`. The kernels are in `cuda::coll`; measurements behind the thresholds are in
 //! docs/PERF.md.
 
+use super::large::LargeShape;
+use crate::config::LargeAlgo;
 use std::fmt::Write;
 
 /// The collectives a communicator runs.
@@ -40,38 +42,55 @@ pub enum Algorithm {
     /// Every rank writes its part as LL words into every peer's slot and reads its own slots;
     /// rounds of 64 KiB per rank, all in one launch (rooted collectives: a launch per round).
     OneShotLl,
-    /// Reduce-scatter then all-gather by NVLink writes, 128 channels, rounds of 8 MiB; a tail
-    /// under 16 bytes by `OneShotLl`. All-gather and reduce-scatter run its halves.
+    /// Reduce-scatter then all-gather by NVLink writes, `GSC_COLL_LARGE_BLOCKS` channels,
+    /// rounds of `GSC_COLL_LARGE_ROUND`, each block's phases one after the other; a tail under
+    /// 16 bytes by `OneShotLl`. All-gather and reduce-scatter run its halves.
     TwoShotPush,
+    /// The same data movement with each block's warps in roles (push, reduce, copy out) on
+    /// different rounds at once (`GSC_COLL_LARGE_ALGO=pipelined`; `cuda::coll_pipelined`).
+    TwoShotPipelined,
 }
 
 impl Algorithm {
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::OneShotLl => "one-shot LL (all pairs, flags in the data)",
-            Algorithm::TwoShotPush => "NVLink writes into every rank's workspace, 128 channels (all-reduce: reduce-scatter + all-gather)",
+            Algorithm::TwoShotPush => "NVLink writes into every rank's workspace, phased (all-reduce: reduce-scatter + all-gather)",
+            Algorithm::TwoShotPipelined => {
+                "NVLink writes into every rank's workspace, pipelined warp roles (all-reduce: reduce-scatter + all-gather)"
+            }
         }
+    }
+
+    /// One of the large kernels.
+    pub fn is_large(self) -> bool {
+        self != Algorithm::OneShotLl
     }
 }
 
 /// The algorithm of a call moving `bytes` per rank; `aligned`: both buffers on 16 bytes (and,
 /// for all-gather and reduce-scatter, every rank's part too: `bytes` a multiple of 16);
-/// `large_min`: `GSC_COLL_LARGE_MIN`.
-pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize) -> Algorithm {
+/// `large_min`: `GSC_COLL_LARGE_MIN`; `algo`: `GSC_COLL_LARGE_ALGO`.
+pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, algo: LargeAlgo) -> Algorithm {
     let large = bytes >= large_min.max(16) && aligned;
+    let large_algo = match algo {
+        LargeAlgo::Phased => Algorithm::TwoShotPush,
+        LargeAlgo::Pipelined => Algorithm::TwoShotPipelined,
+    };
     match coll {
-        Collective::AllReduce if large => Algorithm::TwoShotPush,
-        Collective::AllGather | Collective::ReduceScatter if large && bytes.is_multiple_of(16) => Algorithm::TwoShotPush,
+        Collective::AllReduce if large => large_algo,
+        Collective::AllGather | Collective::ReduceScatter if large && bytes.is_multiple_of(16) => large_algo,
         _ => Algorithm::OneShotLl,
     }
 }
 
-/// The table as `gsc-info -p` prints it.
-pub fn describe(large_min: usize) -> String {
+/// The table as `gsc-info -p` prints it; `shape`: the large kernels' (`GSC_COLL_LARGE_*`).
+pub fn describe(large_min: usize, shape: &LargeShape) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# collectives (GSC_COLL_LARGE_MIN={}), bytes per rank", crate::config::format_size(large_min as u64));
+    let _ = writeln!(out, "# large kernels: {}", shape.describe());
     for coll in Collective::ALL {
-        let line = match choose(coll, usize::MAX, true, large_min) {
+        let line = match choose(coll, usize::MAX & !15, true, large_min, shape.algo) {
             Algorithm::OneShotLl if coll.rooted() => format!("{} at every size, a launch per 64 KiB round", Algorithm::OneShotLl.name()),
             Algorithm::OneShotLl => format!("{} at every size", Algorithm::OneShotLl.name()),
             large => format!(
@@ -93,26 +112,32 @@ mod tests {
     #[test]
     fn all_reduce_switches_at_the_threshold_when_aligned() {
         let min = 256 << 10;
-        assert_eq!(choose(Collective::AllReduce, min - 1, true, min), Algorithm::OneShotLl);
-        assert_eq!(choose(Collective::AllReduce, min, true, min), Algorithm::TwoShotPush);
-        assert_eq!(choose(Collective::AllReduce, min, false, min), Algorithm::OneShotLl, "unaligned buffers stay one-shot");
+        let p = LargeAlgo::Phased;
+        assert_eq!(choose(Collective::AllReduce, min - 1, true, min, p), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, min, true, min, p), Algorithm::TwoShotPush);
+        assert_eq!(choose(Collective::AllReduce, min, true, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined);
+        assert_eq!(choose(Collective::AllReduce, min, false, min, p), Algorithm::OneShotLl, "unaligned buffers stay one-shot");
         // A threshold of 0 still leaves calls under one 16-byte piece to the one-shot kernel.
-        assert_eq!(choose(Collective::AllReduce, 8, true, 0), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, 8, true, 0, p), Algorithm::OneShotLl);
         for coll in [Collective::AllGather, Collective::ReduceScatter] {
-            assert_eq!(choose(coll, 1 << 30, true, min), Algorithm::TwoShotPush, "{}", coll.name());
-            assert_eq!(choose(coll, (1 << 30) + 4, true, min), Algorithm::OneShotLl, "{}: parts of whole 16 bytes", coll.name());
+            assert_eq!(choose(coll, 1 << 30, true, min, p), Algorithm::TwoShotPush, "{}", coll.name());
+            assert_eq!(choose(coll, 1 << 30, true, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined, "{}", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 4, true, min, p), Algorithm::OneShotLl, "{}: parts of whole 16 bytes", coll.name());
         }
         for coll in [Collective::Broadcast, Collective::Reduce] {
-            assert_eq!(choose(coll, 1 << 30, true, min), Algorithm::OneShotLl, "{}", coll.name());
+            assert_eq!(choose(coll, 1 << 30, true, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
         }
     }
 
     #[test]
     fn the_table_names_every_collective() {
-        let t = describe(256 << 10);
+        let config = crate::config::Config { coll_large_algo: LargeAlgo::Pipelined, ..Default::default() };
+        let t = describe(256 << 10, &LargeShape::from_config(&config).unwrap());
         for coll in Collective::ALL {
             assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
         }
         assert!(t.contains("256K") || t.contains("256 KiB"), "{t}");
+        assert!(t.contains("[all_gather] one-shot LL (all pairs, flags in the data) below 256K"), "the large halves are listed: {t}");
+        assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
     }
 }

@@ -12,7 +12,7 @@ use super::parse::{
     self, DURATION_INF_EXPECTED, check_host_port, format_duration, format_selection, format_size, parse_duration, parse_selection,
     parse_tristate, parse_usize,
 };
-use super::{Config, Engine, LogLevel, RndvScheme, Subsys, Tristate};
+use super::{Config, Engine, LargeAlgo, LogLevel, RndvScheme, Subsys, Tristate};
 use crate::transport::LaneKind;
 
 /// One configuration variable.
@@ -68,6 +68,11 @@ pub enum KnobKind {
     Count,
     /// An integer from 1 up.
     Positive,
+    /// `auto`, or an integer.
+    AutoCount,
+    LargeAlgo,
+    /// `auto`, or three shares `push:reduce:copy`.
+    RoleShares,
 }
 
 impl KnobKind {
@@ -90,6 +95,9 @@ impl KnobKind {
             KnobKind::Text | KnobKind::Secret => "text; empty: unset".to_string(),
             KnobKind::Count => "non-negative integer; empty: unset".to_string(),
             KnobKind::Positive => "integer from 1 up".to_string(),
+            KnobKind::AutoCount => "auto, or an integer".to_string(),
+            KnobKind::LargeAlgo => join_names(LargeAlgo::ALL, LargeAlgo::name, "|"),
+            KnobKind::RoleShares => "auto, or push:reduce:copy shares such as 3:3:2".to_string(),
         }
     }
 }
@@ -179,6 +187,25 @@ fn parse_bool(value: &str) -> Result<bool, String> {
         Ok(Some(on)) => Ok(on),
         Ok(None) | Err(_) => Err(BOOL_EXPECTED.to_string()),
     }
+}
+
+/// `auto` (`None`), or `push:reduce:copy` shares, each 0..=32, push not 0.
+fn parse_role_shares(value: &str) -> Result<Option<[u32; 3]>, String> {
+    const EXPECTED: &str = "expected auto or push:reduce:copy shares, each 0 to 32, push not 0 (such as 3:3:2)";
+    let value = value.trim();
+    if value.eq_ignore_ascii_case("auto") {
+        return Ok(None);
+    }
+    let parts: Vec<&str> = value.split(':').collect();
+    let [p, r, c] = parts.as_slice() else { return Err(EXPECTED.to_string()) };
+    let mut shares = [0u32; 3];
+    for (share, text) in shares.iter_mut().zip([p, r, c]) {
+        *share = text.trim().parse().ok().filter(|s| *s <= 32).ok_or_else(|| EXPECTED.to_string())?;
+    }
+    if shares[0] == 0 {
+        return Err(EXPECTED.to_string());
+    }
+    Ok(Some(shares))
 }
 
 fn show_bool(value: bool) -> String {
@@ -492,8 +519,8 @@ pub(super) static KNOBS: &[Knob] = &[
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
         doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \
-              + all-gather by NVLink writes, 128 channels) instead of the one-shot LL exchange; \
-              gsc-info -p prints the collectives' table",
+              + all-gather by NVLink writes, GSC_COLL_LARGE_BLOCKS channels) instead of the \
+              one-shot LL exchange; gsc-info -p prints the collectives' table",
         kind: KnobKind::Size,
         parse: |c, v| {
             c.coll_large_min = parse_usize(v)?;
@@ -506,7 +533,8 @@ pub(super) static KNOBS: &[Knob] = &[
         default: "8M",
         doc: "Bytes per rank one round of the large collectives moves (1M..=64M, whole MiB): each \
               round costs two flag exchanges between ranks, and each communicator holds four \
-              areas of this size in GPU memory. Read once per process",
+              areas of this size in GPU memory (the pipelined kernel cuts them into \
+              GSC_COLL_LARGE_STAGES stages: rounds of 2 x this / stages). Read once per process",
         kind: KnobKind::Size,
         parse: |c, v| {
             let n = parse_usize(v)?;
@@ -531,6 +559,89 @@ pub(super) static KNOBS: &[Knob] = &[
             Ok(())
         },
         show: |c| show_optional(&c.fake_host),
+    },
+    Knob {
+        name: "GSC_COLL_LARGE_ALGO",
+        default: "phased",
+        doc: "Kernel of the large collectives: phased (each block pushes, exchanges flags, \
+              reduces, exchanges flags and copies out, one phase after the other) or pipelined \
+              (each block's warps split into push, reduce and copy-out roles working on \
+              different rounds at once). Read when a communicator is made; every rank of it \
+              must have the same value, as for every GSC_COLL_LARGE_* knob",
+        kind: KnobKind::LargeAlgo,
+        parse: |c, v| {
+            c.coll_large_algo = LargeAlgo::parse(v)?;
+            Ok(())
+        },
+        show: |c| c.coll_large_algo.name().to_string(),
+    },
+    Knob {
+        name: "GSC_COLL_LARGE_BLOCKS",
+        default: "128",
+        doc: "Blocks (channels) of the large collectives' kernels, 1..=1024: each owns a region \
+              of every round",
+        kind: KnobKind::Positive,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(1..=1024).contains(&n) {
+                return Err("expected 1 to 1024 blocks".into());
+            }
+            c.coll_large_blocks = n;
+            Ok(())
+        },
+        show: |c| c.coll_large_blocks.to_string(),
+    },
+    Knob {
+        name: "GSC_COLL_LARGE_THREADS",
+        default: "auto",
+        doc: "Threads per block of the large collectives' kernels: whole warps, 64..=1024 \
+              (phased: at most 768, pipelined: at most 512, by their registers); auto: 256 \
+              phased, 512 pipelined",
+        kind: KnobKind::AutoCount,
+        parse: |c, v| {
+            if v.trim().eq_ignore_ascii_case("auto") {
+                c.coll_large_threads = None;
+                return Ok(());
+            }
+            let n = parse_usize(v).map_err(|_| "expected auto or a number of threads".to_string())?;
+            if !(64..=1024).contains(&n) || !n.is_multiple_of(32) {
+                return Err("expected auto or whole warps (a multiple of 32) from 64 to 1024".into());
+            }
+            c.coll_large_threads = Some(n);
+            Ok(())
+        },
+        show: |c| c.coll_large_threads.map_or("auto".to_string(), |n| n.to_string()),
+    },
+    Knob {
+        name: "GSC_COLL_LARGE_STAGES",
+        default: "4",
+        doc: "Rounds the pipelined kernel has in flight, 2..=8: its rounds are 2 x \
+              GSC_COLL_LARGE_ROUND / stages bytes per rank (the workspace's four areas cut \
+              into stages of \"in\" and \"out\")",
+        kind: KnobKind::Positive,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(2..=8).contains(&n) {
+                return Err("expected 2 to 8 stages".into());
+            }
+            c.coll_large_stages = n;
+            Ok(())
+        },
+        show: |c| c.coll_large_stages.to_string(),
+    },
+    Knob {
+        name: "GSC_COLL_LARGE_WARPS",
+        default: "auto",
+        doc: "How the pipelined kernel splits a block's warps between its roles, as shares \
+              push:reduce:copy (each 0..=32, push not 0); a collective without reducers \
+              (all-gather) or copiers (reduce-scatter) shares among the others. auto: 3:3:2 \
+              all-reduce, 5:3:0 reduce-scatter, 5:0:3 all-gather",
+        kind: KnobKind::RoleShares,
+        parse: |c, v| {
+            c.coll_large_warps = parse_role_shares(v)?;
+            Ok(())
+        },
+        show: |c| c.coll_large_warps.map_or("auto".to_string(), |[p, r, k]| format!("{p}:{r}:{k}")),
     },
     Knob {
         name: "GSC_CUDA_COPY_STREAMS",

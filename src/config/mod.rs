@@ -216,6 +216,37 @@ impl Engine {
     }
 }
 
+/// The large collectives' kernel (`GSC_COLL_LARGE_ALGO`; `collectives::select`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum LargeAlgo {
+    /// Every block runs a round's phases one after the other (push, flags, reduce and push,
+    /// flags, copy out), two parities of the workspace's areas.
+    Phased,
+    /// Each block's warps split into roles (push, reduce, copy out) that work on different
+    /// rounds at once, `GSC_COLL_LARGE_STAGES` stages of the areas.
+    Pipelined,
+}
+
+impl LargeAlgo {
+    pub const ALL: &'static [LargeAlgo] = &[LargeAlgo::Phased, LargeAlgo::Pipelined];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LargeAlgo::Phased => "phased",
+            LargeAlgo::Pipelined => "pipelined",
+        }
+    }
+
+    fn parse(text: &str) -> Result<LargeAlgo, String> {
+        let text = text.trim();
+        LargeAlgo::ALL
+            .iter()
+            .copied()
+            .find(|e| e.name().eq_ignore_ascii_case(text))
+            .ok_or_else(|| "expected one of phased, pipelined".to_string())
+    }
+}
+
 /// A feature switch that can also be left to detection (`GSC_CMA`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Tristate {
@@ -294,6 +325,17 @@ pub struct Config {
     pub coll_large_min: usize,
     /// `GSC_COLL_LARGE_ROUND`, bytes per rank per round of the large collectives.
     pub coll_large_round: usize,
+    /// `GSC_COLL_LARGE_ALGO`: the large collectives' kernel, per communicator.
+    pub coll_large_algo: LargeAlgo,
+    /// `GSC_COLL_LARGE_BLOCKS`, 1..=1024: blocks (channels) of the large kernels.
+    pub coll_large_blocks: usize,
+    /// `GSC_COLL_LARGE_THREADS`, 64..=1024 in whole warps; `None` (`auto`): the algorithm's own.
+    pub coll_large_threads: Option<usize>,
+    /// `GSC_COLL_LARGE_STAGES`, 2..=8: rounds the pipelined kernel has in flight.
+    pub coll_large_stages: usize,
+    /// `GSC_COLL_LARGE_WARPS`: the pipelined kernel's shares of warps (push, reduce, copy);
+    /// `None` (`auto`): a split per collective (`collectives::large`).
+    pub coll_large_warps: Option<[u32; 3]>,
     /// `GSC_COLL_CHECK`: ranks compare each collective call over the bootstrap first.
     pub coll_check: bool,
     /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
@@ -384,6 +426,11 @@ impl Default for Config {
             engine_gpu_max: 16 << 20,
             coll_large_min: 256 << 10,
             coll_large_round: 8 << 20,
+            coll_large_algo: LargeAlgo::Phased,
+            coll_large_blocks: 128,
+            coll_large_threads: None,
+            coll_large_stages: 4,
+            coll_large_warps: None,
             coll_check: false,
             fake_host: None,
             cuda_copy_streams: 1,

@@ -453,3 +453,30 @@ fn fake_host_labels_are_checked() {
     let c = with(&[("GSC_FAKE_HOST", "h1")]);
     assert_eq!(c.get("GSC_FAKE_HOST").unwrap(), "h1");
 }
+
+#[test]
+fn large_collective_knobs_parse_and_refuse_clearly() {
+    let c = with(&[
+        ("GSC_COLL_LARGE_ALGO", "Pipelined"),
+        ("GSC_COLL_LARGE_BLOCKS", "256"),
+        ("GSC_COLL_LARGE_THREADS", "384"),
+        ("GSC_COLL_LARGE_STAGES", "3"),
+        ("GSC_COLL_LARGE_WARPS", "4:3:1"),
+    ]);
+    assert_eq!(c.coll_large_algo, LargeAlgo::Pipelined);
+    assert_eq!((c.coll_large_blocks, c.coll_large_threads, c.coll_large_stages), (256, Some(384), 3));
+    assert_eq!(c.coll_large_warps, Some([4, 3, 1]));
+    assert_eq!(c.get("GSC_COLL_LARGE_WARPS").unwrap(), "4:3:1");
+    assert_eq!(with(&[("GSC_COLL_LARGE_THREADS", "auto"), ("GSC_COLL_LARGE_WARPS", "AUTO")]), Config::default());
+    rejects("GSC_COLL_LARGE_ALGO", "ring", "expected one of phased, pipelined");
+    rejects("GSC_COLL_LARGE_BLOCKS", "0", "expected 1 to 1024 blocks");
+    rejects("GSC_COLL_LARGE_BLOCKS", "2048", "expected 1 to 1024 blocks");
+    rejects("GSC_COLL_LARGE_THREADS", "100", "whole warps (a multiple of 32) from 64 to 1024");
+    rejects("GSC_COLL_LARGE_THREADS", "2048", "whole warps");
+    rejects("GSC_COLL_LARGE_THREADS", "many", "expected auto or a number of threads");
+    rejects("GSC_COLL_LARGE_STAGES", "1", "expected 2 to 8 stages");
+    rejects("GSC_COLL_LARGE_STAGES", "9", "expected 2 to 8 stages");
+    for bad in ["3:3", "0:3:2", "3:3:33", "a:b:c", "3:3:2:1"] {
+        rejects("GSC_COLL_LARGE_WARPS", bad, "push:reduce:copy shares");
+    }
+}

@@ -1,5 +1,6 @@
 //! The GPU side of collectives: each rank's workspace (GPU memory every peer maps and writes
-//! over NVLink) and the one-shot LL kernel that moves and reduces small collectives.
+//! over NVLink), the one-shot LL kernel that moves and reduces small collectives and the phased
+//! large kernel (the pipelined one is `coll_pipelined`, compiled with this source).
 //!
 //! **Workspace.** One allocation per communicator and rank, of its own (a peer opens it once;
 //! see `prep_ctl` for why allocations are not shared), zeroed, exported through CUDA IPC:
@@ -24,7 +25,7 @@
 use super::copy::primary_context;
 use super::kernels::{compile_cached, function, load_module};
 use super::replay::{self, ArgBlock};
-use super::{CtxScope, check, context_arch, cu, ipc};
+use super::{CtxScope, Grid, check, context_arch, cu, ipc};
 use crate::error::{Error, Result, Status};
 use std::collections::HashMap;
 use std::path::Path;
@@ -40,12 +41,21 @@ const SLOT_BYTES: usize = 2 * SLOT_PAYLOAD;
 /// Control words (byte 0: round, 8: blocks finished, 16: error), presence words from byte 1024
 /// (one line per rank: the last round it began), slots from here (GSC_SLOTS_WORDS in the source).
 const CTL_BYTES: usize = 4096;
-/// The large all-reduce's flags (per block, "in" and "out", one word per rank), after the
+/// The phased large kernel's flags (per block, "in" and "out", one word per rank), after the
 /// slots of the largest communicator.
 const FLAGS_OFFSET: usize = 3 << 20;
-const _: () =
-    assert!(CTL_BYTES + 2 * MAX_RANKS * SLOT_BYTES <= FLAGS_OFFSET && FLAGS_OFFSET + BIG_BLOCKS * 2 * MAX_RANKS * 8 <= BIG_OFFSET);
-/// Its in and out areas, two parities each, of at most `big_round_max()` bytes.
+/// The pipelined large kernel's flags (per block, "in", "out" and "ready", one word per rank,
+/// 32 words: `coll_pipelined`).
+const PIPE_FLAGS_OFFSET: usize = FLAGS_OFFSET + (512 << 10);
+/// Blocks a large kernel may have (`GSC_COLL_LARGE_BLOCKS`): what the flags have room for.
+pub(crate) const BIG_BLOCKS_MAX: usize = 1024;
+const _: () = assert!(
+    CTL_BYTES + 2 * MAX_RANKS * SLOT_BYTES <= FLAGS_OFFSET
+        && FLAGS_OFFSET + BIG_BLOCKS_MAX * 2 * MAX_RANKS * 8 <= PIPE_FLAGS_OFFSET
+        && PIPE_FLAGS_OFFSET + BIG_BLOCKS_MAX * 32 * 8 <= BIG_OFFSET
+);
+/// The large kernels' in and out areas: four of `big_round_max()` bytes (phased: two parities
+/// of each; pipelined: cut into stages).
 const BIG_OFFSET: usize = 4 << 20;
 /// `GSC_COLL_LARGE_ROUND`, read once per process (every communicator's workspace and kernels
 /// share the layout).
@@ -53,10 +63,6 @@ pub(crate) fn big_round_max() -> usize {
     static ROUND: OnceLock<usize> = OnceLock::new();
     *ROUND.get_or_init(|| crate::config::Config::load_env().map_or(8 << 20, |l| l.config.coll_large_round))
 }
-/// Blocks of the large all-reduce: each owns a region of every round (its "channel").
-/// (Measured on 4 × H200, all-reduce 128 MiB, busbw: 32 blocks 208 GB/s, 64 236, 96 215, 128
-/// 247: docs/PERF.md, 2026-11-22.)
-pub(crate) const BIG_BLOCKS: usize = 128;
 /// Bytes of a workspace.
 fn workspace_bytes() -> usize {
     BIG_OFFSET + 4 * big_round_max()
@@ -93,6 +99,10 @@ typedef struct {
     unsigned long long abort;    /* this rank's abort word (page-locked host memory): non-zero = give up */
     unsigned long long premul_bits; /* pre-multiplied sum: this rank's scalar (an element's bits) */
     unsigned long long premul_ptr;  /* ... or its address in GPU memory, read when the kernel runs (0: use the bits) */
+    /* The pipelined large kernel only (gsc_coll_pipe_*): */
+    unsigned long long stages;      /* rounds in flight: the "in" and "out" areas are cut in this many stages */
+    unsigned long long stage_bytes; /* bytes of one stage of one area */
+    unsigned long long push_threads, reduce_threads; /* the block's first threads push, the next reduce, the rest copy out */
 } gsc_coll_args_t;
 
 enum { GSC_ALL_REDUCE = 0, GSC_ALL_GATHER = 1, GSC_REDUCE_SCATTER = 2, GSC_BROADCAST = 3, GSC_REDUCE = 4 };
@@ -376,12 +386,14 @@ static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long
     return __syncthreads_and(ok);
 }
 
-/* Block: copy len bytes (a multiple of 16, both sides on 16 bytes), four 16-byte pieces in
- * flight per thread. `cg`: the source was written by peers (loads skip L1). */
-static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsigned char *s, unsigned long long len, bool cg)
+/* Threads tid..threads-1 of the block (all of it: threadIdx.x, blockDim.x; the pipelined
+ * kernel: one role's): copy len bytes (a multiple of 16, both sides on 16 bytes), four 16-byte
+ * pieces in flight per thread. `cg`: the source was written by peers (loads skip L1). */
+static __device__ __forceinline__ void gsc_big_copy_by(unsigned tid, unsigned threads, unsigned char *t, const unsigned char *s,
+                                                       unsigned long long len, bool cg)
 {
-    const unsigned long long step = blockDim.x * 16ull;
-    for (unsigned long long i = threadIdx.x * 16ull; i < len; i += 4 * step) {
+    const unsigned long long step = threads * 16ull;
+    for (unsigned long long i = tid * 16ull; i < len; i += 4 * step) {
         uint4 v[4];
 #pragma unroll
         for (int k = 0; k < 4; k++)
@@ -392,16 +404,22 @@ static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsi
     }
 }
 
-/* gsc_big_copy of this rank's input, multiplied by its scalar on the way for OP 4. */
+static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsigned char *s, unsigned long long len, bool cg)
+{
+    gsc_big_copy_by(threadIdx.x, blockDim.x, t, s, len, cg);
+}
+
+/* gsc_big_copy_by of this rank's input, multiplied by its scalar on the way for OP 4. */
 template <typename T, int OP>
-static __device__ __forceinline__ void gsc_big_copy_input(unsigned char *t, const unsigned char *s, unsigned long long len, const gsc_coll_args_t *a)
+static __device__ __forceinline__ void gsc_big_copy_input_by(unsigned tid, unsigned threads, unsigned char *t, const unsigned char *s,
+                                                             unsigned long long len, const gsc_coll_args_t *a)
 {
     if (OP != 4) {
-        gsc_big_copy(t, s, len, false);
+        gsc_big_copy_by(tid, threads, t, s, len, false);
         return;
     }
     const T m = gsc_premul_scalar<T>(a);
-    for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
+    for (unsigned long long i = tid * 16ull; i < len; i += threads * 16ull) {
         gsc_vec<T> x;
         x.v = *(const uint4 *)(s + i);
 #pragma unroll
@@ -427,7 +445,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
              * channel); the n copies of ours are reduced into the receive buffer. */
             #define GSC_RS_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * n * region)
             for (unsigned long long q = 0; q < n; q++)
-                gsc_big_copy_input<T, OP>(GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, a);
+                gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, a);
             if (!(ok = gsc_big_flags(a, 0, e))) break;
             const unsigned char *in = GSC_RS_IN(me);
             unsigned char *recv = (unsigned char *)a->recv + off;
@@ -468,7 +486,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
         /* Push slice q of our input to rank q, at our place in its "in" area. */
         for (unsigned long long q = 0; q < n; q++) {
             const unsigned long long q0 = q * slice, q1 = GSC_SLICE_END(q);
-            if (q0 < q1) gsc_big_copy_input<T, OP>(GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
+            if (q0 < q1) gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
         }
         if (!(ok = gsc_big_flags(a, 0, e))) break;
         /* Reduce our slice from the n copies (rank order) and push the sum to every rank. */
@@ -581,6 +599,12 @@ pub(crate) struct CollArgs {
     /// A pre-multiplied sum's scalar: its bits, or (when not 0) its address in GPU memory.
     pub(crate) premul_bits: u64,
     pub(crate) premul_ptr: u64,
+    /// The pipelined large kernel only: stages, bytes per stage, threads that push, threads
+    /// that reduce (the rest of the block copies out).
+    pub(crate) stages: u64,
+    pub(crate) stage_bytes: u64,
+    pub(crate) push_threads: u64,
+    pub(crate) reduce_threads: u64,
 }
 impl ArgBlock for CollArgs {}
 
@@ -597,11 +621,14 @@ fn kernel(ctx: cu::CUcontext, name: &str, cache_dir: Option<&Path>) -> Result<cu
         Some(m) => *m as cu::CUmodule,
         None => {
             let source = format!(
-                "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n{SOURCE}",
+                "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n{SOURCE}\n{}",
                 super::kernels::DEVICE_HEADER,
                 FLAGS_OFFSET / 8,
+                PIPE_FLAGS_OFFSET / 8,
                 BIG_OFFSET,
-                big_round_max()
+                big_round_max(),
+                crate::collectives::large::PIPELINED_MAX_THREADS,
+                super::coll_pipelined::SOURCE
             );
             let cubin = compile_cached(&source, context_arch(ctx)?, cache_dir)?;
             let _scope = CtxScope::enter(ctx)?;
@@ -710,6 +737,7 @@ impl Workspace {
         kernel_name: &str,
         cache_dir: Option<&Path>,
         args: CollArgs,
+        grid: Grid,
         after: Option<usize>,
     ) -> Result<usize> {
         let ctx = super::raw::<std::ffi::c_void>(graph.1) as cu::CUcontext;
@@ -720,8 +748,8 @@ impl Workspace {
         // SAFETY: zero is a valid value for every field (null pointers, no extra).
         let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
         p.func = f;
-        (p.gridDimX, p.gridDimY, p.gridDimZ) = (blocks(kernel_name, &a), 1, 1);
-        (p.blockDimX, p.blockDimY, p.blockDimZ) = (THREADS, 1, 1);
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid.blocks, 1, 1);
+        (p.blockDimX, p.blockDimY, p.blockDimZ) = (grid.threads, 1, 1);
         p.kernelParams = params.as_mut_ptr();
         let deps: Vec<cu::CUgraphNode> = after.into_iter().map(|n| n as cu::CUgraphNode).collect();
         let mut node: cu::CUgraphNode = std::ptr::null_mut();
@@ -741,28 +769,33 @@ impl Workspace {
         a
     }
 
-    /// Launch `args.rounds` rounds on `stream` (the kernel `gsc_coll_<dtype>_<op>`): `args`
+    /// Launch `args.rounds` rounds on `stream` as `grid` (the kernel `kernel_name`): `args`
     /// gives the buffers and sizes, the workspace fills in the rest. `repeats`: the same
     /// launch is likely to come again (a call of one launch), so it is replayed from a cached
     /// one-node graph (`replay`); the launches of a call cut in several differ every time.
-    pub(crate) fn launch(&self, stream: usize, kernel_name: &str, cache_dir: Option<&Path>, args: CollArgs, repeats: bool) -> Result<()> {
+    pub(crate) fn launch(
+        &self,
+        stream: usize,
+        kernel_name: &str,
+        cache_dir: Option<&Path>,
+        args: CollArgs,
+        grid: Grid,
+        repeats: bool,
+    ) -> Result<()> {
         let ctx = primary_context(self.device)?;
         let f = kernel(ctx, kernel_name, cache_dir)?;
         let a = self.fill(args);
         match repeats {
-            true => replay::launch(ctx as usize, f, stream, blocks(kernel_name, &a), &a),
-            false => replay::launch_uncached(f, stream, blocks(kernel_name, &a), &a),
+            true => replay::launch(ctx as usize, f, stream, grid, &a),
+            false => replay::launch_uncached(f, stream, grid, &a),
         }
     }
 }
 
-/// Blocks of a launch: the large all-reduce's channels, else a thread per 8-byte unit of a
-/// round, at most 32 blocks.
-fn blocks(kernel_name: &str, a: &CollArgs) -> u32 {
-    if kernel_name.starts_with("gsc_coll_big_") {
-        return BIG_BLOCKS as u32;
-    }
-    a.bytes.min(a.chunk).div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32
+/// The one-shot kernel's grid: a thread per 8-byte unit of a round, at most 32 blocks of
+/// `THREADS`.
+pub(crate) fn one_shot_grid(a: &CollArgs) -> Grid {
+    Grid::of(a.bytes.min(a.chunk).div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32)
 }
 
 /// `gsc_net_reduce_args_t`: the reduction step of collectives between hosts
@@ -803,7 +836,7 @@ pub(crate) fn launch_net_reduce(
     let f = kernel(ctx, &format!("gsc_net_reduce_{type_tag}_{op_tag}"), cache_dir)?;
     let blocks = args.count.div_ceil(u64::from(THREADS)).clamp(1, 1024) as u32;
     let _scope = CtxScope::enter(ctx)?;
-    replay::launch_uncached(f, stream, blocks, &args)
+    replay::launch_uncached(f, stream, Grid::of(blocks), &args)
 }
 
 /// Scratch GPU memory one communicator keeps between its calls (collectives across hosts:

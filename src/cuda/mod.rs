@@ -23,6 +23,7 @@ pub(crate) mod alloc;
 pub mod api;
 pub(crate) mod bounce;
 pub(crate) mod coll;
+mod coll_pipelined;
 pub(crate) mod copy;
 mod device_handle;
 pub(crate) mod host_round;
@@ -544,7 +545,7 @@ fn prep_blocks(args: &PrepArgs) -> u32 {
 /// Launch a prepared transfer's round (`gsc_prep_kernel`) on `stream` (a kernel node when it is
 /// being captured, else a replayed one-node graph: `replay`), on a grid of `prep_blocks`.
 pub(crate) fn launch_prep(k: &Kernels, stream: usize, args: &PrepArgs) -> Result<()> {
-    replay::launch(k.ctx, k.prep, stream, prep_blocks(args), args)
+    replay::launch(k.ctx, k.prep, stream, Grid::of(prep_blocks(args)), args)
 }
 
 /// Add a prepared transfer's round (`gsc_prep_kernel`, grid as for `launch_prep`) to `graph` as
@@ -580,7 +581,7 @@ pub(crate) fn launch_prep_group(k: &Kernels, stream: usize, ops: &[PrepArgs]) ->
         let mut g = PrepGroup { n: run.len() as u64, ..Default::default() };
         g.op[..run.len()].copy_from_slice(run);
         run.clear();
-        replay::launch(k.ctx, k.prep_group, stream, 1, &g)
+        replay::launch(k.ctx, k.prep_group, stream, Grid::of(1), &g)
     };
     for op in ops {
         if op.role == PREP_SEND && op.len > PREP_FUSED_SEND_MAX {
@@ -596,17 +597,31 @@ pub(crate) fn launch_prep_group(k: &Kernels, stream: usize, ops: &[PrepArgs]) ->
     flush(&mut run)
 }
 
-/// Launch one of our kernels, one block of `THREADS`, with `args` as its one by-value parameter.
-fn launch_struct<T>(f: cu::CUfunction, stream: usize, args: &T) -> Result<()> {
-    launch_struct_grid(f, stream, 1, args)
+/// A launch's shape: `blocks` blocks of `threads`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Grid {
+    pub(crate) blocks: u32,
+    pub(crate) threads: u32,
 }
 
-pub(super) fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+impl Grid {
+    /// `blocks` blocks of our kernels' usual `THREADS`.
+    pub(crate) fn of(blocks: u32) -> Grid {
+        Grid { blocks, threads: THREADS }
+    }
+}
+
+/// Launch one of our kernels, one block of `THREADS`, with `args` as its one by-value parameter.
+fn launch_struct<T>(f: cu::CUfunction, stream: usize, args: &T) -> Result<()> {
+    launch_struct_grid(f, stream, Grid::of(1), args)
+}
+
+pub(super) fn launch_struct_grid<T>(f: cu::CUfunction, stream: usize, grid: Grid, args: &T) -> Result<()> {
     let mut params = [args as *const T as *mut std::ffi::c_void];
     // SAFETY: `f` takes exactly one parameter laid out as `T` (repr(C) mirrors of the kernels'
     // structs); the driver copies it from `args` during the call.
     check(
-        unsafe { cu::cuLaunchKernel(f, blocks, 1, 1, THREADS, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
+        unsafe { cu::cuLaunchKernel(f, grid.blocks, 1, 1, grid.threads, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
         "cuLaunchKernel",
     )
 }
@@ -631,17 +646,17 @@ pub(super) fn pdl_enabled() -> bool {
 /// `griddepcontrol.wait` before it touches anything (our prep kernels do, first thing). Under
 /// capture this makes a programmatic edge, so a replay overlaps a round's launch with the
 /// previous round.
-pub(super) fn launch_struct_grid_pdl<T>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+pub(super) fn launch_struct_grid_pdl<T>(f: cu::CUfunction, stream: usize, grid: Grid, args: &T) -> Result<()> {
     let mut params = [args as *const T as *mut std::ffi::c_void];
     // SAFETY: zero is a valid attribute (then set below).
     let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
     let config = cu::CUlaunchConfig {
-        gridDimX: blocks,
+        gridDimX: grid.blocks,
         gridDimY: 1,
         gridDimZ: 1,
-        blockDimX: THREADS,
+        blockDimX: grid.threads,
         blockDimY: 1,
         blockDimZ: 1,
         sharedMemBytes: 0,

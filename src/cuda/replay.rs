@@ -12,7 +12,7 @@
 //! full it is emptied (an executable graph destroyed while a launch of it is in flight is freed
 //! by the driver when that launch completes).
 
-use super::{CtxScope, THREADS, check, cu, raw};
+use super::{CtxScope, Grid, check, cu, raw};
 use crate::error::Result;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -35,7 +35,7 @@ fn bytes_of<T: ArgBlock>(args: &T) -> &[u8] {
 /// A cached graph (its handle kept as an integer: the driver's handles are thread-safe).
 struct Entry {
     func: usize,
-    blocks: u32,
+    grid: Grid,
     args: Box<[u8]>,
     exec: usize,
 }
@@ -49,28 +49,28 @@ impl Drop for Entry {
 
 static CACHE: Mutex<Option<HashMap<u64, Arc<Entry>>>> = Mutex::new(None);
 
-/// Launch `f` (one of our kernels in context `ctx`, one parameter: `args`) with `blocks` blocks
-/// of `THREADS` on `stream`: a replay of a cached one-node graph, or the kernel itself when
-/// the stream is being captured.
-pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+/// Launch `f` (one of our kernels in context `ctx`, one parameter: `args`) as `grid` on
+/// `stream`: a replay of a cached one-node graph, or the kernel itself when the stream is being
+/// captured.
+pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, grid: Grid, args: &T) -> Result<()> {
     if capturing(stream)? {
-        return launch_direct(f, stream, blocks, args);
+        return launch_direct(f, stream, grid, args);
     }
     let bytes = bytes_of(args);
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (f as usize, blocks, bytes).hash(&mut h);
+    (f as usize, grid, bytes).hash(&mut h);
     let key = h.finish();
     let entry = {
         let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
         let map = cache.get_or_insert_with(HashMap::new);
         match map.get(&key) {
-            Some(e) if e.func == f as usize && e.blocks == blocks && *e.args == *bytes => e.clone(),
+            Some(e) if e.func == f as usize && e.grid == grid && *e.args == *bytes => e.clone(),
             _ => {
-                let exec = instantiate(ctx, f, blocks, args)?;
+                let exec = instantiate(ctx, f, grid, args)?;
                 if map.len() >= CACHE_MAX {
                     map.clear();
                 }
-                let e = Arc::new(Entry { func: f as usize, blocks, args: bytes.into(), exec });
+                let e = Arc::new(Entry { func: f as usize, grid, args: bytes.into(), exec });
                 map.insert(key, e.clone());
                 e
             }
@@ -82,19 +82,19 @@ pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, 
 
 /// Launch `f` as `launch` does, without the cache: for launches whose arguments change from
 /// one to the next (a replay of each would cost an instantiation, and evict the others).
-pub(crate) fn launch_uncached<T: ArgBlock>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+pub(crate) fn launch_uncached<T: ArgBlock>(f: cu::CUfunction, stream: usize, grid: Grid, args: &T) -> Result<()> {
     match capturing(stream)? {
-        true => launch_direct(f, stream, blocks, args),
-        false => super::launch_struct_grid(f, stream, blocks, args),
+        true => launch_direct(f, stream, grid, args),
+        false => super::launch_struct_grid(f, stream, grid, args),
     }
 }
 
 /// Under capture: the kernel itself, with a programmatic edge from the node before it when
 /// `GSC_CUDA_PDL` is on.
-fn launch_direct<T: ArgBlock>(f: cu::CUfunction, stream: usize, blocks: u32, args: &T) -> Result<()> {
+fn launch_direct<T: ArgBlock>(f: cu::CUfunction, stream: usize, grid: Grid, args: &T) -> Result<()> {
     match super::pdl_enabled() {
-        true => super::launch_struct_grid_pdl(f, stream, blocks, args),
-        false => super::launch_struct_grid(f, stream, blocks, args),
+        true => super::launch_struct_grid_pdl(f, stream, grid, args),
+        false => super::launch_struct_grid(f, stream, grid, args),
     }
 }
 
@@ -106,7 +106,7 @@ fn capturing(stream: usize) -> Result<bool> {
 }
 
 /// A one-node graph launching `f(args)`, instantiated in `ctx` (the kernel's context).
-fn instantiate<T: ArgBlock>(ctx: usize, f: cu::CUfunction, blocks: u32, args: &T) -> Result<usize> {
+fn instantiate<T: ArgBlock>(ctx: usize, f: cu::CUfunction, grid: Grid, args: &T) -> Result<usize> {
     let _scope = CtxScope::enter(raw(ctx))?;
     let mut graph: cu::CUgraph = std::ptr::null_mut();
     // SAFETY: a valid out-pointer.
@@ -116,8 +116,8 @@ fn instantiate<T: ArgBlock>(ctx: usize, f: cu::CUfunction, blocks: u32, args: &T
         // SAFETY: zero is valid for every field.
         let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
         p.func = f;
-        (p.gridDimX, p.gridDimY, p.gridDimZ) = (blocks, 1, 1);
-        (p.blockDimX, p.blockDimY, p.blockDimZ) = (THREADS, 1, 1);
+        (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid.blocks, 1, 1);
+        (p.blockDimX, p.blockDimY, p.blockDimZ) = (grid.threads, 1, 1);
         p.kernelParams = params.as_mut_ptr();
         let mut node: cu::CUgraphNode = std::ptr::null_mut();
         // SAFETY: our graph, no dependencies; the driver copies the parameter during the call.
