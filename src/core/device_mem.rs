@@ -326,23 +326,27 @@ impl DeviceMem {
 
     /// The staging pipeline has copies or held completions to look after.
     pub(crate) fn staging_busy(&self) -> bool {
-        !self.recv_copies.is_empty() || !self.orphans.is_empty()
+        // Held completions count too: `wait_oldest_recv_copy` can retire the last copy in
+        // flight outside `poll_staging`, and the completions it freed are released only there
+        // (without this they waited for the next staged message, or forever).
+        !self.recv_copies.is_empty() || !self.orphans.is_empty() || self.holds.holding()
     }
 
     /// Poll the pipeline's copies; completions whose copies are all done go to `done`.
     pub(crate) fn poll_staging(&mut self, done: &mut Vec<(ReqId, Status, RecvInfo)>) {
-        let Some(copier) = self.copier.as_mut() else { return };
-        self.orphans.retain(|c| c.ticket.as_ref().is_some_and(|t| copier.poll(t).is_none()));
-        while let Some((ticket, _)) = self.recv_copies.front() {
-            match copier.poll(ticket) {
-                None => break,
-                Some(r) => {
-                    if let Err(e) = r {
-                        tracing::warn!(target: "gsc::cuda", error = %e, "a staged copy into GPU memory failed");
-                        self.recv_error.get_or_insert(e.status());
+        if let Some(copier) = self.copier.as_mut() {
+            self.orphans.retain(|c| c.ticket.as_ref().is_some_and(|t| copier.poll(t).is_none()));
+            while let Some((ticket, _)) = self.recv_copies.front() {
+                match copier.poll(ticket) {
+                    None => break,
+                    Some(r) => {
+                        if let Err(e) = r {
+                            tracing::warn!(target: "gsc::cuda", error = %e, "a staged copy into GPU memory failed");
+                            self.recv_error.get_or_insert(e.status());
+                        }
+                        self.recv_copies.pop_front();
+                        self.holds.finished();
                     }
-                    self.recv_copies.pop_front();
-                    self.holds.finished();
                 }
             }
         }
@@ -526,5 +530,29 @@ fn local_device(dst: UserBuf) -> Result<i32> {
         MemType::Cuda => device_of(dst.addr),
         MemType::Host if memory::process_has_cuda() => Ok(0),
         MemType::Host => Err(Error::new(Status::LibraryMissing, "this process does not use CUDA; the sender pushes the data instead")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A held completion whose copies were finished outside `poll_staging` (by
+    /// `wait_oldest_recv_copy`, with no copy left in flight) keeps the pipeline busy until
+    /// `poll_staging` releases it. (Found on the device: collectives across hosts stalled until
+    /// the next staged message, or timed out when none came.)
+    #[test]
+    fn a_completion_held_after_the_last_copy_finished_is_still_released() {
+        let mut dm = DeviceMem::new(&crate::Config::default());
+        assert!(!dm.staging_busy());
+        dm.holds.issued();
+        assert!(dm.holds.hold(7, Status::Ok, RecvInfo::default()));
+        dm.holds.finished(); // the copy ended, as `wait_oldest_recv_copy` ends it
+        assert!(dm.recv_copies.is_empty());
+        assert!(dm.staging_busy(), "a held completion must keep the pipeline polled");
+        let mut done = Vec::new();
+        dm.poll_staging(&mut done);
+        assert_eq!(done.iter().map(|d| d.0).collect::<Vec<_>>(), vec![7]);
+        assert!(!dm.staging_busy());
     }
 }

@@ -181,6 +181,11 @@ impl Holds {
         }
     }
 
+    /// Whether any completion is held.
+    pub(crate) fn holding(&self) -> bool {
+        !self.held.is_empty()
+    }
+
     pub(crate) fn is_holding(&self, req: ReqId) -> bool {
         self.held.iter().any(|h| h.1 == req)
     }
