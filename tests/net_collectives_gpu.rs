@@ -232,9 +232,11 @@ fn ring(r: &Rank) -> Vec<String> {
         let recv = device_with(&[], len);
         let posted = (|| {
             r.cond.group_start()?;
-            unsafe { r.comm.recv(recv.ptr(), len, DataType::Uint8, prev, &r.cond) }?;
-            unsafe { r.comm.send(send.ptr(), len, DataType::Uint8, next, &r.cond) }?;
-            r.cond.group_end()
+            // The group is closed whatever happens, or every later call would be inside it.
+            let posted = unsafe { r.comm.recv(recv.ptr(), len, DataType::Uint8, prev, &r.cond) }
+                .and_then(|()| unsafe { r.comm.send(send.ptr(), len, DataType::Uint8, next, &r.cond) });
+            let ended = r.cond.group_end();
+            posted.and(ended)
         })();
         if let Err(e) = posted {
             bad.push(format!("{what}: {e}"));
