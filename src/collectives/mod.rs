@@ -25,3 +25,17 @@ pub use comm::{Communicator, PremulKind, Registration};
 pub use host::HostComm;
 pub use net::{GroupPlan, NetComm};
 pub use types::{DataType, PreMulScalar, RedOp};
+
+/// A collective's buffer must be GPU memory of the rank's own device: a named error otherwise,
+/// before anything is issued (`what`: "send", "receive").
+pub(crate) fn check_device_buffer(addr: u64, device: i32, what: &str) -> crate::error::Result<()> {
+    use crate::error::Error;
+    if addr == 0 {
+        return Err(Error::invalid_param(format!("a null {what} buffer")));
+    }
+    match crate::cuda::memory::device_ptr(addr as usize)? {
+        Some(p) if p.device == device => Ok(()),
+        Some(p) => Err(Error::invalid_param(format!("the {what} buffer is on GPU {}, the communicator's rank on GPU {device}", p.device))),
+        None => Err(Error::invalid_param(format!("the {what} buffer is not GPU memory (collectives move GPU buffers)"))),
+    }
+}

@@ -672,17 +672,7 @@ impl NetComm {
     }
 
     fn check_buffer(&self, addr: u64, what: &str) -> Result<()> {
-        if addr == 0 {
-            return Err(Error::invalid_param(format!("a null {what} buffer")));
-        }
-        match crate::cuda::memory::device_ptr(addr as usize)? {
-            Some(p) if p.device == self.device => Ok(()),
-            Some(p) => Err(Error::invalid_param(format!(
-                "the {what} buffer is on GPU {}, the communicator's rank on GPU {}",
-                p.device, self.device
-            ))),
-            None => Err(Error::invalid_param(format!("the {what} buffer is not GPU memory (collectives move GPU buffers)"))),
-        }
+        super::check_device_buffer(addr, self.device, what)
     }
 }
 

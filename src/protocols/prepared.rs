@@ -304,6 +304,15 @@ pub fn split_words_trailer(payload: &[u8]) -> Result<(&[u8], &str)> {
     Ok((&payload[..start], path))
 }
 
+/// A receive round's data is all there (or it failed): the round ends with its first error, or
+/// Ok; returns the completion of its request `req` (`len`: the bytes the sender announced).
+fn end_receive_round(p: &mut Prep, req: ReqId, len: usize) -> Action {
+    p.active = None;
+    let status = p.round_error.take().unwrap_or(Status::Ok);
+    p.last_ok = status == Status::Ok;
+    Action::Complete { req, status, info: RecvInfo { tag: p.spec.tag, length: len } }
+}
+
 /// Bytes of `[a0, a1)` inside `[b0, b1)`.
 fn overlap(a0: usize, a1: usize, b0: usize, b1: usize) -> usize {
     a1.min(b1).saturating_sub(a0.max(b0))
@@ -856,10 +865,7 @@ impl PreparedEngine {
         p.received = peer.len;
         p.arrived[0] = peer.len.min(p.spec.buf.len);
         p.parts_left = 0;
-        p.active = None;
-        let status = p.round_error.take().unwrap_or(Status::Ok);
-        p.last_ok = status == Status::Ok;
-        out.push(Action::Complete { req, status, info: RecvInfo { tag: p.spec.tag, length: peer.len } });
+        out.push(end_receive_round(p, req, peer.len));
         self.next_round(out, id);
         Ok(())
     }
@@ -1062,10 +1068,7 @@ impl PreparedEngine {
                 if p.round_error.is_none() && p.received != peer.len {
                     return Err(bad(&format!("round ended with {} of {} bytes", p.received, peer.len)));
                 }
-                p.active = None;
-                let status = p.round_error.take().unwrap_or(Status::Ok);
-                p.last_ok = status == Status::Ok;
-                out.push(Action::Complete { req, status, info: RecvInfo { tag: p.spec.tag, length: peer.len } });
+                out.push(end_receive_round(p, req, peer.len));
                 self.next_round(out, id);
             }
         }
