@@ -38,7 +38,7 @@ trap 'rm -f "$wrapper" "$raw" "$hdr"' EXIT
 [ -n "${KEEP_RAW:-}" ] && trap 'rm -f "$wrapper" "$hdr"; echo "raw bindgen output: $raw"' EXIT
 printf '#include <ucp/api/ucp.h>\n' > "$wrapper"
 
-functions='ucp_get_version|ucp_get_version_string|ucp_config_read|ucp_config_release|ucp_config_modify|ucp_init_version|ucp_cleanup|ucp_worker_create|ucp_worker_destroy|ucp_worker_get_address|ucp_worker_release_address|ucp_worker_progress|ucp_worker_set_am_recv_handler|ucp_ep_create|ucp_ep_close_nbx|ucp_am_send_nbx|ucp_request_check_status|ucp_request_free|ucp_request_cancel|ucs_status_string|ucp_am_recv_data_nbx|ucp_am_data_release|ucp_mem_map|ucp_mem_unmap|ucp_rkey_pack|ucp_rkey_buffer_release|ucp_ep_rkey_unpack|ucp_rkey_destroy|ucp_put_nbx|ucp_get_nbx'
+functions='ucp_get_version|ucp_get_version_string|ucp_config_read|ucp_config_release|ucp_config_modify|ucp_init_version|ucp_cleanup|ucp_worker_create|ucp_worker_destroy|ucp_worker_get_address|ucp_worker_release_address|ucp_worker_progress|ucp_worker_set_am_recv_handler|ucp_ep_create|ucp_ep_close_nbx|ucp_ep_flush_nbx|ucp_am_send_nbx|ucp_request_check_status|ucp_request_free|ucp_request_cancel|ucs_status_string|ucp_am_recv_data_nbx|ucp_am_data_release|ucp_mem_map|ucp_mem_unmap|ucp_rkey_pack|ucp_rkey_buffer_release|ucp_ep_rkey_unpack|ucp_rkey_destroy|ucp_put_nbx|ucp_get_nbx'
 types='ucs_status_t|ucs_thread_mode_t|ucp_params_field|ucp_feature|ucp_worker_params_field|ucp_ep_params_field|ucp_err_handling_mode_t|ucp_ep_close_flags_t|ucp_op_attr_t|ucp_dt_type|ucp_am_cb_flags|ucp_send_am_flags|ucp_am_recv_attr_t|ucp_am_handler_param_field|ucp_am_recv_param_t|ucp_mem_map_params_field|ucp_mem_map_params_t|ucp_mem_map_flags'
 vars='UCP_API_MAJOR|UCP_API_MINOR'
 

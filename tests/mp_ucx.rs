@@ -307,6 +307,70 @@ fn kill_coll_role(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
     chan.put("result", format!("{status:?}|{}|{later:?}|{}", took.as_millis(), later_took.as_millis()).as_bytes());
 }
 
+/// Rounds of the idle-sender test, and the message of each: eager (`GSC_RNDV_THRESH` is raised
+/// above it) and one frame, so the sender's request completes once UCX took that frame; far
+/// larger than the children's socket buffers, so UCX's TCP transport can never write it at once.
+const TAIL_ROUNDS: u64 = 4;
+const TAIL_LEN: usize = 250_000;
+/// The receiver's bound per round: far beyond what 1 MiB over loopback takes, far below the
+/// round's GSC_TIMEOUT, so a stall shows as this failure, not as a timeout of the test.
+const TAIL_ROUND_LIMIT: Duration = Duration::from_secs(3);
+
+/// Sends one message per round on a host stream (the proxy thread drives it), then waits for
+/// the test's word without progressing: whatever the receiver still needs must leave this
+/// process on the proxy's own.
+fn tail_sender(chan: &dyn Chan, w: &Worker, ep: &Endpoint) {
+    let stream = gscomm::condition::HostStream::new().unwrap();
+    let on = gscomm::condition::Condition::host_stream(&stream);
+    for round in 0..TAIL_ROUNDS {
+        let data = pattern(seed(0, round), TAIL_LEN);
+        let params = RequestParams { condition: Some(on.clone()), ..Default::default() };
+        // SAFETY: `data` lives until the stream is synchronized below.
+        let started = unsafe { ep.tag_send_nbx(data.as_ptr(), data.len(), round, params) }.unwrap();
+        if let Started::Pending(h) = started {
+            w.request_release(h).unwrap();
+        }
+        stream.synchronize(Some(T)).unwrap();
+        on.query().unwrap();
+        chan.put("sent", &round.to_le_bytes());
+        // Blocking, no progress: the proxy thread has nothing of its own in flight now.
+        chan.get("next");
+    }
+}
+
+/// Receives each round's message, progressing itself, within `TAIL_ROUND_LIMIT`.
+fn tail_receiver(chan: &dyn Chan, w: &Worker) {
+    for round in 0..TAIL_ROUNDS {
+        let mut buf = vec![0u8; TAIL_LEN];
+        let t0 = Instant::now();
+        // SAFETY: `buf` outlives the request (waited for, or the process exits on failure).
+        let h = match unsafe { w.tag_recv_nbx(buf.as_mut_ptr(), buf.len(), round, u64::MAX, RequestParams::default()) }.unwrap() {
+            Started::Pending(h) => h,
+            _ => panic!("a {TAIL_LEN}-byte receive completed at once"),
+        };
+        let done = loop {
+            if let Some(c) = w.request_test(h).unwrap() {
+                break Some(c.status);
+            }
+            if t0.elapsed() > TAIL_ROUND_LIMIT {
+                break None;
+            }
+            w.progress();
+        };
+        let verdict = match done {
+            Some(Status::Ok) if buf == pattern(seed(0, round), TAIL_LEN) => "ok".to_string(),
+            Some(Status::Ok) => "wrong data".to_string(),
+            Some(st) => format!("status {st:?}"),
+            None => format!("not complete after {TAIL_ROUND_LIMIT:?}: the sender's last frame is stuck in its process"),
+        };
+        chan.put("got", verdict.as_bytes());
+        if done.is_none() {
+            return;
+        }
+        w.request_release(h).unwrap();
+    }
+}
+
 fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
     if role.starts_with("coll") {
         return coll_role(role, chan, ctx);
@@ -319,6 +383,8 @@ fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
     let ep = w.connect(&chan.get("peer")).unwrap();
     chan.put("lane", ep.lane().unwrap().name().as_bytes());
     match role {
+        "tail0" => tail_sender(chan, &w, &ep),
+        "tail1" => tail_receiver(chan, &w),
         "rank0" | "rank1" => {
             let me = u64::from(role == "rank1");
             next_msg(chan, &w, "go");
@@ -428,8 +494,13 @@ const UCX_ENV: &[(&str, &str)] = &[("UCX_TLS", "tcp")];
 /// Start two ranks (through their wrappers), cross their addresses, and return them once each
 /// has an endpoint to the other; checks the lane both picked.
 fn start_pair(test: &str, roles: [&str; 2], cfg: &[(&str, &str)], wrappers: [&[&str]; 2]) -> [ChildProc; 2] {
-    let mut a = spawn_child_with(test, roles[0], cfg, UCX_ENV, wrappers[0]);
-    let mut b = spawn_child_with(test, roles[1], cfg, UCX_ENV, wrappers[1]);
+    start_pair_env(test, roles, cfg, UCX_ENV, wrappers)
+}
+
+/// `start_pair` with the children's UCX environment `env`.
+fn start_pair_env(test: &str, roles: [&str; 2], cfg: &[(&str, &str)], env: &[(&str, &str)], wrappers: [&[&str]; 2]) -> [ChildProc; 2] {
+    let mut a = spawn_child_with(test, roles[0], cfg, env, wrappers[0]);
+    let mut b = spawn_child_with(test, roles[1], cfg, env, wrappers[1]);
     let addr_a = a.get("addr", T);
     let addr_b = b.get("addr", T);
     a.put("peer", &addr_b);
@@ -488,6 +559,34 @@ fn collectives(test: &str, cfg: &[(&str, &str)], wrappers: [&[&str]; 2], ip: &st
         c.wait_success(T);
     }
     println!("{test}: {:?}", t0.elapsed());
+}
+
+/// Issue #7's stall, on host memory: UCX completes an eager send once it copied the frame, and
+/// its TCP transport keeps what the socket does not take in the endpoint's own buffer, sent on
+/// a later progress of the *sender*. A sender whose request completed with its last frame so
+/// held, and whose proxy thread then went idle, left the receiver waiting for ever (NetComm's
+/// steps stalled until GSC_TIMEOUT). Small socket buffers make every large frame such a
+/// partial send. Each round must complete within `TAIL_ROUND_LIMIT` while the sender waits
+/// without progressing.
+#[test]
+fn idle_sender_still_sends_its_last_frame_ucx() {
+    child_or(|| {
+        let test = "idle_sender_still_sends_its_last_frame_ucx";
+        let t0 = Instant::now();
+        let cfg = [("GSC_TLS", "ucx"), ("GSC_RNDV_THRESH", "1M"), ("GSC_TIMEOUT", "20s")];
+        let env = [("UCX_TLS", "tcp"), ("UCX_TCP_SNDBUF", "16k"), ("UCX_TCP_RCVBUF", "16k")];
+        let [mut sender, mut receiver] = start_pair_env(test, ["tail0", "tail1"], &cfg, &env, [&[], &[]]);
+        for round in 0..TAIL_ROUNDS {
+            assert_eq!(sender.get("sent", T), round.to_le_bytes(), "sender: round");
+            let got = receiver.get("got", T);
+            assert_eq!(String::from_utf8_lossy(&got), "ok", "round {round}");
+            sender.put("next", &[]);
+        }
+        for c in [&mut sender, &mut receiver] {
+            c.wait_success(T);
+        }
+        println!("{test}: {:?}", t0.elapsed());
+    });
 }
 
 #[test]

@@ -117,6 +117,15 @@ impl InFlight {
     }
 }
 
+/// An endpoint flush UCX has not finished (`Engine::flush`): until it completes, bytes of
+/// frames whose sends UCX already called complete may still be in this process.
+pub(crate) struct Flushing {
+    req: NonNull<c_void>,
+}
+
+// SAFETY: the request handle is only used through the engine, under its `raw` lock.
+unsafe impl Send for Flushing {}
+
 /// What `send` did with a frame.
 pub(crate) enum Sent {
     Done,
@@ -532,6 +541,55 @@ impl Engine {
             StatusPtr::Failed(st) => Err(self.send_error(st)),
             StatusPtr::Pending(req) => Ok(Sent::Pending(InFlight { req, buf })),
         }
+    }
+
+    /// Start flushing `ep`: the returned request completes once everything sent on it so far
+    /// has left this process (`None`: it already has).
+    ///
+    /// Why a completed send is not enough: UCX completes an eager (bcopy) send once it has
+    /// copied the frame, and its TCP transport copies what the socket does not take into the
+    /// endpoint's own send buffer, returning success; the rest goes out only in a later
+    /// `ucp_worker_progress` of *this* process, when the socket has room (EPOLLOUT). A sender
+    /// whose last frame stayed there and that then stops progressing (its proxy thread asleep:
+    /// nothing of its own in flight) leaves the peer waiting for that frame's tail: the
+    /// intermittent stalls of issue #7. The flush says when nothing is left here.
+    pub(crate) fn flush(&self, ep: &Ep) -> Result<Option<Flushing>> {
+        let params = params_with_flags(0);
+        let raw = lock(&self.raw);
+        if ep.dead.load(Ordering::Relaxed) {
+            return Err(dead_ep());
+        }
+        // SAFETY: a live endpoint of this worker, under the lock; no buffer is involved.
+        let p = unsafe { (self.ucp.ep_flush_nbx)(ep.raw.as_ptr(), &params) };
+        drop(raw);
+        match loader::status_ptr(p) {
+            StatusPtr::Done => Ok(None),
+            StatusPtr::Failed(st) => Err(self.send_error(st)),
+            StatusPtr::Pending(req) => Ok(Some(Flushing { req })),
+        }
+    }
+
+    /// Whether a flush finished: `None` while in progress, then its result (the request is
+    /// freed then, so `f` must not be polled again).
+    pub(crate) fn flush_done(&self, f: &Flushing) -> Option<Result<()>> {
+        let raw = lock(&self.raw);
+        // SAFETY: a request of this worker not yet freed, under the lock.
+        let st = unsafe { (self.ucp.request_check_status)(f.req.as_ptr()) };
+        if st == sys::ucs_status_t::UCS_INPROGRESS {
+            return None;
+        }
+        // SAFETY: completed, freed once (the caller drops `f` on a `Some`).
+        unsafe { (self.ucp.request_free)(f.req.as_ptr()) };
+        drop(raw);
+        Some(if st == sys::ucs_status_t::UCS_OK { Ok(()) } else { Err(self.send_error(st)) })
+    }
+
+    /// Give up on a flush (its link is going away): UCX frees the request when it ends.
+    pub(crate) fn flush_abandon(&self, f: Flushing) {
+        let _raw = lock(&self.raw);
+        // SAFETY: a request of this worker not yet freed, freed once (consumed); a flush has no
+        // buffer that UCX could still touch.
+        unsafe { (self.ucp.request_free)(f.req.as_ptr()) };
     }
 
     fn send_error(&self, st: sys::ucs_status_t::Type) -> Error {

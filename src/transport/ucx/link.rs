@@ -3,7 +3,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use super::engine::{Engine, Ep, InFlight, RkeyHandle, Sent};
+use super::engine::{Engine, Ep, Flushing, InFlight, RkeyHandle, Sent};
 use super::inbox::{Key, Next};
 use super::wire::{self, CloseReason, HEADER_LEN, Header, Kind, Side};
 use crate::error::{Error, Result, Status};
@@ -28,6 +28,12 @@ pub struct UcxLink {
     next_seq: u64,
     sends: VecDeque<InFlight>,
     in_flight_bytes: usize,
+    /// A frame was handed to UCX since the last flush started: UCX may complete its send with
+    /// bytes still in this process (`Engine::flush`), so the link is not done sending until a
+    /// flush issued after it completes.
+    unflushed: bool,
+    /// The flush in progress, started once `sends` emptied (`reap`).
+    flushing: Option<Flushing>,
     /// `close()` was called: no more sends.
     closed: bool,
     /// A failure this side saw (a send failed); the inbox holds the ones UCX reported.
@@ -47,6 +53,8 @@ impl UcxLink {
             next_seq: 0,
             sends: VecDeque::new(),
             in_flight_bytes: 0,
+            unflushed: false,
+            flushing: None,
             closed: false,
             failure: None,
             rkeys: Mutex::new(HashMap::new()),
@@ -62,6 +70,8 @@ impl UcxLink {
         let header = Header { kind, from: self.side, link: self.key.link, seq: self.next_seq };
         buf[..HEADER_LEN].copy_from_slice(&header.encode());
         let ep = self.ep.as_ref().expect("endpoint present until drop");
+        // Done or not, UCX may still hold some of its bytes (`Engine::flush`).
+        self.unflushed = true;
         match self.engine.send(ep, buf) {
             Ok(Sent::Done) => {}
             Ok(Sent::Pending(f)) => {
@@ -89,16 +99,40 @@ impl UcxLink {
         buf
     }
 
-    /// Release the sends UCX finished; a failed one makes the link dead.
+    /// Release the sends UCX finished; a failed one makes the link dead. Once none is left,
+    /// flush the endpoint so that `sending` stays true until the frames' bytes really left
+    /// this process (`Engine::flush`).
     fn reap(&mut self) {
-        if self.sends.is_empty() {
-            return;
+        if !self.sends.is_empty() {
+            match self.engine.poll_sends(&mut self.sends) {
+                Ok(bytes) => self.in_flight_bytes -= bytes,
+                Err(e) => {
+                    self.in_flight_bytes = self.sends.iter().map(InFlight::len).sum();
+                    self.failure.get_or_insert(e.context(self.peer_name()));
+                }
+            }
         }
-        match self.engine.poll_sends(&mut self.sends) {
-            Ok(bytes) => self.in_flight_bytes -= bytes,
-            Err(e) => {
-                self.in_flight_bytes = self.sends.iter().map(InFlight::len).sum();
-                self.failure.get_or_insert(e.context(self.peer_name()));
+        if let Some(f) = &self.flushing {
+            match self.engine.flush_done(f) {
+                None => return,
+                Some(r) => {
+                    self.flushing = None;
+                    if let Err(e) = r {
+                        self.failure.get_or_insert(e.context(self.peer_name()));
+                    }
+                }
+            }
+        }
+        // Only with no send in flight: a flush then covers every frame posted so far, and one
+        // flush per burst of frames, not per frame, keeps the cost off the message path.
+        if self.unflushed && self.sends.is_empty() && self.failure.is_none() {
+            self.unflushed = false;
+            let ep = self.ep.as_ref().expect("endpoint present until drop");
+            match self.engine.flush(ep) {
+                Ok(f) => self.flushing = f,
+                Err(e) => {
+                    self.failure.get_or_insert(e.context(self.peer_name()));
+                }
             }
         }
     }
@@ -196,8 +230,9 @@ impl Link for UcxLink {
         Ok(n)
     }
 
+    /// Frames in UCX, or bytes of completed ones not yet out of this process (a flush not done).
     fn sending(&self) -> bool {
-        !self.sends.is_empty()
+        self.failure.is_none() && (!self.sends.is_empty() || self.unflushed || self.flushing.is_some())
     }
 
     unsafe fn read_remote(&self, _local: *mut u8, _remote: u64, _len: usize) -> Result<()> {
@@ -282,6 +317,10 @@ impl Drop for UcxLink {
         self.reap();
         let force = self.dead_reason().is_some();
         self.engine.with_inbox(|ib| ib.remove(&self.key));
+        // The endpoint's close flushes (or is forced) anyway: the flush request only goes back.
+        if let Some(f) = self.flushing.take() {
+            self.engine.flush_abandon(f);
+        }
         // Keys unpacked on the endpoint go before it does.
         for (_, r) in self.rkeys.get_mut().unwrap_or_else(|e| e.into_inner()).drain() {
             self.engine.rkey_destroy(r);

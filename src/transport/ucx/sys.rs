@@ -633,6 +633,7 @@ pub type ucp_worker_progress_fn = unsafe extern "C" fn(worker: ucp_worker_h) -> 
 pub type ucp_ep_create_fn =
     unsafe extern "C" fn(worker: ucp_worker_h, params: *const ucp_ep_params_t, ep_p: *mut ucp_ep_h) -> ucs_status_t::Type;
 pub type ucp_ep_close_nbx_fn = unsafe extern "C" fn(ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t;
+pub type ucp_ep_flush_nbx_fn = unsafe extern "C" fn(ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t;
 pub type ucp_mem_map_fn =
     unsafe extern "C" fn(context: ucp_context_h, params: *const ucp_mem_map_params_t, memh_p: *mut ucp_mem_h) -> ucs_status_t::Type;
 pub type ucp_mem_unmap_fn = unsafe extern "C" fn(context: ucp_context_h, memh: ucp_mem_h) -> ucs_status_t::Type;
