@@ -23,7 +23,7 @@ const BIG: usize = 16 << 20;
 
 fn size(round: usize, from: usize, to: usize) -> usize {
     let k = round * 7 + from * 3 + to * 5;
-    if k % 13 == 0 { BIG } else { SIZES[k % SIZES.len()] }
+    if k.is_multiple_of(13) { BIG } else { SIZES[k % SIZES.len()] }
 }
 
 fn fill(buf: &mut [u8], round: usize, from: usize, to: usize) {
@@ -97,11 +97,10 @@ fn run(rank: usize, n: usize, rounds: usize, mode: &str, uid: &UniqueId, deadlin
         if mode == "stream" {
             on.group_start().unwrap();
         }
-        for p in 0..n {
+        for (p, r) in recvs.iter_mut().enumerate() {
             if p == rank {
                 continue;
             }
-            let r = &mut recvs[p];
             // SAFETY: the buffers live until the round's end, after every request completed.
             if let Started::Pending(h) = unsafe { worker.tag_recv_nbx(r.as_mut_ptr(), r.len(), p as u64, u64::MAX, params()) }.unwrap() {
                 handles.push(("recv", p, h));
@@ -178,13 +177,13 @@ fn run(rank: usize, n: usize, rounds: usize, mode: &str, uid: &UniqueId, deadlin
         if std::env::var_os("STRESS_BARRIER").is_some() {
             boot.barrier().unwrap();
         }
-        for p in 0..n {
+        for (p, got) in recvs.iter().enumerate() {
             if p == rank {
                 continue;
             }
-            let mut want = vec![0u8; recvs[p].len()];
+            let mut want = vec![0u8; got.len()];
             fill(&mut want, round, p, rank);
-            if want != recvs[p] {
+            if want != *got {
                 eprintln!("rank {rank} round {round}: data from {p} wrong");
                 return false;
             }
