@@ -1477,9 +1477,10 @@ impl State {
         // Fields, not the spare pool: this runs on every pass for every link, busy or not.
         let mut scratch = std::mem::take(&mut self.frame_scratch);
         let mut deliveries = std::mem::take(&mut self.deliveries);
-        let State { engine, conns, device, .. } = self;
+        let State { engine, conns, device, prep_words, .. } = self;
         let Some(c) = conns.get_mut(conn) else { return 0 };
         let mut violation: Option<Error> = None;
+        let mut other_violation: Option<(ConnId, Error)> = None;
         let mut peer_closed = false;
         let regions = &ctx.inner.regions;
         let window = c.poll_window;
@@ -1496,6 +1497,21 @@ impl State {
                 }
                 deliveries.push(delivery);
                 return;
+            }
+            // Shared words and frames are not ordered with each other: a peer that raised
+            // "arrived" for its last round, then released the pair or closed the link, must
+            // not have that round fail as "peer gone" because this pass read the frame before
+            // the word. It raised the word before it wrote the frame, so the word is visible.
+            if !prep_words.is_empty() && matches!(frame.first(), Some(&wire::kind::PREP_BYE | &wire::kind::CLOSE)) {
+                match prep_words.poll(&mut engine.prepared, deferred) {
+                    (_, Some((bad_conn, e))) if bad_conn == conn => {
+                        violation = Some(e);
+                        return;
+                    }
+                    // Another link's peer broke the protocol: failed after this link's frames.
+                    (_, Some(other)) => other_violation = Some(other),
+                    (_, None) => {}
+                }
             }
             match engine.on_frame(&mut scratch, conn, frame, regions) {
                 Ok(FrameOutcome::Handled) => {}
@@ -1525,6 +1541,9 @@ impl State {
             self.complete(d.req, d.status, d.info, deferred);
         }
         self.deliveries = deliveries;
+        if let Some((other, e)) = other_violation {
+            self.fail_conn(other, e, deferred);
+        }
         let failure = match (result, violation) {
             (Err(e), _) | (Ok(_), Some(e)) => e,
             (Ok(_), None) if peer_closed => Error::new(Status::ConnectionReset, "the peer closed its endpoint"),
