@@ -58,7 +58,7 @@ use super::types::{f16_to_f32, f32_to_f16};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{Category, Condition};
 use crate::config::{Config, Tristate};
-use crate::cuda::coll::{CollKind, MAX_RANKS, NetReduceArgs};
+use crate::cuda::coll::{CollKind, MAX_RANKS, NetReduceArgs, StreamScratch};
 use crate::error::{Error, Result, Status};
 use crate::transport::LaneKind;
 use std::path::PathBuf;
@@ -192,10 +192,9 @@ pub struct NetComm {
     /// Set by `abort`, or by a failure that left the ranks' message sequences out of step
     /// (a point-to-point step that could not be posted completely): later calls fail with it.
     failed: OnceLock<Error>,
-    /// Serializes calls: a call's point-to-point steps must reach the engine in one piece.
-    issue: Mutex<()>,
-    /// Where peers' parts land before they are reduced, kept between calls.
-    scratch: Mutex<crate::cuda::coll::StreamScratch>,
+    /// Serializes calls (a call's point-to-point steps must reach the engine in one piece), and
+    /// holds where peers' parts land before they are reduced, kept between calls.
+    issue: Mutex<StreamScratch>,
 }
 
 impl NetComm {
@@ -262,8 +261,7 @@ impl NetComm {
             kernel_cache: config.kernel_cache_dir.clone(),
             check_calls: config.coll_check,
             failed: OnceLock::new(),
-            issue: Mutex::new(()),
-            scratch: Mutex::new(crate::cuda::coll::StreamScratch::new(device)),
+            issue: Mutex::new(StreamScratch::new(device)),
         })
     }
 
@@ -379,7 +377,7 @@ impl NetComm {
     pub unsafe fn all_reduce(&self, send: u64, recv: u64, count: usize, dtype: DataType, op: RedOp, on: &Condition) -> Result<()> {
         let size = dtype.size();
         let total = bytes(count, dtype)?;
-        let _issue = self.begin(CollKind::AllReduce, dtype, op, count, 0, on)?;
+        let mut scratch = self.begin(CollKind::AllReduce, dtype, op, count, 0, on)?;
         if count == 0 {
             return Ok(());
         }
@@ -416,7 +414,7 @@ impl NetComm {
             None => (send, vec![(0, count)]),
         };
         // SAFETY: the regions lie in both buffers (the caller's contract covers them).
-        unsafe { self.column_all_reduce(stream, on, src, recv, &regions, dtype, level, divisor) }?;
+        unsafe { self.column_all_reduce(&mut scratch, stream, on, src, recv, &regions, dtype, level, divisor) }?;
         if let Some(intra) = &self.intra {
             let [(shard_at, shard), _] = all_reduce_regions(count, local_size, self.place.1);
             if shard > 0 {
@@ -463,7 +461,7 @@ impl NetComm {
     pub unsafe fn reduce_scatter(&self, send: u64, recv: u64, recv_count: usize, dtype: DataType, op: RedOp, on: &Condition) -> Result<()> {
         let part = bytes(recv_count, dtype)?;
         bytes(recv_count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
-        let _issue = self.begin(CollKind::ReduceScatter, dtype, op, recv_count, 0, on)?;
+        let mut scratch = self.begin(CollKind::ReduceScatter, dtype, op, recv_count, 0, on)?;
         if recv_count == 0 {
             return Ok(());
         }
@@ -471,7 +469,6 @@ impl NetComm {
         self.check_buffer(recv, "receive")?;
         let stream = on.cuda_stream()?;
         let n = self.nranks;
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let base = scratch.take(stream, part * (n - 1))?;
         let mut steps = Vec::with_capacity(2 * n);
         for (k, q) in (0..n).filter(|&q| q != self.rank).enumerate() {
@@ -535,7 +532,7 @@ impl NetComm {
         count: usize,
         root: usize,
         on: &Condition,
-    ) -> Result<std::sync::MutexGuard<'_, ()>> {
+    ) -> Result<std::sync::MutexGuard<'_, StreamScratch>> {
         self.check_usable()?;
         let guard = self.issue.lock().unwrap_or_else(|e| e.into_inner());
         if self.check_calls {
@@ -573,6 +570,7 @@ impl NetComm {
     #[allow(clippy::too_many_arguments)] // the region list, its buffers and its arithmetic
     unsafe fn column_all_reduce(
         &self,
+        scratch: &mut StreamScratch,
         stream: usize,
         on: &Condition,
         src: u64,
@@ -594,7 +592,6 @@ impl NetComm {
             layout.push((at, p, scratch_bytes, stride));
             scratch_bytes += (stride * (g - 1)).next_multiple_of(256);
         }
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let base = scratch.take(stream, scratch_bytes)?;
         let addr = |base: u64, element: usize| base + (element * size) as u64;
         let mut steps = Vec::new();
@@ -620,7 +617,6 @@ impl NetComm {
             result = result.and_then(|()| self.reduce(stream, dtype, op, args));
         }
         result = result.and(scratch.queued(stream));
-        drop(scratch);
         result?;
         let mut steps = Vec::new();
         for (at, p, _, _) in &layout {
