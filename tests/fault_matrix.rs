@@ -243,19 +243,9 @@ impl Ops<'_> {
 // ---------------------------------------------------------------------------------------------
 // The children
 
-/// Wait for the next message from the test, progressing `w` meanwhile.
+/// `common::next_msg` with this file's limit.
 fn next_msg(chan: &dyn Chan, w: &Worker, key: &str) -> Vec<u8> {
-    let deadline = Instant::now() + T;
-    loop {
-        if let Some((k, v)) = chan.try_get() {
-            assert_eq!(k, key, "expected `{key}`");
-            return v;
-        }
-        assert!(Instant::now() < deadline, "no `{key}` within {T:?}");
-        if w.progress() == 0 {
-            std::thread::yield_now();
-        }
-    }
+    common::next_msg(chan, w, key, T, Duration::ZERO)
 }
 
 /// Roles: "survivor:<case>" and "victim:<case>".

@@ -93,19 +93,9 @@ fn refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
     v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }
 
-/// Wait for the next message from the test, progressing `w` meanwhile.
+/// `common::next_msg` with this file's limit.
 fn next_msg(chan: &dyn Chan, w: &Worker, key: &str) -> Vec<u8> {
-    let deadline = Instant::now() + T;
-    loop {
-        if let Some((k, v)) = chan.try_get() {
-            assert_eq!(k, key, "expected `{key}`");
-            return v;
-        }
-        assert!(Instant::now() < deadline, "no `{key}` within {T:?}");
-        if w.progress() == 0 {
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    }
+    common::next_msg(chan, w, key, T, Duration::from_micros(200))
 }
 
 /// A buffer that is never freed: a send that did not end may still name it.

@@ -55,19 +55,9 @@ fn uncodes(b: &[u8]) -> Vec<Status> {
     b.chunks_exact(4).map(|c| Status::from_code(i32::from_le_bytes(c.try_into().unwrap())).unwrap()).collect()
 }
 
-/// Wait for the next message from the test, progressing `w` meanwhile (the peer may need us).
+/// `common::next_msg` with this file's limit.
 fn next_msg(chan: &dyn Chan, w: &Worker, key: &str) -> Vec<u8> {
-    let deadline = Instant::now() + T;
-    loop {
-        if let Some((k, v)) = chan.try_get() {
-            assert_eq!(k, key, "rank: expected `{key}`");
-            return v;
-        }
-        assert!(Instant::now() < deadline, "rank: no `{key}` within {T:?}");
-        if w.progress() == 0 {
-            std::thread::yield_now();
-        }
-    }
+    common::next_msg(chan, w, key, T, Duration::ZERO)
 }
 
 /// Both ranks at once: receive the peer's messages, send ours; `Internal` marks wrong data.

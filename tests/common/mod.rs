@@ -427,6 +427,27 @@ pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
     panic!("{what}: first difference at byte {i} of {}: got {:#04x}, want {:#04x}", want.len(), got[i], want[i]);
 }
 
+/// A child's wait for the next message from the test, progressing `w` meanwhile (the peer may
+/// need us), for at most `limit`. Between idle passes it yields, or sleeps `idle` when that is
+/// not zero (a child that must leave a core to its proxy thread).
+pub fn next_msg(chan: &dyn Chan, w: &Worker, key: &str, limit: Duration, idle: Duration) -> Vec<u8> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some((k, v)) = chan.try_get() {
+            assert_eq!(k, key, "expected `{key}`");
+            return v;
+        }
+        assert!(Instant::now() < deadline, "no `{key}` within {limit:?}");
+        if w.progress() == 0 {
+            if idle.is_zero() {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(idle);
+            }
+        }
+    }
+}
+
 /// Progress `w` until `done()` or the deadline; panics on the deadline.
 pub fn progress_until(w: &Worker, timeout: Duration, what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
