@@ -303,6 +303,8 @@ fn run_rank(rank: usize, n: usize, uid: &[u8], groups_expected: usize) -> String
     let mut o: Vec<(&str, &str)> = o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     o.push(("GSC_TIMEOUT", "30s"));
     let config = config_with(&o);
+    // Warnings (a stream-ordered operation slow or timed out, with its state) reach the log.
+    gscomm::log::init(&config).unwrap();
     let t0 = Instant::now();
     let comm = match NetComm::new(boot, rank as i32, &config) {
         Ok(c) => c,

@@ -120,6 +120,8 @@ impl Communicator {
         // Before anything collective: a shape this rank cannot run fails here on every rank
         // given the same configuration.
         let large = LargeShape::from_config(config)?;
+        // Kernels loaded now, not by a first call behind a stream wait (cuda/kernels.rs).
+        crate::cuda::coll::preload(device, config.kernel_cache_dir.as_deref())?;
         let (mut workspace, key) = Workspace::allocate(device, nranks)?;
         let mut mine = workspace.base().to_le_bytes().to_vec();
         mine.extend_from_slice(&key);

@@ -247,6 +247,10 @@ impl NetComm {
             links.lane_to(q)?;
             p2p.lane_to(q)?;
         }
+        // The reduction kernels are loaded now, before any call puts a wait for the proxy on a
+        // stream: loading one later, behind such a wait, can deadlock (cuda/kernels.rs,
+        // `load_module`).
+        crate::cuda::coll::preload(device, config.kernel_cache_dir.as_deref())?;
         bootstrap.barrier()?;
         Ok(NetComm {
             rank,

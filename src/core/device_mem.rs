@@ -151,18 +151,22 @@ impl DeviceMem {
     }
 
     /// Make enough page-locked bounce buffers for the staging pipeline exist, for the GPU
-    /// holding `addr` (on the user's thread, so the proxy never allocates page-locked memory).
-    pub(crate) fn reserve_staging(&mut self, addr: usize) -> Result<()> {
+    /// holding `addr` and `links` links that stage (on the user's thread: the proxy only takes
+    /// buffers from the pool). Each link may have `depth` send chunks in flight, the receive
+    /// side `depth` copies and an open buffer; one spare. Capped at 64 buffers (256 MiB with
+    /// the default chunk): beyond that, links wait for buffers to come back.
+    pub(crate) fn reserve_staging(&mut self, addr: usize, links: usize) -> Result<()> {
         let device = device_of(addr)?;
-        // A link's send chunks, the receive side's open buffer and copies, one spare each.
-        bounce::reserve(device, self.pipeline_chunk, 2 * self.pipeline_depth + 2)
+        let count = (self.pipeline_depth * (links.max(1) + 1) + 2).min(64);
+        bounce::reserve(device, self.pipeline_chunk, count)
     }
 
     /// Start copying `len` bytes of GPU memory at `addr` into a bounce buffer, for `frames`
-    /// queued frames of link `conn`. Returns the chunk's id.
-    pub(crate) fn start_send_chunk(&mut self, conn: ConnId, addr: usize, len: usize, frames: usize) -> Result<u64> {
+    /// queued frames of link `conn`. Returns the chunk's id, or `None` when no bounce buffer is
+    /// free (the caller waits for one to come back: the proxy never allocates them).
+    pub(crate) fn start_send_chunk(&mut self, conn: ConnId, addr: usize, len: usize, frames: usize) -> Result<Option<u64>> {
         let device = device_of(addr)?;
-        let buf = Bounce::take(device, len)?;
+        let Some(buf) = Bounce::take(len) else { return Ok(None) };
         // SAFETY: `addr..addr+len` is inside pending sends' GPU buffers (the frames that name
         // it are queued, and their requests complete only once those frames were sent, which
         // waits for this copy); `buf` is page-locked memory of at least `len` bytes, kept (in
@@ -171,7 +175,19 @@ impl DeviceMem {
         let id = self.next_chunk;
         self.next_chunk += 1;
         self.send_chunks.insert(id, SendChunk { conn, buf, ticket: Some(ticket), ready: None, frames_left: frames });
-        Ok(id)
+        Ok(Some(id))
+    }
+
+    /// `len` bytes of GPU memory at `addr`, copied now into ordinary host memory: the way on
+    /// when no bounce buffer is free and nothing of the link is being staged (so none will come
+    /// back for it). Waits only for our own copy stream.
+    pub(crate) fn copy_out_now(&mut self, addr: usize, len: usize) -> Result<Vec<u8>> {
+        let device = device_of(addr)?;
+        let mut out = vec![0u8; len];
+        // SAFETY: `addr..addr+len` is inside a pending send's GPU buffer (its frame is queued);
+        // `out` is `len` writable bytes, borrowed for the whole (synchronous) copy.
+        unsafe { self.copier().copy_sync(device, out.as_mut_ptr() as u64, addr as u64, len) }?;
+        Ok(out)
     }
 
     /// Whether chunk `id`'s copy is done: `None` while it runs.
@@ -246,14 +262,19 @@ impl DeviceMem {
                 while self.recv_copies.len() >= self.pipeline_depth {
                     self.wait_oldest_recv_copy();
                 }
-                let opened = (|| -> Result<(i32, Bounce, usize)> {
+                // The proxy never allocates a bounce buffer (cuda/bounce.rs): with none free,
+                // these bytes are copied straight from the frame, like an oversized frame.
+                let Some(mut buf) = Bounce::take(self.pipeline_chunk) else {
+                    self.acc.close();
+                    return self.copy_in_now(dst, src);
+                };
+                let opened = (|| -> Result<(i32, usize)> {
                     let device = device_of(dst)?;
-                    let mut buf = Bounce::take(device, self.pipeline_chunk)?;
-                    buf.write(0, src);
-                    Ok((device, buf, memory::allocation_end(dst, device)?))
+                    Ok((device, memory::allocation_end(dst, device)?))
                 })();
                 match opened {
-                    Ok((device, buf, end)) => {
+                    Ok((device, end)) => {
+                        buf.write(0, src);
                         self.acc_buf = Some((device, buf));
                         // Later frames join this copy only inside the same allocation.
                         self.acc.set_limit(end);
@@ -269,18 +290,23 @@ impl DeviceMem {
                 if let Some(range) = closed {
                     self.issue_recv(range)?;
                 }
-                // Larger than a chunk (a frame bigger than GSC_CUDA_PIPELINE_CHUNK): one copy
-                // from the frame, on the copy stream, so after the copies issued before it.
-                let device = device_of(dst)?;
-                // SAFETY: `dst..dst+len` is inside a pending receive's GPU buffer (clipped by
-                // the engine); `src` is borrowed for the whole (synchronous) copy.
-                return unsafe { self.copier().copy_sync(device, dst as u64, src.as_ptr() as u64, src.len()) };
+                // Larger than a chunk (a frame bigger than GSC_CUDA_PIPELINE_CHUNK).
+                return self.copy_in_now(dst, src);
             }
         }
         if self.acc.is_full() {
             self.flush_recv()?;
         }
         Ok(())
+    }
+
+    /// Copy `src` to GPU memory at `dst` now, on the copy stream (so after the copies issued
+    /// before it), waiting for it.
+    fn copy_in_now(&mut self, dst: usize, src: &[u8]) -> Result<()> {
+        let device = device_of(dst)?;
+        // SAFETY: `dst..dst+len` is inside a pending receive's GPU buffer (clipped by the
+        // engine); `src` is borrowed for the whole (synchronous) copy.
+        unsafe { self.copier().copy_sync(device, dst as u64, src.as_ptr() as u64, src.len()) }
     }
 
     /// Spin until the oldest copy into GPU memory is done (its held completions are released
@@ -322,6 +348,38 @@ impl DeviceMem {
         self.recv_copies.push_back((ticket, buf));
         self.holds.issued();
         Ok(())
+    }
+
+    /// Send chunk `id`'s state, for a stuck request's description.
+    pub(crate) fn describe_chunk(&self, id: u64) -> String {
+        match self.send_chunks.get(&id) {
+            None => "not in the table".into(),
+            Some(c) => format!(
+                "copy {}, {} frames left, {} bytes of buffer",
+                match (&c.ticket, &c.ready) {
+                    (_, Some(Ok(()))) => "done".to_string(),
+                    (_, Some(Err(e))) => format!("failed ({e})"),
+                    (Some(_), None) => "running (or not polled since)".to_string(),
+                    (None, None) => "without a ticket".to_string(),
+                },
+                c.frames_left,
+                c.buf.len()
+            ),
+        }
+    }
+
+    /// The staging pipeline's state, for a stuck request's description (`req`: is its
+    /// completion held?).
+    pub(crate) fn describe_staging(&self, req: ReqId) -> String {
+        format!(
+            "staging: {} send chunks, {} copies to GPU memory, open buffer {:?}, {} copies outstanding, completion held: {}, {} bounce buffers free",
+            self.send_chunks.len(),
+            self.recv_copies.len(),
+            self.acc.open(),
+            self.holds.outstanding(),
+            self.is_held(req),
+            bounce::free_count()
+        )
     }
 
     /// The staging pipeline has copies or held completions to look after.

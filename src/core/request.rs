@@ -74,6 +74,9 @@ pub(crate) struct Slot {
     pub(crate) armed: bool,
     /// When a conditioned operation's trigger started it (`Worker::expire_stream_ops`).
     pub(crate) started_at: Option<std::time::Instant>,
+    /// Its state was logged once as slow (half of `GSC_TIMEOUT` passed), so that a stall shows
+    /// where every rank stood before the first timeout fails links and hides it.
+    pub(crate) slow_reported: bool,
     /// The caller's space (`Context::with_request_area`).
     pub(crate) area: Option<super::request_area::Area>,
 }
@@ -92,6 +95,7 @@ impl Slot {
             signal: None,
             armed: false,
             started_at: None,
+            slow_reported: false,
             area: None,
         }
     }

@@ -659,7 +659,8 @@ impl Worker {
             if lane == LaneKind::Ucx || st.device.ipc == crate::config::Tristate::Off {
                 // The data will be staged through host memory: bounce buffers made here, on
                 // the user's thread, not by the proxy.
-                st.device.reserve_staging(addr)?;
+                let links = st.staging_links();
+                st.device.reserve_staging(addr, links)?;
             }
             (lane, st.device.ipc)
         };
@@ -717,8 +718,9 @@ impl Worker {
                     st.device.prepare_for(addr)?;
                     // Data from a link that cannot reach GPU memory comes staged; the sender is
                     // not known yet, so any such link (or IPC off) is reason enough.
-                    if st.device.ipc == crate::config::Tristate::Off || st.conns.iter().any(|(_, c)| c.props.lane == LaneKind::Ucx) {
-                        st.device.reserve_staging(addr)?;
+                    let links = st.staging_links();
+                    if links > 0 || st.device.ipc == crate::config::Tristate::Off {
+                        st.device.reserve_staging(addr, links)?;
                     }
                 }
                 (None, UserBuf { addr, len, mem })
@@ -977,12 +979,15 @@ impl Worker {
         let Some(timeout) = self.inner.context.inner.config.timeout else { return 0 };
         let (expired, ready) = {
             let mut st = self.lock();
+            st.report_slow_conditioned(self.inner.id, timeout / 2);
             let overdue: Vec<(ReqId, ReqKind, Option<ConnId>)> = st.overdue_conditioned(self.inner.id, timeout);
             if overdue.is_empty() {
                 return 0;
             }
             let mut out = st.take_actions();
             for &(req, kind, conn) in &overdue {
+                let state = st.describe_stuck(req, conn);
+                tracing::warn!(target: "gsc::proxy", req, ?kind, state = %state, "a stream-ordered operation timed out");
                 let conn = match kind {
                     ReqKind::Recv => match st.engine.tag.expire_recv(&mut out, req, Status::TimedOut) {
                         Some(None) => continue, // withdrawn and completed
@@ -995,7 +1000,9 @@ impl Worker {
                     Some(conn) if st.conns.get(conn).is_some_and(|c| c.failed.is_none()) => {
                         let e = Error::new(
                             Status::TimedOut,
-                            format!("a stream-ordered operation made no progress for {timeout:?} (GSC_TIMEOUT): is the peer stopped?"),
+                            format!(
+                                "a stream-ordered operation made no progress for {timeout:?} (GSC_TIMEOUT): is the peer stopped? ({state})"
+                            ),
                         );
                         st.fail_conn(conn, e, &mut out);
                     }
@@ -1275,6 +1282,24 @@ impl State {
             .collect()
     }
 
+    /// Log, once each, the state of conditioned operations started more than `after` ago and
+    /// not complete (a warning only: nothing fails here).
+    fn report_slow_conditioned(&mut self, worker: u16, after: Duration) {
+        let slow: Vec<(ReqId, ReqKind, Option<ConnId>)> = self
+            .requests
+            .iter_mut()
+            .filter(|(_, s)| s.result.is_none() && !s.slow_reported && s.started_at.is_some_and(|t| t.elapsed() > after))
+            .map(|(key, s)| {
+                s.slow_reported = true;
+                (request::encode(worker, s.generation, key), s.kind, s.conn)
+            })
+            .collect();
+        for (req, kind, conn) in slow {
+            let state = self.describe_stuck(req, conn);
+            tracing::warn!(target: "gsc::proxy", req, ?kind, ?after, state = %state, "a stream-ordered operation is slow");
+        }
+    }
+
     /// Requests armed on a condition that has not triggered yet.
     fn armed_requests(&self, worker: u16) -> Vec<ReqId> {
         self.requests
@@ -1305,6 +1330,34 @@ impl State {
     fn checked_slot_mut(&mut self, worker: u16, handle: u64) -> Result<&mut Slot> {
         self.checked_slot(worker, handle)?;
         Ok(self.slot_mut(handle).expect("checked above"))
+    }
+
+    /// What a stuck request `req` (on link `conn`, if known) waits for: its protocol state, its
+    /// link's queue, and the staging pipeline's, for the warning a timeout logs.
+    fn describe_stuck(&self, req: ReqId, conn: Option<ConnId>) -> String {
+        let proto = self.engine.tag.describe(req).unwrap_or_else(|| "no tag-protocol state".into());
+        let conn = conn.or_else(|| self.engine.tag.conn_of(req));
+        let link = conn.and_then(|k| self.conns.get(k).map(|c| (k, c))).map_or(String::new(), |(k, c)| {
+            let front = c.outq.front().map_or("none".to_string(), |f| match f.payload {
+                Payload::Staged { chunk, .. } => format!("staged chunk {chunk}: {}", self.device.describe_chunk(chunk)),
+                ref p => p.kind_name().to_string(),
+            });
+            format!(
+                "; link {k}: {} frames queued (front payload: {front}), {} chunks staging, failed: {}, {}",
+                c.outq.len(),
+                c.chunks_staging,
+                c.failed.is_some(),
+                c.link.describe()
+            )
+        });
+        format!("{proto}{link}; {}", self.device.describe_staging(req))
+    }
+
+    /// Links whose GPU data goes through the host-staging pipeline: the UCX lane's, or every
+    /// link with `GSC_CUDA_IPC=off`.
+    fn staging_links(&self) -> usize {
+        let off = self.device.ipc == crate::config::Tristate::Off;
+        self.conns.iter().filter(|(_, c)| off || c.props.lane == LaneKind::Ucx).count()
     }
 
     fn free_slot(&mut self, req: ReqId) {
@@ -1621,7 +1674,20 @@ impl State {
                 c.staged_upto = c.outq.len();
                 break;
             };
-            let id = device.start_send_chunk(conn, plan.addr, plan.len, plan.frames)?;
+            let Some(id) = device.start_send_chunk(conn, plan.addr, plan.len, plan.frames)? else {
+                if c.chunks_staging > 0 {
+                    break; // no bounce buffer free: this link's own chunks will bring one back
+                }
+                // None free and none of this link's in flight to bring one back: copy the
+                // chunk's frames out now (our copy stream only), so the link never waits on
+                // buffers held by other links.
+                for f in c.outq.range_mut(plan.start..plan.start + plan.frames) {
+                    let Payload::Device { addr, len } = f.payload else { unreachable!("next_chunk takes GPU frames") };
+                    f.payload = Payload::Owned(device.copy_out_now(addr, len)?);
+                }
+                c.staged_upto = plan.start + plan.frames;
+                continue;
+            };
             let mut offset = 0;
             for f in c.outq.range_mut(plan.start..plan.start + plan.frames) {
                 let len = f.payload.len();

@@ -7,8 +7,13 @@
 //! is synchronous with respect to the host. Buffers come in power-of-two sizes from a
 //! process-wide pool and are never freed (freeing page-locked memory can synchronize the
 //! device, which the proxy must never risk: crate::cuda's module note). `reserve` allocates them
-//! on a user's thread when an operation that may need them is posted, so that the proxy only
-//! takes buffers from the pool; if the pool runs dry it allocates, as the staging slots do.
+//! on a user's thread when an operation that may need them is posted, and the proxy only takes
+//! buffers from the pool: `take` never allocates. A page-locked allocation is one of CUDA's
+//! implicit synchronization points, so a proxy that allocated while a user's stream waited on a
+//! word the proxy writes could make its own next copy wait behind that stream, which waits for
+//! the proxy (the issue #7 stalls on the device at 1 MiB + 2 B messages, whose chunks needed a
+//! size class nobody had reserved). When the pool is dry the caller waits for a buffer to come
+//! back or copies synchronously instead.
 
 use super::copy::primary_context;
 use super::{CtxScope, pinned};
@@ -57,6 +62,11 @@ pub(crate) fn reserve(device: i32, len: usize, count: usize) -> Result<()> {
     }
 }
 
+/// Free buffers in the pool (for diagnostics).
+pub(crate) fn free_count() -> usize {
+    lock(&POOL).len()
+}
+
 /// One page-locked buffer of at least `len` bytes; back in the pool when dropped.
 pub(crate) struct Bounce {
     host: usize,
@@ -65,21 +75,19 @@ pub(crate) struct Bounce {
 }
 
 impl Bounce {
-    /// A buffer from the pool, or a new one (allocated with `device`'s primary context).
-    pub(crate) fn take(device: i32, len: usize) -> Result<Bounce> {
-        let (class, size) = class_of(len);
-        let found = {
-            let mut pool = lock(&POOL);
-            pool.iter().position(|(c, _)| *c == class).map(|i| pool.swap_remove(i).1)
-        };
-        let host = match found {
-            Some(h) => h,
-            None => {
-                tracing::debug!(target: "gsc::cuda", size, "staging pool empty; allocating a bounce buffer");
-                allocate(device, class, size)?
-            }
-        };
-        Ok(Bounce { host, size, class })
+    /// The smallest free buffer of at least `len` bytes, or `None` when no such buffer is free
+    /// (the pool holds only what `reserve` made; nothing is allocated here).
+    pub(crate) fn take(len: usize) -> Option<Bounce> {
+        let (class, _) = class_of(len);
+        let mut pool = lock(&POOL);
+        let i = pool.iter().enumerate().filter(|(_, (c, _))| *c >= class).min_by_key(|(_, (c, _))| *c).map(|(i, _)| i)?;
+        let (class, host) = pool.swap_remove(i);
+        Some(Bounce { host, size: 1 << class, class })
+    }
+
+    /// The buffer's size (at least what was asked for).
+    pub(crate) fn len(&self) -> usize {
+        self.size
     }
 
     /// The buffer's address, for the copy engine.
@@ -112,7 +120,7 @@ impl Drop for Bounce {
 
 #[cfg(test)]
 mod tests {
-    use super::class_of;
+    use super::*;
 
     #[test]
     fn sizes_round_up_to_powers_of_two_from_64k() {
@@ -120,5 +128,24 @@ mod tests {
         assert_eq!(class_of(64 << 10), (16, 64 << 10));
         assert_eq!(class_of((64 << 10) + 1), (17, 128 << 10));
         assert_eq!(class_of(4 << 20), (22, 4 << 20));
+    }
+
+    /// `take` serves the smallest free buffer that fits, larger classes included, and never
+    /// allocates: a size nothing reserved gets a bigger buffer or nothing.
+    #[test]
+    fn take_serves_the_smallest_free_buffer_that_fits_and_never_allocates() {
+        // Fake free buffers (never dereferenced, never copied into): classes 1 MiB and 4 MiB.
+        let fake = [(20u32, 0x1000_0000usize), (22, 0x2000_0000)];
+        lock(&POOL).extend(fake);
+        let a = Bounce::take(100).expect("the 1 MiB buffer serves 100 bytes");
+        assert_eq!((a.class, a.size, a.host), (20, 1 << 20, 0x1000_0000));
+        let b = Bounce::take((1 << 20) + 2).expect("the 4 MiB buffer serves 1 MiB + 2");
+        assert_eq!((b.class, b.host), (22, 0x2000_0000));
+        assert!(Bounce::take(1).is_none(), "nothing free: no allocation, no buffer");
+        drop(a);
+        drop(b);
+        assert!(Bounce::take(8 << 20).is_none(), "nothing of 8 MiB or more was reserved");
+        let mut pool = lock(&POOL);
+        pool.retain(|e| !fake.contains(e));
     }
 }

@@ -821,6 +821,12 @@ impl ArgBlock for NetReduceArgs {}
 /// Launch `gsc_net_reduce_<type>_<op>` (`op_tag`: sum, prod, max or min) on `stream` of
 /// `device`'s primary context: a thread per element, at most 1024 blocks (a grid-stride loop
 /// covers the rest).
+/// Load (compile if need be) the collective kernels on `device` now, with every kernel in them
+/// (`kernels::load_module`): at communicator creation, never behind a stream wait.
+pub(crate) fn preload(device: i32, cache_dir: Option<&Path>) -> Result<()> {
+    kernel(primary_context(device)?, "gsc_net_reduce_f32_sum", cache_dir).map(|_| ())
+}
+
 pub(crate) fn launch_net_reduce(
     device: i32,
     stream: usize,

@@ -618,11 +618,43 @@ impl Kernels {
 }
 
 /// Load a cubin into the current context.
+/// Load a module and every kernel in it now. With CUDA's lazy loading (the default on Linux
+/// since 12.2) a kernel is loaded by its first `cuModuleGetFunction`, and a load may have to
+/// wait for work already on the device (the programming guide's lazy-loading hazards). A
+/// collective that posted its point-to-point steps (the stream now waits for the proxy) and
+/// then looked up its reduction kernel for the first time deadlocked that way on the device:
+/// the load waited behind the stream, the proxy's staging copies behind the load (issue #7,
+/// session 16). So modules load every kernel up front, when they are loaded.
 pub(crate) fn load_module(cubin: &[u8]) -> Result<cu::CUmodule> {
     let mut module: cu::CUmodule = std::ptr::null_mut();
     // SAFETY: `cubin` is a complete cubin image, read by the driver during the call.
     check(unsafe { cu::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) }, "cuModuleLoadData")?;
+    load_every_function(module)?;
     Ok(module)
+}
+
+/// `cuFuncLoad` on every function of `module` (drivers of CUDA 12.4 and later; older ones load
+/// eagerly unless told otherwise, and lack these calls: then nothing is done).
+fn load_every_function(module: cu::CUmodule) -> Result<()> {
+    const NEEDED: [&str; 3] = ["cuModuleGetFunctionCount", "cuModuleEnumerateFunctions", "cuFuncLoad"];
+    // SAFETY: the driver library is loaded (a module was just loaded through it); `get` only
+    // looks symbols up, and cudarc panics on a call to a missing one, hence the check.
+    let lib = unsafe { cu::culib() };
+    if NEEDED.iter().any(|n| unsafe { lib.get::<*const ()>(n.as_bytes()) }.is_err()) {
+        tracing::debug!(target: "gsc::cuda", "driver without cuFuncLoad: kernels load when first looked up");
+        return Ok(());
+    }
+    let mut count: std::ffi::c_uint = 0;
+    // SAFETY: a loaded module and a valid out-pointer.
+    check(unsafe { cu::cuModuleGetFunctionCount(&mut count, module) }, "cuModuleGetFunctionCount")?;
+    let mut functions: Vec<cu::CUfunction> = vec![std::ptr::null_mut(); count as usize];
+    // SAFETY: room for `count` handles.
+    check(unsafe { cu::cuModuleEnumerateFunctions(functions.as_mut_ptr(), count, module) }, "cuModuleEnumerateFunctions")?;
+    for f in functions {
+        // SAFETY: a function of the loaded module.
+        check(unsafe { cu::cuFuncLoad(f) }, "cuFuncLoad")?;
+    }
+    Ok(())
 }
 
 pub(crate) fn function(module: cu::CUmodule, name: &str) -> Result<cu::CUfunction> {

@@ -101,6 +101,14 @@ impl<R: Copy + PartialEq> PostedQueue<R> {
         }
     }
 
+    /// The tag of the receive `which` picks, if it is posted (wildcards: their tag as posted).
+    pub fn tag_of(&self, which: impl Fn(&R) -> bool) -> Option<u64> {
+        if let Some(w) = self.wild.iter().find(|w| which(&w.3)) {
+            return Some(w.1);
+        }
+        self.exact.iter().find(|(_, b)| b.iter().any(|e| which(&e.1))).map(|(tag, _)| *tag)
+    }
+
     /// Remove the receive `which` picks (cancel, by its unique request id) and return it.
     pub fn remove(&mut self, which: impl Fn(&R) -> bool) -> Option<R> {
         if let Some(i) = self.wild.iter().position(|w| which(&w.3)) {

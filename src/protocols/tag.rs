@@ -89,6 +89,17 @@ impl Payload {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The variant's name, for diagnostics.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Payload::None => "none",
+            Payload::User { .. } => "user buffer",
+            Payload::Owned(_) => "owned bytes",
+            Payload::Device { .. } => "GPU buffer (not staged yet)",
+            Payload::Staged { .. } => "staged chunk",
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -374,6 +385,34 @@ impl TagEngine {
             .values()
             .filter(|s| matches!(s, SendState::Frames { conn: c } | SendState::AwaitingReceiver { conn: c, .. } if *c == conn))
             .count()
+    }
+
+    /// Where request `req` stands, in words, for the error a stuck one ends with (issue #7:
+    /// a stall should say what it waited for). `None`: the engine holds nothing for it.
+    pub fn describe(&self, req: ReqId) -> Option<String> {
+        if let Some(tag) = self.posted.tag_of(|&(r, _)| r == req) {
+            return Some(format!(
+                "receive posted with tag {tag:#x}, no message matched it ({} unexpected messages held)",
+                self.unexpected.len()
+            ));
+        }
+        if let Some(r) = self.recvs.get(&req) {
+            return Some(match r {
+                RecvState::Eager { conn, buf, received, .. } => {
+                    format!("receiving an eager message on link {conn}: {received} of up to {} bytes", buf.len)
+                }
+                RecvState::Reading { conn, .. } => format!("reading the sender's buffer on link {conn}"),
+                RecvState::Pushed { conn, want, received, .. } => {
+                    format!("rendezvous pushed on link {conn}: {received} of {want} bytes arrived")
+                }
+            });
+        }
+        self.sends.get(&req).map(|s| match s {
+            SendState::Frames { conn } => format!("send: frames queued on link {conn}"),
+            SendState::AwaitingReceiver { conn, buf, .. } => {
+                format!("rendezvous send of {} bytes on link {conn}: waiting for the receiver to match it", buf.len)
+            }
+        })
     }
 
     pub fn unexpected_len(&self) -> usize {

@@ -1423,3 +1423,22 @@ fn the_words_trailer_round_trips_and_rejects_garbage() {
     assert!(prepared::split_words_trailer(&[0, 0]).is_err(), "empty path");
     assert!(prepared::split_words_trailer(&[0xff, 1, 0]).is_err(), "not UTF-8");
 }
+
+/// A stuck request can say what it waits for (the warning a stream-ordered timeout logs).
+#[test]
+fn requests_describe_where_they_stand() {
+    let mut p = Pair::new(cfg(), false, 1024);
+    let (r, _) = p.recv(64, 7, u64::MAX);
+    let d = p.sides[1].engine.tag.describe(r).unwrap();
+    assert!(d.contains("receive posted with tag 0x7") && d.contains("no message matched"), "{d}");
+    // A rendezvous send whose receiver has not posted yet waits for it.
+    let s = p.send(&pattern(8000, 1), 2);
+    p.pump();
+    let d = p.sides[0].engine.tag.describe(s).unwrap();
+    assert!(d.contains("rendezvous send of 8000 bytes") && d.contains("waiting for the receiver"), "{d}");
+    let (r2, _) = p.recv(8000, 2, u64::MAX);
+    p.pump();
+    assert_eq!(p.sides[1].done[&r2].0, Status::Ok);
+    assert!(p.sides[0].engine.tag.describe(s).is_none(), "a completed send has no state");
+    assert!(p.sides[1].engine.tag.describe(12345).is_none());
+}

@@ -129,6 +129,12 @@ pub trait Link: Send {
     /// While any link says so the proxy thread keeps passing, even with no operation of its own
     /// in flight: an eager send completes for its sender as soon as the lane took the frame, and
     /// nothing else would move it out. Lanes that write straight into the peer (shm) say false.
+    /// The link's send state in words, for a stuck operation's description (empty: nothing
+    /// beyond what the worker knows).
+    fn describe(&self) -> String {
+        String::new()
+    }
+
     fn sending(&self) -> bool {
         false
     }

@@ -230,6 +230,17 @@ impl Link for UcxLink {
         Ok(n)
     }
 
+    fn describe(&self) -> String {
+        format!(
+            "UCX: {} sends in flight ({} bytes), unflushed: {}, flushing: {}, failure: {:?}",
+            self.sends.len(),
+            self.in_flight_bytes,
+            self.unflushed,
+            self.flushing.is_some(),
+            self.failure.as_ref().map(|e| e.to_string())
+        )
+    }
+
     /// Frames in UCX, or bytes of completed ones not yet out of this process (a flush not done).
     fn sending(&self) -> bool {
         self.failure.is_none() && (!self.sends.is_empty() || self.unflushed || self.flushing.is_some())
