@@ -17,7 +17,12 @@
 //! that wait on that copy stream only) never wait behind a stream that waits on the proxy. It
 //! also imports and maps a peer's VMM allocation (`vmm::import`; that these calls do not wait
 //! either is still to be measured: docs/probes/vmm_block.py); unmapping, which synchronizes, is
-//! left to `ipc::release_retired`.
+//! left to `ipc::release_retired`. Nor does it allocate page-locked memory (`bounce`).
+//!
+//! The other side of that rule, on users' threads: nothing that can wait for the device (a
+//! kernel's lazy load, an allocation or free) may run after a call has put a wait for the proxy
+//! on a stream, or the proxy's own copies can end up queued behind it. Modules therefore load
+//! every kernel up front (`kernels::load_module`), communicators load theirs at creation.
 
 pub(crate) mod alloc;
 pub mod api;
