@@ -11,9 +11,10 @@
 //! buffers from the pool: `take` never allocates. A page-locked allocation is one of CUDA's
 //! implicit synchronization points, so a proxy that allocated while a user's stream waited on a
 //! word the proxy writes could make its own next copy wait behind that stream, which waits for
-//! the proxy (the issue #7 stalls on the device at 1 MiB + 2 B messages, whose chunks needed a
-//! size class nobody had reserved). When the pool is dry the caller waits for a buffer to come
-//! back or copies synchronously instead.
+//! the proxy. (A precaution: issue #7's device stall turned out to be a kernel's lazy load,
+//! cuda/kernels.rs, with 18 buffers free; the proxy used to allocate here for any size class
+//! nobody had reserved.) When the pool is dry the caller waits for a buffer to come back or
+//! copies synchronously instead.
 
 use super::copy::primary_context;
 use super::{CtxScope, pinned};
