@@ -689,10 +689,10 @@ fn run_job_with(test: &str, n: usize, roles: fn(&str, &dyn Chan, Context), run_r
     let mine = run_rank(0, n, &uid.to_bytes());
     let mut all = vec![mine];
     for p in peers.iter_mut() {
-        all.push(String::from_utf8(p.get("result", T)).unwrap());
+        all.push(String::from_utf8(p.get("result", slowed(T))).unwrap());
     }
     for p in peers.iter_mut() {
-        p.finish(T);
+        p.finish(slowed(T));
     }
     let problems: Vec<&String> = all.iter().filter(|s| !s.is_empty()).collect();
     assert!(problems.is_empty(), "{problems:#?}");

@@ -96,12 +96,6 @@ const GRAPH_ROUNDS: usize = 10_000;
 const CAPTURE_ROUNDS: usize = 1_000;
 const KERNEL_ROUNDS: u64 = 500;
 
-/// `n` rounds, divided by `GSC_TEST_ROUNDS_DIVISOR` (default 1): compute-sanitizer's racecheck
-/// runs kernels hundreds of times slower, and 10,000 replays do not fit a device run there.
-fn rounds(n: usize) -> usize {
-    let d = std::env::var("GSC_TEST_ROUNDS_DIVISOR").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
-    (n / d).max(1)
-}
 const ROUND_BYTES: usize = 4096;
 
 /// One side's scenario list; `side` 0 is the test process, 1 the child.
@@ -346,18 +340,18 @@ fn abort_during_stream_capture_then_replays_fail_fast() {
         };
         let abort_took = aborter.join().unwrap();
         assert_eq!(stop.status(), Status::Aborted, "round {round}: the issue that met the abort: {stop}");
-        assert!(abort_took < Duration::from_secs(3), "round {round}: abort took {abort_took:?}");
+        assert!(abort_took < slowed(Duration::from_secs(3)), "round {round}: abort took {abort_took:?}");
         // The capture ends cleanly: the abort made no call on the capturing stream.
         let graph = cap.end_capture().unwrap_or_else(|e| panic!("round {round}: ending the capture after abort: {e}"));
         let exec = std::sync::Arc::new(graph.instantiate().unwrap());
         let run = std::sync::Arc::new(Stream::new().unwrap());
         for replay in 0..3 {
-            let (r, took) = bounded(&format!("round {round}: replay {replay} after abort"), Duration::from_secs(20), {
+            let (r, took) = bounded(&format!("round {round}: replay {replay} after abort"), slowed(Duration::from_secs(20)), {
                 let (exec, run) = (exec.clone(), run.clone());
                 move || exec.launch(&run).and_then(|()| run.synchronize())
             });
             r.unwrap();
-            assert!(took < Duration::from_secs(5), "round {round}: replay {replay} after abort took {took:?}");
+            assert!(took < slowed(Duration::from_secs(5)), "round {round}: replay {replay} after abort took {took:?}");
         }
         assert_eq!(cc.query().unwrap_err().status(), Status::Aborted, "round {round}: the capture's condition");
         let t0 = Instant::now();
@@ -476,7 +470,7 @@ fn killed_peer_releases_every_wait(test: &str, lane: &str) {
     victim.sigkill_proven();
     // Each stream's release time, polled together (a synchronize per stream in turn would charge
     // a later stream with an earlier one's wait).
-    let limit = Duration::from_secs(5 + 5);
+    let limit = slowed(Duration::from_secs(5 + 5));
     let names = ["stream", "graph", "capture", "kernel"];
     let mut released: Vec<Option<Duration>> = vec![None; streams.len()];
     while released.iter().any(Option::is_none) {
@@ -493,7 +487,7 @@ fn killed_peer_releases_every_wait(test: &str, lane: &str) {
         eprintln!("{}: released {took:?} after the kill", names[i]);
         // The graph holds only a send, tied to the dead link: the peer check ends it, well
         // before the timeout that ends the receives nothing matched.
-        let bound = if names[i] == "graph" { Duration::from_secs(3) } else { limit };
+        let bound = if names[i] == "graph" { slowed(Duration::from_secs(3)) } else { limit };
         assert!(took < bound, "the {} stream was released {took:?} after the kill (bound {bound:?})", names[i]);
     }
     for (name, c) in [("stream", &sc), ("graph", &gc), ("capture", &cc), ("kernel", &kc)] {

@@ -166,6 +166,9 @@ const IPC_SIZES: &[usize] = &[0, 1, 8, 4096, 65_535, 65_536, 1 << 20, 16 << 20, 
 /// The host-staged pair also stages messages up to 64 KiB through kernel slots.
 const STAGED_SIZES: &[usize] = &[1, 8, 129, 65_536, 65_537, 4 << 20];
 const GRAPH_ROUNDS: usize = 10_000;
+fn graph_rounds() -> usize {
+    rounds(GRAPH_ROUNDS)
+}
 const KERNEL_ROUNDS: u64 = 500;
 const ROUND_BYTES: usize = 4096;
 const PREPARED_ROUNDS: u64 = 100;
@@ -219,7 +222,7 @@ fn graph_halo(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     g.add_kernel(k.check_round, grid(ROUND_BYTES), 256, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[bump]).unwrap();
     let exec = g.instantiate().unwrap();
     let t0 = Instant::now();
-    for i in 0..GRAPH_ROUNDS {
+    for i in 0..graph_rounds() {
         exec.launch(&stream).unwrap();
         if sync_every() > 0 && (i + 1) % sync_every() == 0 {
             stream.synchronize().unwrap();
@@ -228,12 +231,13 @@ fn graph_halo(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     stream.synchronize().unwrap();
     let dt = t0.elapsed();
     eprintln!(
-        "side {side}: {GRAPH_ROUNDS} graph replays on GPU buffers in {dt:?} ({:.1} us/replay)",
-        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+        "side {side}: {} graph replays on GPU buffers in {dt:?} ({:.1} us/replay)",
+        graph_rounds(),
+        dt.as_secs_f64() * 1e6 / graph_rounds() as f64
     );
     let rounds = pinned_u64(&round);
     let mut v = verdict(&[], pinned_u64(&err));
-    if rounds != GRAPH_ROUNDS as u64 || gc.query().is_err() {
+    if rounds != graph_rounds() as u64 || gc.query().is_err() {
         v += &format!(" rounds={rounds} query={:?}", gc.query());
     }
     v
@@ -247,7 +251,16 @@ fn kernel_triggered(side: u64, w: &Worker, ep: &Endpoint, k: &Kern) -> String {
     let kc = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
     let hs = armed(unsafe { ep.tag_send_nbx(src.ptr() as *const u8, ROUND_BYTES, 11, on(&kc, true)).unwrap() });
     let hr = armed(unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, ROUND_BYTES, 11, u64::MAX, on(&kc, true)).unwrap() });
-    let args = [hs.device_handle, hr.device_handle, src.ptr(), dst.ptr(), ROUND_BYTES as u64, KERNEL_ROUNDS, side, err.device_ptr()];
+    let args = [
+        hs.device_handle,
+        hr.device_handle,
+        src.ptr(),
+        dst.ptr(),
+        ROUND_BYTES as u64,
+        rounds(KERNEL_ROUNDS as usize) as u64,
+        side,
+        err.device_ptr(),
+    ];
     k.kernel_rounds.launch(1, 256, &stream, &args).unwrap();
     stream.synchronize().unwrap();
     let mut v = verdict(&[], pinned_u64(&err));
@@ -304,6 +317,10 @@ fn late_and_reordered(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, chan: &mut
 const GROUPED_SIZES: &[usize] = &[8, 4096, 4097];
 const GROUPED_ROUNDS: usize = 600;
 const GROUPED_PER_GRAPH: usize = 50;
+/// Whole graphs' worth of grouped rounds, at least one graph.
+fn grouped_round_count() -> usize {
+    rounds(GROUPED_ROUNDS / GROUPED_PER_GRAPH) * GROUPED_PER_GRAPH
+}
 
 /// The exchange gsc-bench times, checked: every round fills the send buffer for the round,
 /// issues the receive and the send without stream waits in one group with a `wait`, then
@@ -337,16 +354,16 @@ fn grouped_rounds(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, captured: bool
             on_stream.begin_capture().unwrap();
             (0..GROUPED_PER_GRAPH).for_each(|_| round_of(&on_stream));
             let exec = on_stream.end_capture().unwrap().instantiate().unwrap();
-            for _ in 0..GROUPED_ROUNDS / GROUPED_PER_GRAPH {
+            for _ in 0..grouped_round_count() / GROUPED_PER_GRAPH {
                 exec.launch(&stream).unwrap();
             }
             stream.synchronize().unwrap();
         } else {
-            (0..GROUPED_ROUNDS).for_each(|_| round_of(&on_stream));
+            (0..grouped_round_count()).for_each(|_| round_of(&on_stream));
             on_stream.synchronize().unwrap();
         }
         let (rounds, errors) = (pinned_u64(&round), pinned_u64(&err));
-        if rounds != GROUPED_ROUNDS as u64 || errors != 0 || cond.query().is_err() {
+        if rounds != grouped_round_count() as u64 || errors != 0 || cond.query().is_err() {
             v += &format!(" {n}B: rounds={rounds} errors={errors} query={:?}", cond.query());
         }
     }
@@ -500,7 +517,7 @@ fn prepared_stream(side: u64, w: &Worker, ep: &Endpoint, k: &Kern, sizes: &[usiz
                 false
             }
         };
-        for r in 0..PREPARED_ROUNDS {
+        for r in 0..rounds(PREPARED_ROUNDS as usize) as u64 {
             let seed = 1000 * r + i as u64;
             let ok = if side == 0 {
                 k.fill.launch(grid(n), 256, &stream, &[a.ptr(), n as u64, seed]).unwrap();
@@ -647,18 +664,19 @@ fn prepared_gpu_rounds_captured(side: u64, k: &Kern, ep: &Endpoint) -> String {
     k.check_round.launch(grid(ROUND_BYTES), 256, &cap, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()]).unwrap();
     let exec = cap.end_capture().unwrap().instantiate().unwrap();
     let t0 = Instant::now();
-    for _ in 0..GRAPH_ROUNDS {
+    for _ in 0..graph_rounds() {
         exec.launch(&stream).unwrap();
     }
     stream.synchronize().unwrap();
     let dt = t0.elapsed();
     eprintln!(
-        "side {side}: {GRAPH_ROUNDS} captured GPU-round replays in {dt:?} ({:.1} us/replay)",
-        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+        "side {side}: {} captured GPU-round replays in {dt:?} ({:.1} us/replay)",
+        graph_rounds(),
+        dt.as_secs_f64() * 1e6 / graph_rounds() as f64
     );
     let mut v = verdict(&[], pinned_u64(&err));
     let rounds = pinned_u64(&round);
-    if rounds != GRAPH_ROUNDS as u64 {
+    if rounds != graph_rounds() as u64 {
         v += &format!(" rounds={rounds}");
     }
     for p in [&tx, &rx] {
@@ -676,7 +694,7 @@ fn prepared_gpu_rounds_captured(side: u64, k: &Kern, ep: &Endpoint) -> String {
 fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
     const PARTS: usize = 8;
     const N: usize = 4 << 20;
-    const ROUNDS: u64 = 200;
+    let rounds = rounds(200) as u64;
     let stream = Stream::new().unwrap();
     let err = PinnedBuf::new(8).unwrap();
     let buf = DeviceBuf::new(N).unwrap();
@@ -689,7 +707,7 @@ fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
         Ok(d) => d,
         Err(e) => return format!("device handle: {e}"),
     };
-    for r in 0..ROUNDS {
+    for r in 0..rounds {
         let seed = 7000 + r;
         if let Err(e) = p.start(on(&cond, true)) {
             return format!("round {r}: start: {e}");
@@ -716,6 +734,7 @@ fn prepared_gpu_partitions(side: u64, ep: &Endpoint, k: &Kern) -> String {
 fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
     let mut out = String::new();
     for (n, rounds) in [(1001usize, 2000u64), (4096, 2000), (4 << 20, 50)] {
+        let rounds = common::rounds(rounds as usize) as u64;
         let stream = Stream::new().unwrap();
         let err = PinnedBuf::new(8).unwrap();
         let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
@@ -744,6 +763,7 @@ fn prepared_gpu_kernel_rounds(side: u64, ep: &Endpoint, k: &Kern) -> String {
 fn prepared_kernel_triggered(side: u64, ep: &Endpoint, k: &Kern, gpu_rounds: bool) -> String {
     let mut out = String::new();
     for (i, (n, rounds)) in [(8usize, 500u64), (4096, 300), (4 << 20, 10)].into_iter().enumerate() {
+        let rounds = common::rounds(rounds as usize) as u64;
         let stream = Stream::new().unwrap();
         let err = PinnedBuf::new(8).unwrap();
         let (src, dst) = (DeviceBuf::new(n).unwrap(), DeviceBuf::new(n).unwrap());
@@ -793,18 +813,19 @@ fn prepared_graph(side: u64, ep: &Endpoint, k: &Kern, gpu_rounds: bool) -> Strin
     g.add_kernel(k.check_round, grid(ROUND_BYTES), 256, &[dst.ptr(), n, round.device_ptr(), 1 - side, err.device_ptr()], &[bump]).unwrap();
     let exec = g.instantiate().unwrap();
     let t0 = Instant::now();
-    for _ in 0..GRAPH_ROUNDS {
+    for _ in 0..graph_rounds() {
         exec.launch(&stream).unwrap();
     }
     stream.synchronize().unwrap();
     let dt = t0.elapsed();
     eprintln!(
-        "side {side}: {GRAPH_ROUNDS} prepared graph replays, gpu_rounds={gpu_rounds}, in {dt:?} ({:.1} us/replay)",
-        dt.as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+        "side {side}: {} prepared graph replays, gpu_rounds={gpu_rounds}, in {dt:?} ({:.1} us/replay)",
+        graph_rounds(),
+        dt.as_secs_f64() * 1e6 / graph_rounds() as f64
     );
     let rounds = pinned_u64(&round);
     let mut v = verdict(&[], pinned_u64(&err));
-    if rounds != GRAPH_ROUNDS as u64 || gc.query().is_err() {
+    if rounds != graph_rounds() as u64 || gc.query().is_err() {
         v += &format!(" rounds={rounds} query={:?}", gc.query());
     }
     if gpu_rounds && (tx.gpu_error().ok() != Some(0) || rx.gpu_error().ok() != Some(0)) {
@@ -1284,17 +1305,18 @@ fn ring_rank(rank: u64, w: &Worker, next: &Endpoint, prev: &Endpoint, k: &Kern) 
         k.check_round.launch(grid(ROUND_BYTES), 256, &cap, &[dst.ptr(), n, round.device_ptr(), from, err.device_ptr()]).unwrap();
         let exec = cap.end_capture().unwrap().instantiate().unwrap();
         let t0 = Instant::now();
-        for _ in 0..GRAPH_ROUNDS {
+        for _ in 0..graph_rounds() {
             exec.launch(&stream).unwrap();
         }
         stream.synchronize().unwrap();
         eprintln!(
-            "rank {rank}: ring, gpu_rounds={gpu_rounds}: {GRAPH_ROUNDS} replays, {:.1} us/replay",
-            t0.elapsed().as_secs_f64() * 1e6 / GRAPH_ROUNDS as f64
+            "rank {rank}: ring, gpu_rounds={gpu_rounds}: {} replays, {:.1} us/replay",
+            graph_rounds(),
+            t0.elapsed().as_secs_f64() * 1e6 / graph_rounds() as f64
         );
         let _ = (r, s, w);
         let mut v = verdict(&[], pinned_u64(&err));
-        if pinned_u64(&round) != GRAPH_ROUNDS as u64 || cond.query().is_err() {
+        if pinned_u64(&round) != graph_rounds() as u64 || cond.query().is_err() {
             v += &format!(" rounds={} query={:?}", pinned_u64(&round), cond.query());
         }
         if gpu_rounds && (tx.gpu_error().ok() != Some(0) || rx.gpu_error().ok() != Some(0)) {

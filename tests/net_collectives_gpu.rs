@@ -366,7 +366,7 @@ fn run_job(test: &str, groups: usize, cfg: impl Fn(usize) -> Vec<(&'static str, 
         .map(|r| {
             let c = cfg(r);
             let c: Vec<(&str, &str)> = c.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            let life = (T.as_secs() + 40).to_string();
+            let life = (slowed(T).as_secs() + 40).to_string();
             let env = [("UCX_TLS", ucx_tls.as_str()), ("GSC_TEST_CHILD_LIFE", life.as_str())];
             spawn_child_with(test, &format!("rank{r}of{RANKS}g{groups}"), &c, &env, &[])
         })
@@ -374,7 +374,7 @@ fn run_job(test: &str, groups: usize, cfg: impl Fn(usize) -> Vec<(&'static str, 
     for c in children.iter_mut() {
         c.put("uid", &uid.to_bytes());
     }
-    let deadline = Instant::now() + T;
+    let deadline = Instant::now() + slowed(T);
     let mut problems = Vec::new();
     for c in children.iter_mut() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -384,7 +384,7 @@ fn run_job(test: &str, groups: usize, cfg: impl Fn(usize) -> Vec<(&'static str, 
         }
     }
     for c in children.iter_mut() {
-        c.wait_success(Duration::from_secs(30));
+        c.wait_success(slowed(Duration::from_secs(30)));
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

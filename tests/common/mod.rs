@@ -27,6 +27,23 @@ pub fn child_max_life() -> Duration {
     std::env::var("GSC_TEST_CHILD_LIFE").ok().and_then(|v| v.parse().ok()).map_or(Duration::from_secs(60), Duration::from_secs)
 }
 
+/// `n` rounds divided by `GSC_TEST_ROUNDS_DIVISOR` (default 1, at least one round): under
+/// compute-sanitizer's racecheck kernels run hundreds of times slower, and the GPU suites'
+/// thousands of replays do not fit a device run there.
+pub fn rounds(n: usize) -> usize {
+    let d = std::env::var("GSC_TEST_ROUNDS_DIVISOR").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1).max(1);
+    (n / d).max(1)
+}
+
+/// A test's time bound `d` multiplied by `GSC_TEST_SLOWDOWN` (default 1). Under
+/// compute-sanitizer every kernel, copy and process exit is slower, so bounds that measure
+/// the library (release after a kill, replay after an abort) are stretched there instead of
+/// being dropped; the runs that judge those bounds are the ones without the tool.
+pub fn slowed(d: Duration) -> Duration {
+    let f = std::env::var("GSC_TEST_SLOWDOWN").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(1).max(1);
+    d * f
+}
+
 /// A context over `tls` with the given `GSC_*` overrides (applied after the defaults, in order).
 pub fn ctx_with(overrides: &[(&str, &str)]) -> Context {
     Context::new(config_with(overrides)).expect("context")
