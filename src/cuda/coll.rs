@@ -854,7 +854,10 @@ pub(crate) fn launch_net_reduce(
 /// allocator promises for memory whose allocation the stream may not have reached yet. A plain
 /// allocation is valid from the moment it is made. Calls that use it on different streams are
 /// ordered by an event: a call waits (on the GPU, not the host) for the previous call's last
-/// use. A buffer outgrown is freed once its last use is done (`cuEventQuery`; never waits).
+/// use. A buffer outgrown is kept until the communicator is destroyed: `cuMemFree` may wait for
+/// the device, and while a call's stream waits on the proxy that wait could be the cycle
+/// src/cuda/mod.rs forbids (the proxy's copies queued behind the free). Growth doubles, so what
+/// is kept is at most the size of the current buffer.
 pub(crate) struct StreamScratch {
     device: i32,
     /// (address, bytes) of the current buffer.
@@ -872,6 +875,13 @@ unsafe impl Send for StreamScratch {}
 /// Scratch is allocated in multiples of this (fewer regrowths for sizes that creep up).
 const SCRATCH_GRAIN: usize = 1 << 20;
 
+/// The size of a scratch buffer replacing one of `current` bytes that is too small for
+/// `bytes`: at least double (outgrown buffers are kept, so they sum to less than the newest),
+/// in whole grains.
+fn scratch_len(current: usize, bytes: usize) -> usize {
+    bytes.max(1).max(2 * current).next_multiple_of(SCRATCH_GRAIN)
+}
+
 impl StreamScratch {
     pub(crate) fn new(device: i32) -> StreamScratch {
         StreamScratch { device, buf: None, last: None, retired: Vec::new() }
@@ -882,19 +892,16 @@ impl StreamScratch {
     /// `queued` once the work using it is queued. Never waits on the host.
     pub(crate) fn take(&mut self, stream: usize, bytes: usize) -> Result<u64> {
         let _scope = CtxScope::enter(primary_context(self.device)?)?;
-        self.free_done();
         if self.buf.is_none_or(|(_, len)| len < bytes) {
-            let len = bytes.max(1).next_multiple_of(SCRATCH_GRAIN);
+            let len = scratch_len(self.buf.map_or(0, |(_, len)| len), bytes);
             let mut base: cu::CUdeviceptr = 0;
             // SAFETY: a valid out-pointer, the device's context is current.
             check(unsafe { cu::cuMemAlloc_v2(&mut base, len) }, "cuMemAlloc (collective scratch)")?;
             match (self.buf.take(), self.last.take()) {
                 (Some((old, _)), Some((_, event))) => self.retired.push((old, event as usize)),
-                // Never used by queued work: free now.
-                // SAFETY: our allocation, no work refers to it.
-                (Some((old, _)), None) => unsafe {
-                    cu::cuMemFree_v2(old);
-                },
+                // Never used by queued work: freeing it waits for nothing of ours, but it is
+                // kept with the others all the same (no free on a user's thread mid-life).
+                (Some((old, _)), None) => self.retired.push((old, 0)),
                 (None, last) => self.last = last,
             }
             self.buf = Some((base, len));
@@ -925,16 +932,19 @@ impl StreamScratch {
         check(unsafe { cu::cuEventRecord(event, super::raw(stream)) }, "cuEventRecord")
     }
 
-    /// Free the outgrown buffers whose last use is done. The context must be current.
+    /// Free the outgrown buffers whose last use is done (event 0: never used). The context
+    /// must be current. Only at destroy (see the type's comment).
     fn free_done(&mut self) {
         self.retired.retain(|&(base, event)| {
             // SAFETY: our event; `cuEventQuery` never waits.
-            let done = unsafe { cu::cuEventQuery(event as cu::CUevent) } != cu::CUresult::CUDA_ERROR_NOT_READY;
+            let done = event == 0 || unsafe { cu::cuEventQuery(event as cu::CUevent) } != cu::CUresult::CUDA_ERROR_NOT_READY;
             if done {
                 // SAFETY: our allocation and event; the work that used them is done.
                 unsafe {
                     cu::cuMemFree_v2(base);
-                    cu::cuEventDestroy_v2(event as cu::CUevent);
+                    if event != 0 {
+                        cu::cuEventDestroy_v2(event as cu::CUevent);
+                    }
                 }
             }
             !done
@@ -976,4 +986,25 @@ pub(crate) unsafe fn stream_copy(device: i32, stream: usize, dst: u64, src: u64,
     let _scope = CtxScope::enter(primary_context(device)?)?;
     // SAFETY: the caller's promise; the caller's live stream.
     check(unsafe { cu::cuMemcpyAsync(dst, src, bytes, super::raw(stream)) }, "cuMemcpyAsync (collective copy)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_grows_by_doubling_in_whole_grains() {
+        assert_eq!(scratch_len(0, 0), SCRATCH_GRAIN);
+        assert_eq!(scratch_len(0, SCRATCH_GRAIN + 1), 2 * SCRATCH_GRAIN);
+        // Creeping sizes double the buffer, so the outgrown ones kept sum to less than it.
+        let (mut len, mut kept) = (0, 0);
+        for bytes in (1..200).map(|i| i * (SCRATCH_GRAIN / 3)) {
+            if len < bytes {
+                kept += len;
+                len = scratch_len(len, bytes);
+                assert!(len >= bytes && len.is_multiple_of(SCRATCH_GRAIN));
+                assert!(kept < len, "kept {kept} against {len}");
+            }
+        }
+    }
 }
