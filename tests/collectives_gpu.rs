@@ -652,6 +652,73 @@ fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
+/// The copy engines (`GSC_COLL_CE=on`, `GSC_COLL_CE_MIN=0`: every all-gather and
+/// reduce-scatter, and every all-reduce of whole shards, eager and captured, pulls from the
+/// peers' buffers): the exact checks at every size, datatype and operator, in place and out of
+/// place; the large all-reduce (whole shards) and halves; pre-multiplied sums (the kernels);
+/// captured and graph-condition replays with new data each time (a graph condition runs the
+/// kernels). Checks the copy engines ran.
+fn run_rank_copy_engine(rank: usize, n: usize, uid: &[u8]) -> String {
+    set_device(rank as i32).unwrap();
+    let uid = UniqueId::from_bytes(uid).unwrap();
+    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
+    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on"), ("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "0")]);
+    let comm = Communicator::new(boot, rank as i32, &config).unwrap();
+    let stream = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let r = Rank { comm, stream, cond };
+    let t0 = Instant::now();
+    let mut bad = exact_results(&r);
+    eprintln!("rank {rank}: copy-engine exact checks in {:?}", t0.elapsed());
+    let t0 = Instant::now();
+    bad.extend(large_all_reduce_of(&r, 2_400_000, &LARGE_TYPES, &RedOp::ALL));
+    let every_type: Vec<(DataType, RedOp)> = DataType::ALL.iter().map(|&d| (d, RedOp::Sum)).collect();
+    bad.extend(large_halves_of(&r, 1 << 20, &every_type));
+    let every_op: Vec<(DataType, RedOp)> = RedOp::ALL.iter().map(|&op| (DataType::Float16, op)).collect();
+    bad.extend(large_halves_of(&r, 3 << 19, &every_op));
+    bad.extend(premul_sums(&r));
+    let before = r.comm.copy_engine_calls();
+    bad.extend(graph_replays(&r, 300_000));
+    bad.extend(graph_replays(&r, 2_000_004));
+    eprintln!("rank {rank}: copy-engine large and replay checks in {:?}", t0.elapsed());
+    // Each graph_replays captures one all-reduce of whole shards (the rest is 2-element calls,
+    // which are not whole shards on 4 ranks, or eager).
+    if r.comm.copy_engine_calls() < before + 2 {
+        bad.push(format!("rank {rank}: the captured all-reduces did not run on the copy engines"));
+    }
+    if r.comm.copy_engine_calls() < 100 {
+        bad.push(format!("rank {rank}: only {} calls ran on the copy engines", r.comm.copy_engine_calls()));
+    }
+    if let Err(e) = r.comm.async_error() {
+        bad.push(format!("rank {rank}: async error {e}"));
+    }
+    bad.join("\n")
+}
+
+fn copy_engine_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
+    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
+    let uid = chan.get("uid");
+    let v = run_rank_copy_engine(rank, n, &uid);
+    chan.put("result", v.as_bytes());
+}
+
+#[test]
+fn copy_engine_collectives_exact_on_two_gpus() {
+    if run_child_role(copy_engine_roles) {
+        return;
+    }
+    run_job_with("copy_engine_collectives_exact_on_two_gpus", 2, copy_engine_roles, run_rank_copy_engine);
+}
+
+#[test]
+fn copy_engine_collectives_exact_on_four_gpus() {
+    if run_child_role(copy_engine_roles) {
+        return;
+    }
+    run_job_with("copy_engine_collectives_exact_on_four_gpus", 4, copy_engine_roles, run_rank_copy_engine);
+}
+
 fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
     let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
@@ -681,6 +748,11 @@ fn run_job_with(test: &str, n: usize, roles: fn(&str, &dyn Chan, Context), run_r
         eprintln!("skipped: needs {n} GPUs, found {}", device_count());
         return;
     }
+    // The kernels compiled once here, before the ranks start: on a machine with a cold kernel
+    // cache, ranks compiling them all at once outlive the children's watchdog.
+    let t0 = Instant::now();
+    gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
+    eprintln!("collective kernels ready in {:?}", t0.elapsed());
     let uid = UniqueId::create(None).unwrap();
     let mut peers: Vec<Peer> = (1..n).map(|r| start_peer(Lane::Shm, test, &format!("rank{r}of{n}"), &[], roles)).collect();
     for p in peers.iter_mut() {

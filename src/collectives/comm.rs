@@ -14,13 +14,14 @@
 //! any number of times.
 
 use super::agreement::{self, Signature};
+use super::copy_engine::{self, CeCall, CeContext, CopyEngine};
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
 use super::select::{self, Collective};
 use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
-use crate::config::Config;
+use crate::config::{Config, Tristate};
 use crate::cuda::Grid;
 use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max, one_shot_grid};
 use crate::error::{Error, Result, Status};
@@ -48,6 +49,10 @@ pub struct Communicator {
     peers: PeerLinks,
     /// Set once by `abort`: every later call fails with it.
     aborted: std::sync::OnceLock<Error>,
+    /// `GSC_COLL_CE` and `GSC_COLL_CE_MIN`, and the copy engines' side streams and scratch.
+    ce_mode: Tristate,
+    ce_min: usize,
+    ce: CopyEngine,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -153,6 +158,9 @@ impl Communicator {
             bootstrap,
             peers,
             aborted: std::sync::OnceLock::new(),
+            ce_mode: config.coll_ce,
+            ce_min: config.coll_ce_min,
+            ce: CopyEngine::new(device),
         })
     }
 
@@ -264,6 +272,11 @@ impl Communicator {
     }
 
     /// The large kernels' algorithm and shape this communicator runs (`GSC_COLL_LARGE_*`).
+    /// Collectives this rank ran by the copy engines (`GSC_COLL_CE`) so far.
+    pub fn copy_engine_calls(&self) -> u64 {
+        self.ce.runs()
+    }
+
     pub fn large_shape(&self) -> &LargeShape {
         &self.large
     }
@@ -454,10 +467,50 @@ impl Communicator {
                 )));
             }
         }
+        if self.copy_engines(&call, on)? {
+            return Ok(ArmedOutputs::default());
+        }
         if self.large(&call) {
             return self.launch_large(&call, on);
         }
         self.launch_one_shot(&call, on, None)
+    }
+
+    /// The call by the copy engines (`copy_engine`) when the configuration wants it there and
+    /// every rank can share its buffers; false: nothing was issued.
+    fn copy_engines(&self, call: &Call, on: &Condition) -> Result<bool> {
+        // Stream conditions only: a graph condition's nodes would need the copies as memcpy
+        // nodes of the user's graph (not built).
+        if on.category() != Category::Stream {
+            return Ok(false);
+        }
+        let stream = on.cuda_stream()?;
+        let capturing = self.ce_mode == Tristate::Auto && crate::cuda::capture_graph(stream)?.is_some();
+        let Some(kind) = copy_engine::wanted(
+            self.ce_mode,
+            self.ce_min,
+            call.kind,
+            call.part_bytes,
+            self.nranks,
+            call.dtype.size(),
+            call.premul.is_some(),
+            capturing,
+        ) else {
+            return Ok(false);
+        };
+        let cx = CeContext {
+            workspace: &self.workspace,
+            bootstrap: &self.bootstrap,
+            rank: self.rank,
+            nranks: self.nranks,
+            device: self.device,
+            kernel_cache: self.kernel_cache.as_deref(),
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        };
+        let ce_call = CeCall { kind, send: call.send, recv: call.recv, part_bytes: call.part_bytes, dtype: call.dtype, op: call.op };
+        // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked to
+        // be GPU memory of this device by `run`.
+        unsafe { self.ce.try_run(&cx, &ce_call, stream) }
     }
 
     /// `GSC_COLL_CHECK`: every rank made the same call, or an error naming the one that did not.

@@ -14,6 +14,7 @@
 
 pub(crate) mod agreement;
 pub mod comm;
+pub(crate) mod copy_engine;
 pub mod host;
 pub mod large;
 pub mod net;
@@ -25,6 +26,16 @@ pub use comm::{Communicator, PremulKind, Registration};
 pub use host::HostComm;
 pub use net::{GroupPlan, NetComm};
 pub use types::{DataType, PreMulScalar, RedOp};
+
+/// Compile the collective kernels for `device` (or find them in the kernel cache,
+/// `GSC_KERNEL_CACHE`) and load them. A communicator does this when it is made; a program that
+/// starts several ranks at once on a machine whose cache is cold can call it once first, so the
+/// ranks find the kernels compiled instead of each compiling them (NVRTC takes tens of seconds
+/// for the whole set).
+pub fn prepare_kernels(device: i32, config: &crate::config::Config) -> crate::error::Result<()> {
+    crate::cuda::init().map_err(|e| e.context("collectives need the CUDA driver"))?;
+    crate::cuda::coll::preload(device, config.kernel_cache_dir.as_deref())
+}
 
 /// A collective's buffer must be GPU memory of the rank's own device: a named error otherwise,
 /// before anything is issued (`what`: "send", "receive").

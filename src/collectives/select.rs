@@ -85,10 +85,24 @@ pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, a
 }
 
 /// The table as `gsc-info -p` prints it; `shape`: the large kernels' (`GSC_COLL_LARGE_*`).
-pub fn describe(large_min: usize, shape: &LargeShape) -> String {
+/// `ce`: `GSC_COLL_CE` and `GSC_COLL_CE_MIN` (`copy_engine`), which come before the table.
+pub fn describe(large_min: usize, shape: &LargeShape, ce: (crate::config::Tristate, usize)) -> String {
+    use crate::config::Tristate;
     let mut out = String::new();
     let _ = writeln!(out, "# collectives (GSC_COLL_LARGE_MIN={}), bytes per rank", crate::config::format_size(large_min as u64));
     let _ = writeln!(out, "# large kernels: {}", shape.describe());
+    let ce_min = crate::config::format_size(ce.1 as u64);
+    let _ = match ce.0 {
+        Tristate::Off => writeln!(out, "# copy engines (GSC_COLL_CE=off): never"),
+        Tristate::Auto => writeln!(
+            out,
+            "# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from {ce_min} per rank when captured into a graph (stream conditions), before the table"
+        ),
+        Tristate::On => writeln!(
+            out,
+            "# copy engines (GSC_COLL_CE=on): all_gather, reduce_scatter and all_reduce (whole shards) from {ce_min} per rank on stream conditions, before the table"
+        ),
+    };
     for coll in Collective::ALL {
         let line = match choose(coll, usize::MAX & !15, true, large_min, shape.algo) {
             Algorithm::OneShotLl if coll.rooted() => format!("{} at every size, a launch per 64 KiB round", Algorithm::OneShotLl.name()),
@@ -132,12 +146,13 @@ mod tests {
     #[test]
     fn the_table_names_every_collective() {
         let config = crate::config::Config { coll_large_algo: LargeAlgo::Pipelined, ..Default::default() };
-        let t = describe(256 << 10, &LargeShape::from_config(&config).unwrap());
+        let t = describe(256 << 10, &LargeShape::from_config(&config).unwrap(), (crate::config::Tristate::Auto, 4 << 20));
         for coll in Collective::ALL {
             assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
         }
         assert!(t.contains("256K") || t.contains("256 KiB"), "{t}");
         assert!(t.contains("[all_gather] one-shot LL (all pairs, flags in the data) below 256K"), "the large halves are listed: {t}");
         assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
+        assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
     }
 }

@@ -516,6 +516,37 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| show_bool(c.coll_check),
     },
     Knob {
+        name: "GSC_COLL_CE",
+        default: "auto",
+        doc: "Large all-reduce, all-gather and reduce-scatter by the copy engines: each rank \
+              pulls its peers' parts straight from their buffers (a reduction kernel adds them \
+              up), between barriers in the communicator's workspace. The ranks exchange and map \
+              the buffers through the bootstrap during the call, so auto does it only for calls \
+              captured into a graph (paid once, not per replay), and only where the engines \
+              measured faster than the kernels: all-gathers, and all-reduces of two ranks; on: \
+              all three, every call from \
+              GSC_COLL_CE_MIN; off: never. Every rank must capture the same calls (a rank that \
+              does not waits for the others until GSC_TIMEOUT)",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.coll_ce = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.coll_ce.name().to_string(),
+    },
+    Knob {
+        name: "GSC_COLL_CE_MIN",
+        default: "4M",
+        doc: "Smallest call (bytes per rank's part: the whole buffer of an all-reduce) that \
+              GSC_COLL_CE gives to the copy engines",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.coll_ce_min = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_ce_min as u64),
+    },
+    Knob {
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
         doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \

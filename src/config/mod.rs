@@ -338,6 +338,11 @@ pub struct Config {
     pub coll_large_warps: Option<[u32; 3]>,
     /// `GSC_COLL_CHECK`: ranks compare each collective call over the bootstrap first.
     pub coll_check: bool,
+    /// `GSC_COLL_CE`: large collectives by copy engines pulling from the peers' buffers
+    /// (`collectives::copy_engine`): `Auto` under stream capture, `On` for every call too.
+    pub coll_ce: Tristate,
+    /// `GSC_COLL_CE_MIN`, bytes per rank's part: the smallest call the copy engines take.
+    pub coll_ce_min: usize,
     /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
     /// processes of one machine count as different hosts). `None`: the real host only.
     pub fake_host: Option<String>,
@@ -432,6 +437,8 @@ impl Default for Config {
             coll_large_stages: 4,
             coll_large_warps: None,
             coll_check: false,
+            coll_ce: Tristate::Auto,
+            coll_ce_min: 4 << 20,
             fake_host: None,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,

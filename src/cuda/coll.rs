@@ -546,6 +546,17 @@ template <typename T, int OP> static __device__ void gsc_net_reduce(const gsc_ne
     }
 }
 
+/* A barrier of the communicator's ranks between copy-engine steps (collectives::copy_engine):
+ * one round, block 0's "in" flags. Returns once every rank reached it, so what came before it
+ * on every rank's stream is done (the copies a rank issued, the buffers it will no longer
+ * read); a timeout or an abort records the round as failed, as any collective kernel does. */
+extern "C" __global__ void gsc_coll_barrier(gsc_coll_args_t a)
+{
+    unsigned long long e = gsc_coll_begin(&a);
+    int ok = gsc_big_flags(&a, 0, e);
+    gsc_coll_end(&a, e, ok);
+}
+
 #define GSC_COLL(T, TAG) \
     extern "C" __global__ void gsc_net_reduce_##TAG##_sum(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 0>(&a); } \
     extern "C" __global__ void gsc_net_reduce_##TAG##_prod(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 1>(&a); } \
@@ -563,16 +574,6 @@ template <typename T, int OP> static __device__ void gsc_net_reduce(const gsc_ne
     extern "C" __global__ void gsc_coll_big_##TAG##_min(gsc_coll_args_t a) { gsc_coll_big<T, 3, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_big<T, 4, false>(&a); }
-GSC_COLL(signed char, i8)
-GSC_COLL(unsigned char, u8)
-GSC_COLL(int, i32)
-GSC_COLL(unsigned, u32)
-GSC_COLL(long long, i64)
-GSC_COLL(unsigned long long, u64)
-GSC_COLL(gsc_f16, f16)
-GSC_COLL(float, f32)
-GSC_COLL(double, f64)
-GSC_COLL(gsc_bf16, bf16)
 "#;
 
 /// `gsc_coll_args_t`.
@@ -608,35 +609,73 @@ pub(crate) struct CollArgs {
 }
 impl ArgBlock for CollArgs {}
 
-/// The collective kernels of one context, by name (`gsc_coll_<type>_<op>`), loaded once.
+/// The element types the kernels are instantiated for: (C type, tag in kernel names). Each is
+/// a module of its own, so that the modules compile side by side (the whole set in one
+/// NVRTC call took 58–68 s on the device machines' CPUs).
+const TYPE_INSTANCES: [(&str, &str); 10] = [
+    ("signed char", "i8"),
+    ("unsigned char", "u8"),
+    ("int", "i32"),
+    ("unsigned", "u32"),
+    ("long long", "i64"),
+    ("unsigned long long", "u64"),
+    ("gsc_f16", "f16"),
+    ("float", "f32"),
+    ("double", "f64"),
+    ("gsc_bf16", "bf16"),
+];
+
+/// The source of the module of `TYPE_INSTANCES[t]`: every kernel of that type (and the
+/// type-less ones, which every module has).
+fn module_source(t: usize) -> String {
+    let (ty, tag) = TYPE_INSTANCES[t];
+    format!(
+        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n",
+        super::kernels::DEVICE_HEADER,
+        FLAGS_OFFSET / 8,
+        PIPE_FLAGS_OFFSET / 8,
+        BIG_OFFSET,
+        big_round_max(),
+        crate::collectives::large::PIPELINED_MAX_THREADS,
+        super::coll_pipelined::SOURCE
+    )
+}
+
+/// Which module has kernel `name`: the one of the type tag in it (`gsc_coll_<tag>_<op>`,
+/// `gsc_coll_big_<tag>_<op>`, `gsc_net_reduce_<tag>_<op>`, ...); a name without one (the
+/// barrier) is in every module, the first is taken.
+fn module_of(name: &str) -> usize {
+    TYPE_INSTANCES.iter().position(|(_, tag)| name.contains(&format!("_{tag}_"))).unwrap_or(0)
+}
+
+/// The collective kernels of one context, by name (`gsc_coll_<type>_<op>`), loaded once. The
+/// first lookup in a context compiles (or finds in the cache) every type's module, in parallel,
+/// and loads them all.
 fn kernel(ctx: cu::CUcontext, name: &str, cache_dir: Option<&Path>) -> Result<cu::CUfunction> {
     type Loaded = HashMap<(usize, String), usize>;
-    static LOADED: OnceLock<Mutex<(HashMap<usize, usize>, Loaded)>> = OnceLock::new();
+    static LOADED: OnceLock<Mutex<(HashMap<usize, Vec<usize>>, Loaded)>> = OnceLock::new();
     let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     let key = (ctx as usize, name.to_string());
     if let Some(f) = loaded.1.get(&key) {
         return Ok(*f as cu::CUfunction);
     }
-    let module = match loaded.0.get(&(ctx as usize)) {
-        Some(m) => *m as cu::CUmodule,
-        None => {
-            let source = format!(
-                "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n{SOURCE}\n{}",
-                super::kernels::DEVICE_HEADER,
-                FLAGS_OFFSET / 8,
-                PIPE_FLAGS_OFFSET / 8,
-                BIG_OFFSET,
-                big_round_max(),
-                crate::collectives::large::PIPELINED_MAX_THREADS,
-                super::coll_pipelined::SOURCE
-            );
-            let cubin = compile_cached(&source, context_arch(ctx)?, cache_dir)?;
-            let _scope = CtxScope::enter(ctx)?;
-            let m = load_module(&cubin)?;
-            loaded.0.insert(ctx as usize, m as usize);
-            m
+    if !loaded.0.contains_key(&(ctx as usize)) {
+        let arch = context_arch(ctx)?;
+        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let jobs: Vec<_> =
+                (0..TYPE_INSTANCES.len()).map(|t| s.spawn(move || compile_cached(&module_source(t), arch, cache_dir))).collect();
+            jobs.into_iter()
+                .map(|j| j.join().unwrap_or_else(|_| Err(Error::new(Status::Internal, "a kernel compile thread panicked"))))
+                .collect()
+        });
+        let _scope = CtxScope::enter(ctx)?;
+        let mut modules = Vec::with_capacity(cubins.len());
+        for cubin in cubins {
+            modules.push(load_module(&cubin?)? as usize);
         }
-    };
+        loaded.0.insert(ctx as usize, modules);
+    }
+    let module = loaded.0[&(ctx as usize)][module_of(name)] as cu::CUmodule;
     let f = function(module, name)?;
     loaded.1.insert(key, f as usize);
     Ok(f)
@@ -792,6 +831,22 @@ impl Workspace {
     }
 }
 
+impl Workspace {
+    /// A barrier of every rank on `stream` (`gsc_coll_barrier`, one block of a warp): a round
+    /// of the communicator like any collective's, with its timeout and abort.
+    pub(crate) fn launch_barrier(
+        &self,
+        stream: usize,
+        cache_dir: Option<&Path>,
+        nranks: usize,
+        rank: usize,
+        timeout_ns: u64,
+    ) -> Result<()> {
+        let args = CollArgs { rounds: 1, nranks: nranks as u64, rank: rank as u64, timeout_ns, ..Default::default() };
+        self.launch(stream, "gsc_coll_barrier", cache_dir, args, Grid { blocks: 1, threads: 32 }, true)
+    }
+}
+
 /// The one-shot kernel's grid: a thread per 8-byte unit of a round, at most 32 blocks of
 /// `THREADS`.
 pub(crate) fn one_shot_grid(a: &CollArgs) -> Grid {
@@ -878,7 +933,7 @@ const SCRATCH_GRAIN: usize = 1 << 20;
 /// The size of a scratch buffer replacing one of `current` bytes that is too small for
 /// `bytes`: at least double (outgrown buffers are kept, so they sum to less than the newest),
 /// in whole grains.
-fn scratch_len(current: usize, bytes: usize) -> usize {
+pub(crate) fn scratch_len(current: usize, bytes: usize) -> usize {
     bytes.max(1).max(2 * current).next_multiple_of(SCRATCH_GRAIN)
 }
 
@@ -991,6 +1046,22 @@ pub(crate) unsafe fn stream_copy(device: i32, stream: usize, dst: u64, src: u64,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kernel_name_finds_its_type_module() {
+        for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
+            for family in ["gsc_coll_", "gsc_coll_big_", "gsc_coll_pipe_", "gsc_net_reduce_"] {
+                for op in ["sum", "prod", "max", "min", "avg", "premul"] {
+                    assert_eq!(module_of(&format!("{family}{tag}_{op}")), t, "{family}{tag}_{op}");
+                }
+            }
+            let src = module_source(t);
+            assert_eq!(src.matches("\nGSC_COLL(").count(), 1, "{tag}: one instantiation of the kernels");
+            assert_eq!(src.matches("\nGSC_COLL_PIPE(").count(), 1, "{tag}: one of the pipelined kernel");
+            assert!(src.contains(&format!("GSC_COLL({}, {tag})", TYPE_INSTANCES[t].0)));
+        }
+        assert_eq!(module_of("gsc_coll_barrier"), 0);
+    }
 
     #[test]
     fn scratch_grows_by_doubling_in_whole_grains() {

@@ -333,14 +333,4 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_pipe(con
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_min(gsc_coll_args_t a) { gsc_coll_pipe<T, 3, false>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, true>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_pipe<T, 4, false>(&a); }
-GSC_COLL_PIPE(signed char, i8)
-GSC_COLL_PIPE(unsigned char, u8)
-GSC_COLL_PIPE(int, i32)
-GSC_COLL_PIPE(unsigned, u32)
-GSC_COLL_PIPE(long long, i64)
-GSC_COLL_PIPE(unsigned long long, u64)
-GSC_COLL_PIPE(gsc_f16, f16)
-GSC_COLL_PIPE(float, f32)
-GSC_COLL_PIPE(double, f64)
-GSC_COLL_PIPE(gsc_bf16, bf16)
 "#;

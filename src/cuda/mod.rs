@@ -34,6 +34,7 @@ mod device_handle;
 pub(crate) mod host_round;
 pub(crate) mod ipc;
 mod kernels;
+pub(crate) mod lanes;
 pub(crate) mod memory;
 mod pinned;
 pub(crate) mod prep_ctl;
