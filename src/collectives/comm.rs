@@ -140,6 +140,12 @@ impl Communicator {
             bases.push(u64::from_le_bytes(entry[..8].try_into().expect("8 bytes")));
             keys.push(entry[8..].to_vec());
         }
+        // Ranks of this communicator in this very process (ncclCommInitAll, one thread driving
+        // several GPUs): the copy engines' exchange inside a call would wait on the host for
+        // ranks whose calls the same thread issues later, so they stay off for it.
+        let own_pid = std::process::id();
+        let shares_process =
+            keys.iter().enumerate().any(|(r, k)| r != rank && crate::cuda::ipc::DeviceKey::decode(k).is_ok_and(|k| k.pid == own_pid));
         workspace.map_peers(rank, &keys, &bases)?;
         let peers = PeerLinks::new(&bootstrap, config)?;
         // Nobody launches before everyone has mapped (a kernel would wait for a peer that is
@@ -158,7 +164,7 @@ impl Communicator {
             bootstrap,
             peers,
             aborted: std::sync::OnceLock::new(),
-            ce_mode: config.coll_ce,
+            ce_mode: if shares_process { Tristate::Off } else { config.coll_ce },
             ce_min: config.coll_ce_min,
             ce: CopyEngine::new(device),
         })

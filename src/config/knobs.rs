@@ -526,7 +526,9 @@ pub(super) static KNOBS: &[Knob] = &[
               measured faster than the kernels: all-gathers, and all-reduces of two ranks; on: \
               all three, every call from \
               GSC_COLL_CE_MIN; off: never. Every rank must capture the same calls (a rank that \
-              does not waits for the others until GSC_TIMEOUT)",
+              does not waits for the others until GSC_TIMEOUT). Always off for a communicator \
+              with several ranks in one process (ncclCommInitAll: one thread issues every \
+              rank's call)",
         kind: KnobKind::Tristate,
         parse: |c, v| {
             c.coll_ce = Tristate::from_option(parse_tristate(v)?);
