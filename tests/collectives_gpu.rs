@@ -904,3 +904,93 @@ fn a_killed_rank_releases_the_survivor_within_the_timeout() {
     assert!(t0.elapsed() < Duration::from_millis(100));
     eprintln!("rank 1 killed: the all-reduce released rank 0's stream after {released:?}; the receive ended with {q:?}");
 }
+
+/// Elements of the copy-engine kill test's all-reduce (whole shards on two ranks).
+const CE_KILL_COUNT: usize = 1 << 18;
+
+/// Rank 1 of the copy-engine kill test: captures the all-reduce, replays it once with rank 0,
+/// says so, then waits to be killed.
+fn ce_kill_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    assert_eq!(role, "ce_victim");
+    set_device(1).unwrap();
+    let uid = UniqueId::from_bytes(&chan.get("uid")).unwrap();
+    let boot = Bootstrap::init(&uid, 1, 2, T).unwrap();
+    let mut o = child_overrides();
+    o.extend([("GSC_TIMEOUT".into(), "60s".into()), ("GSC_COLL_CE".into(), "on".into())]);
+    let config = config_with(&o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>());
+    let comm = Communicator::new(boot, 1, &config).unwrap();
+    let d = device_with(&input(DataType::Float32, 1, 78, CE_KILL_COUNT), CE_KILL_COUNT * 4);
+    let (graph, stream) = capture_all_reduce(&comm, &d);
+    graph.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    chan.put("joined", &[]);
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// An in-place float all-reduce of `d` captured into a graph, and the stream to replay it on.
+fn capture_all_reduce(comm: &Communicator, d: &DeviceBuf) -> (gscomm::cuda::api::GraphExec, Stream) {
+    let cap = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    unsafe { comm.all_reduce(d.ptr(), d.ptr(), CE_KILL_COUNT, DataType::Float32, RedOp::Sum, &cond) }.unwrap();
+    let graph = cap.end_capture().unwrap().instantiate().unwrap();
+    (graph, Stream::new().unwrap())
+}
+
+/// The copy engines with a dead peer: two ranks capture an all-reduce the copy engines run
+/// (`GSC_COLL_CE=on`), replay it once together (checked), then rank 1 is SIGKILLed while rank
+/// 0 replays it again. Rank 0's barriers must give up and release its stream within
+/// GSC_TIMEOUT (5 s) plus slack — one timeout, not one per barrier — its pulls from the dead
+/// rank's memory must not fault its context, and `async_error` must say TimedOut.
+#[test]
+fn a_killed_rank_releases_a_captured_copy_engine_all_reduce() {
+    if run_child_role(ce_kill_roles) {
+        return;
+    }
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    if device_count() < 2 {
+        eprintln!("skipped: needs 2 GPUs, found {}", device_count());
+        return;
+    }
+    set_device(0).unwrap();
+    gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
+    let uid = UniqueId::create(None).unwrap();
+    let dir = ShmDir::new("coll_ce_kill");
+    let mut victim = spawn_child("a_killed_rank_releases_a_captured_copy_engine_all_reduce", "ce_victim", &[("GSC_SHM_DIR", dir.as_str())]);
+    victim.put("uid", &uid.to_bytes());
+    let boot = Bootstrap::init(&uid, 0, 2, T).unwrap();
+    let config = config_with(&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_COLL_CE", "on")]);
+    let comm = Communicator::new(boot, 0, &config).unwrap();
+    let ins: Vec<Vec<u8>> = (0..2).map(|q| input(DataType::Float32, q, 78, CE_KILL_COUNT)).collect();
+    let d = device_with(&ins[0], CE_KILL_COUNT * 4);
+    let (graph, stream) = capture_all_reduce(&comm, &d);
+    assert_eq!(comm.copy_engine_calls(), 1, "the captured all-reduce did not take the copy engines");
+    graph.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+    assert!(d.download().unwrap() == reduce_reference(DataType::Float32, RedOp::Sum, &refs), "the replay before the kill is wrong");
+    victim.get("joined", T);
+    graph.launch(&stream).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let killed_at = Instant::now();
+    victim.sigkill_proven();
+    let stream = std::sync::Arc::new(stream);
+    let (synced, _) = bounded("the survivor's copy-engine all-reduce stream", KILL_TIMEOUT + Duration::from_secs(30), {
+        let stream = stream.clone();
+        move || stream.synchronize()
+    });
+    let released = killed_at.elapsed();
+    synced.unwrap_or_else(|e| panic!("the survivor's stream after the kill (its context must survive the pulls): {e}"));
+    assert!(
+        released < slowed(KILL_TIMEOUT + Duration::from_secs(5)),
+        "the copy-engine all-reduce released its stream {released:?} after the kill"
+    );
+    let e = comm.async_error().unwrap_err();
+    assert_eq!(e.status(), Status::TimedOut, "async_error after a peer died: {e}");
+    eprintln!("rank 1 killed: the captured copy-engine all-reduce released rank 0's stream after {released:?}");
+}

@@ -667,7 +667,7 @@ pub(crate) fn function(module: cu::CUmodule, name: &str) -> Result<cu::CUfunctio
 
 /// The cubin of `source` for `arch`, from the disk cache or freshly compiled.
 pub(crate) fn compile_cached(source: &str, arch: (i32, i32), cache_dir: Option<&Path>) -> Result<Vec<u8>> {
-    let options = [format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), "-std=c++17".to_string(), "-default-device".to_string()];
+    let options = options(arch);
     let mut h = Sha256::new();
     h.update(source.as_bytes());
     for o in &options {
@@ -698,6 +698,31 @@ pub(crate) fn compile_cached(source: &str, arch: (i32, i32), cache_dir: Option<&
 
 fn nvrtc_check(r: nvrtc::nvrtcResult, what: &str) -> Result<()> {
     if r == nvrtc::nvrtcResult::NVRTC_SUCCESS { Ok(()) } else { Err(Error::new(Status::DeviceError, format!("{what} failed: {r:?}"))) }
+}
+
+fn options(arch: (i32, i32)) -> [String; 3] {
+    [format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), "-std=c++17".to_string(), "-default-device".to_string()]
+}
+
+/// `source` compiled for `arch` without the cache: for tests that check the kernels compile on
+/// a machine without a GPU (NVRTC needs none).
+#[cfg(test)]
+pub(crate) fn compile_uncached(source: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+    compile(source, &options(arch))
+}
+
+/// Test helper: `Ok(false)` (with the reason printed) when this machine has no NVRTC to
+/// compile with; the kernels' compile tests then skip.
+#[cfg(test)]
+pub(crate) fn nvrtc_present_or_say_why() -> bool {
+    // SAFETY: probing for the library has no preconditions.
+    let present = unsafe { nvrtc::is_culib_present() };
+    if !present {
+        eprintln!(
+            "skipped: NVRTC (libnvrtc.so) not found; install it (pip install nvidia-cuda-nvrtc-cu12, then put its lib directory on LD_LIBRARY_PATH) to compile the kernels here"
+        );
+    }
+    present
 }
 
 fn compile(source: &str, options: &[String]) -> Result<Vec<u8>> {
@@ -736,4 +761,21 @@ fn compile(source: &str, options: &[String]) -> Result<Vec<u8>> {
     // SAFETY: destroys the program created above, once.
     unsafe { nvrtc::nvrtcDestroyProgram(&mut prog) };
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The point-to-point kernels compile for the device machines' GPUs (sm_90) wherever
+    /// NVRTC is, GPU or not: a source error shows in CI, not first on a device run.
+    #[test]
+    fn the_point_to_point_kernels_compile_for_sm90() {
+        if !nvrtc_present_or_say_why() {
+            return;
+        }
+        let source = format!("{DEVICE_HEADER}\n#define GSC_LL_MAX {}\n{KERNELS}", super::super::stage::LL_MAX);
+        let cubin = compile_uncached(&source, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin.starts_with(b"\x7fELF"));
+    }
 }
