@@ -835,6 +835,28 @@ fn kill_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     }
 }
 
+/// Rank 0's side of a kill test `test`: `None` (the reason printed) without two GPUs;
+/// otherwise rank 1 started as the child `role` and given the unique id, rank 0's bootstrap of
+/// the pair on GPU 0 (kernels compiled first), and the shm directory both use.
+fn start_kill_pair(test: &str, role: &str) -> Option<(ChildProc, Bootstrap, ShmDir)> {
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return None;
+    }
+    if device_count() < 2 {
+        eprintln!("skipped: needs 2 GPUs, found {}", device_count());
+        return None;
+    }
+    set_device(0).unwrap();
+    gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
+    let uid = UniqueId::create(None).unwrap();
+    let dir = ShmDir::new(role);
+    let mut victim = spawn_child(test, role, &[("GSC_SHM_DIR", dir.as_str())]);
+    victim.put("uid", &uid.to_bytes());
+    let boot = Bootstrap::init(&uid, 0, 2, T).unwrap();
+    Some((victim, boot, dir))
+}
+
 /// Two ranks on two GPUs (rank 1 a child process) run a checked all-reduce; then rank 0 starts
 /// an all-reduce and a receive from rank 1, and rank 1 is SIGKILLed (waitpid must say so). Rank
 /// 0's all-reduce kernel must give up and release its stream within GSC_TIMEOUT (5 s) plus
@@ -845,20 +867,9 @@ fn a_killed_rank_releases_the_survivor_within_the_timeout() {
     if run_child_role(kill_roles) {
         return;
     }
-    if let Some(why) = gpu_test_skip_reason() {
-        eprintln!("skipped: {why}");
+    let Some((mut victim, boot, dir)) = start_kill_pair("a_killed_rank_releases_the_survivor_within_the_timeout", "victim") else {
         return;
-    }
-    if device_count() < 2 {
-        eprintln!("skipped: needs 2 GPUs, found {}", device_count());
-        return;
-    }
-    set_device(0).unwrap();
-    let uid = UniqueId::create(None).unwrap();
-    let dir = ShmDir::new("coll_kill");
-    let mut victim = spawn_child("a_killed_rank_releases_the_survivor_within_the_timeout", "victim", &[("GSC_SHM_DIR", dir.as_str())]);
-    victim.put("uid", &uid.to_bytes());
-    let boot = Bootstrap::init(&uid, 0, 2, T).unwrap();
+    };
     let config = config_with(&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str())]);
     let comm = Communicator::new(boot, 0, &config).unwrap();
     let stream = std::sync::Arc::new(Stream::new().unwrap());
@@ -949,21 +960,9 @@ fn a_killed_rank_releases_a_captured_copy_engine_all_reduce() {
     if run_child_role(ce_kill_roles) {
         return;
     }
-    if let Some(why) = gpu_test_skip_reason() {
-        eprintln!("skipped: {why}");
+    let Some((mut victim, boot, dir)) = start_kill_pair("a_killed_rank_releases_a_captured_copy_engine_all_reduce", "ce_victim") else {
         return;
-    }
-    if device_count() < 2 {
-        eprintln!("skipped: needs 2 GPUs, found {}", device_count());
-        return;
-    }
-    set_device(0).unwrap();
-    gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
-    let uid = UniqueId::create(None).unwrap();
-    let dir = ShmDir::new("coll_ce_kill");
-    let mut victim = spawn_child("a_killed_rank_releases_a_captured_copy_engine_all_reduce", "ce_victim", &[("GSC_SHM_DIR", dir.as_str())]);
-    victim.put("uid", &uid.to_bytes());
-    let boot = Bootstrap::init(&uid, 0, 2, T).unwrap();
+    };
     let config = config_with(&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_COLL_CE", "on")]);
     let comm = Communicator::new(boot, 0, &config).unwrap();
     let ins: Vec<Vec<u8>> = (0..2).map(|q| input(DataType::Float32, q, 78, CE_KILL_COUNT)).collect();

@@ -145,6 +145,10 @@ pub(crate) fn plan(kind: CeKind, rank: usize, n: usize, part: usize, in_place: b
     let peers = || (0..n).filter(move |&q| q != rank);
     // Where peer q's copy goes in scratch: rank order without us (the reduction kernel's layout).
     let slot = |q: usize| q - usize::from(q > rank);
+    // Every peer's `bytes` of its send buffer at `src_off` into its scratch slot.
+    let into_scratch = |src_off: usize, bytes: usize| -> Vec<Pull> {
+        peers().map(|q| Pull { from: q, src: Buf::Send, src_off, dst: Buf::Scratch, dst_off: slot(q) * bytes, bytes }).collect()
+    };
     match kind {
         CeKind::AllGather => {
             let mut pulls: Vec<Pull> =
@@ -154,32 +158,19 @@ pub(crate) fn plan(kind: CeKind, rank: usize, n: usize, part: usize, in_place: b
             }
             vec![Step::Barrier, Step::Pulls(pulls), Step::Barrier]
         }
-        CeKind::ReduceScatter => {
-            let pulls = peers().map(|q| Pull {
-                from: q,
-                src: Buf::Send,
-                src_off: rank * part,
-                dst: Buf::Scratch,
-                dst_off: slot(q) * part,
-                bytes: part,
-            });
-            vec![Step::Barrier, Step::Pulls(pulls.collect()), Step::Reduce { own_off: rank * part, out_off: 0, bytes: part }, Step::Barrier]
-        }
+        CeKind::ReduceScatter => vec![
+            Step::Barrier,
+            Step::Pulls(into_scratch(rank * part, part)),
+            Step::Reduce { own_off: rank * part, out_off: 0, bytes: part },
+            Step::Barrier,
+        ],
         CeKind::AllReduce => {
             let shard = part / n;
-            let reduce_pulls = peers().map(|q| Pull {
-                from: q,
-                src: Buf::Send,
-                src_off: rank * shard,
-                dst: Buf::Scratch,
-                dst_off: slot(q) * shard,
-                bytes: shard,
-            });
             let gather_pulls =
                 peers().map(|q| Pull { from: q, src: Buf::Recv, src_off: q * shard, dst: Buf::Recv, dst_off: q * shard, bytes: shard });
             vec![
                 Step::Barrier,
-                Step::Pulls(reduce_pulls.collect()),
+                Step::Pulls(into_scratch(rank * shard, shard)),
                 Step::Reduce { own_off: rank * shard, out_off: rank * shard, bytes: shard },
                 Step::Barrier,
                 Step::Pulls(gather_pulls.collect()),
