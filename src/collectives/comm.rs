@@ -277,12 +277,12 @@ impl Communicator {
         self.rank
     }
 
-    /// The large kernels' algorithm and shape this communicator runs (`GSC_COLL_LARGE_*`).
     /// Collectives this rank ran by the copy engines (`GSC_COLL_CE`) so far.
     pub fn copy_engine_calls(&self) -> u64 {
         self.ce.runs()
     }
 
+    /// The large kernels' algorithm and shape this communicator runs (`GSC_COLL_LARGE_*`).
     pub fn large_shape(&self) -> &LargeShape {
         &self.large
     }
