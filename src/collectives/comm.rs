@@ -141,11 +141,19 @@ impl Communicator {
             keys.push(entry[8..].to_vec());
         }
         // Ranks of this communicator in this very process (ncclCommInitAll, one thread driving
-        // several GPUs): the copy engines' exchange inside a call would wait on the host for
-        // ranks whose calls the same thread issues later, so they stay off for it.
+        // several GPUs): an exchange through the bootstrap inside a call (the copy engines',
+        // GSC_COLL_CHECK's) would wait on the host for ranks whose calls the same thread issues
+        // later, so both stay off for it.
         let own_pid = std::process::id();
         let shares_process =
             keys.iter().enumerate().any(|(r, k)| r != rank && crate::cuda::ipc::DeviceKey::decode(k).is_ok_and(|k| k.pid == own_pid));
+        if shares_process && config.coll_check {
+            tracing::warn!(
+                target: "gsc::coll",
+                "GSC_COLL_CHECK is off for this communicator: several of its ranks are in this process, and the \
+                 check's exchange inside one rank's call would wait for calls the same thread has not made yet"
+            );
+        }
         workspace.map_peers(rank, &keys, &bases)?;
         let peers = PeerLinks::new(&bootstrap, config)?;
         // Nobody launches before everyone has mapped (a kernel would wait for a peer that is
@@ -160,7 +168,7 @@ impl Communicator {
             kernel_cache: config.kernel_cache_dir.clone(),
             large_min: config.coll_large_min,
             large,
-            check_calls: config.coll_check,
+            check_calls: config.coll_check && !shares_process,
             bootstrap,
             peers,
             aborted: std::sync::OnceLock::new(),

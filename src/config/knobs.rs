@@ -507,7 +507,8 @@ pub(super) static KNOBS: &[Knob] = &[
         doc: "Debug mode: before every collective the ranks compare the call (collective, type, \
               operator, count, root) through the bootstrap; a mismatch fails the call on every \
               rank, naming the rank that differs, and starts nothing. Costs a host round trip \
-              per call",
+              per call. Off (with a warning) for a communicator with several ranks in one \
+              process, whose calls one thread issues in turn",
         kind: KnobKind::Bool,
         parse: |c, v| {
             c.coll_check = parse_bool(v)?;
