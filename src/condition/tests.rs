@@ -225,3 +225,28 @@ fn group_misuse_is_an_error_that_changes_nothing() {
     c.group_end().unwrap();
     assert!(c.query().is_ok());
 }
+
+/// Issue #8, promise 1: a bug that panics inside the proxy thread must not leave what waits on
+/// it waiting forever. A receive nothing will match waits on a host stream; the proxy's next
+/// pass panics: the worker is aborted with the panic's message, the stream is released with
+/// that error well before GSC_TIMEOUT, and later operations on the worker fail at once.
+#[test]
+fn a_panic_in_the_proxy_thread_releases_what_waits_on_it() {
+    let (_a, b, _ep) = pair();
+    let s = HostStream::new().unwrap();
+    let c = Condition::host_stream(&s);
+    let mut buf = [0u8; 8];
+    let Started::Pending(h) = (unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), 8, 1, u64::MAX, on(&c)).unwrap() }) else { panic!() };
+    assert!(b.inject_proxy_panic(), "the conditioned receive started the worker's proxy");
+    let t0 = Instant::now();
+    let err = s.synchronize(Some(Duration::from_secs(10))).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(5), "released after {:?}", t0.elapsed());
+    assert_eq!(err.status(), Status::Aborted, "{err}");
+    let done = b.request_wait(h).unwrap();
+    assert_eq!(done.status, Status::Aborted);
+    b.request_release(h).unwrap();
+    // The worker's sticky error names the panic.
+    let e = unsafe { b.tag_recv_nbx(buf.as_mut_ptr(), 8, 2, u64::MAX, RequestParams::default()) }.map(|_| ()).unwrap_err();
+    assert_eq!(e.status(), Status::Aborted, "{e}");
+    assert!(e.to_string().contains("internal error in the proxy thread: a panic injected by a test"), "{e}");
+}

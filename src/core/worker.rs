@@ -589,6 +589,13 @@ impl Worker {
 
     /// The proxy runs for the worker's whole life once started; a send can only fail if its
     /// thread died (a bug), and then the operation's signal reports it canceled when dropped.
+    /// Tests: the proxy's next pass panics (`Proxy::inject_panic`); false when this worker has
+    /// no proxy yet.
+    #[cfg(test)]
+    pub(crate) fn inject_proxy_panic(&self) -> bool {
+        self.inner.proxy.get().map(Proxy::inject_panic).is_some()
+    }
+
     fn send_to_proxy(&self, msg: Msg) {
         if let Err(e) = self.inner.proxy.get().map_or(Err(Error::new(Status::Internal, "no proxy")), |p| p.send(msg)) {
             tracing::error!(target: "gsc::proxy", error = %e, "could not hand an armed operation to the proxy");

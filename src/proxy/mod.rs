@@ -116,6 +116,9 @@ pub(crate) enum Msg {
     /// The worker was aborted: fail everything armed, now and later, with this error; then
     /// say so on the sender.
     Abort(Error, Sender<()>),
+    /// Tests: the next pass panics, as a bug in it would (`Proxy::inject_panic`).
+    #[cfg(test)]
+    PanicNextPass,
 }
 
 /// The worker's handle on its proxy: a thread, or an engine the application's progress calls
@@ -177,6 +180,13 @@ impl Proxy {
             self.counters.armed.fetch_sub(1, Ordering::Relaxed);
             Error::new(Status::Internal, "the proxy thread has exited")
         })
+    }
+
+    /// Tests: make the proxy's next pass panic, to show what a bug there does to the operations
+    /// waiting on it.
+    #[cfg(test)]
+    pub(crate) fn inject_panic(&self) {
+        let _ = self.tx.as_ref().expect("set until drop").send(Msg::PanicNextPass);
     }
 
     /// Fail every armed operation with `error` (their producers are released with an error
@@ -276,6 +286,9 @@ struct Engine {
     beat: Option<Duration>,
     /// After the last pass some link still had frames waiting to leave (`Worker::lanes_sending`).
     lanes_sending: bool,
+    /// Tests: the next pass panics (`Msg::PanicNextPass`).
+    #[cfg(test)]
+    panic_next_pass: bool,
 }
 
 /// How often the thread passes while only lanes' frames wait to leave (`Worker::lanes_sending`).
@@ -310,6 +323,8 @@ impl Engine {
             last_expiry_check: Instant::now(),
             beat: None,
             lanes_sending: false,
+            #[cfg(test)]
+            panic_next_pass: false,
         }
     }
 
@@ -448,6 +463,8 @@ impl Engine {
                 },
                 Msg::Persist(op) => op.channel.fail(e),
                 Msg::Abort(_, done) => drop(done.send(())),
+                #[cfg(test)]
+                Msg::PanicNextPass => {}
             }
             return;
         }
@@ -461,6 +478,8 @@ impl Engine {
                 self.abort(e);
                 let _ = done.send(());
             }
+            #[cfg(test)]
+            Msg::PanicNextPass => self.panic_next_pass = true,
         }
     }
 
@@ -479,6 +498,10 @@ impl Engine {
     /// Start whatever was triggered, progress the worker. Returns the number of events (the
     /// proxy's own: they keep it spinning).
     fn pass(&mut self, worker: &Worker) -> usize {
+        #[cfg(test)]
+        if std::mem::take(&mut self.panic_next_pass) {
+            panic!("a panic injected by a test");
+        }
         bump(&self.counters.passes);
         let mut events = 0;
         // In the order they were armed: sends with one tag to one peer that trigger together
