@@ -430,7 +430,7 @@ fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
             chan.put("result", &codes(&[c.status]));
             drop(ep);
         }
-        "survivor" => {
+        "survivor" | "silent_survivor" => {
             next_msg(chan, &w, "go");
             let out = pattern(2, BIG);
             let mut inb = vec![0u8; BIG];
@@ -449,6 +449,16 @@ fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
             chan.put("arriving", &[]);
             chan.get("killed");
             let t0 = Instant::now();
+            if role == "silent_survivor" {
+                // Nothing tells a silent network from a slow peer: the waits end at GSC_TIMEOUT
+                // (the requests stay valid, as after any timed-out wait).
+                let status = |r: Result<gscomm::core::Completion, gscomm::Error>| r.map_or_else(|e| e.status(), |c| c.status);
+                let (sc, rc) = (status(w.request_wait(send)), status(w.request_wait(recv)));
+                let mut result = codes(&[sc, rc, rc]);
+                result.extend_from_slice(&(t0.elapsed().as_millis() as u64).to_le_bytes());
+                chan.put("result", &result);
+                return;
+            }
             progress_until(&w, Duration::from_secs(20), "requests of the dead peer", || {
                 w.request_test(send).unwrap().is_some() && w.request_test(recv).unwrap().is_some()
             });
@@ -681,6 +691,14 @@ impl NetnsPair {
         }
     }
 
+    /// Namespace `i`'s end of the veth pair goes down: its packets stop, nothing is closed or
+    /// reset (a silent network failure).
+    fn silence(&self, i: usize) -> Result<(), String> {
+        let pid = std::process::id();
+        let veth = format!("gsv{pid}{}", ["a", "b"][i]);
+        ip(&["-n", &self.names[i], "link", "set", &veth, "down"])
+    }
+
     fn wrapper(&self, i: usize) -> [&str; 4] {
         ["ip", "netns", "exec", &self.names[i]]
     }
@@ -790,5 +808,52 @@ fn peer_killed_during_a_get_ucx() {
         reader.wait_success(T);
         target.kill();
         println!("get from a killed peer: {:?} {took:?} after the kill", st[0]);
+    });
+}
+
+/// A network that goes silent mid-transfer: no close, no reset, the packets just stop (the
+/// victim's end of the veth pair is set down while 64 MiB move both ways over UCX TCP between
+/// two network namespaces). The survivor's waits for its send and receive must each end with
+/// an error within `GSC_TIMEOUT` (3 s here), never hang. Skips with a printed reason where
+/// namespaces cannot be made.
+#[test]
+fn network_silent_mid_transfer_between_network_namespaces() {
+    child_or(|| {
+        let pair = match NetnsPair::create() {
+            Ok(p) => p,
+            Err(why) => {
+                println!("skipped: cannot make network namespaces here: {why}");
+                return;
+            }
+        };
+        let [mut survivor, mut victim] = start_pair(
+            "network_silent_mid_transfer_between_network_namespaces",
+            ["silent_survivor", "victim"],
+            &[("GSC_RNDV_SCHEME", "pipeline"), ("GSC_TIMEOUT", "3s")],
+            [&pair.wrapper(0), &pair.wrapper(1)],
+        );
+        victim.put("go", &[]);
+        victim.get("started", T);
+        survivor.put("go", &[]);
+        survivor.get("arriving", T);
+        pair.silence(1).unwrap();
+        survivor.put("killed", &[]);
+        let r = survivor.get("result", T);
+        let st = uncodes(&r[..12]);
+        let took = Duration::from_millis(bytes_u64(&r[12..20]));
+        for (what, s) in ["send", "recv"].iter().zip(&st) {
+            assert!(
+                matches!(s, Status::PeerFailed | Status::ConnectionReset | Status::TimedOut),
+                "the wait for the {what} ended with {s:?}"
+            );
+        }
+        // Two waits, each bounded by GSC_TIMEOUT.
+        assert!(took < Duration::from_secs(2 * 3 + 5), "the waits on the silent network ended after {took:?}");
+        survivor.wait_success(T);
+        victim.kill();
+        println!(
+            "silent network: the waits for the send and the receive ended with {:?} and {:?}, {took:?} after the link went down",
+            st[0], st[1]
+        );
     });
 }
