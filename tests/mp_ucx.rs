@@ -677,6 +677,11 @@ impl NetnsPair {
         Ok(pair)
     }
 
+    /// `create`, or `None` with the reason printed (the test then skips).
+    fn create_or_say_why() -> Option<NetnsPair> {
+        NetnsPair::create().map_err(|why| println!("skipped: cannot make network namespaces here: {why}")).ok()
+    }
+
     /// Namespaces of earlier runs that were killed before they could clean up.
     fn remove_stale() {
         let Ok(out) = std::process::Command::new("ip").args(["netns", "list"]).output() else { return };
@@ -715,13 +720,7 @@ impl Drop for NetnsPair {
 #[test]
 fn tag_and_prepared_between_network_namespaces() {
     child_or(|| {
-        let pair = match NetnsPair::create() {
-            Ok(p) => p,
-            Err(why) => {
-                println!("skipped: cannot make network namespaces here: {why}");
-                return;
-            }
-        };
+        let Some(pair) = NetnsPair::create_or_say_why() else { return };
         // Default GSC_TLS (every lane): the ranks are on one machine, yet in different network
         // namespaces, so they count as two hosts and must pick UCX on their own.
         exchange("tag_and_prepared_between_network_namespaces", &[], [&pair.wrapper(0), &pair.wrapper(1)]);
@@ -731,13 +730,7 @@ fn tag_and_prepared_between_network_namespaces() {
 #[test]
 fn host_collectives_between_network_namespaces() {
     child_or(|| {
-        let pair = match NetnsPair::create() {
-            Ok(p) => p,
-            Err(why) => {
-                println!("skipped: cannot make network namespaces here: {why}");
-                return;
-            }
-        };
+        let Some(pair) = NetnsPair::create_or_say_why() else { return };
         // The bootstrap root listens in the first namespace, on its end of the veth pair.
         collectives("host_collectives_between_network_namespaces", &[], [&pair.wrapper(0), &pair.wrapper(1)], "10.213.7.1");
     });
@@ -819,13 +812,7 @@ fn peer_killed_during_a_get_ucx() {
 #[test]
 fn network_silent_mid_transfer_between_network_namespaces() {
     child_or(|| {
-        let pair = match NetnsPair::create() {
-            Ok(p) => p,
-            Err(why) => {
-                println!("skipped: cannot make network namespaces here: {why}");
-                return;
-            }
-        };
+        let Some(pair) = NetnsPair::create_or_say_why() else { return };
         let [mut survivor, mut victim] = start_pair(
             "network_silent_mid_transfer_between_network_namespaces",
             ["silent_survivor", "victim"],
