@@ -388,11 +388,12 @@ fn roles(role: &str, chan: &dyn Chan, ctx: gscomm::Context) {
         "victim" => {
             next_msg(chan, &w, "go");
             let out = pattern(1, BIG);
-            let mut inb = vec![0u8; BIG];
-            // SAFETY: both buffers outlive the requests: this process is killed while they run.
+            // SAFETY: the buffer outlives the request: this process is killed while it runs.
             let _send = unsafe { ep.tag_send_nbx(out.as_ptr(), BIG, 2, RequestParams::default()).unwrap() };
-            // SAFETY: as above.
-            let _recv = unsafe { w.tag_recv_nbx(inb.as_mut_ptr(), BIG, 1, u64::MAX, RequestParams::default()).unwrap() };
+            // No receive for the survivor's message: a send the victim had matched could finish
+            // before the kill (CI saw it once), and then it would prove nothing. Unmatched, it
+            // stays pending until the victim dies, deterministically; the survivor's receive is
+            // the part that is cut mid-transfer.
             chan.put("started", &[]);
             // Keep the data moving until the test kills us (the watchdog ends us otherwise).
             loop {
