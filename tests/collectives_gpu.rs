@@ -24,6 +24,9 @@ const T: Duration = Duration::from_secs(240);
 
 /// Element counts: 1, odd, 2^k ± 1, and enough for several rounds of 64 KiB.
 const COUNTS: &[usize] = &[1, 3, 255, 257, 4097, 70_001];
+/// The direct kernel takes parts of whole 16-byte pieces (all-reduce: n of them): counts that
+/// give them for every type on up to 8 ranks, beside two it refuses (the workspace kernels).
+const DIRECT_COUNTS: &[usize] = &[3, 128, 4096, 65_536, 70_001];
 
 /// Rank `rank`'s input of `count` elements for `seed`: random bits for integers (sums and
 /// products wrap), small integers for floats (exact in every float type, so a result is wrong
@@ -69,7 +72,7 @@ fn device_with(data: &[u8], len: usize) -> DeviceBuf {
 }
 
 /// Every collective on every datatype and operator; problems found, one per line.
-fn exact_results(r: &Rank) -> Vec<String> {
+fn exact_results(r: &Rank, counts: &[usize]) -> Vec<String> {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
     let mut bad = Vec::new();
     let mut seed = 1u64;
@@ -79,7 +82,7 @@ fn exact_results(r: &Rank) -> Vec<String> {
             bad.push(format!("rank {me}: {what}: first difference at byte {at}"));
         }
     };
-    for &count in COUNTS {
+    for &count in counts {
         for dtype in DataType::ALL {
             let sz = dtype.size();
             for op in RedOp::ALL {
@@ -577,7 +580,7 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     let t0 = Instant::now();
     let mut bad = bad_input(&r);
     bad.extend(mismatch(&r));
-    bad.extend(exact_results(&r));
+    bad.extend(exact_results(&r, COUNTS));
     eprintln!("rank {rank}: exact checks in {:?}", t0.elapsed());
     let t0 = Instant::now();
     bad.extend(large_all_reduce(&r));
@@ -652,24 +655,33 @@ fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
-/// The copy engines (`GSC_COLL_CE=on`, `GSC_COLL_CE_MIN=0`: every all-gather and
-/// reduce-scatter, and every all-reduce of whole shards, eager and captured, pulls from the
-/// peers' buffers): the exact checks at every size, datatype and operator, in place and out of
-/// place; the large all-reduce (whole shards) and halves; pre-multiplied sums (the kernels);
-/// captured and graph-condition replays with new data each time (a graph condition runs the
-/// kernels). Checks the copy engines ran.
-fn run_rank_copy_engine(rank: usize, n: usize, uid: &[u8]) -> String {
+/// The collectives on the peers' own buffers: by the copy engines (`GSC_COLL_CE=on`,
+/// `GSC_COLL_CE_MIN=0`) or by the direct kernel (`GSC_COLL_SM=on`, `GSC_COLL_SM_MIN=0`), so
+/// every all-gather and reduce-scatter, and every all-reduce of whole shards (the direct
+/// kernel: of whole 16-byte pieces), eager and captured, runs there: the exact checks at every
+/// size, datatype and operator, in place and out of place; the large all-reduce (whole
+/// shards) and halves; pre-multiplied sums (the kernels); captured and graph-condition
+/// replays with new data each time (a graph condition runs the kernels). Checks the path ran.
+fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], direct: bool) -> String {
     set_device(rank as i32).unwrap();
     let uid = UniqueId::from_bytes(uid).unwrap();
     let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
-    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on"), ("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "0")]);
+    let knobs: &[(&str, &str)] = match direct {
+        false => &[("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "0")],
+        true => &[("GSC_COLL_SM", "on"), ("GSC_COLL_SM_MIN", "0"), ("GSC_COLL_CE", "off")],
+    };
+    let config = config_with(&[&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")], knobs].concat());
     let comm = Communicator::new(boot, rank as i32, &config).unwrap();
     let stream = Stream::new().unwrap();
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
     let r = Rank { comm, stream, cond };
+    let (path, calls) = match direct {
+        false => ("copy-engine", Communicator::copy_engine_calls as fn(&Communicator) -> u64),
+        true => ("direct-kernel", Communicator::direct_calls as fn(&Communicator) -> u64),
+    };
     let t0 = Instant::now();
-    let mut bad = exact_results(&r);
-    eprintln!("rank {rank}: copy-engine exact checks in {:?}", t0.elapsed());
+    let mut bad = exact_results(&r, if direct { DIRECT_COUNTS } else { COUNTS });
+    eprintln!("rank {rank}: {path} exact checks in {:?}", t0.elapsed());
     let t0 = Instant::now();
     bad.extend(large_all_reduce_of(&r, 2_400_000, &LARGE_TYPES, &RedOp::ALL));
     let every_type: Vec<(DataType, RedOp)> = DataType::ALL.iter().map(|&d| (d, RedOp::Sum)).collect();
@@ -677,17 +689,17 @@ fn run_rank_copy_engine(rank: usize, n: usize, uid: &[u8]) -> String {
     let every_op: Vec<(DataType, RedOp)> = RedOp::ALL.iter().map(|&op| (DataType::Float16, op)).collect();
     bad.extend(large_halves_of(&r, 3 << 19, &every_op));
     bad.extend(premul_sums(&r));
-    let before = r.comm.copy_engine_calls();
+    let before = calls(&r.comm);
     bad.extend(graph_replays(&r, 300_000));
-    bad.extend(graph_replays(&r, 2_000_004));
-    eprintln!("rank {rank}: copy-engine large and replay checks in {:?}", t0.elapsed());
+    bad.extend(graph_replays(&r, 2_000_064));
+    eprintln!("rank {rank}: {path} large and replay checks in {:?}", t0.elapsed());
     // Each graph_replays captures one all-reduce of whole shards (the rest is 2-element calls,
     // which are not whole shards on 4 ranks, or eager).
-    if r.comm.copy_engine_calls() < before + 2 {
-        bad.push(format!("rank {rank}: the captured all-reduces did not run on the copy engines"));
+    if calls(&r.comm) < before + 2 {
+        bad.push(format!("rank {rank}: the captured all-reduces did not take the {path} path"));
     }
-    if r.comm.copy_engine_calls() < 100 {
-        bad.push(format!("rank {rank}: only {} calls ran on the copy engines", r.comm.copy_engine_calls()));
+    if calls(&r.comm) < 100 {
+        bad.push(format!("rank {rank}: only {} calls took the {path} path", calls(&r.comm)));
     }
     if let Err(e) = r.comm.async_error() {
         bad.push(format!("rank {rank}: async error {e}"));
@@ -695,11 +707,20 @@ fn run_rank_copy_engine(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
-fn copy_engine_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+fn rank_of(role: &str) -> (usize, usize) {
     let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
-    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
-    let uid = chan.get("uid");
-    let v = run_rank_copy_engine(rank, n, &uid);
+    (rank.parse().unwrap(), n.parse().unwrap())
+}
+
+fn copy_engine_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = rank_of(role);
+    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), false);
+    chan.put("result", v.as_bytes());
+}
+
+fn direct_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = rank_of(role);
+    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), true);
     chan.put("result", v.as_bytes());
 }
 
@@ -708,7 +729,7 @@ fn copy_engine_collectives_exact_on_two_gpus() {
     if run_child_role(copy_engine_roles) {
         return;
     }
-    run_job_with("copy_engine_collectives_exact_on_two_gpus", 2, copy_engine_roles, run_rank_copy_engine);
+    run_job_with("copy_engine_collectives_exact_on_two_gpus", 2, copy_engine_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, false));
 }
 
 #[test]
@@ -716,7 +737,23 @@ fn copy_engine_collectives_exact_on_four_gpus() {
     if run_child_role(copy_engine_roles) {
         return;
     }
-    run_job_with("copy_engine_collectives_exact_on_four_gpus", 4, copy_engine_roles, run_rank_copy_engine);
+    run_job_with("copy_engine_collectives_exact_on_four_gpus", 4, copy_engine_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, false));
+}
+
+#[test]
+fn direct_kernel_collectives_exact_on_two_gpus() {
+    if run_child_role(direct_roles) {
+        return;
+    }
+    run_job_with("direct_kernel_collectives_exact_on_two_gpus", 2, direct_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, true));
+}
+
+#[test]
+fn direct_kernel_collectives_exact_on_four_gpus() {
+    if run_child_role(direct_roles) {
+        return;
+    }
+    run_job_with("direct_kernel_collectives_exact_on_four_gpus", 4, direct_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, true));
 }
 
 fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
@@ -919,15 +956,29 @@ fn a_killed_rank_releases_the_survivor_within_the_timeout() {
 /// Elements of the copy-engine kill test's all-reduce (whole shards on two ranks).
 const CE_KILL_COUNT: usize = 1 << 18;
 
-/// Rank 1 of the copy-engine kill test: captures the all-reduce, replays it once with rank 0,
-/// says so, then waits to be killed.
+/// The knobs that send the kill tests' all-reduce to the copy engines or the direct kernel.
+fn peer_buffer_knobs(direct: bool) -> [(&'static str, &'static str); 2] {
+    match direct {
+        false => [("GSC_COLL_CE", "on"), ("GSC_COLL_SM", "off")],
+        true => [("GSC_COLL_SM", "on"), ("GSC_COLL_CE", "off")],
+    }
+}
+
+/// Rank 1 of the kill tests on the peers' buffers ("ce_victim": the copy engines,
+/// "sm_victim": the direct kernel): captures the all-reduce, replays it once with rank 0, says
+/// so, then waits to be killed.
 fn ce_kill_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    assert_eq!(role, "ce_victim");
+    let direct = match role {
+        "ce_victim" => false,
+        "sm_victim" => true,
+        other => panic!("unknown role {other}"),
+    };
     set_device(1).unwrap();
     let uid = UniqueId::from_bytes(&chan.get("uid")).unwrap();
     let boot = Bootstrap::init(&uid, 1, 2, T).unwrap();
     let mut o = child_overrides();
-    o.extend([("GSC_TIMEOUT".into(), "60s".into()), ("GSC_COLL_CE".into(), "on".into())]);
+    o.push(("GSC_TIMEOUT".into(), "60s".into()));
+    o.extend(peer_buffer_knobs(direct).map(|(k, v)| (k.to_string(), v.to_string())));
     let config = config_with(&o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>());
     let comm = Communicator::new(boot, 1, &config).unwrap();
     let d = device_with(&input(DataType::Float32, 1, 78, CE_KILL_COUNT), CE_KILL_COUNT * 4);
@@ -957,18 +1008,31 @@ fn capture_all_reduce(comm: &Communicator, d: &DeviceBuf) -> (gscomm::cuda::api:
 /// rank's memory must not fault its context, and `async_error` must say TimedOut.
 #[test]
 fn a_killed_rank_releases_a_captured_copy_engine_all_reduce() {
+    killed_rank_releases_a_captured_all_reduce("a_killed_rank_releases_a_captured_copy_engine_all_reduce", false);
+}
+
+/// The same with the direct kernel (`GSC_COLL_SM=on`): its reads of, and writes into, the dead
+/// rank's memory must not fault rank 0's context either.
+#[test]
+fn a_killed_rank_releases_a_captured_direct_kernel_all_reduce() {
+    killed_rank_releases_a_captured_all_reduce("a_killed_rank_releases_a_captured_direct_kernel_all_reduce", true);
+}
+
+fn killed_rank_releases_a_captured_all_reduce(test: &str, direct: bool) {
     if run_child_role(ce_kill_roles) {
         return;
     }
-    let Some((mut victim, boot, dir)) = start_kill_pair("a_killed_rank_releases_a_captured_copy_engine_all_reduce", "ce_victim") else {
+    let (victim_role, path) = if direct { ("sm_victim", "direct-kernel") } else { ("ce_victim", "copy-engine") };
+    let Some((mut victim, boot, dir)) = start_kill_pair(test, victim_role) else {
         return;
     };
-    let config = config_with(&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str()), ("GSC_COLL_CE", "on")]);
+    let config = config_with(&[&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str())], &peer_buffer_knobs(direct)[..]].concat());
     let comm = Communicator::new(boot, 0, &config).unwrap();
     let ins: Vec<Vec<u8>> = (0..2).map(|q| input(DataType::Float32, q, 78, CE_KILL_COUNT)).collect();
     let d = device_with(&ins[0], CE_KILL_COUNT * 4);
     let (graph, stream) = capture_all_reduce(&comm, &d);
-    assert_eq!(comm.copy_engine_calls(), 1, "the captured all-reduce did not take the copy engines");
+    let calls = if direct { comm.direct_calls() } else { comm.copy_engine_calls() };
+    assert_eq!(calls, 1, "the captured all-reduce did not take the {path} path");
     graph.launch(&stream).unwrap();
     stream.synchronize().unwrap();
     let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
@@ -979,17 +1043,17 @@ fn a_killed_rank_releases_a_captured_copy_engine_all_reduce() {
     let killed_at = Instant::now();
     victim.sigkill_proven();
     let stream = std::sync::Arc::new(stream);
-    let (synced, _) = bounded("the survivor's copy-engine all-reduce stream", KILL_TIMEOUT + Duration::from_secs(30), {
+    let (synced, _) = bounded(&format!("the survivor's {path} all-reduce stream"), KILL_TIMEOUT + Duration::from_secs(30), {
         let stream = stream.clone();
         move || stream.synchronize()
     });
     let released = killed_at.elapsed();
-    synced.unwrap_or_else(|e| panic!("the survivor's stream after the kill (its context must survive the pulls): {e}"));
+    synced.unwrap_or_else(|e| panic!("the survivor's stream after the kill (its context must survive the dead peer's memory): {e}"));
     assert!(
         released < slowed(KILL_TIMEOUT + Duration::from_secs(5)),
-        "the copy-engine all-reduce released its stream {released:?} after the kill"
+        "the {path} all-reduce released its stream {released:?} after the kill"
     );
     let e = comm.async_error().unwrap_err();
     assert_eq!(e.status(), Status::TimedOut, "async_error after a peer died: {e}");
-    eprintln!("rank 1 killed: the captured copy-engine all-reduce released rank 0's stream after {released:?}");
+    eprintln!("rank 1 killed: the captured {path} all-reduce released rank 0's stream after {released:?}");
 }

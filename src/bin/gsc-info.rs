@@ -174,9 +174,12 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     if let (true, Some(load)) = (wanted.protocols, &load) {
         out.write_all(gscomm::protocols::selection_table(&load.config).as_bytes()).map_err(io_failed)?;
         let table = match gscomm::collectives::large::LargeShape::from_config(&load.config) {
-            Ok(shape) => {
-                gscomm::collectives::select::describe(load.config.coll_large_min, &shape, (load.config.coll_ce, load.config.coll_ce_min))
-            }
+            Ok(shape) => gscomm::collectives::select::describe(
+                load.config.coll_large_min,
+                &shape,
+                (load.config.coll_sm, load.config.coll_sm_min),
+                (load.config.coll_ce, load.config.coll_ce_min),
+            ),
             Err(e) => format!("# collectives: {e}\n"),
         };
         out.write_all(table.as_bytes()).map_err(io_failed)?;

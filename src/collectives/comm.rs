@@ -14,9 +14,11 @@
 //! any number of times.
 
 use super::agreement::{self, Signature};
-use super::copy_engine::{self, CeCall, CeContext, CopyEngine};
+use super::copy_engine::{self, CopyEngine};
+use super::direct::{self, Direct};
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
+use super::peer_buffers::{DirectCall, DirectContext};
 use super::select::{self, Collective};
 use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
@@ -53,6 +55,10 @@ pub struct Communicator {
     ce_mode: Tristate,
     ce_min: usize,
     ce: CopyEngine,
+    /// `GSC_COLL_SM` and `GSC_COLL_SM_MIN`, and the direct kernel's state.
+    sm_mode: Tristate,
+    sm_min: usize,
+    direct: Direct,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -175,6 +181,11 @@ impl Communicator {
             ce_mode: if shares_process { Tristate::Off } else { config.coll_ce },
             ce_min: config.coll_ce_min,
             ce: CopyEngine::new(device),
+            // Off with several ranks in one process, as the copy engines are: the buffers are
+            // exchanged during the call.
+            sm_mode: if shares_process { Tristate::Off } else { config.coll_sm },
+            sm_min: config.coll_sm_min,
+            direct: Direct::new(config.coll_sm_blocks),
         })
     }
 
@@ -288,6 +299,11 @@ impl Communicator {
     /// Collectives this rank ran by the copy engines (`GSC_COLL_CE`) so far.
     pub fn copy_engine_calls(&self) -> u64 {
         self.ce.runs()
+    }
+
+    /// Collectives this rank ran by the direct kernel (`GSC_COLL_SM`) so far.
+    pub fn direct_calls(&self) -> u64 {
+        self.direct.runs()
     }
 
     /// The large kernels' algorithm and shape this communicator runs (`GSC_COLL_LARGE_*`).
@@ -481,7 +497,7 @@ impl Communicator {
                 )));
             }
         }
-        if self.copy_engines(&call, on)? {
+        if self.on_peer_buffers(&call, on)? {
             return Ok(ArmedOutputs::default());
         }
         if self.large(&call) {
@@ -490,15 +506,34 @@ impl Communicator {
         self.launch_one_shot(&call, on, None)
     }
 
-    /// The call by the copy engines (`copy_engine`) when the configuration wants it there and
-    /// every rank can share its buffers; false: nothing was issued.
-    fn copy_engines(&self, call: &Call, on: &Condition) -> Result<bool> {
-        // Stream conditions only: a graph condition's nodes would need the copies as memcpy
-        // nodes of the user's graph (not built).
+    /// The call on the peers' own buffers — by the direct kernel (`direct`) or the copy engines
+    /// (`copy_engine`), in that order — when the configuration wants it there and every rank
+    /// can share its buffers; false: nothing was issued.
+    fn on_peer_buffers(&self, call: &Call, on: &Condition) -> Result<bool> {
+        // Stream conditions only: a graph condition's nodes would need these launches and
+        // copies as nodes of the user's graph (not built).
         if on.category() != Category::Stream {
             return Ok(false);
         }
         let stream = on.cuda_stream()?;
+        let cx = DirectContext {
+            workspace: &self.workspace,
+            bootstrap: &self.bootstrap,
+            rank: self.rank,
+            nranks: self.nranks,
+            device: self.device,
+            kernel_cache: self.kernel_cache.as_deref(),
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        };
+        let direct_call =
+            |kind| DirectCall { kind, send: call.send, recv: call.recv, part_bytes: call.part_bytes, dtype: call.dtype, op: call.op };
+        if let Some(kind) = direct::wanted(self.sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, call.premul.is_some()) {
+            // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked
+            // to be GPU memory of this device by `run`.
+            if unsafe { self.direct.try_run(&cx, &direct_call(kind), stream) }? {
+                return Ok(true);
+            }
+        }
         let capturing = self.ce_mode == Tristate::Auto && crate::cuda::capture_graph(stream)?.is_some();
         let Some(kind) = copy_engine::wanted(
             self.ce_mode,
@@ -512,19 +547,8 @@ impl Communicator {
         ) else {
             return Ok(false);
         };
-        let cx = CeContext {
-            workspace: &self.workspace,
-            bootstrap: &self.bootstrap,
-            rank: self.rank,
-            nranks: self.nranks,
-            device: self.device,
-            kernel_cache: self.kernel_cache.as_deref(),
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        };
-        let ce_call = CeCall { kind, send: call.send, recv: call.recv, part_bytes: call.part_bytes, dtype: call.dtype, op: call.op };
-        // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked to
-        // be GPU memory of this device by `run`.
-        unsafe { self.ce.try_run(&cx, &ce_call, stream) }
+        // SAFETY: as above.
+        unsafe { self.ce.try_run(&cx, &direct_call(kind), stream) }
     }
 
     /// `GSC_COLL_CHECK`: every rank made the same call, or an error naming the one that did not.

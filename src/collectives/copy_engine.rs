@@ -20,24 +20,22 @@
 //! as data (unit-tested: every byte written once, no rank writes memory a peer reads in the
 //! same phase, in place or not); `CopyEngine::try_run` issues them.
 //!
-//! The buffers' addresses and keys are exchanged through the bootstrap during the call, which
-//! costs a host round trip: with `GSC_COLL_CE=auto` this happens only when the call is being
-//! captured (once per capture; every replay pulls from the same buffers, the "registration by
-//! graph capture" of NCCL), and only where the copy engines measured faster than the kernels
-//! on H200s (docs/PERF.md, session 17): all-gathers, and all-reduces between two ranks. When
-//! four GPUs copy at once the engines move only ~200–220 GB/s per GPU, against ~383 for one GPU
-//! copying alone (docs/probes/ce_allgather.py), so on four the reduce-scatter and the 128 MiB
-//! all-reduce stay with the kernels. `on` takes all three, eager calls too. A rank that cannot share or map a buffer makes every rank fall back
-//! to the kernels — decided from what all ranks report, so they all take the same path.
+//! The buffers' addresses and keys are exchanged through the bootstrap during the call
+//! (`peer_buffers::exchange`, shared with the direct kernel), which costs a host round trip:
+//! with `GSC_COLL_CE=auto` this happens only when the call is being captured (once per
+//! capture; every replay pulls from the same buffers, the "registration by graph capture" of
+//! NCCL), and only where the copy engines measured faster than the kernels on H200s
+//! (docs/PERF.md, session 17): all-gathers, and all-reduces between two ranks. When four GPUs
+//! copy at once the engines move only ~200–220 GB/s per GPU, against ~383 for one GPU copying
+//! alone (docs/probes/ce_allgather.py), so on four the reduce-scatter and the 128 MiB
+//! all-reduce stay with the kernels. `on` takes all three, eager calls too.
 
-use super::types::{DataType, RedOp};
-use crate::bootstrap::Bootstrap;
+use super::peer_buffers::{self, DirectCall, DirectContext, DirectKind};
+use super::types::RedOp;
 use crate::config::Tristate;
-use crate::cuda::coll::{CollKind, NetReduceArgs, Workspace, launch_net_reduce, stream_copy};
+use crate::cuda::coll::{CollKind, NetReduceArgs, launch_net_reduce, stream_copy};
 use crate::cuda::lanes::{GrowingScratch, Lanes};
-use crate::cuda::{ipc, memory};
-use crate::error::{Error, Result, Status};
-use std::path::Path;
+use crate::error::Result;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -75,31 +73,12 @@ pub(crate) enum Step {
     },
 }
 
-/// The collectives the copy engines run.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) enum CeKind {
-    AllGather,
-    ReduceScatter,
-    AllReduce,
-}
-
-impl CeKind {
-    /// (send, recv) bytes of a call with `part` bytes per part on `n` ranks.
-    pub(crate) fn buffer_bytes(self, n: usize, part: usize) -> (usize, usize) {
-        match self {
-            CeKind::AllGather => (part, n * part),
-            CeKind::ReduceScatter => (n * part, part),
-            CeKind::AllReduce => (part, part),
-        }
-    }
-
-    /// Scratch bytes the call pulls into.
-    pub(crate) fn scratch_bytes(self, n: usize, part: usize) -> usize {
-        match self {
-            CeKind::AllGather => 0,
-            CeKind::ReduceScatter => (n - 1) * part,
-            CeKind::AllReduce => (n - 1) * (part / n),
-        }
+/// Scratch bytes a call of `kind` pulls into (`part` as in `plan`).
+pub(crate) fn scratch_bytes(kind: DirectKind, n: usize, part: usize) -> usize {
+    match kind {
+        DirectKind::AllGather => 0,
+        DirectKind::ReduceScatter => (n - 1) * part,
+        DirectKind::AllReduce => (n - 1) * (part / n),
     }
 }
 
@@ -116,7 +95,7 @@ pub(crate) fn wanted(
     elem: usize,
     premul: bool,
     capturing: bool,
-) -> Option<CeKind> {
+) -> Option<DirectKind> {
     let on = match mode {
         Tristate::Off => false,
         Tristate::On => true,
@@ -129,10 +108,10 @@ pub(crate) fn wanted(
         return None;
     }
     match kind {
-        CollKind::AllGather => Some(CeKind::AllGather),
-        CollKind::ReduceScatter => Some(CeKind::ReduceScatter),
+        CollKind::AllGather => Some(DirectKind::AllGather),
+        CollKind::ReduceScatter => Some(DirectKind::ReduceScatter),
         // Shards of whole elements, the same size on every rank.
-        CollKind::AllReduce if part_bytes.is_multiple_of(nranks * elem) => Some(CeKind::AllReduce),
+        CollKind::AllReduce if part_bytes.is_multiple_of(nranks * elem) => Some(DirectKind::AllReduce),
         _ => None,
     }
 }
@@ -141,7 +120,7 @@ pub(crate) fn wanted(
 /// buffer, a multiple of `n` elements); `in_place`: the call's send buffer is its part of the
 /// receive buffer (all-gather), or the receive buffer is its part of the send buffer
 /// (reduce-scatter), or both are one (all-reduce).
-pub(crate) fn plan(kind: CeKind, rank: usize, n: usize, part: usize, in_place: bool) -> Vec<Step> {
+pub(crate) fn plan(kind: DirectKind, rank: usize, n: usize, part: usize, in_place: bool) -> Vec<Step> {
     let peers = || (0..n).filter(move |&q| q != rank);
     // Where peer q's copy goes in scratch: rank order without us (the reduction kernel's layout).
     let slot = |q: usize| q - usize::from(q > rank);
@@ -150,7 +129,7 @@ pub(crate) fn plan(kind: CeKind, rank: usize, n: usize, part: usize, in_place: b
         peers().map(|q| Pull { from: q, src: Buf::Send, src_off, dst: Buf::Scratch, dst_off: slot(q) * bytes, bytes }).collect()
     };
     match kind {
-        CeKind::AllGather => {
+        DirectKind::AllGather => {
             let mut pulls: Vec<Pull> =
                 peers().map(|q| Pull { from: q, src: Buf::Send, src_off: 0, dst: Buf::Recv, dst_off: q * part, bytes: part }).collect();
             if !in_place {
@@ -158,13 +137,13 @@ pub(crate) fn plan(kind: CeKind, rank: usize, n: usize, part: usize, in_place: b
             }
             vec![Step::Barrier, Step::Pulls(pulls), Step::Barrier]
         }
-        CeKind::ReduceScatter => vec![
+        DirectKind::ReduceScatter => vec![
             Step::Barrier,
             Step::Pulls(into_scratch(rank * part, part)),
             Step::Reduce { own_off: rank * part, out_off: 0, bytes: part },
             Step::Barrier,
         ],
-        CeKind::AllReduce => {
+        DirectKind::AllReduce => {
             let shard = part / n;
             let gather_pulls =
                 peers().map(|q| Pull { from: q, src: Buf::Recv, src_off: q * shard, dst: Buf::Recv, dst_off: q * shard, bytes: shard });
@@ -176,93 +155,6 @@ pub(crate) fn plan(kind: CeKind, rank: usize, n: usize, part: usize, in_place: b
                 Step::Pulls(gather_pulls.collect()),
                 Step::Barrier,
             ]
-        }
-    }
-}
-
-/// What a rank tells the others about its buffers: whether it can share them, their addresses
-/// and the keys that open them.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Shared {
-    pub(crate) send: u64,
-    pub(crate) send_key: Vec<u8>,
-    pub(crate) recv: u64,
-    pub(crate) recv_key: Vec<u8>,
-}
-
-/// The largest key `ipc` makes is far below this; a longer one is a corrupt entry.
-const MAX_KEY: usize = 1024;
-
-/// `None`: this rank cannot share its buffers (every rank then falls back).
-pub(crate) fn encode_shared(s: Option<&Shared>) -> Vec<u8> {
-    let Some(s) = s else { return vec![0] };
-    let mut v = vec![1];
-    for (addr, key) in [(s.send, &s.send_key), (s.recv, &s.recv_key)] {
-        v.extend_from_slice(&addr.to_le_bytes());
-        v.extend_from_slice(&(key.len() as u32).to_le_bytes());
-        v.extend_from_slice(key);
-    }
-    v
-}
-
-/// The inverse of `encode_shared`; a malformed entry is an error naming what is wrong.
-pub(crate) fn decode_shared(b: &[u8]) -> Result<Option<Shared>> {
-    let bad = |what: &str| Error::new(Status::ConnectionReset, format!("a copy-engine buffer entry {what}"));
-    match b.first() {
-        Some(0) if b.len() == 1 => return Ok(None),
-        Some(1) => {}
-        _ => return Err(bad("with an unknown flag or trailing bytes")),
-    }
-    let mut at = 1;
-    let mut take = |n: usize| -> Result<&[u8]> {
-        let s = b.get(at..at + n).ok_or_else(|| bad("cut short"))?;
-        at += n;
-        Ok(s)
-    };
-    let mut half = || -> Result<(u64, Vec<u8>)> {
-        let addr = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes"));
-        let len = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
-        if len > MAX_KEY {
-            return Err(bad("with an oversized key"));
-        }
-        Ok((addr, take(len)?.to_vec()))
-    };
-    let (send, send_key) = half()?;
-    let (recv, recv_key) = half()?;
-    if at != b.len() {
-        return Err(bad("with trailing bytes"));
-    }
-    Ok(Some(Shared { send, send_key, recv, recv_key }))
-}
-
-/// What one call needs from its communicator.
-pub(crate) struct CeContext<'a> {
-    pub(crate) workspace: &'a Workspace,
-    pub(crate) bootstrap: &'a Bootstrap,
-    pub(crate) rank: usize,
-    pub(crate) nranks: usize,
-    pub(crate) device: i32,
-    pub(crate) kernel_cache: Option<&'a Path>,
-    pub(crate) timeout_ns: u64,
-}
-
-/// One call: `part_bytes` as in `plan`.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct CeCall {
-    pub(crate) kind: CeKind,
-    pub(crate) send: u64,
-    pub(crate) recv: u64,
-    pub(crate) part_bytes: usize,
-    pub(crate) dtype: DataType,
-    pub(crate) op: RedOp,
-}
-
-impl CeCall {
-    fn in_place(&self, rank: usize) -> bool {
-        match self.kind {
-            CeKind::AllGather => self.send == self.recv + (rank * self.part_bytes) as u64,
-            CeKind::ReduceScatter => self.recv == self.send + (rank * self.part_bytes) as u64,
-            CeKind::AllReduce => self.send == self.recv,
         }
     }
 }
@@ -295,61 +187,18 @@ impl CopyEngine {
     /// # Safety
     /// The call's buffers are GPU memory of this rank's device, valid for the call's sizes until
     /// the work completed on `stream`.
-    pub(crate) unsafe fn try_run(&self, cx: &CeContext, call: &CeCall, stream: usize) -> Result<bool> {
+    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, stream: usize) -> Result<bool> {
         let (n, me) = (cx.nranks, cx.rank);
-        let (send_len, recv_len) = call.kind.buffer_bytes(n, call.part_bytes);
-        // 1. Addresses and keys, from every rank.
-        // Exporting and mapping are "potentially unsafe" calls under a stream capture in the
-        // default global mode (they would invalidate it): relaxed for this thread meanwhile.
-        use crate::cuda::with_relaxed_capture as relaxed;
-        let shared = relaxed(|| -> Result<Shared> {
-            let key = |addr: u64| -> Result<Vec<u8>> {
-                let ptr = memory::device_ptr(addr as usize)?.ok_or_else(|| Error::invalid_param("not GPU memory"))?;
-                Ok(ipc::export(addr as usize, ptr)?.encode())
-            };
-            Ok(Shared { send: call.send, send_key: key(call.send)?, recv: call.recv, recv_key: key(call.recv)? })
-        });
-        if let Err(e) = &shared {
-            tracing::debug!(target: "gsc::coll", error = %e, "copy engines: this rank's buffers cannot be shared; every rank runs the kernels");
-        }
-        let all = cx
-            .bootstrap
-            .allgather(&encode_shared(shared.as_ref().ok()))
-            .map_err(|e| e.context("exchanging buffers for the copy engines"))?;
-        let all = all.iter().map(|b| decode_shared(b)).collect::<Result<Vec<_>>>()?;
-        if all.iter().any(Option::is_none) {
+        let Some(peer_bufs) = peer_buffers::exchange(cx, call, true, "the copy engines")? else {
             return Ok(false);
-        }
-        let all: Vec<Shared> = all.into_iter().map(|s| s.expect("checked above")).collect();
-        // 2. Every peer's buffers mapped here; whether every rank managed, from every rank.
-        let map = |q: usize, buf: Buf| -> Result<u64> {
-            let (addr, key, len) = match buf {
-                Buf::Send => (all[q].send, &all[q].send_key, send_len),
-                _ => (all[q].recv, &all[q].recv_key, recv_len),
-            };
-            ipc::map_peer(&ipc::DeviceKey::decode(key)?, addr, len, cx.device)
         };
-        let mut peer_bufs = vec![(0u64, 0u64); n];
-        let mapped = relaxed(|| {
-            (0..n).filter(|&q| q != me).try_for_each(|q| -> Result<()> {
-                peer_bufs[q] = (map(q, Buf::Send)?, map(q, Buf::Recv)?);
-                Ok(())
-            })
-        });
-        if let Err(e) = &mapped {
-            tracing::debug!(target: "gsc::coll", error = %e, "copy engines: a peer's buffer cannot be mapped here; every rank runs the kernels");
-        }
-        peer_bufs[me] = (call.send, call.recv);
-        let verdicts = cx.bootstrap.allgather(&[u8::from(mapped.is_ok())]).map_err(|e| e.context("agreeing on the copy engines"))?;
-        if verdicts.iter().any(|v| v.as_slice() != [1]) {
-            return Ok(false);
-        }
-        // 3. The steps, on the caller's stream and the side streams.
+        use crate::cuda::with_relaxed_capture as relaxed;
+        // The steps, on the caller's stream and the side streams.
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if st.lanes.as_ref().is_none_or(|l| l.len() < n - 1) {
             st.lanes = Some(relaxed(|| Lanes::new(cx.device, n - 1))?);
         }
-        let scratch = match call.kind.scratch_bytes(n, call.part_bytes) {
+        let scratch = match scratch_bytes(call.kind, n, call.part_bytes) {
             0 => 0,
             bytes => st.scratch.at_least(bytes)?,
         };
@@ -407,16 +256,16 @@ mod tests {
 
     /// Every rank's memory as one line of bytes: send at 0, recv after it (or aliased into send
     /// in place), scratch after both. Returns (buffer, offset) -> address for `rank`.
-    fn layout(kind: CeKind, rank: usize, n: usize, part: usize, in_place: bool) -> impl Fn(Buf, usize) -> usize {
+    fn layout(kind: DirectKind, rank: usize, n: usize, part: usize, in_place: bool) -> impl Fn(Buf, usize) -> usize {
         let (send_len, _) = kind.buffer_bytes(n, part);
         let send_base = 1 << 30;
         let recv_base = match (in_place, kind) {
             (false, _) => send_base + send_len,
             // The send buffer is our part of the receive buffer.
-            (true, CeKind::AllGather) => send_base - rank * part,
+            (true, DirectKind::AllGather) => send_base - rank * part,
             // The receive buffer is our part of the send buffer.
-            (true, CeKind::ReduceScatter) => send_base + rank * part,
-            (true, CeKind::AllReduce) => send_base,
+            (true, DirectKind::ReduceScatter) => send_base + rank * part,
+            (true, DirectKind::AllReduce) => send_base,
         };
         let scratch_base = 1 << 40;
         move |buf, off| match buf {
@@ -432,7 +281,7 @@ mod tests {
 
     #[test]
     fn every_byte_is_written_once_and_no_phase_writes_what_a_peer_reads() {
-        for kind in [CeKind::AllGather, CeKind::ReduceScatter, CeKind::AllReduce] {
+        for kind in [DirectKind::AllGather, DirectKind::ReduceScatter, DirectKind::AllReduce] {
             for n in 2..=8 {
                 let part = 16 * n * 3;
                 for in_place in [false, true] {
@@ -459,19 +308,19 @@ mod tests {
                                     };
                                     assert!(p.src_off + p.bytes <= len, "{kind:?}: a pull reads past the peer's buffer");
                                     if p.dst == Buf::Scratch {
-                                        assert!(p.dst_off + p.bytes <= kind.scratch_bytes(n, part));
+                                        assert!(p.dst_off + p.bytes <= scratch_bytes(kind, n, part));
                                     }
                                     note(p.dst, p.dst_off, p.bytes)
                                 }),
                                 Step::Reduce { own_off, out_off, bytes } => {
-                                    assert!(own_off + bytes <= send_len && (n - 1) * bytes <= kind.scratch_bytes(n, part));
+                                    assert!(own_off + bytes <= send_len && (n - 1) * bytes <= scratch_bytes(kind, n, part));
                                     note(Buf::Recv, *out_off, *bytes)
                                 }
                                 Step::Barrier => {}
                             }
                         }
                         // In place the send part of an all-gather is already there.
-                        let skip = if in_place && kind == CeKind::AllGather { rank * part..(rank + 1) * part } else { 0..0 };
+                        let skip = if in_place && kind == DirectKind::AllGather { rank * part..(rank + 1) * part } else { 0..0 };
                         for (i, w) in written.iter().enumerate() {
                             let want = u32::from(!skip.contains(&i));
                             assert_eq!(*w, want, "{kind:?} n={n} rank {rank} in_place={in_place}: byte {i} of recv");
@@ -528,38 +377,22 @@ mod tests {
     #[test]
     fn only_large_calls_of_the_right_kind_go_to_the_copy_engines() {
         let w = |mode, kind, bytes, premul, capturing| wanted(mode, 4 << 20, kind, bytes, 4, 4, premul, capturing);
-        assert_eq!(w(Tristate::Auto, CollKind::AllGather, 8 << 20, false, true), Some(CeKind::AllGather));
+        assert_eq!(w(Tristate::Auto, CollKind::AllGather, 8 << 20, false, true), Some(DirectKind::AllGather));
         assert_eq!(w(Tristate::Auto, CollKind::AllGather, 8 << 20, false, false), None, "auto: captured calls only");
         assert_eq!(w(Tristate::Auto, CollKind::AllReduce, 8 << 20, false, true), None, "auto: all-reduce between two ranks only");
         assert_eq!(
             wanted(Tristate::Auto, 4 << 20, CollKind::AllReduce, 8 << 20, 2, 4, false, true),
-            Some(CeKind::AllReduce),
+            Some(DirectKind::AllReduce),
             "auto: all-reduce between two ranks"
         );
         assert_eq!(w(Tristate::Auto, CollKind::ReduceScatter, 8 << 20, false, true), None, "auto: no reduce-scatter");
-        assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, false, true), Some(CeKind::AllReduce));
-        assert_eq!(w(Tristate::On, CollKind::ReduceScatter, 8 << 20, false, false), Some(CeKind::ReduceScatter));
+        assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, false, true), Some(DirectKind::AllReduce));
+        assert_eq!(w(Tristate::On, CollKind::ReduceScatter, 8 << 20, false, false), Some(DirectKind::ReduceScatter));
         assert_eq!(w(Tristate::Off, CollKind::AllReduce, 8 << 20, false, true), None);
         assert_eq!(w(Tristate::On, CollKind::AllReduce, (4 << 20) - 16, false, false), None, "below the threshold");
         assert_eq!(w(Tristate::On, CollKind::AllReduce, (8 << 20) + 4, false, false), None, "shards of whole elements");
         assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, true, false), None, "pre-multiplied sums run the kernels");
         assert_eq!(w(Tristate::On, CollKind::Broadcast, 8 << 20, false, false), None);
         assert_eq!(wanted(Tristate::On, 0, CollKind::AllGather, 64, 1, 4, false, false), None, "one rank");
-    }
-
-    #[test]
-    fn shared_entries_round_trip_and_malformed_ones_are_named() {
-        let s = Shared { send: 0x7000, send_key: vec![1; 88], recv: 0x9000, recv_key: vec![2; 120] };
-        assert_eq!(decode_shared(&encode_shared(Some(&s))).unwrap(), Some(s.clone()));
-        assert_eq!(decode_shared(&encode_shared(None)).unwrap(), None);
-        let good = encode_shared(Some(&s));
-        for bad in [vec![], vec![2], vec![0, 0], good[..good.len() - 1].to_vec(), [good.clone(), vec![0]].concat()] {
-            let e = decode_shared(&bad).unwrap_err().to_string();
-            assert!(e.contains("copy-engine buffer entry"), "{e}");
-        }
-        let mut huge = vec![1];
-        huge.extend_from_slice(&0u64.to_le_bytes());
-        huge.extend_from_slice(&(u32::MAX).to_le_bytes());
-        assert!(decode_shared(&huge).unwrap_err().to_string().contains("oversized"));
     }
 }

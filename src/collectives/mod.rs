@@ -15,10 +15,12 @@
 pub(crate) mod agreement;
 pub mod comm;
 pub(crate) mod copy_engine;
+pub(crate) mod direct;
 pub mod host;
 pub mod large;
 pub mod net;
 pub mod p2p;
+pub(crate) mod peer_buffers;
 pub mod select;
 pub mod types;
 

@@ -85,12 +85,26 @@ pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, a
 }
 
 /// The table as `gsc-info -p` prints it; `shape`: the large kernels' (`GSC_COLL_LARGE_*`).
-/// `ce`: `GSC_COLL_CE` and `GSC_COLL_CE_MIN` (`copy_engine`), which come before the table.
-pub fn describe(large_min: usize, shape: &LargeShape, ce: (crate::config::Tristate, usize)) -> String {
+/// `sm` and `ce`: `GSC_COLL_SM`/`GSC_COLL_SM_MIN` (`direct`) and `GSC_COLL_CE`/
+/// `GSC_COLL_CE_MIN` (`copy_engine`), which come before the table, in that order.
+pub fn describe(
+    large_min: usize,
+    shape: &LargeShape,
+    sm: (crate::config::Tristate, usize),
+    ce: (crate::config::Tristate, usize),
+) -> String {
     use crate::config::Tristate;
     let mut out = String::new();
     let _ = writeln!(out, "# collectives (GSC_COLL_LARGE_MIN={}), bytes per rank", crate::config::format_size(large_min as u64));
     let _ = writeln!(out, "# large kernels: {}", shape.describe());
+    let sm_min = crate::config::format_size(sm.1 as u64);
+    let _ = match sm.0 {
+        Tristate::On => writeln!(
+            out,
+            "# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter (parts of whole 16 bytes) and all_reduce (shards of whole 16 bytes) from {sm_min} per rank on stream conditions, buffers on 16 bytes, first"
+        ),
+        Tristate::Auto | Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM={}): never", sm.0.name()),
+    };
     let ce_min = crate::config::format_size(ce.1 as u64);
     let _ = match ce.0 {
         Tristate::Off => writeln!(out, "# copy engines (GSC_COLL_CE=off): never"),
@@ -146,7 +160,12 @@ mod tests {
     #[test]
     fn the_table_names_every_collective() {
         let config = crate::config::Config { coll_large_algo: LargeAlgo::Pipelined, ..Default::default() };
-        let t = describe(256 << 10, &LargeShape::from_config(&config).unwrap(), (crate::config::Tristate::Auto, 4 << 20));
+        let t = describe(
+            256 << 10,
+            &LargeShape::from_config(&config).unwrap(),
+            (crate::config::Tristate::On, 1 << 20),
+            (crate::config::Tristate::Auto, 4 << 20),
+        );
         for coll in Collective::ALL {
             assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
         }
@@ -154,5 +173,6 @@ mod tests {
         assert!(t.contains("[all_gather] one-shot LL (all pairs, flags in the data) below 256K"), "the large halves are listed: {t}");
         assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
         assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
+        assert!(t.contains("# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter"), "{t}");
     }
 }

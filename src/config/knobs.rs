@@ -550,6 +550,58 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.coll_ce_min as u64),
     },
     Knob {
+        name: "GSC_COLL_SM",
+        default: "auto",
+        doc: "Large all-reduce, all-gather and reduce-scatter by one SM kernel on the peers' own \
+              buffers: all-gather pushes each part into every rank's receive buffer, \
+              reduce-scatter and all-reduce read each rank's shard of every send buffer and \
+              reduce it in rank order (all-reduce writes the sum into every receive buffer), \
+              between two meetings of the ranks in the same launch. The buffers are exchanged \
+              and mapped through the bootstrap during the call, as for GSC_COLL_CE. on: every \
+              such call from GSC_COLL_SM_MIN whose buffers are on 16 bytes and whose parts \
+              (all-reduce: shards) are whole 16 bytes, before the copy engines; auto: not yet \
+              (not measured on a device); off: never. Always off for a communicator with \
+              several ranks in one process",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.coll_sm = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.coll_sm.name().to_string(),
+    },
+    Knob {
+        name: "GSC_COLL_SM_MIN",
+        default: "1M",
+        doc: "Smallest call (bytes per rank's part: the whole buffer of an all-reduce) that \
+              GSC_COLL_SM gives to the direct kernel",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.coll_sm_min = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_sm_min as u64),
+    },
+    Knob {
+        name: "GSC_COLL_SM_BLOCKS",
+        default: "auto",
+        doc: "Blocks of the direct kernel (GSC_COLL_SM), 1..=4096; auto: two per SM. Fewer are \
+              launched when the call has fewer 16-byte pieces than threads",
+        kind: KnobKind::AutoCount,
+        parse: |c, v| {
+            if v.trim().eq_ignore_ascii_case("auto") {
+                c.coll_sm_blocks = None;
+                return Ok(());
+            }
+            let n = parse_usize(v).map_err(|_| "expected auto or a number of blocks".to_string())?;
+            if !(1..=4096).contains(&n) {
+                return Err("expected auto or 1 to 4096 blocks".into());
+            }
+            c.coll_sm_blocks = Some(n);
+            Ok(())
+        },
+        show: |c| c.coll_sm_blocks.map_or("auto".to_string(), |n| n.to_string()),
+    },
+    Knob {
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
         doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \

@@ -343,6 +343,13 @@ pub struct Config {
     pub coll_ce: Tristate,
     /// `GSC_COLL_CE_MIN`, bytes per rank's part: the smallest call the copy engines take.
     pub coll_ce_min: usize,
+    /// `GSC_COLL_SM`: large collectives by one SM kernel on the peers' own buffers
+    /// (`collectives::direct`): `On` only; `Auto` waits for a device measurement.
+    pub coll_sm: Tristate,
+    /// `GSC_COLL_SM_MIN`, bytes per rank's part: the smallest call the direct kernel takes.
+    pub coll_sm_min: usize,
+    /// `GSC_COLL_SM_BLOCKS`: the direct kernel's blocks; `None` (`auto`): two per SM.
+    pub coll_sm_blocks: Option<usize>,
     /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
     /// processes of one machine count as different hosts). `None`: the real host only.
     pub fake_host: Option<String>,
@@ -439,6 +446,9 @@ impl Default for Config {
             coll_check: false,
             coll_ce: Tristate::Auto,
             coll_ce_min: 4 << 20,
+            coll_sm: Tristate::Auto,
+            coll_sm_min: 1 << 20,
+            coll_sm_blocks: None,
             fake_host: None,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,

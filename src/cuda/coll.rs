@@ -640,14 +640,16 @@ const TYPE_INSTANCES: [(&str, &str); 10] = [
 fn module_source(t: usize) -> String {
     let (ty, tag) = TYPE_INSTANCES[t];
     format!(
-        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n",
+        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n",
         super::kernels::DEVICE_HEADER,
         FLAGS_OFFSET / 8,
         PIPE_FLAGS_OFFSET / 8,
         BIG_OFFSET,
         big_round_max(),
         crate::collectives::large::PIPELINED_MAX_THREADS,
-        super::coll_pipelined::SOURCE
+        super::coll_direct::DIRECT_THREADS,
+        super::coll_pipelined::SOURCE,
+        super::coll_direct::SOURCE
     )
 }
 
@@ -842,6 +844,23 @@ impl Workspace {
 }
 
 impl Workspace {
+    /// Launch the direct kernel `kernel_name` (`gsc_direct_<type>_<op>`) on `stream`: `args`
+    /// gives the buffers, sizes and ranks, the workspace fills in the rest. Replayed from a
+    /// cached one-node graph, as a call of one launch is (`launch`).
+    pub(crate) fn launch_direct(
+        &self,
+        stream: usize,
+        kernel_name: &str,
+        cache_dir: Option<&Path>,
+        mut args: super::coll_direct::DirectArgs,
+        grid: Grid,
+    ) -> Result<()> {
+        let ctx = primary_context(self.device)?;
+        let f = kernel(ctx, kernel_name, cache_dir)?;
+        args.coll = self.fill(args.coll);
+        replay::launch(ctx as usize, f, stream, grid, &args)
+    }
+
     /// A barrier of every rank on `stream` (`gsc_coll_barrier`, one block of a warp): a round
     /// of the communicator like any collective's, with its timeout and abort.
     pub(crate) fn launch_barrier(
@@ -1060,7 +1079,7 @@ mod tests {
     #[test]
     fn every_kernel_name_finds_its_type_module() {
         for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
-            for family in ["gsc_coll_", "gsc_coll_big_", "gsc_coll_pipe_", "gsc_net_reduce_"] {
+            for family in ["gsc_coll_", "gsc_coll_big_", "gsc_coll_pipe_", "gsc_net_reduce_", "gsc_direct_"] {
                 for op in ["sum", "prod", "max", "min", "avg", "premul"] {
                     assert_eq!(module_of(&format!("{family}{tag}_{op}")), t, "{family}{tag}_{op}");
                 }
@@ -1069,6 +1088,7 @@ mod tests {
             assert_eq!(src.matches("\nGSC_COLL(").count(), 1, "{tag}: one instantiation of the kernels");
             assert_eq!(src.matches("\nGSC_COLL_PIPE(").count(), 1, "{tag}: one of the pipelined kernel");
             assert!(src.contains(&format!("GSC_COLL({}, {tag})", TYPE_INSTANCES[t].0)));
+            assert!(src.contains(&format!("GSC_COLL_DIRECT({}, {tag})", TYPE_INSTANCES[t].0)));
         }
         assert_eq!(module_of("gsc_coll_barrier"), 0);
     }

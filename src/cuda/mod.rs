@@ -28,6 +28,7 @@ pub(crate) mod alloc;
 pub mod api;
 pub(crate) mod bounce;
 pub(crate) mod coll;
+pub(crate) mod coll_direct;
 mod coll_pipelined;
 pub(crate) mod copy;
 mod device_handle;
@@ -412,6 +413,17 @@ pub(crate) fn tie_to_graph<T: Send + 'static>(graph: cu::CUgraph, value: T) -> R
 }
 
 /// Compute capability (major, minor) of the context's device.
+/// Streaming multiprocessors of `device`.
+pub(crate) fn sm_count(device: i32) -> Result<usize> {
+    let mut v = 0;
+    // SAFETY: a valid out-pointer; `device` is an ordinal of a device the caller uses.
+    check(
+        unsafe { cu::cuDeviceGetAttribute(&mut v, cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device) },
+        "cuDeviceGetAttribute (multiprocessors)",
+    )?;
+    Ok(v.max(1) as usize)
+}
+
 pub(crate) fn context_arch(ctx: cu::CUcontext) -> Result<(i32, i32)> {
     let _scope = CtxScope::enter(ctx)?;
     let mut dev: cu::CUdevice = 0;

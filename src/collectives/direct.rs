@@ -1,0 +1,245 @@
+//! Large all-gather, reduce-scatter and all-reduce by one SM kernel working on the peers' own
+//! buffers (`GSC_COLL_SM`; the kernel is `cuda::coll_direct`).
+//!
+//! The workspace kernels (phased, pipelined) copy every byte into a peer's workspace, wait for
+//! a flag and copy it out again, in rounds, with NVLink idle while the flags travel. With the
+//! peers' buffers mapped (`peer_buffers::exchange`), one launch can do the whole call with
+//! two meetings of the ranks, at its start and its end, and NVLink busy in between:
+//!
+//! - all-gather: each rank writes its part into every rank's receive buffer (push: stores
+//!   measured faster than loads over NVLink, docs/PERF.md session 13's copy-kernel probe);
+//! - reduce-scatter: each rank reads its part of every rank's send buffer, reduces them in rank
+//!   order and writes its receive buffer;
+//! - all-reduce ("two-shot" fused): each rank reads its shard of every rank's send buffer,
+//!   reduces them and writes the sum into that shard of every rank's receive buffer.
+//!
+//! Each byte of a receive buffer is written by exactly one rank, and no rank writes memory any
+//! rank reads in the same launch, in place or not (`job`'s tests check both on a model of the
+//! ranks' memory). `auto` does not take this path yet: it has not been measured on a device.
+
+use super::peer_buffers::{self, DirectCall, DirectContext, DirectKind};
+use crate::config::Tristate;
+use crate::cuda::Grid;
+use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS};
+use crate::cuda::coll_direct::{DIRECT_THREADS, DirectArgs};
+use crate::error::Result;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Whether a call goes to the direct kernel: a function of the configuration and the call, so
+/// every rank decides alike. `part_bytes`: as `Call::part_bytes` (an all-reduce's whole buffer).
+pub(crate) fn wanted(mode: Tristate, min: usize, kind: CollKind, part_bytes: usize, nranks: usize, premul: bool) -> Option<DirectKind> {
+    // `auto`: not before a device run shows where it beats the workspace kernels.
+    if mode != Tristate::On || !(2..=MAX_RANKS).contains(&nranks) || premul || part_bytes == 0 || part_bytes < min {
+        return None;
+    }
+    // The kernel moves whole 16-byte pieces.
+    match kind {
+        CollKind::AllGather if part_bytes.is_multiple_of(16) => Some(DirectKind::AllGather),
+        CollKind::ReduceScatter if part_bytes.is_multiple_of(16) => Some(DirectKind::ReduceScatter),
+        CollKind::AllReduce if part_bytes.is_multiple_of(16 * nranks) => Some(DirectKind::AllReduce),
+        _ => None,
+    }
+}
+
+/// What one rank's kernel does: reduce `bytes` of every source (in this order) into every
+/// destination. Addresses as this rank sees them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Job {
+    pub(crate) srcs: Vec<u64>,
+    pub(crate) dsts: Vec<u64>,
+    pub(crate) bytes: usize,
+}
+
+/// Rank `rank`'s job in a call of `kind` on `n` ranks, `part` as in `DirectCall`; `bufs`: every
+/// rank's (send, recv) as `peer_buffers::exchange` gives them.
+pub(crate) fn job(kind: DirectKind, rank: usize, n: usize, part: usize, in_place: bool, bufs: &[(u64, u64)]) -> Job {
+    let (send, recv) = (|q: usize| bufs[q].0, |q: usize| bufs[q].1);
+    match kind {
+        DirectKind::AllGather => Job {
+            srcs: vec![send(rank)],
+            // In place our part is already in our receive buffer.
+            dsts: (0..n).filter(|&q| !(in_place && q == rank)).map(|q| recv(q) + (rank * part) as u64).collect(),
+            bytes: part,
+        },
+        DirectKind::ReduceScatter => {
+            Job { srcs: (0..n).map(|q| send(q) + (rank * part) as u64).collect(), dsts: vec![recv(rank)], bytes: part }
+        }
+        DirectKind::AllReduce => {
+            let shard = part / n;
+            let at = (rank * shard) as u64;
+            Job { srcs: (0..n).map(|q| send(q) + at).collect(), dsts: (0..n).map(|q| recv(q) + at).collect(), bytes: shard }
+        }
+    }
+}
+
+/// A communicator's direct-kernel state.
+pub(crate) struct Direct {
+    /// Blocks per launch (`GSC_COLL_SM_BLOCKS`; `None`: two per SM).
+    blocks: Option<usize>,
+    /// Calls run here so far (tests and benchmarks check the path was taken).
+    runs: AtomicU64,
+}
+
+impl Direct {
+    pub(crate) fn new(blocks: Option<usize>) -> Direct {
+        Direct { blocks, runs: AtomicU64::new(0) }
+    }
+
+    pub(crate) fn runs(&self) -> u64 {
+        self.runs.load(Ordering::Relaxed)
+    }
+
+    /// Run `call` on `stream` by the direct kernel. `Ok(false)`: some rank cannot share, map or
+    /// use its buffers here, every rank learnt it, nothing was issued — run the workspace
+    /// kernels instead. Collective: every rank whose `wanted` said yes calls it.
+    ///
+    /// # Safety
+    /// The call's buffers are GPU memory of this rank's device, valid for the call's sizes until
+    /// the work completed on `stream`.
+    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, stream: usize) -> Result<bool> {
+        let (n, me) = (cx.nranks, cx.rank);
+        // The kernel's 16-byte loads and stores need every address on 16 bytes; the offsets
+        // are (`wanted`), and the peers' mappings keep an address's place in its allocation.
+        let usable = call.send.is_multiple_of(16) && call.recv.is_multiple_of(16);
+        let Some(bufs) = peer_buffers::exchange(cx, call, usable, "the direct kernel")? else {
+            return Ok(false);
+        };
+        let job = job(call.kind, me, n, call.part_bytes, call.in_place(me), &bufs);
+        let mut args = DirectArgs {
+            coll: CollArgs {
+                bytes: job.bytes as u64,
+                rounds: 2,
+                nranks: n as u64,
+                rank: me as u64,
+                timeout_ns: cx.timeout_ns,
+                ..Default::default()
+            },
+            nsrc: job.srcs.len() as u64,
+            ndst: job.dsts.len() as u64,
+            ..Default::default()
+        };
+        args.src[..job.srcs.len()].copy_from_slice(&job.srcs);
+        args.dst[..job.dsts.len()].copy_from_slice(&job.dsts);
+        let per_gpu = match self.blocks {
+            None => 2 * crate::cuda::sm_count(cx.device)?,
+            Some(b) => b,
+        };
+        // No more blocks than there are pieces for a thread each.
+        let blocks = per_gpu.min(job.bytes.div_ceil(16 * DIRECT_THREADS as usize)).max(1);
+        // Pre-multiplied sums never come here (`wanted`); the others have a kernel each.
+        let name = format!("gsc_direct_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
+        cx.workspace.launch_direct(stream, &name, cx.kernel_cache, args, Grid { blocks: blocks as u32, threads: DIRECT_THREADS })?;
+        self.runs.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Rank r's (send, recv) in a model of every rank's memory (one address space, as the
+    /// mappings give each rank): send at its own base, recv after it or aliased in place.
+    fn buffers(kind: DirectKind, n: usize, part: usize, in_place: bool) -> Vec<(u64, u64)> {
+        let (send_len, _) = kind.buffer_bytes(n, part);
+        (0..n)
+            .map(|r| {
+                let send = ((r as u64) + 1) << 32;
+                let recv = match (in_place, kind) {
+                    (false, _) => send + send_len as u64,
+                    (true, DirectKind::AllGather) => send - (r * part) as u64,
+                    (true, DirectKind::ReduceScatter) => send + (r * part) as u64,
+                    (true, DirectKind::AllReduce) => send,
+                };
+                (send, recv)
+            })
+            .collect()
+    }
+
+    /// Byte i of rank r's input.
+    fn input(r: usize, i: usize) -> u8 {
+        (r * 37 + i * 11 + 1) as u8
+    }
+
+    #[test]
+    fn every_rank_gets_the_collective_and_no_byte_is_both_written_and_read_by_another() {
+        for kind in [DirectKind::AllGather, DirectKind::ReduceScatter, DirectKind::AllReduce] {
+            for n in 2..=MAX_RANKS {
+                let part = 16 * n * 3;
+                for in_place in [false, true] {
+                    let bufs = buffers(kind, n, part, in_place);
+                    let (send_len, recv_len) = kind.buffer_bytes(n, part);
+                    let mut mem: HashMap<u64, u8> = HashMap::new();
+                    for (r, &(send, _)) in bufs.iter().enumerate() {
+                        (0..send_len).for_each(|i| _ = mem.insert(send + i as u64, input(r, i)));
+                    }
+                    let before = mem.clone();
+                    // Who reads and writes each byte: (rank, piece index in its job).
+                    let mut reads: HashMap<u64, Vec<(usize, usize)>> = HashMap::new();
+                    let mut writes: HashMap<u64, Vec<(usize, usize)>> = HashMap::new();
+                    let jobs: Vec<Job> = (0..n).map(|r| job(kind, r, n, part, in_place, &bufs)).collect();
+                    for (r, j) in jobs.iter().enumerate() {
+                        assert!(j.bytes > 0 && j.bytes.is_multiple_of(16) && j.srcs.len() <= MAX_RANKS && j.dsts.len() <= MAX_RANKS);
+                        for i in 0..j.bytes {
+                            j.srcs.iter().for_each(|s| reads.entry(s + i as u64).or_default().push((r, i)));
+                            j.dsts.iter().for_each(|d| writes.entry(d + i as u64).or_default().push((r, i)));
+                        }
+                    }
+                    let what = format!("{kind:?} n={n} in_place={in_place}");
+                    for (addr, w) in &writes {
+                        assert_eq!(w.len(), 1, "{what}: byte {addr:#x} written {} times", w.len());
+                        for reader in reads.get(addr).into_iter().flatten() {
+                            // Only the thread that writes the byte may read it (before, in place).
+                            assert_eq!(reader, &w[0], "{what}: byte {addr:#x} written by {:?} and read by {reader:?}", w[0]);
+                        }
+                    }
+                    // Run the ranks' jobs on the model, all reads from the memory as it was
+                    // before (no byte is both read and written by different threads, above).
+                    for j in &jobs {
+                        for i in 0..j.bytes {
+                            let v = j.srcs.iter().map(|s| before[&(s + i as u64)]).fold(0u8, u8::wrapping_add);
+                            j.dsts.iter().for_each(|d| _ = mem.insert(d + i as u64, v));
+                        }
+                    }
+                    for (r, &(_, recv)) in bufs.iter().enumerate() {
+                        for i in 0..recv_len {
+                            let want = match kind {
+                                DirectKind::AllGather => input(i / part, i % part),
+                                DirectKind::ReduceScatter => (0..n).map(|q| input(q, r * part + i)).fold(0u8, u8::wrapping_add),
+                                DirectKind::AllReduce => (0..n).map(|q| input(q, i)).fold(0u8, u8::wrapping_add),
+                            };
+                            assert_eq!(mem.get(&(recv + i as u64)), Some(&want), "{what}: rank {r}, byte {i} of recv");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reductions_list_the_ranks_in_order() {
+        let bufs = buffers(DirectKind::AllReduce, 4, 4 * 64, false);
+        let j = job(DirectKind::AllReduce, 2, 4, 4 * 64, false, &bufs);
+        assert_eq!(j.srcs, (0..4).map(|q| bufs[q].0 + 128).collect::<Vec<_>>(), "rank order, shard 2");
+        let j = job(DirectKind::ReduceScatter, 1, 4, 64, false, &buffers(DirectKind::ReduceScatter, 4, 64, false));
+        assert_eq!(j.srcs.len(), 4);
+        assert!(j.srcs.windows(2).all(|w| w[0] < w[1]), "rank order: the model's bases grow with the rank");
+    }
+
+    #[test]
+    fn only_on_and_whole_pieces_take_the_direct_kernel() {
+        let w = |mode, kind, bytes, n, premul| wanted(mode, 1 << 20, kind, bytes, n, premul);
+        assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, 4, false), Some(DirectKind::AllReduce));
+        assert_eq!(w(Tristate::On, CollKind::AllGather, (1 << 20) + 16, 4, false), Some(DirectKind::AllGather));
+        assert_eq!(w(Tristate::On, CollKind::ReduceScatter, 1 << 20, 3, false), Some(DirectKind::ReduceScatter));
+        assert_eq!(w(Tristate::Auto, CollKind::AllReduce, 8 << 20, 4, false), None, "auto: not measured yet");
+        assert_eq!(w(Tristate::Off, CollKind::AllReduce, 8 << 20, 4, false), None);
+        assert_eq!(w(Tristate::On, CollKind::AllReduce, (1 << 20) - 16, 4, false), None, "below the threshold");
+        assert_eq!(w(Tristate::On, CollKind::AllReduce, (1 << 20) + 16, 4, false), None, "shards of whole 16 bytes");
+        assert_eq!(w(Tristate::On, CollKind::AllGather, (1 << 20) + 4, 4, false), None, "parts of whole 16 bytes");
+        assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, 4, true), None, "pre-multiplied sums run the kernels");
+        assert_eq!(w(Tristate::On, CollKind::Broadcast, 8 << 20, 4, false), None);
+        assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, 1, false), None, "one rank");
+    }
+}
