@@ -98,12 +98,27 @@ impl Direct {
     /// the work completed on `stream`.
     pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, stream: usize) -> Result<bool> {
         let (n, me) = (cx.nranks, cx.rank);
+        // Everything that can fail on this rank alone comes before the ranks agree: after it,
+        // every peer launches and would wait for this rank until the timeout.
         // The kernel's 16-byte loads and stores need every address on 16 bytes; the offsets
         // are (`wanted`), and the peers' mappings keep an address's place in its allocation.
-        let usable = call.send.is_multiple_of(16) && call.recv.is_multiple_of(16);
-        let Some(bufs) = peer_buffers::exchange(cx, call, usable, "the direct kernel")? else {
+        let aligned = call.send.is_multiple_of(16) && call.recv.is_multiple_of(16);
+        // Pre-multiplied sums never come here (`wanted`); the others have a kernel each.
+        let name = format!("gsc_direct_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
+        let ready = (|| -> Result<_> {
+            let per_gpu = match self.blocks {
+                None => 2 * crate::cuda::sm_count(cx.device)?,
+                Some(b) => b,
+            };
+            Ok((cx.workspace.direct_kernel(&name, cx.kernel_cache)?, per_gpu))
+        })();
+        if let Err(e) = &ready {
+            tracing::debug!(target: "gsc::coll", error = %e, "the direct kernel cannot run here; every rank runs the workspace kernels");
+        }
+        let Some(bufs) = peer_buffers::exchange(cx, call, aligned && ready.is_ok(), "the direct kernel")? else {
             return Ok(false);
         };
+        let (kernel, per_gpu) = ready?;
         let job = job(call.kind, me, n, call.part_bytes, call.in_place(me), &bufs);
         let mut args = DirectArgs {
             coll: CollArgs {
@@ -120,15 +135,15 @@ impl Direct {
         };
         args.src[..job.srcs.len()].copy_from_slice(&job.srcs);
         args.dst[..job.dsts.len()].copy_from_slice(&job.dsts);
-        let per_gpu = match self.blocks {
-            None => 2 * crate::cuda::sm_count(cx.device)?,
-            Some(b) => b,
-        };
-        // No more blocks than there are pieces for a thread each.
+        // No more blocks than there are pieces for a thread each (`GSC_COLL_SM_BLOCKS` is at
+        // most 4096, so the count fits the grid).
         let blocks = per_gpu.min(job.bytes.div_ceil(16 * DIRECT_THREADS as usize)).max(1);
-        // Pre-multiplied sums never come here (`wanted`); the others have a kernel each.
-        let name = format!("gsc_direct_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
-        cx.workspace.launch_direct(stream, &name, cx.kernel_cache, args, Grid { blocks: blocks as u32, threads: DIRECT_THREADS })?;
+        if let Err(e) = cx.workspace.launch_direct(stream, kernel, args, Grid { blocks: blocks as u32, threads: DIRECT_THREADS }) {
+            // The peers launched theirs and will time out; this rank's round counter is now
+            // behind theirs, so its kernels must not wait on flags again: give up for good.
+            cx.workspace.abort();
+            return Err(e.context("launching the direct kernel after every rank agreed to (this rank's collectives are now aborted)"));
+        }
         self.runs.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }

@@ -702,6 +702,10 @@ pub(crate) struct Workspace {
     abort: AbortWord,
 }
 
+/// A loaded direct kernel (`Workspace::direct_kernel`).
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct DirectKernel(usize);
+
 /// A page-locked word this rank's kernels poll while they wait (`abort` in their arguments):
 /// the host sets it, with no CUDA call, to make them give up (`Workspace::abort`).
 struct AbortWord(std::mem::ManuallyDrop<super::api::PinnedBuf>);
@@ -844,21 +848,19 @@ impl Workspace {
 }
 
 impl Workspace {
-    /// Launch the direct kernel `kernel_name` (`gsc_direct_<type>_<op>`) on `stream`: `args`
-    /// gives the buffers, sizes and ranks, the workspace fills in the rest. Replayed from a
-    /// cached one-node graph, as a call of one launch is (`launch`).
-    pub(crate) fn launch_direct(
-        &self,
-        stream: usize,
-        kernel_name: &str,
-        cache_dir: Option<&Path>,
-        mut args: super::coll_direct::DirectArgs,
-        grid: Grid,
-    ) -> Result<()> {
-        let ctx = primary_context(self.device)?;
-        let f = kernel(ctx, kernel_name, cache_dir)?;
+    /// The direct kernel `kernel_name` (`gsc_direct_<type>_<op>`) of this workspace's device,
+    /// compiled and loaded (looked up before the ranks agree to run it, so that a failure here
+    /// sends every rank to the workspace kernels rather than leave the others waiting).
+    pub(crate) fn direct_kernel(&self, kernel_name: &str, cache_dir: Option<&Path>) -> Result<DirectKernel> {
+        Ok(DirectKernel(kernel(primary_context(self.device)?, kernel_name, cache_dir)? as usize))
+    }
+
+    /// Launch a direct kernel on `stream`: `args` gives the buffers, sizes and ranks, the
+    /// workspace fills in the rest. Not through the replay cache: its arguments name the
+    /// call's buffers, and a graph per buffer pair would evict everything else there.
+    pub(crate) fn launch_direct(&self, stream: usize, f: DirectKernel, mut args: super::coll_direct::DirectArgs, grid: Grid) -> Result<()> {
         args.coll = self.fill(args.coll);
-        replay::launch(ctx as usize, f, stream, grid, &args)
+        replay::launch_uncached(f.0 as cu::CUfunction, stream, grid, &args)
     }
 
     /// A barrier of every rank on `stream` (`gsc_coll_barrier`, one block of a warp): a round

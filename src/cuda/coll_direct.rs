@@ -21,6 +21,8 @@ pub(crate) struct DirectArgs {
     pub(crate) ndst: u64,
 }
 impl ArgBlock for DirectArgs {}
+// The C struct embeds `gsc_coll_args_t` by value, then 18 words: no padding anywhere.
+const _: () = assert!(std::mem::size_of::<DirectArgs>() == std::mem::size_of::<CollArgs>() + 18 * 8);
 
 /// Threads per block of the direct kernel.
 pub(crate) const DIRECT_THREADS: u32 = 512;
@@ -36,14 +38,21 @@ pub(super) const SOURCE: &str = r#"
 /* order (the host lists them in rank order: the same arithmetic as every other kernel), and   */
 /* stores the result into each of the ndst destinations. Round e + 1 ("part"): the last block  */
 /* of this rank to finish raises its flags after a system-scope fence (every block fenced its  */
-/* own stores before it counted), and waits for every rank's: the kernel ends only once no     */
-/* rank reads or writes this rank's buffers any more.                                          */
+/* own stores before it counted) and waits for every rank's: the kernel ends only once no rank */
+/* reads or writes this rank's buffers any more.                                               */
 /*                                                                                              */
 /* Flags: block 0's "in" (meet) and "out" (part) words of the phased kernel's layout, holding  */
 /* round numbers, which only grow. Every block raises the meet flags (the same value, so the   */
 /* stores agree) and waits for them itself: no block depends on another being scheduled.      */
-/* After a failed round (ctl[2] != 0) the ranks are out of step: the kernel raises its flags   */
-/* for peers that wait, moves nothing and waits for nobody.                                    */
+/*                                                                                              */
+/* Failure. A raised part flag says "I no longer touch your buffers", not "I did my share": a */
+/* rank whose meet failed (a peer missing past the timeout, or an abort) writes the round into */
+/* every rank's error word before its part flags, so a rank that did its share still fails    */
+/* the round instead of returning a result with a hole in it. After a failed meet the last     */
+/* block waits only for the ranks whose meet flag it saw (alive, maybe still writing here),   */
+/* so a dead peer costs one timeout, not two. A rank already out of step (an earlier round    */
+/* failed: its error word is set) raises nothing and moves nothing: its peers fail at the meet */
+/* rather than touch the buffers of a rank that is not taking part.                            */
 /* ------------------------------------------------------------------------------------------ */
 typedef struct {
     gsc_coll_args_t c;
@@ -52,18 +61,21 @@ typedef struct {
     unsigned long long nsrc, ndst;
 } gsc_direct_args_t;
 
-/* Raise flag `which` (0 meet, 1 part) for round e at every rank; wait for every rank's unless
- * `wait` is 0. The whole block calls it. 0 on timeout or abort. */
-static __device__ int gsc_direct_flags(const gsc_coll_args_t *a, unsigned long long which, unsigned long long e, int wait)
+/* Lanes 0..n-1: raise flag `which` (0 meet, 1 part) for round e at rank `lane`. */
+static __device__ __forceinline__ void gsc_direct_raise(const gsc_coll_args_t *a, unsigned long long which, unsigned long long e)
 {
-    int ok = 1;
     if (threadIdx.x < a->nranks) {
-        const unsigned long long q = threadIdx.x;
-        unsigned long long *at = (unsigned long long *)a->peer[q] + GSC_FLAGS_WORDS + (which * GSC_COLL_MAX_RANKS + a->rank);
+        unsigned long long *at = (unsigned long long *)a->peer[threadIdx.x] + GSC_FLAGS_WORDS + (which * GSC_COLL_MAX_RANKS + a->rank);
         asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(at), "l"(e) : "memory");
-        if (wait) ok = gsc_coll_spin(a, (unsigned long long *)a->ctl + GSC_FLAGS_WORDS + (which * GSC_COLL_MAX_RANKS + q), e, true);
     }
-    return __syncthreads_and(ok);
+}
+
+/* Lanes 0..n-1: wait for rank `lane`'s flag `which` of round e (1; 0 on timeout or abort).
+ * Other threads: 1. */
+static __device__ __forceinline__ int gsc_direct_wait(const gsc_coll_args_t *a, unsigned long long which, unsigned long long e)
+{
+    if (threadIdx.x >= a->nranks) return 1;
+    return gsc_coll_spin(a, (unsigned long long *)a->ctl + GSC_FLAGS_WORDS + (which * GSC_COLL_MAX_RANKS + threadIdx.x), e, true);
 }
 
 template <typename T, int OP, bool AVG> static __device__ void gsc_direct(const gsc_direct_args_t *d)
@@ -71,8 +83,17 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_direct(const 
     const gsc_coll_args_t *a = &d->c;
     unsigned long long *ctl = (unsigned long long *)a->ctl;
     const unsigned long long e = gsc_coll_begin(a);
-    const int in_step = *(volatile const unsigned long long *)(ctl + 2) == 0;
-    int ok = gsc_direct_flags(a, 0, e, in_step) && in_step;
+    __shared__ int in_step_s, last_s;
+    if (threadIdx.x == 0) in_step_s = *(volatile const unsigned long long *)(ctl + 2) == 0;
+    __syncthreads();
+    const int in_step = in_step_s;
+    int seen = 1; /* lane q: rank q's meet flag arrived */
+    if (in_step) {
+        gsc_direct_raise(a, 0, e);
+        seen = gsc_direct_wait(a, 0, e);
+    }
+    /* A rank that failed this round may have said so already (it writes our error word). */
+    const int ok = __syncthreads_and(seen && in_step && *(volatile const unsigned long long *)(ctl + 2) == 0);
     if (ok) {
         const unsigned long long nv = a->bytes / 16, step = gridDim.x * (unsigned long long)blockDim.x;
         const unsigned long long nsrc = d->nsrc, ndst = d->ndst;
@@ -101,21 +122,28 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_direct(const 
                 for (int k = 0; k < 4; k++)
                     if (i + k * step < nv) ((uint4 *)d->dst[t])[i + k * step] = acc[k].v;
         }
+    } else if (in_step && threadIdx.x < a->nranks) {
+        /* This round failed here: every rank's error word (ours too) says so, ahead of the
+         * part flags (the fence and count below, then the last block's release). */
+        *(volatile unsigned long long *)((unsigned long long *)a->peer[threadIdx.x] + 2) = e;
     }
-    if (!ok && in_step) ctl[2] = e;
     /* This block's stores (some into peers' memory) before its count; the last block's flags
      * then release them all (cumulativity through the count). */
-    __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        last = atomicAdd(&ctl[1], 1ull) == gridDim.x - 1;
+        last_s = atomicAdd(&ctl[1], 1ull) == gridDim.x - 1;
     }
     __syncthreads();
-    if (!last) return;
+    if (!last_s) return;
     __threadfence();
-    const int waits = *(volatile const unsigned long long *)(ctl + 2) == 0;
-    if (!gsc_direct_flags(a, 1, e + 1, waits) && waits && threadIdx.x == 0) ctl[2] = e + 1;
+    if (in_step) {
+        gsc_direct_raise(a, 1, e + 1);
+        /* Wait for every rank that may still touch our buffers: all of them after a meet this
+         * block passed; after a failed one, those whose meet flag arrived. */
+        const int parted = ok || seen ? gsc_direct_wait(a, 1, e + 1) : 1;
+        if (!__syncthreads_and(parted) && threadIdx.x == 0) ctl[2] = e + 1;
+    }
     if (threadIdx.x == 0) {
         ctl[1] = 0;
         *(volatile unsigned long long *)ctl = e + 1;
@@ -123,9 +151,9 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_direct(const 
 }
 
 #define GSC_COLL_DIRECT(T, TAG) \
-    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS) gsc_direct_##TAG##_sum(gsc_direct_args_t a) { gsc_direct<T, 0, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS) gsc_direct_##TAG##_prod(gsc_direct_args_t a) { gsc_direct<T, 1, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS) gsc_direct_##TAG##_max(gsc_direct_args_t a) { gsc_direct<T, 2, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS) gsc_direct_##TAG##_min(gsc_direct_args_t a) { gsc_direct<T, 3, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS) gsc_direct_##TAG##_avg(gsc_direct_args_t a) { gsc_direct<T, 0, true>(&a); }
+    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS, 2) gsc_direct_##TAG##_sum(gsc_direct_args_t a) { gsc_direct<T, 0, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS, 2) gsc_direct_##TAG##_prod(gsc_direct_args_t a) { gsc_direct<T, 1, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS, 2) gsc_direct_##TAG##_max(gsc_direct_args_t a) { gsc_direct<T, 2, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS, 2) gsc_direct_##TAG##_min(gsc_direct_args_t a) { gsc_direct<T, 3, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_DIRECT_THREADS, 2) gsc_direct_##TAG##_avg(gsc_direct_args_t a) { gsc_direct<T, 0, true>(&a); }
 "#;
