@@ -549,18 +549,24 @@ template <typename T, int OP> static __device__ void gsc_net_reduce(const gsc_ne
 /* A barrier of the communicator's ranks between copy-engine steps (collectives::copy_engine):
  * one round, block 0's "in" flags. Returns once every rank reached it, so what came before it
  * on every rank's stream is done (the copies a rank issued, the buffers it will no longer
- * read); a timeout or an abort records the round as failed, as any collective kernel does. */
+ * read); a timeout or an abort records the round as failed, as any collective kernel does,
+ * and also in every peer's error word: a peer that gets past this barrier anyway (it saw our
+ * flag before we gave up) would otherwise finish the call on copies of buffers we no longer
+ * guard and report success. */
 extern "C" __global__ void gsc_coll_barrier(gsc_coll_args_t a)
 {
     unsigned long long e = gsc_coll_begin(&a);
     int ok = 0;
     if (*(volatile const unsigned long long *)((const unsigned long long *)a.ctl + 2) == 0) {
         ok = gsc_big_flags(&a, 0, e);
+        if (!ok && threadIdx.x < a.nranks) *(volatile unsigned long long *)((unsigned long long *)a.peer[threadIdx.x] + 2) = e;
     } else if (threadIdx.x < a.nranks) {
         /* A round of this communicator failed before (a peer missed a timeout): the ranks are
          * out of step, so a barrier does not wait again — a copy-engine call has three, which
          * would otherwise take three timeouts to release its stream. It still raises its flags
-         * for peers that wait. */
+         * for peers that wait, after marking their rounds failed too (the release orders it):
+         * they get past the barrier, but not with a result that looks good. */
+        *(volatile unsigned long long *)((unsigned long long *)a.peer[threadIdx.x] + 2) = e;
         unsigned long long *at = (unsigned long long *)a.peer[threadIdx.x] + GSC_FLAGS_WORDS + a.rank;
         asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(at), "l"(e) : "memory");
     }
