@@ -1057,3 +1057,33 @@ fn killed_rank_releases_a_captured_all_reduce(test: &str, direct: bool) {
     assert_eq!(e.status(), Status::TimedOut, "async_error after a peer died: {e}");
     eprintln!("rank 1 killed: the captured {path} all-reduce released rank 0's stream after {released:?}");
 }
+
+/// Rank `rank` of the differing-settings test: rank 1 asks for the direct kernel, rank 0 does
+/// not. Returns what is wrong ("" when the communicator was refused as it should be).
+fn run_rank_differing(rank: usize, n: usize, uid: &[u8]) -> String {
+    set_device(rank as i32).unwrap();
+    let uid = UniqueId::from_bytes(uid).unwrap();
+    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
+    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_SM", if rank == 1 { "on" } else { "auto" })]);
+    match Communicator::new(boot, rank as i32, &config) {
+        Ok(_) => format!("rank {rank}: a communicator whose ranks differ in GSC_COLL_SM was made"),
+        Err(e) if e.to_string().contains("rank 1 runs collectives with GSC_COLL_SM=on where rank 0 has GSC_COLL_SM=auto") => String::new(),
+        Err(e) => format!("rank {rank}: refused, but not by name: {e}"),
+    }
+}
+
+fn differing_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = rank_of(role);
+    let v = run_rank_differing(rank, n, &chan.get("uid"));
+    chan.put("result", v.as_bytes());
+}
+
+/// Ranks whose collective settings differ (which decide kernels and paths on each rank alone)
+/// get an error naming the rank and the knob on every rank, instead of a hang or wrong data.
+#[test]
+fn differing_collective_settings_are_refused_on_every_rank() {
+    if run_child_role(differing_roles) {
+        return;
+    }
+    run_job_with("differing_collective_settings_are_refused_on_every_rank", 2, differing_roles, run_rank_differing);
+}

@@ -20,6 +20,7 @@ use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
 use super::peer_buffers::{DirectCall, DirectContext};
 use super::select::{self, Collective};
+use super::settings;
 use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
@@ -119,7 +120,9 @@ impl Communicator {
     /// Join a communicator of `bootstrap.nranks()` ranks, this one on CUDA device `device`.
     /// Collective: every rank of the bootstrap group calls it. `config` gives the timeout
     /// (`GSC_TIMEOUT`: how long a kernel waits for a peer before it gives up) and the kernel
-    /// cache.
+    /// cache. The ranks' collective settings (`GSC_COLL_*`, which choose kernels and paths)
+    /// must agree: otherwise every rank gets an error naming the first rank and knob that
+    /// differ.
     pub fn new(bootstrap: Bootstrap, device: i32, config: &Config) -> Result<Communicator> {
         crate::cuda::init().map_err(|e| e.context("communicators need the CUDA driver"))?;
         let (rank, nranks) = (bootstrap.rank() as usize, bootstrap.nranks() as usize);
@@ -134,25 +137,38 @@ impl Communicator {
         // Kernels loaded now, not by a first call behind a stream wait (cuda/kernels.rs).
         crate::cuda::coll::preload(device, config.kernel_cache_dir.as_deref())?;
         let (mut workspace, key) = Workspace::allocate(device, nranks)?;
+        // Each entry: the workspace's base, this rank's collective settings (length first),
+        // the workspace's key.
+        let ours = settings::encode(config, crate::cuda::coll::big_round_max());
         let mut mine = workspace.base().to_le_bytes().to_vec();
+        mine.extend_from_slice(&(ours.len() as u32).to_le_bytes());
+        mine.extend_from_slice(&ours);
         mine.extend_from_slice(&key);
         let all = bootstrap.allgather(&mine).map_err(|e| e.context("exchanging collective workspaces"))?;
         let mut keys = Vec::with_capacity(nranks);
         let mut bases = Vec::with_capacity(nranks);
+        let mut all_settings = Vec::with_capacity(nranks);
         for (r, entry) in all.iter().enumerate() {
-            if entry.len() < 8 {
-                return Err(Error::new(Status::ConnectionReset, format!("rank {r} sent a workspace entry of {} bytes", entry.len())));
+            let short = || Error::new(Status::ConnectionReset, format!("rank {r} sent a workspace entry of {} bytes", entry.len()));
+            if entry.len() < 12 {
+                return Err(short());
             }
             bases.push(u64::from_le_bytes(entry[..8].try_into().expect("8 bytes")));
-            keys.push(entry[8..].to_vec());
+            let len = u32::from_le_bytes(entry[8..12].try_into().expect("4 bytes")) as usize;
+            let (theirs, key) = entry[12..].split_at_checked(len).ok_or_else(short)?;
+            all_settings.push(theirs);
+            keys.push(key.to_vec());
         }
-        // Ranks of this communicator in this very process (ncclCommInitAll, one thread driving
+        // Every rank sees the same entries, so every rank refuses alike.
+        settings::agree(&all_settings)?;
+        // Ranks of this communicator sharing a process (ncclCommInitAll, one thread driving
         // several GPUs): an exchange through the bootstrap inside a call (the copy engines',
-        // GSC_COLL_CHECK's) would wait on the host for ranks whose calls the same thread issues
-        // later, so both stay off for it.
-        let own_pid = std::process::id();
-        let shares_process =
-            keys.iter().enumerate().any(|(r, k)| r != rank && crate::cuda::ipc::DeviceKey::decode(k).is_ok_and(|k| k.pid == own_pid));
+        // the direct kernel's, GSC_COLL_CHECK's) would wait on the host for ranks whose calls
+        // the same thread issues later, so they stay off — on every rank, decided from every
+        // rank's key, so that all of them take the same paths (ranks 0 and 1 in one process
+        // and 2 and 3 in their own must not disagree).
+        let pids: Vec<Option<u32>> = keys.iter().map(|k| crate::cuda::ipc::DeviceKey::decode(k).ok().map(|k| k.pid)).collect();
+        let shares_process = pids.iter().enumerate().any(|(r, p)| p.is_some() && pids[..r].contains(p));
         if shares_process && config.coll_check {
             tracing::warn!(
                 target: "gsc::coll",

@@ -22,6 +22,7 @@ pub mod net;
 pub mod p2p;
 pub(crate) mod peer_buffers;
 pub mod select;
+pub(crate) mod settings;
 pub mod types;
 
 pub use comm::{Communicator, PremulKind, Registration};
