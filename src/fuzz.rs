@@ -34,6 +34,8 @@ pub const TARGETS: &[(&str, Target)] = &[
         drop(crate::bootstrap::comm::decode_table(b.get(1..).unwrap_or(&[]), n, "fuzz"))
     }),
     ("coll_signature", |b| drop(crate::collectives::agreement::Signature::decode(b))),
+    ("peer_buffer_entry", |b| drop(crate::collectives::peer_buffers::decode_shared(b))),
+    ("workspace_entry", workspace_entry),
     ("ucx_address", |b| drop(crate::transport::ucx::address::UcxAddress::decode(b))),
     ("ucx_frame", ucx_frame),
     ("ucx_rkey", ucx_rkey),
@@ -79,6 +81,17 @@ fn ucx_rkey(b: &[u8]) {
         let _ = k.covers(k.base, usize::try_from(k.len).unwrap_or(usize::MAX));
         let _ = k.covers(u64::MAX, usize::MAX);
         assert_eq!(RemoteKey { base: k.base, len: k.len, ucx: k.ucx }.encode().ok().as_deref(), Some(b), "re-encoding differs");
+    }
+}
+
+/// A communicator's workspace entry as the bootstrap delivers it: the entry, then the settings
+/// comparison with a rank 0 that sent the same settings and with one that sent the defaults.
+fn workspace_entry(b: &[u8]) {
+    use crate::collectives::settings;
+    if let Ok((_, theirs, _)) = settings::decode_workspace_entry(1, b) {
+        settings::agree(&[theirs, theirs]).expect("equal settings agree");
+        let ours = settings::encode(&crate::Config::default(), 8 << 20);
+        let _ = settings::agree(&[&ours, theirs]);
     }
 }
 
@@ -155,6 +168,17 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         }
         "coll_signature" => {
             vec![crate::collectives::agreement::Signature::new(CollKind::Reduce, DataType::Float32, RedOp::Max, 77, 1).encode()]
+        }
+        "peer_buffer_entry" => {
+            use crate::collectives::peer_buffers::{Shared, encode_shared};
+            vec![
+                encode_shared(None),
+                encode_shared(Some(&Shared { send: 0x7000, send_key: vec![1; 88], recv: 0x9000, recv_key: vec![2; 120] })),
+            ]
+        }
+        "workspace_entry" => {
+            use crate::collectives::settings;
+            vec![settings::encode_workspace_entry(0x7000_0000, &settings::encode(&crate::Config::default(), 8 << 20), &[7; 88])]
         }
         "ucx_address" => vec![ucx_address()],
         "ucx_frame" => {

@@ -137,25 +137,15 @@ impl Communicator {
         // Kernels loaded now, not by a first call behind a stream wait (cuda/kernels.rs).
         crate::cuda::coll::preload(device, config.kernel_cache_dir.as_deref())?;
         let (mut workspace, key) = Workspace::allocate(device, nranks)?;
-        // Each entry: the workspace's base, this rank's collective settings (length first),
-        // the workspace's key.
         let ours = settings::encode(config, crate::cuda::coll::big_round_max());
-        let mut mine = workspace.base().to_le_bytes().to_vec();
-        mine.extend_from_slice(&(ours.len() as u32).to_le_bytes());
-        mine.extend_from_slice(&ours);
-        mine.extend_from_slice(&key);
+        let mine = settings::encode_workspace_entry(workspace.base(), &ours, &key);
         let all = bootstrap.allgather(&mine).map_err(|e| e.context("exchanging collective workspaces"))?;
         let mut keys = Vec::with_capacity(nranks);
         let mut bases = Vec::with_capacity(nranks);
         let mut all_settings = Vec::with_capacity(nranks);
         for (r, entry) in all.iter().enumerate() {
-            let short = || Error::new(Status::ConnectionReset, format!("rank {r} sent a workspace entry of {} bytes", entry.len()));
-            if entry.len() < 12 {
-                return Err(short());
-            }
-            bases.push(u64::from_le_bytes(entry[..8].try_into().expect("8 bytes")));
-            let len = u32::from_le_bytes(entry[8..12].try_into().expect("4 bytes")) as usize;
-            let (theirs, key) = entry[12..].split_at_checked(len).ok_or_else(short)?;
+            let (base, theirs, key) = settings::decode_workspace_entry(r, entry)?;
+            bases.push(base);
             all_settings.push(theirs);
             keys.push(key.to_vec());
         }
@@ -197,7 +187,7 @@ impl Communicator {
             ce_mode: if shares_process { Tristate::Off } else { config.coll_ce },
             ce_min: config.coll_ce_min,
             ce: CopyEngine::new(device),
-            // Off with several ranks in one process, as the copy engines are: the buffers are
+            // Off where ranks share a process, as the copy engines are: the buffers are
             // exchanged during the call.
             sm_mode: if shares_process { Tristate::Off } else { config.coll_sm },
             sm_min: config.coll_sm_min,

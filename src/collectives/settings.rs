@@ -5,10 +5,31 @@
 //! other's flags, or one would enter an exchange inside a call that the others never join —
 //! a hang until the timeout, or wrong data. So the ranks send their settings with the
 //! workspace exchange and every rank refuses a communicator whose ranks differ, naming the
-//! first rank and knob that differ.
+//! first rank and knob that differ. The workspace entry's format is here too.
 
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
+
+/// What a rank sends when a communicator is made: its workspace's base, its settings
+/// (`encode`, length first) and its workspace's IPC key.
+pub(crate) fn encode_workspace_entry(base: u64, settings: &[u8], key: &[u8]) -> Vec<u8> {
+    let mut v = base.to_le_bytes().to_vec();
+    v.extend_from_slice(&(settings.len() as u32).to_le_bytes());
+    v.extend_from_slice(settings);
+    v.extend_from_slice(key);
+    v
+}
+
+/// The inverse of `encode_workspace_entry` for rank `rank`'s entry: (base, settings, key), or
+/// an error naming the rank.
+pub(crate) fn decode_workspace_entry(rank: usize, entry: &[u8]) -> Result<(u64, &[u8], &[u8])> {
+    let short = || Error::new(Status::ConnectionReset, format!("rank {rank} sent a workspace entry of {} bytes", entry.len()));
+    let (base, rest) = entry.split_at_checked(8).ok_or_else(short)?;
+    let (len, rest) = rest.split_at_checked(4).ok_or_else(short)?;
+    let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+    let (settings, key) = rest.split_at_checked(len).ok_or_else(short)?;
+    Ok((u64::from_le_bytes(base.try_into().expect("8 bytes")), settings, key))
+}
 
 /// The knobs compared (the rest — timeouts, logging, caches — may differ between ranks).
 /// `GSC_COLL_LARGE_ROUND` is the value the process uses (`cuda::coll::big_round_max`, read once).
@@ -78,6 +99,16 @@ mod tests {
         assert!(e.contains("rank 1") && e.contains("GSC_COLL_LARGE_ROUND"), "{e}");
         let e = agree(&[&a, &a[..a.len() / 2]]).unwrap_err().to_string();
         assert!(e.contains("rank 1"), "{e}");
+    }
+
+    #[test]
+    fn workspace_entries_round_trip_and_short_ones_name_the_rank() {
+        let e = encode_workspace_entry(0x7000, b"GSC_COLL_SM=on\n", &[9; 40]);
+        assert_eq!(decode_workspace_entry(3, &e).unwrap(), (0x7000, &b"GSC_COLL_SM=on\n"[..], &[9u8; 40][..]));
+        for cut in [0, 7, 11, 12 + 14] {
+            let err = decode_workspace_entry(3, &e[..cut]).unwrap_err().to_string();
+            assert!(err.contains("rank 3 sent a workspace entry"), "{cut}: {err}");
+        }
     }
 
     #[test]
