@@ -264,6 +264,8 @@ mod tests {
                         }
                     }
                     "ucx_rkey" => crate::transport::ucx::rkey::RemoteKey::decode(&seed).is_ok(),
+                    "peer_buffer_entry" => crate::collectives::peer_buffers::decode_shared(&seed).is_ok(),
+                    "workspace_entry" => crate::collectives::settings::decode_workspace_entry(0, &seed).is_ok(),
                     other => panic!("no seed check for {other}"),
                 };
                 assert!(ok, "{name}: a seed its decoder refuses");

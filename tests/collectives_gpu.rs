@@ -661,7 +661,8 @@ fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
 /// kernel: of whole 16-byte pieces), eager and captured, runs there: the exact checks at every
 /// size, datatype and operator, in place and out of place; the large all-reduce (whole
 /// shards) and halves; pre-multiplied sums (the kernels); captured and graph-condition
-/// replays with new data each time (a graph condition runs the kernels). Checks the path ran.
+/// replays with new data each time (a graph condition runs the workspace kernels with the copy
+/// engines, one direct-kernel node with the direct kernel). Checks the path ran.
 fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], direct: bool) -> String {
     set_device(rank as i32).unwrap();
     let uid = UniqueId::from_bytes(uid).unwrap();

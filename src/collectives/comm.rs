@@ -15,7 +15,7 @@
 
 use super::agreement::{self, Signature};
 use super::copy_engine::{self, CopyEngine};
-use super::direct::{self, Direct};
+use super::direct::{self, Direct, Placement};
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
 use super::peer_buffers::{DirectCall, DirectContext};
@@ -503,8 +503,8 @@ impl Communicator {
                 )));
             }
         }
-        if self.on_peer_buffers(&call, on)? {
-            return Ok(ArmedOutputs::default());
+        if let Some(outputs) = self.on_peer_buffers(&call, on)? {
+            return Ok(outputs);
         }
         if self.large(&call) {
             return self.launch_large(&call, on);
@@ -514,14 +514,15 @@ impl Communicator {
 
     /// The call on the peers' own buffers — by the direct kernel (`direct`) or the copy engines
     /// (`copy_engine`), in that order — when the configuration wants it there and every rank
-    /// can share its buffers; false: nothing was issued.
-    fn on_peer_buffers(&self, call: &Call, on: &Condition) -> Result<bool> {
-        // Stream conditions only: a graph condition's nodes would need these launches and
-        // copies as nodes of the user's graph (not built).
-        if on.category() != Category::Stream {
-            return Ok(false);
-        }
-        let stream = on.cuda_stream()?;
+    /// can share its buffers; `None`: nothing was issued. Stream conditions take either; graph
+    /// conditions the direct kernel only (one kernel node; the copy engines' copies and side
+    /// streams as nodes of the user's graph are not built).
+    fn on_peer_buffers(&self, call: &Call, on: &Condition) -> Result<Option<ArmedOutputs>> {
+        let at = match on.category() {
+            Category::Stream => Placement::Stream(on.cuda_stream()?),
+            Category::Graph => Placement::Graph(on.cuda_graph()?),
+            _ => return Ok(None),
+        };
         let cx = DirectContext {
             workspace: &self.workspace,
             bootstrap: &self.bootstrap,
@@ -536,10 +537,11 @@ impl Communicator {
         if let Some(kind) = direct::wanted(self.sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, call.premul.is_some()) {
             // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked
             // to be GPU memory of this device by `run`.
-            if unsafe { self.direct.try_run(&cx, &direct_call(kind), stream) }? {
-                return Ok(true);
+            if let Some(node) = unsafe { self.direct.try_run(&cx, &direct_call(kind), at) }? {
+                return Ok(Some(ArmedOutputs { start_node: node, done_node: node, device_handle: 0 }));
             }
         }
+        let Placement::Stream(stream) = at else { return Ok(None) };
         let capturing = self.ce_mode == Tristate::Auto && crate::cuda::capture_graph(stream)?.is_some();
         let Some(kind) = copy_engine::wanted(
             self.ce_mode,
@@ -551,10 +553,11 @@ impl Communicator {
             call.premul.is_some(),
             capturing,
         ) else {
-            return Ok(false);
+            return Ok(None);
         };
         // SAFETY: as above.
-        unsafe { self.ce.try_run(&cx, &direct_call(kind), stream) }
+        let ran = unsafe { self.ce.try_run(&cx, &direct_call(kind), stream) }?;
+        Ok(ran.then(ArmedOutputs::default))
     }
 
     /// `GSC_COLL_CHECK`: every rank made the same call, or an error naming the one that did not.

@@ -72,6 +72,14 @@ pub(crate) fn job(kind: DirectKind, rank: usize, n: usize, part: usize, in_place
     }
 }
 
+/// Where a direct call goes: launched on a stream (a stream condition, captured or not), or
+/// added to a graph as a node (a graph condition: the CUgraph and its context).
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Placement {
+    Stream(usize),
+    Graph((usize, usize)),
+}
+
 /// A communicator's direct-kernel state.
 pub(crate) struct Direct {
     /// Blocks per launch (`GSC_COLL_SM_BLOCKS`; `None`: two per SM).
@@ -89,14 +97,15 @@ impl Direct {
         self.runs.load(Ordering::Relaxed)
     }
 
-    /// Run `call` on `stream` by the direct kernel. `Ok(false)`: some rank cannot share, map or
-    /// use its buffers here, every rank learnt it, nothing was issued — run the workspace
-    /// kernels instead. Collective: every rank whose `wanted` said yes calls it.
+    /// Run `call` by the direct kernel, at `at`. `Ok(None)`: some rank cannot share, map or use
+    /// its buffers here, every rank learnt it, nothing was issued — run the workspace kernels
+    /// instead. `Ok(Some(node))`: issued; for a graph, its node (0 for a stream). Collective:
+    /// every rank whose `wanted` said yes calls it.
     ///
     /// # Safety
     /// The call's buffers are GPU memory of this rank's device, valid for the call's sizes until
-    /// the work completed on `stream`.
-    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, stream: usize) -> Result<bool> {
+    /// the work completed (for a graph: while it can be launched).
+    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, at: Placement) -> Result<Option<usize>> {
         let (n, me) = (cx.nranks, cx.rank);
         // Everything that can fail on this rank alone comes before the ranks agree: after it,
         // every peer launches and would wait for this rank until the timeout.
@@ -110,13 +119,17 @@ impl Direct {
                 None => 2 * crate::cuda::sm_count(cx.device)?,
                 Some(b) => b,
             };
-            Ok((cx.workspace.direct_kernel(&name, cx.kernel_cache)?, per_gpu))
+            let graph = match at {
+                Placement::Graph(g) => Some(g),
+                Placement::Stream(_) => None,
+            };
+            Ok((cx.workspace.direct_kernel(&name, cx.kernel_cache, graph)?, per_gpu))
         })();
         if let Err(e) = &ready {
             tracing::debug!(target: "gsc::coll", error = %e, "the direct kernel cannot run here; every rank runs the workspace kernels");
         }
         let Some(bufs) = peer_buffers::exchange(cx, call, aligned && ready.is_ok(), "the direct kernel")? else {
-            return Ok(false);
+            return Ok(None);
         };
         let (kernel, per_gpu) = ready?;
         let job = job(call.kind, me, n, call.part_bytes, call.in_place(me), &bufs);
@@ -138,14 +151,19 @@ impl Direct {
         // No more blocks than there are pieces for a thread each (`GSC_COLL_SM_BLOCKS` is at
         // most 4096, so the count fits the grid).
         let blocks = per_gpu.min(job.bytes.div_ceil(16 * DIRECT_THREADS as usize)).max(1);
-        if let Err(e) = cx.workspace.launch_direct(stream, kernel, args, Grid { blocks: blocks as u32, threads: DIRECT_THREADS }) {
-            // The peers launched theirs and will time out; this rank's round counter is now
+        let grid = Grid { blocks: blocks as u32, threads: DIRECT_THREADS };
+        let issued = match at {
+            Placement::Stream(stream) => cx.workspace.launch_direct(stream, kernel, args, grid).map(|()| 0),
+            Placement::Graph(graph) => cx.workspace.add_direct_node(graph, kernel, args, grid),
+        };
+        let node = issued.map_err(|e| {
+            // The peers issued theirs and will time out; this rank's round counter would now be
             // behind theirs, so its kernels must not wait on flags again: give up for good.
             cx.workspace.abort();
-            return Err(e.context("launching the direct kernel after every rank agreed to (this rank's collectives are now aborted)"));
-        }
+            e.context("issuing the direct kernel after every rank agreed to (this rank's collectives are now aborted)")
+        })?;
         self.runs.fetch_add(1, Ordering::Relaxed);
-        Ok(true)
+        Ok(Some(node))
     }
 }
 

@@ -101,7 +101,7 @@ pub fn describe(
     let _ = match sm.0 {
         Tristate::On => writeln!(
             out,
-            "# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter (parts of whole 16 bytes) and all_reduce (shards of whole 16 bytes) from {sm_min} per rank on stream conditions, buffers on 16 bytes, first"
+            "# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter (parts of whole 16 bytes) and all_reduce (shards of whole 16 bytes) from {sm_min} per rank on stream and graph conditions, buffers on 16 bytes, first"
         ),
         Tristate::Auto | Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM={}): never", sm.0.name()),
     };

@@ -712,6 +712,29 @@ pub(crate) struct Workspace {
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct DirectKernel(usize);
 
+/// Add kernel `f` with its one by-value parameter `args` to `graph` (the CUgraph and the
+/// context its nodes are built in), after `after` when given; returns the node.
+fn add_kernel_node<T: ArgBlock>(graph: (usize, usize), f: cu::CUfunction, args: &T, grid: Grid, after: Option<usize>) -> Result<usize> {
+    let ctx = super::raw::<std::ffi::c_void>(graph.1) as cu::CUcontext;
+    let _scope = CtxScope::enter(ctx)?;
+    let mut params = [args as *const T as *mut std::ffi::c_void];
+    // SAFETY: zero is a valid value for every field (null pointers, no extra).
+    let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    p.func = f;
+    (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid.blocks, 1, 1);
+    (p.blockDimX, p.blockDimY, p.blockDimZ) = (grid.threads, 1, 1);
+    p.kernelParams = params.as_mut_ptr();
+    let deps: Vec<cu::CUgraphNode> = after.into_iter().map(|n| n as cu::CUgraphNode).collect();
+    let mut node: cu::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: the user's live graph, dependencies that are nodes of it (the previous round),
+    // and parameters the driver copies (`args` matches the kernel's one by-value parameter).
+    check(
+        unsafe { cu::cuGraphAddKernelNode_v2(&mut node, super::raw(graph.0), deps.as_ptr(), deps.len(), &p) },
+        "cuGraphAddKernelNode (collective)",
+    )?;
+    Ok(node as usize)
+}
+
 /// A page-locked word this rank's kernels poll while they wait (`abort` in their arguments):
 /// the host sets it, with no CUDA call, to make them give up (`Workspace::abort`).
 struct AbortWord(std::mem::ManuallyDrop<super::api::PinnedBuf>);
@@ -803,24 +826,20 @@ impl Workspace {
     ) -> Result<usize> {
         let ctx = super::raw::<std::ffi::c_void>(graph.1) as cu::CUcontext;
         let f = kernel(ctx, kernel_name, cache_dir)?;
-        let a = self.fill(args);
-        let _scope = CtxScope::enter(ctx)?;
-        let mut params = [&a as *const CollArgs as *mut std::ffi::c_void];
-        // SAFETY: zero is a valid value for every field (null pointers, no extra).
-        let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-        p.func = f;
-        (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid.blocks, 1, 1);
-        (p.blockDimX, p.blockDimY, p.blockDimZ) = (grid.threads, 1, 1);
-        p.kernelParams = params.as_mut_ptr();
-        let deps: Vec<cu::CUgraphNode> = after.into_iter().map(|n| n as cu::CUgraphNode).collect();
-        let mut node: cu::CUgraphNode = std::ptr::null_mut();
-        // SAFETY: the user's live graph, dependencies that are nodes of it (the previous round),
-        // and parameters the driver copies (`a` matches the kernel's one by-value parameter).
-        check(
-            unsafe { cu::cuGraphAddKernelNode_v2(&mut node, super::raw(graph.0), deps.as_ptr(), deps.len(), &p) },
-            "cuGraphAddKernelNode (collective)",
-        )?;
-        Ok(node as usize)
+        add_kernel_node(graph, f, &self.fill(args), grid, after)
+    }
+
+    /// Add a direct kernel (`direct_kernel` with the graph's context) to a graph as its own
+    /// node, with no dependencies; returns the node.
+    pub(crate) fn add_direct_node(
+        &self,
+        graph: (usize, usize),
+        f: DirectKernel,
+        mut args: super::coll_direct::DirectArgs,
+        grid: Grid,
+    ) -> Result<usize> {
+        args.coll = self.fill(args.coll);
+        add_kernel_node(graph, f.0 as cu::CUfunction, &args, grid, None)
     }
 
     /// `args` with this workspace's part: its control words, every rank's slots.
@@ -854,11 +873,16 @@ impl Workspace {
 }
 
 impl Workspace {
-    /// The direct kernel `kernel_name` (`gsc_direct_<type>_<op>`) of this workspace's device,
-    /// compiled and loaded (looked up before the ranks agree to run it, so that a failure here
+    /// The direct kernel `kernel_name` (`gsc_direct_<type>_<op>`) of this workspace's device
+    /// (of `graph`'s context for a node of it), compiled and loaded (looked up before the ranks agree to run it, so that a failure here
     /// sends every rank to the workspace kernels rather than leave the others waiting).
-    pub(crate) fn direct_kernel(&self, kernel_name: &str, cache_dir: Option<&Path>) -> Result<DirectKernel> {
-        Ok(DirectKernel(kernel(primary_context(self.device)?, kernel_name, cache_dir)? as usize))
+    pub(crate) fn direct_kernel(&self, kernel_name: &str, cache_dir: Option<&Path>, graph: Option<(usize, usize)>) -> Result<DirectKernel> {
+        let ctx = match graph {
+            // A graph's nodes take the kernel as loaded in the graph's context.
+            Some((_, ctx)) => super::raw::<std::ffi::c_void>(ctx) as cu::CUcontext,
+            None => primary_context(self.device)?,
+        };
+        Ok(DirectKernel(kernel(ctx, kernel_name, cache_dir)? as usize))
     }
 
     /// Launch a direct kernel on `stream`: `args` gives the buffers, sizes and ranks, the
