@@ -717,21 +717,10 @@ pub(crate) struct DirectKernel(usize);
 fn add_kernel_node<T: ArgBlock>(graph: (usize, usize), f: cu::CUfunction, args: &T, grid: Grid, after: Option<usize>) -> Result<usize> {
     let ctx = super::raw::<std::ffi::c_void>(graph.1) as cu::CUcontext;
     let _scope = CtxScope::enter(ctx)?;
-    let mut params = [args as *const T as *mut std::ffi::c_void];
-    // SAFETY: zero is a valid value for every field (null pointers, no extra).
-    let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-    p.func = f;
-    (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid.blocks, 1, 1);
-    (p.blockDimX, p.blockDimY, p.blockDimZ) = (grid.threads, 1, 1);
-    p.kernelParams = params.as_mut_ptr();
     let deps: Vec<cu::CUgraphNode> = after.into_iter().map(|n| n as cu::CUgraphNode).collect();
-    let mut node: cu::CUgraphNode = std::ptr::null_mut();
-    // SAFETY: the user's live graph, dependencies that are nodes of it (the previous round),
-    // and parameters the driver copies (`args` matches the kernel's one by-value parameter).
-    check(
-        unsafe { cu::cuGraphAddKernelNode_v2(&mut node, super::raw(graph.0), deps.as_ptr(), deps.len(), &p) },
-        "cuGraphAddKernelNode (collective)",
-    )?;
+    // SAFETY: the user's live graph (its context current), dependencies that are nodes of it
+    // (the previous round), and `args` the kernel's one by-value parameter.
+    let node = unsafe { replay::add_kernel_node(super::raw(graph.0), f, grid, args, &deps) }?;
     Ok(node as usize)
 }
 

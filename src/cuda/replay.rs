@@ -112,16 +112,8 @@ fn instantiate<T: ArgBlock>(ctx: usize, f: cu::CUfunction, grid: Grid, args: &T)
     // SAFETY: a valid out-pointer.
     check(unsafe { cu::cuGraphCreate(&mut graph, 0) }, "cuGraphCreate")?;
     let result = (|| {
-        let mut params = [args as *const T as *mut std::ffi::c_void];
-        // SAFETY: zero is valid for every field.
-        let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-        p.func = f;
-        (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid.blocks, 1, 1);
-        (p.blockDimX, p.blockDimY, p.blockDimZ) = (grid.threads, 1, 1);
-        p.kernelParams = params.as_mut_ptr();
-        let mut node: cu::CUgraphNode = std::ptr::null_mut();
-        // SAFETY: our graph, no dependencies; the driver copies the parameter during the call.
-        check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, std::ptr::null(), 0, &p) }, "cuGraphAddKernelNode")?;
+        // SAFETY: our live graph, no dependencies.
+        unsafe { add_kernel_node(graph, f, grid, args, &[]) }?;
         let mut exec: cu::CUgraphExec = std::ptr::null_mut();
         // SAFETY: our graph; a valid out-pointer.
         check(unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, "cuGraphInstantiate")?;
@@ -130,4 +122,31 @@ fn instantiate<T: ArgBlock>(ctx: usize, f: cu::CUfunction, grid: Grid, args: &T)
     // SAFETY: our graph, destroyed once; the executable graph does not need it.
     unsafe { cu::cuGraphDestroy(graph) };
     result
+}
+
+/// Add `f(args)` as a kernel node to `graph`, after `deps`; returns the node. The context
+/// `graph`'s nodes are built in must be current.
+///
+/// # Safety
+/// `graph` is a live graph and `deps` are nodes of it; `args` matches the kernel's one
+/// by-value parameter (the driver copies it during the call).
+pub(crate) unsafe fn add_kernel_node<T: ArgBlock>(
+    graph: cu::CUgraph,
+    f: cu::CUfunction,
+    grid: Grid,
+    args: &T,
+    deps: &[cu::CUgraphNode],
+) -> Result<cu::CUgraphNode> {
+    let mut params = [args as *const T as *mut std::ffi::c_void];
+    // SAFETY: zero is valid for every field (null pointers, no extra).
+    let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    p.func = f;
+    (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid.blocks, 1, 1);
+    (p.blockDimX, p.blockDimY, p.blockDimZ) = (grid.threads, 1, 1);
+    p.kernelParams = params.as_mut_ptr();
+    let mut node: cu::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: the caller's promises on the graph and dependencies; `p` and `params` outlive
+    // the call.
+    check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, deps.as_ptr(), deps.len(), &p) }, "cuGraphAddKernelNode")?;
+    Ok(node)
 }
