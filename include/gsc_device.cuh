@@ -100,26 +100,39 @@ static __device__ __forceinline__ unsigned long long gsc_globaltimer()
     return t;
 }
 
+/* How long a waiting thread goes between looks at an abort word. The word is page-locked host
+ * memory, so each look is a read across PCIe; with thousands of threads waiting (a one-shot
+ * collective polls from every thread) and looking every few polls, the reads queue up, a thread
+ * sees its flag late, its peer then waits on it in turn, and two ranks can settle into a state
+ * where every call costs 100-300 us more (docs/PERF.md, session 19). NCCL looks every 10000
+ * spins. Abort then releases a wait within about this long, far below any timeout. */
+#define GSC_ABORT_LOOK_NS 1000000ull
+
 /* Wait until *w >= v (system scope): 1, or 0 if timeout_ns passed first or, with an `abort`
- * word, once that word is non-zero (looked at every 64 polls only: it may be page-locked host
- * memory across PCIe). `acquire`: the loads are acquire loads, for words that order data this
- * thread reads after them; otherwise relaxed (no L1 invalidation: the reads after stay cached).
+ * word, once that word is non-zero (looked at every GSC_ABORT_LOOK_NS of waiting, above).
+ * `acquire`: the loads are acquire loads, for words that order data this thread reads after
+ * them; otherwise relaxed (no L1 invalidation: the reads after stay cached).
  * (Relaxed loads with one fence after the one that saw the value measured slower than acquire
  * loads: 8 B per exchange 5.2 -> 6.3 us on 2 x H200.) */
 static __device__ __forceinline__ int gsc_spin_geq_or_abort(unsigned long long *w, unsigned long long v,
                                                             unsigned long long timeout_ns, bool acquire,
                                                             const volatile unsigned long long *abort)
 {
-    unsigned long long t0 = gsc_globaltimer();
-    for (unsigned polls = 1;; polls++) {
+    const unsigned long long t0 = gsc_globaltimer();
+    unsigned long long look = t0 + GSC_ABORT_LOOK_NS;
+    for (;;) {
         unsigned long long x;
         if (acquire)
             asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
         else
             asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(x) : "l"(w) : "memory");
         if (x >= v) return 1;
-        if (gsc_globaltimer() - t0 > timeout_ns) return 0;
-        if (abort && polls % 64 == 0 && *abort != 0) return 0;
+        const unsigned long long now = gsc_globaltimer();
+        if (now - t0 > timeout_ns) return 0;
+        if (abort && now >= look) {
+            if (*abort != 0) return 0;
+            look = now + GSC_ABORT_LOOK_NS;
+        }
     }
 }
 

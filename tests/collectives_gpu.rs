@@ -957,11 +957,12 @@ fn a_killed_rank_releases_the_survivor_within_the_timeout() {
 /// Elements of the copy-engine kill test's all-reduce (whole shards on two ranks).
 const CE_KILL_COUNT: usize = 1 << 18;
 
-/// The knobs that send the kill tests' all-reduce to the copy engines or the direct kernel.
-fn peer_buffer_knobs(direct: bool) -> [(&'static str, &'static str); 2] {
+/// The knobs that send the kill tests' all-reduce to the copy engines or the direct kernel
+/// (their size floors lowered: `CE_KILL_COUNT` floats are below the copy engines' default).
+fn peer_buffer_knobs(direct: bool) -> [(&'static str, &'static str); 3] {
     match direct {
-        false => [("GSC_COLL_CE", "on"), ("GSC_COLL_SM", "off")],
-        true => [("GSC_COLL_SM", "on"), ("GSC_COLL_CE", "off")],
+        false => [("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "64K"), ("GSC_COLL_SM", "off")],
+        true => [("GSC_COLL_SM", "on"), ("GSC_COLL_SM_MIN", "64K"), ("GSC_COLL_CE", "off")],
     }
 }
 

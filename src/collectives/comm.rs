@@ -534,7 +534,19 @@ impl Communicator {
         };
         let direct_call =
             |kind| DirectCall { kind, send: call.send, recv: call.recv, part_bytes: call.part_bytes, dtype: call.dtype, op: call.op };
-        if let Some(kind) = direct::wanted(self.sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, call.premul.is_some()) {
+        // Below both paths' floors (every mode of both applies its floor): nothing to ask CUDA.
+        if call.part_bytes < self.sm_min.min(self.ce_min) {
+            return Ok(None);
+        }
+        // Captured or added to a graph: the buffers are exchanged once, for every replay.
+        let replayed = match at {
+            Placement::Graph(_) => true,
+            Placement::Stream(stream) => {
+                (self.sm_mode == Tristate::Auto || self.ce_mode == Tristate::Auto) && crate::cuda::capture_graph(stream)?.is_some()
+            }
+        };
+        let premul = call.premul.is_some();
+        if let Some(kind) = direct::wanted(self.sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, premul, replayed) {
             // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked
             // to be GPU memory of this device by `run`.
             if let Some(node) = unsafe { self.direct.try_run(&cx, &direct_call(kind), at) }? {
@@ -542,17 +554,9 @@ impl Communicator {
             }
         }
         let Placement::Stream(stream) = at else { return Ok(None) };
-        let capturing = self.ce_mode == Tristate::Auto && crate::cuda::capture_graph(stream)?.is_some();
-        let Some(kind) = copy_engine::wanted(
-            self.ce_mode,
-            self.ce_min,
-            call.kind,
-            call.part_bytes,
-            self.nranks,
-            call.dtype.size(),
-            call.premul.is_some(),
-            capturing,
-        ) else {
+        let Some(kind) =
+            copy_engine::wanted(self.ce_mode, self.ce_min, call.kind, call.part_bytes, self.nranks, call.dtype.size(), premul, replayed)
+        else {
             return Ok(None);
         };
         // SAFETY: as above.

@@ -15,7 +15,8 @@
 //!
 //! Each byte of a receive buffer is written by exactly one rank, and no rank writes memory any
 //! rank reads in the same launch, in place or not (`job`'s tests check both on a model of the
-//! ranks' memory). `auto` does not take this path yet: it has not been measured on a device.
+//! ranks' memory). `auto` takes this path between two ranks from the sizes where it measured
+//! faster (`auto_floor`).
 
 use super::peer_buffers::{self, DirectCall, DirectContext, DirectKind};
 use crate::config::Tristate;
@@ -26,10 +27,24 @@ use crate::error::Result;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Whether a call goes to the direct kernel: a function of the configuration and the call, so
-/// every rank decides alike. `part_bytes`: as `Call::part_bytes` (an all-reduce's whole buffer).
-pub(crate) fn wanted(mode: Tristate, min: usize, kind: CollKind, part_bytes: usize, nranks: usize, premul: bool) -> Option<DirectKind> {
-    // `auto`: not before a device run shows where it beats the workspace kernels.
-    if mode != Tristate::On || !(2..=MAX_RANKS).contains(&nranks) || premul || part_bytes == 0 || part_bytes < min {
+/// every rank decides alike. `part_bytes`: as `Call::part_bytes` (an all-reduce's whole buffer);
+/// `replayed`: the call is captured into a graph or added to one (its buffers are exchanged
+/// once, when the graph is built, instead of at every call).
+pub(crate) fn wanted(
+    mode: Tristate,
+    min: usize,
+    kind: CollKind,
+    part_bytes: usize,
+    nranks: usize,
+    premul: bool,
+    replayed: bool,
+) -> Option<DirectKind> {
+    let on = match mode {
+        Tristate::Off => false,
+        Tristate::On => part_bytes >= min,
+        Tristate::Auto => nranks == 2 && part_bytes >= min.max(auto_floor(kind, replayed)),
+    };
+    if !on || !(2..=MAX_RANKS).contains(&nranks) || premul || part_bytes == 0 {
         return None;
     }
     // The kernel moves whole 16-byte pieces.
@@ -39,6 +54,16 @@ pub(crate) fn wanted(mode: Tristate, min: usize, kind: CollKind, part_bytes: usi
         CollKind::AllReduce if part_bytes.is_multiple_of(16 * nranks) => Some(DirectKind::AllReduce),
         _ => None,
     }
+}
+
+/// `auto`'s smallest call (as `wanted`'s `part_bytes`) where the direct kernel measured ahead
+/// of NCCL and of the workspace kernels between two H200s (docs/PERF.md, session 19): replayed
+/// from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a stream, where
+/// each call pays two bootstrap exchanges of the buffers (~50 µs), from 8 MiB (16 MiB). Four
+/// and more ranks have not been measured: `auto` leaves them to the other paths.
+fn auto_floor(kind: CollKind, replayed: bool) -> usize {
+    let part = if replayed { 512 << 10 } else { 8 << 20 };
+    if kind == CollKind::AllReduce { 2 * part } else { part }
 }
 
 /// What one rank's kernel does: reduce `bytes` of every source (in this order) into every
@@ -262,11 +287,10 @@ mod tests {
 
     #[test]
     fn only_on_and_whole_pieces_take_the_direct_kernel() {
-        let w = |mode, kind, bytes, n, premul| wanted(mode, 1 << 20, kind, bytes, n, premul);
+        let w = |mode, kind, bytes, n, premul| wanted(mode, 1 << 20, kind, bytes, n, premul, false);
         assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, 4, false), Some(DirectKind::AllReduce));
         assert_eq!(w(Tristate::On, CollKind::AllGather, (1 << 20) + 16, 4, false), Some(DirectKind::AllGather));
         assert_eq!(w(Tristate::On, CollKind::ReduceScatter, 1 << 20, 3, false), Some(DirectKind::ReduceScatter));
-        assert_eq!(w(Tristate::Auto, CollKind::AllReduce, 8 << 20, 4, false), None, "auto: not measured yet");
         assert_eq!(w(Tristate::Off, CollKind::AllReduce, 8 << 20, 4, false), None);
         assert_eq!(w(Tristate::On, CollKind::AllReduce, (1 << 20) - 16, 4, false), None, "below the threshold");
         assert_eq!(w(Tristate::On, CollKind::AllReduce, (1 << 20) + 16, 4, false), None, "shards of whole 16 bytes");
@@ -274,5 +298,24 @@ mod tests {
         assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, 4, true), None, "pre-multiplied sums run the kernels");
         assert_eq!(w(Tristate::On, CollKind::Broadcast, 8 << 20, 4, false), None);
         assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, 1, false), None, "one rank");
+    }
+
+    #[test]
+    fn auto_takes_two_ranks_from_the_measured_sizes() {
+        let auto = |kind, bytes, n, replayed| wanted(Tristate::Auto, 512 << 10, kind, bytes, n, false, replayed);
+        // Replayed: 512 KiB parts, 1 MiB all-reduces.
+        assert_eq!(auto(CollKind::AllGather, 512 << 10, 2, true), Some(DirectKind::AllGather));
+        assert_eq!(auto(CollKind::ReduceScatter, (512 << 10) - 16, 2, true), None);
+        assert_eq!(auto(CollKind::AllReduce, 1 << 20, 2, true), Some(DirectKind::AllReduce));
+        assert_eq!(auto(CollKind::AllReduce, 512 << 10, 2, true), None);
+        // On a stream: 8 MiB parts, 16 MiB all-reduces.
+        assert_eq!(auto(CollKind::AllGather, 4 << 20, 2, false), None);
+        assert_eq!(auto(CollKind::ReduceScatter, 8 << 20, 2, false), Some(DirectKind::ReduceScatter));
+        assert_eq!(auto(CollKind::AllReduce, 8 << 20, 2, false), None);
+        assert_eq!(auto(CollKind::AllReduce, 16 << 20, 2, false), Some(DirectKind::AllReduce));
+        // Not measured beyond two ranks.
+        assert_eq!(auto(CollKind::AllReduce, 256 << 20, 4, true), None);
+        // GSC_COLL_SM_MIN still bounds it from below.
+        assert_eq!(wanted(Tristate::Auto, 64 << 20, CollKind::AllReduce, 32 << 20, 2, false, true), None);
     }
 }

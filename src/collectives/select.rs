@@ -103,7 +103,11 @@ pub fn describe(
             out,
             "# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter (parts of whole 16 bytes) and all_reduce (shards of whole 16 bytes) from {sm_min} per rank on stream and graph conditions, buffers on 16 bytes, first"
         ),
-        Tristate::Auto | Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM={}): never", sm.0.name()),
+        Tristate::Auto => writeln!(
+            out,
+            "# direct kernel (GSC_COLL_SM=auto): as on, between 2 ranks only, from max({sm_min}, 512K) per rank (all_reduce: 1M) when replayed from a graph, from max({sm_min}, 8M) (all_reduce: 16M) on a stream, first"
+        ),
+        Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM=off): never"),
     };
     let ce_min = crate::config::format_size(ce.1 as u64);
     let _ = match ce.0 {

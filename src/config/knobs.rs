@@ -559,9 +559,12 @@ pub(super) static KNOBS: &[Knob] = &[
               between two meetings of the ranks in the same launch. The buffers are exchanged \
               and mapped through the bootstrap during the call, as for GSC_COLL_CE. on: every \
               such call from GSC_COLL_SM_MIN whose buffers are on 16 bytes and whose parts \
-              (all-reduce: shards) are whole 16 bytes, before the copy engines; auto: not yet \
-              (not measured on a device); off: never. Always off for a communicator with \
-              several ranks in one process",
+              (all-reduce: shards) are whole 16 bytes, before the copy engines; auto: the same \
+              between two ranks where it measured faster on 2 x H200 (docs/PERF.md): from \
+              512K per rank (all-reduce: 1M) when captured into or added to a graph, from 8M \
+              (16M) on a stream, where each call exchanges the buffers; never on more ranks \
+              (not yet measured); off: never. Always off for a communicator with several ranks \
+              in one process",
         kind: KnobKind::Tristate,
         parse: |c, v| {
             c.coll_sm = Tristate::from_option(parse_tristate(v)?);
@@ -571,7 +574,7 @@ pub(super) static KNOBS: &[Knob] = &[
     },
     Knob {
         name: "GSC_COLL_SM_MIN",
-        default: "1M",
+        default: "512K",
         doc: "Smallest call (bytes per rank's part: the whole buffer of an all-reduce) that \
               GSC_COLL_SM gives to the direct kernel",
         kind: KnobKind::Size,

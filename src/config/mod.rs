@@ -447,7 +447,7 @@ impl Default for Config {
             coll_ce: Tristate::Auto,
             coll_ce_min: 4 << 20,
             coll_sm: Tristate::Auto,
-            coll_sm_min: 1 << 20,
+            coll_sm_min: 512 << 10,
             coll_sm_blocks: None,
             fake_host: None,
             cuda_copy_streams: 1,

@@ -107,8 +107,8 @@ typedef struct {
 
 enum { GSC_ALL_REDUCE = 0, GSC_ALL_GATHER = 1, GSC_REDUCE_SCATTER = 2, GSC_BROADCAST = 3, GSC_REDUCE = 4 };
 
-/* Communicator::abort sets the abort word; a kernel looks at it every 64 polls while it waits
- * for a peer (a read across PCIe: not on every poll, and never on a path that does not wait,
+/* Communicator::abort sets the abort word; a kernel looks at it every GSC_ABORT_LOOK_NS while it
+ * waits for a peer (a read across PCIe: not on every poll, and never on a path that does not wait,
  * so a collective whose peers are there costs nothing more). A kernel that starts after the
  * abort (a queued launch, a graph replayed later) runs normally if its peers take part, and
  * gives up at its first wait otherwise. */
@@ -195,7 +195,8 @@ static __device__ __forceinline__ void gsc_put_unit(unsigned long long *w, unsig
 static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long *slots, unsigned long long u, unsigned flag,
                                     unsigned mask, unsigned long long *v, unsigned long long t0)
 {
-    unsigned missing = mask, polls = 0;
+    unsigned missing = mask;
+    unsigned long long look = 0; /* when to look at the abort word next (GSC_ABORT_LOOK_NS); 0: not waiting yet */
     while (missing) {
         unsigned long long lo[GSC_COLL_MAX_RANKS], hi[GSC_COLL_MAX_RANKS];
 #pragma unroll
@@ -208,7 +209,16 @@ static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long
                 v[q] = (lo[q] & 0xFFFFFFFFull) | (hi[q] << 32);
                 missing &= ~(1u << q);
             }
-        if (missing && (gsc_globaltimer() - t0 > a->timeout_ns || (++polls % 64 == 0 && gsc_coll_aborted(a)))) return 0;
+        if (missing) {
+            const unsigned long long now = gsc_globaltimer();
+            if (now - t0 > a->timeout_ns) return 0;
+            if (look == 0) {
+                look = now + GSC_ABORT_LOOK_NS;
+            } else if (now >= look) {
+                if (gsc_coll_aborted(a)) return 0;
+                look = now + GSC_ABORT_LOOK_NS;
+            }
+        }
     }
     return 1;
 }
@@ -785,7 +795,7 @@ impl Workspace {
         self.base
     }
 
-    /// Make this rank's kernels give up at their next wait for a peer (within 64 polls; a
+    /// Make this rank's kernels give up at their next wait for a peer (within GSC_ABORT_LOOK_NS, 1 ms; a
     /// kernel whose peers all take part runs to its end), recording a failed round in the
     /// error word.
     pub(crate) fn abort(&self) {

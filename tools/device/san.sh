@@ -19,7 +19,7 @@ for spec in "$@"; do
     bin=${spec%%:*}
     filter=""
     [[ $spec == *:* ]] && filter=${spec#*:}
-    log="$OUT/san-$tag-$tool-$bin.log"
+    log="$OUT/san-$tag-$tool-$bin${filter:+-$filter}.log"
     t0=$(date +%s)
     timeout "$budget" compute-sanitizer --tool "$tool" --target-processes all --report-api-errors no --error-exitcode 86 \
         "$root/.gpu/tests/$bin-test" $filter --test-threads=1 > "$log" 2>&1

@@ -38,7 +38,7 @@ use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Stream, device_count, set_device};
 use std::net::Ipv4Addr;
 use std::ops::Range;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The collective of the subcommand.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -289,6 +289,14 @@ enum Source {
     Rank { rank: usize, base: usize },
 }
 
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the machine.
+fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
 /// Elements compared at a time (bounds the host memory of the check: nranks inputs of this
 /// many elements).
 const CHECK_CHUNK: usize = 1 << 20;
@@ -388,16 +396,22 @@ impl Rank<'_> {
             self.sync();
             link.barrier();
             let t0 = Instant::now();
+            let left_barrier = monotonic_ns();
             launch(iters / g);
+            let enqueued = t0.elapsed();
             self.sync();
+            self.trace(mode, s, left_barrier, enqueued, t0.elapsed(), iters);
             t0.elapsed()
         } else {
             (0..warmup).for_each(|_| self.call(mode, s, &self.stream, &self.cond));
             self.sync();
             link.barrier();
             let t0 = Instant::now();
+            let left_barrier = monotonic_ns();
             (0..iters).for_each(|_| self.call(mode, s, &self.stream, &self.cond));
+            let enqueued = t0.elapsed();
             self.sync();
+            self.trace(mode, s, left_barrier, enqueued, t0.elapsed(), iters);
             t0.elapsed()
         };
         if !mode.is_nccl() {
@@ -406,6 +420,24 @@ impl Rank<'_> {
             self.comm.async_error().unwrap_or_else(|e| die(self.o.coll.name(), e));
         }
         elapsed.as_secs_f64() / iters as f64
+    }
+
+    /// `GSC_BENCH_TRACE`: this rank's side of one measurement on stderr — when it left the
+    /// barrier (the system's monotonic clock, comparable between the ranks' processes), how
+    /// long enqueueing took and the whole time — to tell a slow rank from a late one.
+    fn trace(&self, mode: Mode, s: Shape, left_barrier: u64, enqueued: Duration, total: Duration, iters: usize) {
+        if std::env::var_os("GSC_BENCH_TRACE").is_none() {
+            return;
+        }
+        eprintln!(
+            "# trace rank {} {} {} B: left barrier at {} us, enqueued in {:.1} us, {:.2} us per call",
+            self.rank,
+            mode.label(),
+            s.bytes,
+            left_barrier / 1000,
+            enqueued.as_secs_f64() * 1e6,
+            total.as_secs_f64() * 1e6 / iters as f64
+        );
     }
 
     /// Where this rank's expected result comes from: (first element of the receive buffer,
