@@ -61,7 +61,7 @@ pub(crate) fn wanted(
 /// from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a stream, where
 /// each call pays two bootstrap exchanges of the buffers (~50 µs), from 8 MiB (16 MiB). Four
 /// and more ranks have not been measured: `auto` leaves them to the other paths.
-fn auto_floor(kind: CollKind, replayed: bool) -> usize {
+pub(crate) fn auto_floor(kind: CollKind, replayed: bool) -> usize {
     let part = if replayed { 512 << 10 } else { 8 << 20 };
     if kind == CollKind::AllReduce { 2 * part } else { part }
 }

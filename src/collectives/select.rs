@@ -103,10 +103,16 @@ pub fn describe(
             out,
             "# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter (parts of whole 16 bytes) and all_reduce (shards of whole 16 bytes) from {sm_min} per rank on stream and graph conditions, buffers on 16 bytes, first"
         ),
-        Tristate::Auto => writeln!(
-            out,
-            "# direct kernel (GSC_COLL_SM=auto): as on, between 2 ranks only, from max({sm_min}, 512K) per rank (all_reduce: 1M) when replayed from a graph, from max({sm_min}, 8M) (all_reduce: 16M) on a stream, first"
-        ),
+        Tristate::Auto => {
+            use crate::cuda::coll::CollKind;
+            let floor = |kind, replayed| crate::config::format_size(super::direct::auto_floor(kind, replayed) as u64);
+            let (graph, graph_ar) = (floor(CollKind::AllGather, true), floor(CollKind::AllReduce, true));
+            let (stream, stream_ar) = (floor(CollKind::AllGather, false), floor(CollKind::AllReduce, false));
+            writeln!(
+                out,
+                "# direct kernel (GSC_COLL_SM=auto): as on, between 2 ranks only, from max({sm_min}, {graph}) per rank (all_reduce: {graph_ar}) when replayed from a graph, from max({sm_min}, {stream}) (all_reduce: {stream_ar}) on a stream, first"
+            )
+        }
         Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM=off): never"),
     };
     let ce_min = crate::config::format_size(ce.1 as u64);
