@@ -296,9 +296,10 @@ fn bad_input(r: &Rank) -> Vec<String> {
 }
 
 fn run_rank(rank: usize, n: usize, uid: &[u8], groups_expected: usize) -> String {
-    // With GSC_TEST_SHARE_GPUS, fewer GPUs than ranks: rank r takes GPU r mod count. The
-    // ranks of one (fake) host still land on different GPUs (ranks 2h and 2h+1), and the ranks
-    // sharing a GPU talk only over UCX, through host staging.
+    // With GSC_TEST_SHARE_GPUS, fewer GPUs than ranks: rank r takes GPU r mod count. With two
+    // or more, the ranks of one (fake) host still land on different GPUs (ranks 2h and 2h+1),
+    // and the ranks sharing a GPU talk only over UCX, through host staging; with one, the
+    // ranks of a host share it too (CUDA IPC within one device).
     let device = rank as i32 % device_count();
     set_device(device).unwrap();
     let uid = UniqueId::from_bytes(uid).unwrap();
@@ -361,8 +362,8 @@ fn run_job(test: &str, groups: usize, cfg: impl Fn(usize) -> Vec<(&'static str, 
         return;
     }
     let share = std::env::var_os("GSC_TEST_SHARE_GPUS").is_some();
-    if device_count() < RANKS as i32 && !(share && device_count() >= 2) {
-        eprintln!("skipped: needs {RANKS} GPUs (or 2 with GSC_TEST_SHARE_GPUS=1), found {}", device_count());
+    if device_count() < RANKS as i32 && !share {
+        eprintln!("skipped: needs {RANKS} GPUs (or GSC_TEST_SHARE_GPUS=1), found {}", device_count());
         return;
     }
     let ucx_tls = std::env::var("UCX_TLS").unwrap_or_else(|_| "tcp".into());

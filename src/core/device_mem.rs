@@ -12,6 +12,7 @@
 //! Everything CUDA is in `crate::cuda`; this module decides which copy runs where.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use super::staging::{Accumulator, Holds, Place};
 use crate::config::Tristate;
@@ -56,6 +57,8 @@ pub(crate) struct DeviceMem {
     /// A copy into GPU memory failed: completions released while copies issued before the
     /// failure were outstanding report it.
     recv_error: Option<Status>,
+    /// `GSC_TIMEOUT`: how long a copy the worker waits for (under its lock) may take.
+    copy_timeout: Option<Duration>,
 }
 
 /// One chunk of a send: GPU bytes copied into `buf`, sent by `frames_left` queued frames.
@@ -109,6 +112,7 @@ impl DeviceMem {
             recv_copies: VecDeque::new(),
             holds: Holds::default(),
             recv_error: None,
+            copy_timeout: cfg.timeout,
         }
     }
 
@@ -185,9 +189,19 @@ impl DeviceMem {
         let device = device_of(addr)?;
         let mut out = vec![0u8; len];
         // SAFETY: `addr..addr+len` is inside a pending send's GPU buffer (its frame is queued);
-        // `out` is `len` writable bytes, borrowed for the whole (synchronous) copy.
-        unsafe { self.copier().copy_sync(device, out.as_mut_ptr() as u64, addr as u64, len) }?;
-        Ok(out)
+        // `out` is `len` writable bytes, borrowed until the copy is done (or, timed out,
+        // leaked: the copy engine may still write into it).
+        let ticket = unsafe { self.copier().start(device, out.as_mut_ptr() as u64, addr as u64, len) }?;
+        let timeout = self.copy_timeout;
+        match wait_copy(self.copier(), &ticket, timeout, "a copy out of GPU memory for a send") {
+            Ok(()) => Ok(out),
+            Err(e) => {
+                if e.status() == Status::TimedOut {
+                    std::mem::forget(out);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Whether chunk `id`'s copy is done: `None` while it runs.
@@ -305,26 +319,30 @@ impl DeviceMem {
     fn copy_in_now(&mut self, dst: usize, src: &[u8]) -> Result<()> {
         let device = device_of(dst)?;
         // SAFETY: `dst..dst+len` is inside a pending receive's GPU buffer (clipped by the
-        // engine); `src` is borrowed for the whole (synchronous) copy.
-        unsafe { self.copier().copy_sync(device, dst as u64, src.as_ptr() as u64, src.len()) }
+        // engine); `src` is borrowed until the copy is done. Timed out, the copy may still read
+        // `src` after it is reused, but only into the receive that this error fails.
+        let ticket = unsafe { self.copier().start(device, dst as u64, src.as_ptr() as u64, src.len()) }?;
+        let timeout = self.copy_timeout;
+        wait_copy(self.copier(), &ticket, timeout, "a copy into GPU memory for a receive")
     }
 
     /// Spin until the oldest copy into GPU memory is done (its held completions are released
-    /// by the next `poll_staging`).
+    /// by the next `poll_staging`). A copy that never ends (a wedged GPU) fails the receives
+    /// waiting on it at `GSC_TIMEOUT` instead of holding the worker's lock forever; its bounce
+    /// buffer is then leaked, as the copy engine may still write from it.
     fn wait_oldest_recv_copy(&mut self) {
+        let timeout = self.copy_timeout;
         let Some(copier) = self.copier.as_mut() else { return };
         let Some((ticket, _)) = self.recv_copies.front() else { return };
-        let r = loop {
-            if let Some(r) = copier.poll(ticket) {
-                break r;
-            }
-            std::hint::spin_loop();
-        };
-        if let Err(e) = r {
+        let r = wait_copy(copier, ticket, timeout, "a staged copy into GPU memory");
+        if let Err(e) = &r {
             tracing::warn!(target: "gsc::cuda", error = %e, "a staged copy into GPU memory failed");
             self.recv_error.get_or_insert(e.status());
         }
-        self.recv_copies.pop_front();
+        let (_, buf) = self.recv_copies.pop_front().expect("looked at above");
+        if r.as_ref().is_err_and(|e| e.status() == Status::TimedOut) {
+            std::mem::forget(buf);
+        }
         self.holds.finished();
     }
 
@@ -588,6 +606,35 @@ fn local_device(dst: UserBuf) -> Result<i32> {
         MemType::Cuda => device_of(dst.addr),
         MemType::Host if memory::process_has_cuda() => Ok(0),
         MemType::Host => Err(Error::new(Status::LibraryMissing, "this process does not use CUDA; the sender pushes the data instead")),
+    }
+}
+
+/// After this long, a copy the worker waits for is named in a warning (a copy of a staging
+/// chunk takes microseconds to a few milliseconds).
+const SLOW_COPY: Duration = Duration::from_secs(1);
+
+/// Spin until `ticket`'s copy is done. The worker's lock is held meanwhile, so a copy that does
+/// not end is named in a warning after `SLOW_COPY` and becomes a `TimedOut` error after
+/// `timeout` (`None`: never).
+fn wait_copy(copier: &mut Copier, ticket: &CopyTicket, timeout: Option<Duration>, what: &str) -> Result<()> {
+    let start = Instant::now();
+    let mut warned = false;
+    loop {
+        if let Some(r) = copier.poll(ticket) {
+            if warned {
+                tracing::warn!(target: "gsc::cuda", what, took = ?start.elapsed(), "the slow copy ended");
+            }
+            return r;
+        }
+        let waited = start.elapsed();
+        if !warned && waited >= SLOW_COPY {
+            warned = true;
+            tracing::warn!(target: "gsc::cuda", what, waited = ?waited, "a copy the worker waits for (holding its lock) has not ended");
+        }
+        if timeout.is_some_and(|t| waited >= t) {
+            return Err(Error::new(Status::TimedOut, format!("{what} did not end within {waited:?} (GSC_TIMEOUT)")));
+        }
+        std::hint::spin_loop();
     }
 }
 

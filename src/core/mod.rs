@@ -7,6 +7,7 @@ pub mod context;
 mod device_mem;
 pub mod endpoint;
 mod gpu_rounds;
+mod lock_watch;
 pub mod memory;
 mod prep_words;
 pub mod prepared;

@@ -66,6 +66,8 @@ pub(crate) struct WorkerInner {
     /// be set up (connects that need it report that reason).
     ucx: Option<Result<ucx::UcxLane>>,
     state: Mutex<State>,
+    /// The last taker of `state`'s lock, for a waiter kept waiting (the proxy's heartbeat).
+    lock_holder: super::lock_watch::LockHolder,
     /// Started by the first conditioned operation; read without a lock on every later one.
     proxy: OnceLock<Proxy>,
     /// Held while the proxy is being started (two first operations at once start one).
@@ -288,6 +290,7 @@ impl Worker {
             address,
             ucx,
             state: Mutex::new(state),
+            lock_holder: Default::default(),
             proxy: OnceLock::new(),
             proxy_start: Mutex::new(()),
             aborted: OnceLock::new(),
@@ -307,9 +310,12 @@ impl Worker {
         &self.inner.address
     }
 
+    #[track_caller]
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock (a bug) must not turn every later call into a panic.
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+        let guard = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.inner.lock_holder.took(std::panic::Location::caller());
+        guard
     }
 
     /// Create an endpoint to the worker whose packed address is `address`.
@@ -1200,8 +1206,9 @@ impl Worker {
     /// The proxy thread's heartbeat: beat if due. It runs this after every sleep (idle, or
     /// polling persistent triggers), when no pass of its own would reach the 64-pass check in
     /// `progress`. Under the worker's lock, so a worker deadlocked on it falls silent too.
+    /// Waiting long for the lock, it names the holder in a warning (`lock_watch`).
     pub(crate) fn heartbeat(&self) {
-        self.lock().beat_if_due(Instant::now());
+        self.inner.lock_holder.wait_for(&self.inner.state, "the proxy thread's heartbeat").beat_if_due(Instant::now());
     }
 }
 

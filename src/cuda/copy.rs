@@ -12,8 +12,9 @@
 //! channel, so the pieces run on several copy engines at once instead of queueing on one. The
 //! ticket holds one event per piece and is done when all are.
 //!
-//! `copy_sync` (the host-staged path) does wait, but only for our own stream, which holds only
-//! our own copies, so it cannot be caught in a cycle with a stream that waits on the proxy.
+//! The host-staged path's copies that the worker waits for (core/device_mem.rs) are waited
+//! for by polling too, with a time limit: they are on our own streams, which hold only our own
+//! copies, so they cannot be caught in a cycle with a stream that waits on the proxy.
 
 use super::{CtxScope, check, cu, init};
 use crate::error::Result;
@@ -217,23 +218,6 @@ impl Copier {
         }
         lane.spare_events.extend(ticket.events.iter().copied());
         Some(first_error.map_or(Ok(()), Err))
-    }
-
-    /// Copy and wait for it (host staging). Waits on our own stream only.
-    ///
-    /// # Safety
-    /// As for `start`, for the duration of the call.
-    pub(crate) unsafe fn copy_sync(&mut self, device: i32, dst: u64, src: u64, len: usize) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let lane = self.lane(device)?;
-        let _scope = CtxScope::enter(lane.ctx)?;
-        let stream = lane.streams[0];
-        // SAFETY: the caller's promise; our stream.
-        check(unsafe { cu::cuMemcpyAsync(dst, src, len, stream) }, "cuMemcpyAsync")?;
-        // SAFETY: our stream, holding only our copies.
-        check(unsafe { cu::cuStreamSynchronize(stream) }, "cuStreamSynchronize(copy stream)")
     }
 }
 

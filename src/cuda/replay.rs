@@ -11,6 +11,12 @@
 //! The cache maps (kernel, grid, argument bytes) to an executable graph. It is bounded: when
 //! full it is emptied (an executable graph destroyed while a launch of it is in flight is freed
 //! by the driver when that launch completes).
+//!
+//! A miss is instantiated only while no proxy of this process holds a stream-ordered operation
+//! (`proxy::outstanding`); otherwise the kernel is launched as it is. `cuGraphInstantiate` can
+//! hold the driver's lock while it waits for work on the device, and that work may be waiting
+//! for a proxy that needs the lock for its staging copies: on the device a collective across
+//! hosts stalled that way until `GSC_TIMEOUT` (issue #7, session 20). A hit only launches.
 
 use super::{CtxScope, Grid, check, cu, raw};
 use crate::error::Result;
@@ -65,6 +71,10 @@ pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, 
         let map = cache.get_or_insert_with(HashMap::new);
         match map.get(&key) {
             Some(e) if e.func == f as usize && e.grid == grid && *e.args == *bytes => e.clone(),
+            _ if crate::proxy::outstanding::any() => {
+                drop(cache);
+                return super::launch_struct_grid(f, stream, grid, args);
+            }
             _ => {
                 let exec = instantiate(ctx, f, grid, args)?;
                 if map.len() >= CACHE_MAX {

@@ -4,8 +4,11 @@
 //! It watches the trigger words of armed operations, starts each operation on the worker when its
 //! word reaches it (in the order they were armed), progresses the worker on every pass (so a
 //! message for a receive about to trigger is already here when it does), and leaves the done
-//! words to the operations' completion signals (`condition::Signal`). It never calls CUDA:
-//! everything it touches is host memory, so it cannot block behind a stream that waits on it.
+//! words to the operations' completion signals (`condition::Signal`). It never waits for a
+//! stream: trigger and done words are host memory, and the only driver calls its progress makes
+//! (host staging of GPU buffers, core/device_mem.rs) are copies on gscomm's own streams and
+//! event queries. Those calls do take the driver's internal lock, though, so a thread that holds
+//! it while waiting for the device would stall the proxy: see `outstanding`.
 //!
 //! Idle behaviour: with nothing armed it sleeps on its channel and wakes when an operation is
 //! armed. With one-shot operations armed it spins (their trigger is near: the producer was just
@@ -28,6 +31,8 @@ use crate::core::worker::{OpStart, Worker, WorkerInner};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
 use crate::protocols::ReqId;
+
+pub(crate) mod outstanding;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -169,15 +174,19 @@ impl Proxy {
         let Runner::Caller(engine) = &self.runner else { return None };
         let Ok(mut engine) = engine.try_lock() else { return None };
         engine.take_pending();
-        Some(engine.pass(worker))
+        let events = engine.pass(worker);
+        engine.publish_holdings();
+        Some(events)
     }
 
     pub(crate) fn send(&self, msg: Msg) -> Result<()> {
         let tx = self.tx.as_ref().expect("set until drop");
         // Counted before the proxy can start it: `armed` never reads below `started`.
         bump(&self.counters.armed);
+        outstanding::sent();
         tx.send(msg).map_err(|_| {
             self.counters.armed.fetch_sub(1, Ordering::Relaxed);
+            outstanding::unsent();
             Error::new(Status::Internal, "the proxy thread has exited")
         })
     }
@@ -286,6 +295,8 @@ struct Engine {
     beat: Option<Duration>,
     /// After the last pass some link still had frames waiting to leave (`Worker::lanes_sending`).
     lanes_sending: bool,
+    /// This engine's part of the process's outstanding operations (`outstanding`).
+    share: outstanding::Share,
     /// Tests: the next pass panics (`Msg::PanicNextPass`).
     #[cfg(test)]
     panic_next_pass: bool,
@@ -323,6 +334,7 @@ impl Engine {
             last_expiry_check: Instant::now(),
             beat: None,
             lanes_sending: false,
+            share: outstanding::Share::default(),
             #[cfg(test)]
             panic_next_pass: false,
         }
@@ -333,6 +345,7 @@ impl Engine {
         let mut idle_spins = 0u32;
         loop {
             let wake = self.wait_for_work(idle_spins);
+            self.publish_holdings();
             if wake == Wake::Exit {
                 break;
             }
@@ -363,6 +376,7 @@ impl Engine {
                 }
             };
             drop(worker);
+            self.publish_holdings();
             if events > 0 {
                 self.last_activity = Instant::now();
                 idle_spins = 0;
@@ -453,6 +467,9 @@ impl Engine {
 
     fn take(&mut self, msg: Msg) {
         self.last_activity = Instant::now();
+        if matches!(msg, Msg::Arm(_) | Msg::Persist(_)) {
+            self.share.adopt();
+        }
         if let Some(e) = self.aborted.clone() {
             // Armed after the abort (the operation passed the worker's check just before it):
             // its request completes with the abort error, which also releases its producer.
@@ -567,16 +584,29 @@ impl Engine {
         events
     }
 
+    /// Publish what this engine holds now (`outstanding`): armed, in flight, persistent.
+    fn publish_holdings(&mut self) {
+        let armed: usize = self.armed.iter().map(|q| q.ops.len()).sum();
+        self.share.publish(armed + self.in_flight.len() + self.persistent.len());
+    }
+
     /// The worker is gone or dropped its proxy: nothing will start the operations still armed,
     /// so their producers are released with an error instead of waiting forever.
     fn shutdown(&mut self) {
         let gone = || Error::new(Status::Canceled, "the worker was destroyed before the operation's condition was met");
+        // Messages still on their way too: they would otherwise be dropped with the channel,
+        // their producers never released (and still counted as outstanding).
+        while let Ok(m) = self.rx.try_recv() {
+            self.take(m);
+        }
         for op in self.armed.drain(..).flat_map(|q| q.ops) {
             op.channel.fail(gone());
         }
         for (p, _) in self.persistent.drain(..) {
             p.channel.fail(gone());
         }
+        self.in_flight.clear();
+        self.publish_holdings();
         tracing::debug!(target: "gsc::proxy", "proxy thread exited");
     }
 }

@@ -4,7 +4,9 @@
 # After AFTER_S seconds, for every process whose command line matches PATTERN: each thread's
 # name, state, kernel wait channel and current system call (x86-64 numbers: 202 futex, 16
 # ioctl — inside the GPU driver —, 7 poll, 232 epoll_wait, 35 nanosleep, 0 read), and, where
-# gdb exists, each thread's user-space stack. Start it in the background beside the run and kill
+# gdb or eu-stack exists, each thread's user-space stack (the device machines have neither:
+# after gpu-bundle, `cp /usr/bin/eu-stack /lib/x86_64-linux-gnu/lib{dw,elf}.so.1 .gpu/dbg/` here, from Debian's
+# elfutils, and the script finds them there). Start it in the background beside the run and kill
 # it when the run ends in time.
 after=$1 pat=$2 out=$3
 sleep "$after"
@@ -15,5 +17,7 @@ for pid in $(pgrep -f "$pat"); do
     done
     if command -v gdb > /dev/null; then
         timeout 30 gdb -p "$pid" -batch -ex 'thread apply all bt 14' 2> /dev/null | grep -E '^Thread|^#'
+    elif [ -x .gpu/dbg/eu-stack ]; then
+        LD_LIBRARY_PATH=.gpu/dbg timeout 30 .gpu/dbg/eu-stack -p "$pid" -n 24 2>&1 | grep -v '^$'
     fi
 done > "$out" 2>&1
