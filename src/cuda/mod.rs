@@ -20,9 +20,12 @@
 //! left to `ipc::release_retired`. Nor does it allocate page-locked memory (`bounce`).
 //!
 //! The other side of that rule, on users' threads: nothing that can wait for the device (a
-//! kernel's lazy load, an allocation or free) may run after a call has put a wait for the proxy
-//! on a stream, or the proxy's own copies can end up queued behind it. Modules therefore load
-//! every kernel up front (`kernels::load_module`), communicators load theirs at creation.
+//! kernel's lazy load, an allocation or free, a graph instantiation) may run after a call has
+//! put a wait for the proxy on a stream, or the proxy's own copies can end up queued behind it
+//! (every driver call takes the driver's lock, which such a call may hold while it waits).
+//! Modules therefore load every kernel up front (`kernels::load_module`), communicators load
+//! theirs at creation, and `replay` instantiates a graph only while no proxy holds a
+//! stream-ordered operation (`proxy::outstanding`).
 
 pub(crate) mod alloc;
 pub mod api;
