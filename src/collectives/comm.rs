@@ -15,6 +15,7 @@
 
 use super::agreement::{self, Signature};
 use super::copy_engine::{self, CopyEngine};
+use super::host_board::HostBoard;
 use super::direct::{self, Direct, Placement};
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
@@ -48,6 +49,9 @@ pub struct Communicator {
     check_calls: bool,
     /// Kept for the collective teardown, the call check and split.
     bootstrap: Bootstrap,
+    /// The exchanges inside a call (buffer exchange, call check) in shared memory, where every
+    /// rank could map it (`host_board`); `None`: through the bootstrap.
+    board: Option<HostBoard>,
     /// Send/recv between the ranks (`p2p`).
     peers: PeerLinks,
     /// Set once by `abort`: every later call fails with it.
@@ -168,6 +172,7 @@ impl Communicator {
         }
         workspace.map_peers(rank, &keys, &bases)?;
         let peers = PeerLinks::new(&bootstrap, config)?;
+        let board = HostBoard::open(&bootstrap, &config.shm_dir)?;
         // Nobody launches before everyone has mapped (a kernel would wait for a peer that is
         // still opening our workspace: harmless, but it would count against its timeout).
         bootstrap.barrier()?;
@@ -182,6 +187,7 @@ impl Communicator {
             large,
             check_calls: config.coll_check && !shares_process,
             bootstrap,
+            board,
             peers,
             aborted: std::sync::OnceLock::new(),
             ce_mode: if shares_process { Tristate::Off } else { config.coll_ce },
@@ -526,6 +532,7 @@ impl Communicator {
         let cx = DirectContext {
             workspace: &self.workspace,
             bootstrap: &self.bootstrap,
+            board: self.board.as_ref(),
             rank: self.rank,
             nranks: self.nranks,
             device: self.device,
@@ -564,6 +571,14 @@ impl Communicator {
         Ok(ran.then(ArmedOutputs::default))
     }
 
+    /// An allgather inside a call: on the board where there is one.
+    fn exchange(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        match &self.board {
+            Some(b) => b.allgather(&self.bootstrap, mine),
+            None => self.bootstrap.allgather(mine),
+        }
+    }
+
     /// `GSC_COLL_CHECK`: every rank made the same call, or an error naming the one that did not.
     fn agree(&self, call: &Call) -> Result<()> {
         let count = call.part_bytes / call.dtype.size();
@@ -571,7 +586,7 @@ impl Communicator {
         if call.premul.is_some() {
             mine = mine.premul();
         }
-        let all = self.bootstrap.allgather(&mine.encode()).map_err(|e| e.context("comparing the collective call (GSC_COLL_CHECK)"))?;
+        let all = self.exchange(&mine.encode()).map_err(|e| e.context("comparing the collective call (GSC_COLL_CHECK)"))?;
         let all = all.iter().map(|b| Signature::decode(b)).collect::<Result<Vec<_>>>()?;
         agreement::check(&all)
     }

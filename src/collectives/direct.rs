@@ -57,10 +57,12 @@ pub(crate) fn wanted(
 }
 
 /// `auto`'s smallest call (as `wanted`'s `part_bytes`) where the direct kernel measured ahead
-/// of NCCL and of the workspace kernels between two H200s (docs/PERF.md, session 19): replayed
-/// from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a stream, where
-/// each call pays two bootstrap exchanges of the buffers (~50 µs), from 8 MiB (16 MiB). Four
-/// and more ranks have not been measured: `auto` leaves them to the other paths.
+/// of NCCL and of the workspace kernels between two H200s (docs/PERF.md, sessions 19–20):
+/// replayed from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a
+/// stream, from 8 MiB (16 MiB). A stream call exchanges its buffers twice; on the shared-memory
+/// board (`host_board`) that costs about as much as the workspace kernels' own start, so below
+/// these sizes the two paths tie and above them the direct kernel wins. Four and more ranks
+/// have not been measured: `auto` leaves them to the other paths.
 pub(crate) fn auto_floor(kind: CollKind, replayed: bool) -> usize {
     let part = if replayed { 512 << 10 } else { 8 << 20 };
     if kind == CollKind::AllReduce { 2 * part } else { part }

@@ -17,6 +17,7 @@ pub mod comm;
 pub(crate) mod copy_engine;
 pub(crate) mod direct;
 pub mod host;
+mod host_board;
 pub mod large;
 pub mod net;
 pub mod p2p;

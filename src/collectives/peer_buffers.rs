@@ -2,13 +2,15 @@
 //! kernel (`direct`): the call, what it needs from its communicator, and the exchange that
 //! maps every rank's buffers into this process.
 //!
-//! The ranks exchange their buffers' addresses and IPC keys through the bootstrap during the
-//! call (a host round trip; under capture once per capture, which is NCCL's "registration by
-//! graph capture"), map the peers' buffers (cached by allocation in `cuda::ipc`), and agree on
+//! The ranks exchange their buffers' addresses and IPC keys during the call, on the
+//! communicator's shared-memory board (`host_board`; through the bootstrap where a rank could
+//! not map it; under capture once per capture, which is NCCL's "registration by graph
+//! capture"), map the peers' buffers (cached by allocation in `cuda::ipc`), and agree on
 //! the outcome: a rank that cannot share or map its buffers makes every rank fall back to the
 //! workspace kernels, decided from what all ranks report, so they all take the same path.
 
 use super::types::{DataType, RedOp};
+use super::host_board::HostBoard;
 use crate::bootstrap::Bootstrap;
 use crate::cuda::coll::Workspace;
 use crate::cuda::{ipc, memory};
@@ -38,11 +40,23 @@ impl DirectKind {
 pub(crate) struct DirectContext<'a> {
     pub(crate) workspace: &'a Workspace,
     pub(crate) bootstrap: &'a Bootstrap,
+    /// The communicator's shared-memory board, where every rank has it (`host_board`).
+    pub(crate) board: Option<&'a HostBoard>,
     pub(crate) rank: usize,
     pub(crate) nranks: usize,
     pub(crate) device: i32,
     pub(crate) kernel_cache: Option<&'a Path>,
     pub(crate) timeout_ns: u64,
+}
+
+impl DirectContext<'_> {
+    /// An allgather of the call's ranks: on the board where there is one.
+    fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        match self.board {
+            Some(b) => b.allgather(self.bootstrap, mine),
+            None => self.bootstrap.allgather(mine),
+        }
+    }
 }
 
 /// One call: `part_bytes` per rank's part (an all-reduce: its whole buffer).
@@ -93,8 +107,7 @@ pub(crate) fn exchange(cx: &DirectContext, call: &DirectCall, usable: bool, path
     if let Err(e) = &shared {
         tracing::debug!(target: "gsc::coll", error = %e, path, "this rank's buffers cannot be shared; every rank runs the workspace kernels");
     }
-    let all =
-        cx.bootstrap.allgather(&encode_shared(shared.as_ref().ok())).map_err(|e| e.context(format!("exchanging buffers for {path}")))?;
+    let all = cx.allgather(&encode_shared(shared.as_ref().ok())).map_err(|e| e.context(format!("exchanging buffers for {path}")))?;
     let all = all.iter().map(|b| decode_shared(b)).collect::<Result<Vec<_>>>()?;
     if all.iter().any(Option::is_none) {
         return Ok(None);
@@ -113,7 +126,7 @@ pub(crate) fn exchange(cx: &DirectContext, call: &DirectCall, usable: bool, path
         tracing::debug!(target: "gsc::coll", error = %e, path, "a peer's buffer cannot be mapped here; every rank runs the workspace kernels");
     }
     bufs[me] = (call.send, call.recv);
-    let verdicts = cx.bootstrap.allgather(&[u8::from(mapped.is_ok())]).map_err(|e| e.context(format!("agreeing on {path}")))?;
+    let verdicts = cx.allgather(&[u8::from(mapped.is_ok())]).map_err(|e| e.context(format!("agreeing on {path}")))?;
     if verdicts.iter().any(|v| v.as_slice() != [1]) {
         return Ok(None);
     }

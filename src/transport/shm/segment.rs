@@ -46,6 +46,8 @@ pub enum SegmentKind {
     Raw = 3,
     /// A prepared pair's shared words (`shm::words`).
     PrepWords = 4,
+    /// A communicator's exchange board (`collectives::host_board`).
+    Board = 5,
 }
 
 #[repr(C)]
