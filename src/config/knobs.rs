@@ -431,9 +431,10 @@ pub(super) static KNOBS: &[Knob] = &[
     Knob {
         name: "GSC_CUDA_PDL",
         default: "auto",
-        doc: "Captured GPU rounds of prepared transfers are launched with programmatic dependent \
-              launch (the next round's kernel is scheduled while the previous one runs, and waits \
-              for it on the GPU); off: plain kernel nodes. Read once per process",
+        doc: "Stream conditions' trigger/wait kernels (on GPUs of compute capability 9.0 on) and \
+              captured GPU rounds of prepared transfers are launched with programmatic dependent \
+              launch (the next kernel is scheduled while the previous one runs, and waits for it \
+              on the GPU); off: plain launches and kernel nodes. Read once per process",
         kind: KnobKind::Tristate,
         parse: |c, v| {
             c.cuda_pdl = Tristate::from_option(parse_tristate(v)?);

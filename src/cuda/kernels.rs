@@ -220,11 +220,24 @@ extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
     }
 }
 
+/* Launched with programmatic dependent launch (GSC_CUDA_PDL: stream conditions' kernels, and
+ * prepared rounds under capture), a kernel may start before the previous kernel on its stream
+ * ends: wait for it (its memory operations included) before anything else, and let the next
+ * one be scheduled at once (it waits for us in turn). Without PDL both are no-ops. */
+static __device__ __forceinline__ void gsc_after_previous_kernel()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
 {
     __shared__ unsigned long long got[GSC_GROUP_MAX];
     __shared__ int good;
     unsigned t = threadIdx.x;
+    gsc_after_previous_kernel();
     gsc_stage_out(&a.out, 0);
     __syncthreads();
     if (t < 32) {
@@ -264,6 +277,7 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
  * writes to host memory before the trigger, as the memop write's default flush does. */
 extern "C" __global__ void gsc_sync_kernel(gsc_sync_args_t a)
 {
+    gsc_after_previous_kernel();
     if (a.fence) asm volatile("fence.acq_rel.sys;" ::: "memory");
     if (a.trigger) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
     if (a.done) {
@@ -295,18 +309,6 @@ typedef struct {
     unsigned long long parts, ll;
 } gsc_prep_args_t;
 typedef struct { unsigned long long n; gsc_prep_args_t op[GSC_PREP_GROUP_MAX]; } gsc_prep_group_t;
-
-/* Launched with programmatic dependent launch (captured rounds: GSC_CUDA_PDL), a prep kernel
- * may start before the previous kernel on its stream ends: wait for it (its memory operations
- * included) before anything else, and let the next one be scheduled at once. Without it both
- * are no-ops. */
-static __device__ __forceinline__ void gsc_after_previous_kernel()
-{
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 /* One block: tell the sender we are ready (thread 0). */
 static __device__ void gsc_prep_ready(const gsc_prep_args_t *a)
@@ -583,6 +585,9 @@ pub(crate) struct Kernels {
     pub(crate) prep: cu::CUfunction,
     /// `gsc_prep_group_kernel(PrepGroup)`: a group's rounds in one launch.
     pub(crate) prep_group: cu::CUfunction,
+    /// The stream conditions' kernels launch with programmatic dependent launch: `GSC_CUDA_PDL`
+    /// allows it and the GPU has it (compute capability 9.0 on).
+    pub(crate) stream_pdl: bool,
 }
 
 // SAFETY: CUfunction handles are plain driver handles, valid from any thread while their module
@@ -611,6 +616,7 @@ impl Kernels {
             sync: function(module, "gsc_sync_kernel")?,
             prep: function(module, "gsc_prep_kernel")?,
             prep_group: function(module, "gsc_prep_group_kernel")?,
+            stream_pdl: super::pdl_enabled() && arch.0 >= 9,
         };
         loaded.insert(ctx as usize, k);
         Ok(k)

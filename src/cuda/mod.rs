@@ -513,7 +513,7 @@ pub(crate) fn launch_seq(
     fence: bool,
 ) -> Result<()> {
     for args in seq_chunks(trigger, wait, out, inn, fence) {
-        launch_struct(k.seq, stream, &args)?;
+        launch_stream_kernel(k, k.seq, stream, Grid::of(1), &args)?;
     }
     Ok(())
 }
@@ -524,14 +524,22 @@ pub(crate) fn launch_sync(k: &Kernels, stream: usize, trigger: Option<(u64, u64)
     let (trigger, tval) = trigger.unwrap_or((0, 0));
     let (done, wval) = wait.unwrap_or((0, 0));
     let args = SyncArgs { trigger, tval, done, wval, fence: u64::from(fence && trigger != 0) };
-    let mut params = [&args as *const SyncArgs as *mut std::ffi::c_void];
-    // SAFETY: `gsc_sync_kernel` takes exactly one parameter laid out as `SyncArgs`; the driver
-    // copies it during the call. The words are mapped page-locked memory that outlives any
-    // stream using it (`pinned`).
-    check(
-        unsafe { cu::cuLaunchKernel(k.sync, 1, 1, 1, 1, 1, 1, 0, raw(stream), params.as_mut_ptr(), std::ptr::null_mut()) },
-        "cuLaunchKernel(gsc_sync_kernel)",
-    )
+    // The words are mapped page-locked memory that outlives any stream using it (`pinned`).
+    launch_stream_kernel(k, k.sync, stream, Grid { blocks: 1, threads: 1 }, &args)
+}
+
+/// Launch one of the stream conditions' kernels (`gsc_seq_kernel`, `gsc_sync_kernel`): with
+/// programmatic dependent launch where `GSC_CUDA_PDL` allows it and the GPU has it
+/// (`Kernels::stream_pdl`), so that when the previous
+/// kernel on the stream is one of ours (a round's wait, then the next round's trigger) this one
+/// is already resident and starts the moment that one ends, instead of a launch latency later.
+/// Both kernels wait for the previous kernel first thing (`gsc_after_previous_kernel`), so the
+/// stream's order is kept; after a kernel of the user's they start at its end, as before.
+fn launch_stream_kernel<T>(k: &Kernels, f: cu::CUfunction, stream: usize, grid: Grid, args: &T) -> Result<()> {
+    match k.stream_pdl {
+        true => launch_struct_grid_pdl(f, stream, grid, args),
+        false => launch_struct_grid(f, stream, grid, args),
+    }
 }
 
 fn seq_chunks(trigger: Option<(u64, u64)>, wait: Option<(u64, u64)>, out: &[OpDesc], inn: &[OpDesc], fence: bool) -> Vec<SeqArgs> {
