@@ -15,8 +15,8 @@
 
 use super::agreement::{self, Signature};
 use super::copy_engine::{self, CopyEngine};
-use super::host_board::HostBoard;
 use super::direct::{self, Direct, Placement};
+use super::host_board::HostBoard;
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
 use super::peer_buffers::{DirectCall, DirectContext};

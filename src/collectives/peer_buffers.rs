@@ -9,8 +9,8 @@
 //! the outcome: a rank that cannot share or map its buffers makes every rank fall back to the
 //! workspace kernels, decided from what all ranks report, so they all take the same path.
 
-use super::types::{DataType, RedOp};
 use super::host_board::HostBoard;
+use super::types::{DataType, RedOp};
 use crate::bootstrap::Bootstrap;
 use crate::cuda::coll::Workspace;
 use crate::cuda::{ipc, memory};
