@@ -36,9 +36,12 @@ pub(crate) const ENTRY_MAX: usize = SLOT_BYTES - SLOT_HEAD;
 /// An entry's length word for "too big for the board: exchange through the bootstrap".
 const OVERSIZE: u64 = u64::MAX;
 
-/// How long a waiting rank spins before it starts yielding its core (peers' calls usually
-/// arrive within microseconds of each other; an eager call from a busy rank may not).
+/// How long a waiting rank spins before it starts yielding its core now and then (peers' calls
+/// usually arrive within microseconds of each other; an eager call from a busy rank may not),
+/// and after how long it sleeps between looks instead.
 const HOT_SPIN: Duration = Duration::from_micros(50);
+const WARM_SPIN: Duration = Duration::from_millis(1);
+const COLD_POLL: Duration = Duration::from_micros(50);
 
 pub(crate) struct HostBoard {
     seg: Segment,
@@ -48,6 +51,9 @@ pub(crate) struct HostBoard {
     /// rank's exchanges never overlap.
     calls: Mutex<u64>,
     timeout: Duration,
+    /// Set by an exchange that failed (a rank missing, a corrupt entry): the ranks are out of
+    /// step on the board from then on, so every later exchange fails at once with this.
+    broken: std::sync::OnceLock<Error>,
 }
 
 impl HostBoard {
@@ -93,19 +99,37 @@ impl HostBoard {
         if verdicts.iter().any(|v| v.as_slice() != [1]) {
             return Ok(None);
         }
-        Ok(Some(HostBoard { seg: seg.expect("checked by the verdicts"), rank, nranks, calls: Mutex::new(0), timeout: boot.timeout() }))
+        Ok(Some(HostBoard { seg: seg.expect("checked by the verdicts"), rank, nranks, calls: Mutex::new(0), timeout: boot.timeout(), broken: Default::default() }))
     }
 
     /// Every rank's `mine`, indexed by rank (an allgather); `boot` carries a call whose entry
-    /// some rank could not fit. Collective: every rank makes the same sequence of calls.
+    /// some rank could not fit. Collective: every rank makes the same sequence of calls. After
+    /// a failed exchange the board is out of step, and every later call fails with that error.
     pub(crate) fn allgather(&self, boot: &Bootstrap, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = self.broken.get() {
+            return Err(e.clone());
+        }
         let call = *calls + 1;
         *calls = call;
+        let result = self.exchange(call, mine).and_then(|gathered| match gathered {
+            Some(all) => Ok(all),
+            // Some rank's entry did not fit: every rank sees the mark and goes through the
+            // bootstrap, with `calls` still held so this rank's exchanges stay in order.
+            None => boot.allgather(mine),
+        });
+        if let Err(e) = &result {
+            let _ = self.broken.set(e.clone().context("an earlier exchange on the communicator's board failed"));
+        }
+        result
+    }
+
+    /// Call `call`'s exchange on the board; `None`: some rank's entry is marked too big.
+    fn exchange(&self, call: u64, mine: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
         let parity = (call & 1) as usize;
         // SAFETY: our own slot of this parity: no peer reads it until we publish `call`, and
         // it was last read in call `call - 2`, which every peer finished before publishing
-        // `call - 1`, which we saw (module note).
+        // `call - 1`, which we saw (module note; a failed call breaks the board first).
         unsafe {
             let slot = self.slot(parity, self.rank);
             let fits = mine.len() <= ENTRY_MAX;
@@ -132,10 +156,12 @@ impl HostBoard {
                     ));
                 }
                 spins = spins.wrapping_add(1);
-                if waited < HOT_SPIN || spins % 64 != 0 {
-                    std::hint::spin_loop();
-                } else {
+                if waited >= WARM_SPIN {
+                    std::thread::sleep(COLD_POLL);
+                } else if waited >= HOT_SPIN && spins % 64 == 0 {
                     std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
                 }
             }
             match len.load(Ordering::Relaxed) {
@@ -147,11 +173,7 @@ impl HostBoard {
                 n => return Err(Error::new(Status::ConnectionReset, format!("rank {q}'s board entry claims {n} bytes"))),
             }
         }
-        if oversize {
-            drop(calls);
-            return boot.allgather(mine);
-        }
-        Ok(all)
+        Ok((!oversize).then_some(all))
     }
 
     fn slot(&self, parity: usize, rank: usize) -> *mut u8 {
@@ -236,7 +258,7 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_rank_is_a_timeout_naming_it() {
+    fn a_missing_rank_is_a_timeout_naming_it_and_breaks_the_board() {
         let uid = UniqueId::create(Some("127.0.0.1".parse().unwrap())).unwrap();
         let dir = std::env::temp_dir();
         let threads: Vec<_> = (0..2u32)
@@ -247,11 +269,20 @@ mod tests {
                     let board = HostBoard::open(&boot, &dir).unwrap().unwrap();
                     board.allgather(&boot, b"first").unwrap();
                     // Rank 1 stops exchanging; rank 0 makes one more call.
-                    if r == 0 { board.allgather(&boot, b"second").map(|_| ()).unwrap_err().to_string() } else { String::new() }
+                    if r != 0 {
+                        return String::new();
+                    }
+                    let first = board.allgather(&boot, b"second").unwrap_err().to_string();
+                    // The board is out of step now: a later exchange fails at once.
+                    let t = Instant::now();
+                    let again = board.allgather(&boot, b"third").unwrap_err().to_string();
+                    assert!(t.elapsed() < Duration::from_millis(100), "{:?}", t.elapsed());
+                    format!("{first}\n{again}")
                 })
             })
             .collect();
         let msgs: Vec<String> = threads.into_iter().map(|t| t.join().unwrap()).collect();
         assert!(msgs[0].contains("rank 1 did not reach"), "{}", msgs[0]);
+        assert!(msgs[0].contains("an earlier exchange on the communicator's board failed"), "{}", msgs[0]);
     }
 }

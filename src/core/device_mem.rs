@@ -59,6 +59,10 @@ pub(crate) struct DeviceMem {
     recv_error: Option<Status>,
     /// `GSC_TIMEOUT`: how long a copy the worker waits for (under its lock) may take.
     copy_timeout: Option<Duration>,
+    /// Set when such a copy timed out: later copies would queue behind it on the same stream,
+    /// so every later one the worker would wait for fails at once instead of after another
+    /// `GSC_TIMEOUT` under the lock.
+    copy_wedged: Option<Error>,
 }
 
 /// One chunk of a send: GPU bytes copied into `buf`, sent by `frames_left` queued frames.
@@ -113,6 +117,7 @@ impl DeviceMem {
             holds: Holds::default(),
             recv_error: None,
             copy_timeout: cfg.timeout,
+            copy_wedged: None,
         }
     }
 
@@ -184,8 +189,13 @@ impl DeviceMem {
 
     /// `len` bytes of GPU memory at `addr`, copied now into ordinary host memory: the way on
     /// when no bounce buffer is free and nothing of the link is being staged (so none will come
-    /// back for it). Waits only for our own copy stream.
+    /// back for it). Waits only for our own copy stream. Into pageable memory `cuMemcpyAsync`
+    /// itself returns only once the copy is done (CUDA's API synchronization rules), so the
+    /// time limit of `wait_copy` applies only where the driver hands the copy back earlier.
     pub(crate) fn copy_out_now(&mut self, addr: usize, len: usize) -> Result<Vec<u8>> {
+        if let Some(e) = &self.copy_wedged {
+            return Err(e.clone());
+        }
         let device = device_of(addr)?;
         let mut out = vec![0u8; len];
         // SAFETY: `addr..addr+len` is inside a pending send's GPU buffer (its frame is queued);
@@ -193,7 +203,8 @@ impl DeviceMem {
         // leaked: the copy engine may still write into it).
         let ticket = unsafe { self.copier().start(device, out.as_mut_ptr() as u64, addr as u64, len) }?;
         let timeout = self.copy_timeout;
-        match wait_copy(self.copier(), &ticket, timeout, "a copy out of GPU memory for a send") {
+        let copier = self.copier.as_mut().expect("made by `start` above");
+        match wait_copy(copier, &ticket, timeout, &mut self.copy_wedged, "a copy out of GPU memory for a send") {
             Ok(()) => Ok(out),
             Err(e) => {
                 if e.status() == Status::TimedOut {
@@ -317,13 +328,17 @@ impl DeviceMem {
     /// Copy `src` to GPU memory at `dst` now, on the copy stream (so after the copies issued
     /// before it), waiting for it.
     fn copy_in_now(&mut self, dst: usize, src: &[u8]) -> Result<()> {
+        if let Some(e) = &self.copy_wedged {
+            return Err(e.clone());
+        }
         let device = device_of(dst)?;
         // SAFETY: `dst..dst+len` is inside a pending receive's GPU buffer (clipped by the
         // engine); `src` is borrowed until the copy is done. Timed out, the copy may still read
         // `src` after it is reused, but only into the receive that this error fails.
         let ticket = unsafe { self.copier().start(device, dst as u64, src.as_ptr() as u64, src.len()) }?;
         let timeout = self.copy_timeout;
-        wait_copy(self.copier(), &ticket, timeout, "a copy into GPU memory for a receive")
+        let copier = self.copier.as_mut().expect("made by `start` above");
+        wait_copy(copier, &ticket, timeout, &mut self.copy_wedged, "a copy into GPU memory for a receive")
     }
 
     /// Spin until the oldest copy into GPU memory is done (its held completions are released
@@ -334,7 +349,7 @@ impl DeviceMem {
         let timeout = self.copy_timeout;
         let Some(copier) = self.copier.as_mut() else { return };
         let Some((ticket, _)) = self.recv_copies.front() else { return };
-        let r = wait_copy(copier, ticket, timeout, "a staged copy into GPU memory");
+        let r = wait_copy(copier, ticket, timeout, &mut self.copy_wedged, "a staged copy into GPU memory");
         if let Err(e) = &r {
             tracing::warn!(target: "gsc::cuda", error = %e, "a staged copy into GPU memory failed");
             self.recv_error.get_or_insert(e.status());
@@ -615,8 +630,13 @@ const SLOW_COPY: Duration = Duration::from_secs(1);
 
 /// Spin until `ticket`'s copy is done. The worker's lock is held meanwhile, so a copy that does
 /// not end is named in a warning after `SLOW_COPY` and becomes a `TimedOut` error after
-/// `timeout` (`None`: never).
-fn wait_copy(copier: &mut Copier, ticket: &CopyTicket, timeout: Option<Duration>, what: &str) -> Result<()> {
+/// `timeout` (`None`: never), which also marks the copies `wedged`: later ones fail at once.
+/// (Beyond `GSC_HEARTBEAT_TIMEOUT` under the lock, shm peers fail the link first: the proxy's
+/// heartbeat waits for the lock.)
+fn wait_copy(copier: &mut Copier, ticket: &CopyTicket, timeout: Option<Duration>, wedged: &mut Option<Error>, what: &str) -> Result<()> {
+    if let Some(e) = wedged {
+        return Err(e.clone());
+    }
     let start = Instant::now();
     let mut warned = false;
     loop {
@@ -632,7 +652,9 @@ fn wait_copy(copier: &mut Copier, ticket: &CopyTicket, timeout: Option<Duration>
             tracing::warn!(target: "gsc::cuda", what, waited = ?waited, "a copy the worker waits for (holding its lock) has not ended");
         }
         if timeout.is_some_and(|t| waited >= t) {
-            return Err(Error::new(Status::TimedOut, format!("{what} did not end within {waited:?} (GSC_TIMEOUT)")));
+            let e = Error::new(Status::TimedOut, format!("{what} did not end within {waited:?} (GSC_TIMEOUT)"));
+            *wedged = Some(e.clone());
+            return Err(e);
         }
         std::hint::spin_loop();
     }

@@ -49,20 +49,17 @@ impl LockHolder {
     }
 
     /// Take `lock` (a poisoned lock is taken as it is), recording the caller; after
-    /// `WARN_AFTER` of waiting, warn once with the holder, naming `waiter` (what waits).
+    /// `WARN_AFTER` of waiting, warn once with the holder, naming `waiter` (what waits), and
+    /// wait on.
     #[track_caller]
     pub(crate) fn wait_for<'a, T>(&self, lock: &'a Mutex<T>, waiter: &str) -> MutexGuard<'a, T> {
         let site = Location::caller();
         let first_try = Instant::now();
         let takes_then = self.takes.load(Ordering::Relaxed);
-        let mut warned = false;
         loop {
             match lock.try_lock() {
                 Ok(g) => {
                     self.took(site);
-                    if warned {
-                        tracing::warn!(target: "gsc::core", waiter, waited = ?first_try.elapsed(), "the worker's lock is free again");
-                    }
                     return g;
                 }
                 Err(TryLockError::Poisoned(e)) => {
@@ -71,8 +68,7 @@ impl LockHolder {
                 }
                 Err(TryLockError::WouldBlock) => {}
             }
-            if !warned && first_try.elapsed() >= WARN_AFTER {
-                warned = true;
+            if first_try.elapsed() >= WARN_AFTER {
                 let same = self.takes.load(Ordering::Relaxed) == takes_then;
                 tracing::warn!(
                     target: "gsc::core",
@@ -82,6 +78,12 @@ impl LockHolder {
                     first_try.elapsed(),
                     if same { " by one holder" } else { " (taken more than once meanwhile)" }
                 );
+                // Said: from here a blocking wait, which a polling one could keep missing the
+                // lock behind threads that take it often.
+                let g = lock.lock().unwrap_or_else(|e| e.into_inner());
+                self.took(site);
+                tracing::warn!(target: "gsc::core", waiter, waited = ?first_try.elapsed(), "the worker's lock is free again");
+                return g;
             }
             std::thread::sleep(RETRY);
         }

@@ -409,6 +409,8 @@ impl Worker {
 
     /// Run `f` under the lock with an action list, execute what it emitted (also on error: the
     /// engines emit nothing before their checks pass), then fire the callbacks that became due.
+    /// The lock's holder is recorded at the caller's call site (`lock_watch`).
+    #[track_caller]
     pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut State, &mut Actions) -> Result<R>) -> Result<R> {
         let (result, ready) = {
             let mut st = self.lock();
@@ -535,6 +537,8 @@ impl Worker {
         // Data our kernels do not stage themselves, read by the proxy or a peer after the
         // trigger: a fence in our trigger kernel orders the producer's writes of it first.
         let orders = matches!(kind, ReqKind::Send | ReqKind::Put) && stage.is_none();
+        // Counted from before the stream waits on the proxy (`proxy::outstanding`).
+        let issuing = crate::proxy::outstanding::issuing();
         match cond.issue(!params.no_stream_wait, stage.as_ref(), orders)? {
             Issued::Sequenced(channel, seq) => {
                 let req = {
@@ -555,14 +559,14 @@ impl Worker {
                 };
                 timeline::record(Event::Issue, req as u64);
                 let stage = stage.filter(|s| s.dir == StageDir::Send);
-                self.send_to_proxy(Msg::Arm(ArmedOp { channel, seq, req, start, stage }));
+                self.send_to_proxy(Msg::Arm(ArmedOp { channel, seq, req, start, stage }), issuing);
                 Ok(Started::Pending(req))
             }
             Issued::Persistent(channel, outputs) => {
                 timeline::record(Event::Issue, 0);
                 let template = OpTemplate { kind, conn, start };
                 let started = channel.base;
-                self.send_to_proxy(Msg::Persist(PersistentOp { channel, template, started }));
+                self.send_to_proxy(Msg::Persist(PersistentOp { channel, template, started }), issuing);
                 Ok(Started::Armed(outputs))
             }
         }
@@ -602,9 +606,10 @@ impl Worker {
         self.inner.proxy.get().map(Proxy::inject_panic).is_some()
     }
 
-    fn send_to_proxy(&self, msg: Msg) {
-        if let Err(e) = self.inner.proxy.get().map_or(Err(Error::new(Status::Internal, "no proxy")), |p| p.send(msg)) {
-            tracing::error!(target: "gsc::proxy", error = %e, "could not hand an armed operation to the proxy");
+    fn send_to_proxy(&self, msg: Msg, issuing: crate::proxy::outstanding::Issuing) {
+        match self.inner.proxy.get().map_or(Err(Error::new(Status::Internal, "no proxy")), |p| p.send(msg)) {
+            Ok(()) => issuing.handed(),
+            Err(e) => tracing::error!(target: "gsc::proxy", error = %e, "could not hand an armed operation to the proxy"),
         }
     }
 

@@ -220,16 +220,30 @@ extern "C" __global__ void gsc_ops_kernel(gsc_ops_args_t a)
     }
 }
 
-/* Launched with programmatic dependent launch (GSC_CUDA_PDL: stream conditions' kernels, and
- * prepared rounds under capture), a kernel may start before the previous kernel on its stream
- * ends: wait for it (its memory operations included) before anything else, and let the next
- * one be scheduled at once (it waits for us in turn). Without PDL both are no-ops. */
-static __device__ __forceinline__ void gsc_after_previous_kernel()
+/* Programmatic dependent launch (GSC_CUDA_PDL: stream conditions' kernels, and prepared rounds
+ * under capture) lets a kernel be resident before the previous kernel on its stream ends.
+ * gsc_wait_previous_kernel: wait for that kernel (its memory operations included) before
+ * anything else. gsc_let_next_kernel_start: let the next kernel be scheduled now; it waits for
+ * us in turn, but holds its SMs meanwhile, so a kernel that waits for a peer calls it only once
+ * that wait is over (a user's kernel launched with PDL behind it must not sit on the GPU for
+ * the length of a network wait). Both are no-ops without PDL. */
+static __device__ __forceinline__ void gsc_wait_previous_kernel()
 {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void gsc_let_next_kernel_start()
+{
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+/* A captured prepared round's kernel: both at once (its successor is the next round's). */
+static __device__ __forceinline__ void gsc_after_previous_kernel()
+{
+    gsc_wait_previous_kernel();
+    gsc_let_next_kernel_start();
 }
 
 extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
@@ -237,7 +251,7 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
     __shared__ unsigned long long got[GSC_GROUP_MAX];
     __shared__ int good;
     unsigned t = threadIdx.x;
-    gsc_after_previous_kernel();
+    gsc_wait_previous_kernel();
     gsc_stage_out(&a.out, 0);
     __syncthreads();
     if (t < 32) {
@@ -270,6 +284,7 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
     gsc_stage_rest(&a.in, got);
     __syncthreads();
     if (t == 0) gsc_release_slots(&a.in);
+    gsc_let_next_kernel_start();
 }
 
 /* A plain stream's trigger and wait, nothing staged (GSC_CUDA_WAIT_KERNEL): one thread, so the
@@ -277,7 +292,7 @@ extern "C" __global__ void gsc_seq_kernel(gsc_seq_args_t a)
  * writes to host memory before the trigger, as the memop write's default flush does. */
 extern "C" __global__ void gsc_sync_kernel(gsc_sync_args_t a)
 {
-    gsc_after_previous_kernel();
+    gsc_wait_previous_kernel();
     if (a.fence) asm volatile("fence.acq_rel.sys;" ::: "memory");
     if (a.trigger) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a.trigger), "l"(a.tval) : "memory");
     if (a.done) {
@@ -286,6 +301,7 @@ extern "C" __global__ void gsc_sync_kernel(gsc_sync_args_t a)
             asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(a.done) : "memory");
         } while (d < a.wval);
     }
+    gsc_let_next_kernel_start();
 }
 
 /* Rounds of prepared transfers run on the GPU, no proxy (src/cuda/prep_ctl.rs has the control

@@ -530,11 +530,12 @@ pub(crate) fn launch_sync(k: &Kernels, stream: usize, trigger: Option<(u64, u64)
 
 /// Launch one of the stream conditions' kernels (`gsc_seq_kernel`, `gsc_sync_kernel`): with
 /// programmatic dependent launch where `GSC_CUDA_PDL` allows it and the GPU has it
-/// (`Kernels::stream_pdl`), so that when the previous
-/// kernel on the stream is one of ours (a round's wait, then the next round's trigger) this one
-/// is already resident and starts the moment that one ends, instead of a launch latency later.
-/// Both kernels wait for the previous kernel first thing (`gsc_after_previous_kernel`), so the
-/// stream's order is kept; after a kernel of the user's they start at its end, as before.
+/// (`Kernels::stream_pdl`). When the previous kernel on the stream is one of ours (a round's
+/// wait, then the next round's trigger), it lets this one be scheduled as soon as its wait is
+/// over, so this one starts as that one ends rather than a launch latency later. Both kernels
+/// wait for the previous kernel first thing (`gsc_wait_previous_kernel`), so the stream's order
+/// is kept; after a kernel of the user's, which does not let them start early, they start at
+/// its end, as before.
 fn launch_stream_kernel<T>(k: &Kernels, f: cu::CUfunction, stream: usize, grid: Grid, args: &T) -> Result<()> {
     match k.stream_pdl {
         true => launch_struct_grid_pdl(f, stream, grid, args),

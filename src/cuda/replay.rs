@@ -13,7 +13,10 @@
 //! by the driver when that launch completes).
 //!
 //! A miss is instantiated only while no proxy of this process holds a stream-ordered operation
-//! (`proxy::outstanding`); otherwise the kernel is launched as it is. `cuGraphInstantiate` can
+//! and none is being issued (`proxy::outstanding::quiet`); otherwise the kernel is launched as
+//! it is. While a graph or kernel-triggered condition with gscomm operations exists, that is
+//! always (its next trigger may come at any moment), so launches that would have been replays
+//! cost a kernel launch then. `cuGraphInstantiate` can
 //! hold the driver's lock while it waits for work on the device, and that work may be waiting
 //! for a proxy that needs the lock for its staging copies: on the device a collective across
 //! hosts stalled that way until `GSC_TIMEOUT` (issue #7, session 20). A hit only launches.
@@ -71,11 +74,11 @@ pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, 
         let map = cache.get_or_insert_with(HashMap::new);
         match map.get(&key) {
             Some(e) if e.func == f as usize && e.grid == grid && *e.args == *bytes => e.clone(),
-            _ if crate::proxy::outstanding::any() => {
-                drop(cache);
-                return super::launch_struct_grid(f, stream, grid, args);
-            }
             _ => {
+                let Some(_quiet) = crate::proxy::outstanding::quiet() else {
+                    drop(cache);
+                    return super::launch_struct_grid(f, stream, grid, args);
+                };
                 let exec = instantiate(ctx, f, grid, args)?;
                 if map.len() >= CACHE_MAX {
                     map.clear();

@@ -183,10 +183,8 @@ impl Proxy {
         let tx = self.tx.as_ref().expect("set until drop");
         // Counted before the proxy can start it: `armed` never reads below `started`.
         bump(&self.counters.armed);
-        outstanding::sent();
         tx.send(msg).map_err(|_| {
             self.counters.armed.fetch_sub(1, Ordering::Relaxed);
-            outstanding::unsent();
             Error::new(Status::Internal, "the proxy thread has exited")
         })
     }
