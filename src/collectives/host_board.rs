@@ -99,7 +99,14 @@ impl HostBoard {
         if verdicts.iter().any(|v| v.as_slice() != [1]) {
             return Ok(None);
         }
-        Ok(Some(HostBoard { seg: seg.expect("checked by the verdicts"), rank, nranks, calls: Mutex::new(0), timeout: boot.timeout(), broken: Default::default() }))
+        Ok(Some(HostBoard {
+            seg: seg.expect("checked by the verdicts"),
+            rank,
+            nranks,
+            calls: Mutex::new(0),
+            timeout: boot.timeout(),
+            broken: Default::default(),
+        }))
     }
 
     /// Every rank's `mine`, indexed by rank (an allgather); `boot` carries a call whose entry
@@ -158,7 +165,7 @@ impl HostBoard {
                 spins = spins.wrapping_add(1);
                 if waited >= WARM_SPIN {
                     std::thread::sleep(COLD_POLL);
-                } else if waited >= HOT_SPIN && spins % 64 == 0 {
+                } else if waited >= HOT_SPIN && spins.is_multiple_of(64) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();

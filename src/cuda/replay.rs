@@ -14,12 +14,12 @@
 //!
 //! A miss is instantiated only while no proxy of this process holds a stream-ordered operation
 //! and none is being issued (`proxy::outstanding::quiet`); otherwise the kernel is launched as
-//! it is. While a graph or kernel-triggered condition with gscomm operations exists, that is
-//! always (its next trigger may come at any moment), so launches that would have been replays
-//! cost a kernel launch then. `cuGraphInstantiate` can
-//! hold the driver's lock while it waits for work on the device, and that work may be waiting
-//! for a proxy that needs the lock for its staging copies: on the device a collective across
-//! hosts stalled that way until `GSC_TIMEOUT` (issue #7, session 20). A hit only launches.
+//! it is. `cuGraphInstantiate` can hold the driver's lock while it waits for work on the
+//! device, and that work may be waiting for a proxy that needs the lock for its staging copies:
+//! on the device a collective across hosts stalled that way until `GSC_TIMEOUT` (issue #7,
+//! session 20). A hit only launches. While a graph or kernel-triggered condition with gscomm
+//! operations exists, nothing is quiet (its next trigger may come at any moment), so a launch
+//! that misses then costs a plain kernel launch each time.
 
 use super::{CtxScope, Grid, check, cu, raw};
 use crate::error::Result;

@@ -26,13 +26,13 @@
 //! started, passes), read by `Worker::stats`: they show how much host work a transfer costs,
 //! e.g. none per iteration when the rounds run on the GPU.
 
+pub(crate) mod outstanding;
+
 use crate::condition::{Channel, LATE_LIMIT, Stage};
 use crate::core::worker::{OpStart, Worker, WorkerInner};
 use crate::error::{Error, Result, Status};
 use crate::log::timeline::{self, Event};
 use crate::protocols::ReqId;
-
-pub(crate) mod outstanding;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
