@@ -1,0 +1,34 @@
+#!/bin/bash
+# Issue #6's four-GPU runs, in parts that each fit one device command (< 10 min), on
+# `nvidia-h200-x4` with the bundle carried (`.gpu`). Logs go under $OUT, packed into one
+# archive per part (the device returns only a few files).
+#   bash tools/device/x4_plan.sh probe   # sm_patterns.py; the four-rank exact suites
+#   bash tools/device/x4_plan.sh bench   # 8 B latency, the direct kernel's sweep, auto, NCCL
+#   bash tools/device/x4_plan.sh san     # the direct kernel on four GPUs under memcheck and racecheck
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/env.sh"
+cd "$here/../.."
+part=${1:?probe|bench|san}
+case $part in
+probe)
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+    timeout 240 "$PY" docs/probes/sm_patterns.py 128 > "$OUT/sm_patterns.txt" 2>&1
+    GSC_TIMEOUT=30s timeout 300 .gpu/tests/collectives_gpu-test four_gpus --test-threads=1 > "$OUT/four_gpus.log" 2>&1
+    echo "four_gpus rc $?" >> "$OUT/four_gpus.log"
+    ;;
+bench)
+    B=.gpu/bin/gsc-bench
+    timeout 120 $B all-reduce -b 8 -e 8 -g 4 -n 2000 -w 200 -m stream,graph --nccl > "$OUT/ar8.log" 2>&1
+    bash "$here/direct_sweep.sh" 4 "def 132" 32M 512M
+    for c in all-reduce all-gather reduce-scatter; do
+        timeout 200 $B "$c" -b 1M -e 512M -f 8 -g 4 -n 20 -w 5 -m graph,stream --nccl > "$OUT/$c-auto.log" 2>&1
+    done
+    ;;
+san)
+    bash "$here/san.sh" memcheck x4 280 collectives_gpu:direct_kernel_collectives_exact_on_four_gpus
+    bash "$here/san.sh" racecheck x4 280 collectives_gpu:direct_kernel_collectives_exact_on_four_gpus
+    ;;
+*) echo "unknown part $part" >&2; exit 2 ;;
+esac
+cd "$OUT" && tar czf "x4-$part.tgz" --exclude='*.tgz' ./*.log ./*.txt 2>/dev/null; ls "$OUT"
