@@ -31,4 +31,4 @@ san)
     ;;
 *) echo "unknown part $part" >&2; exit 2 ;;
 esac
-cd "$OUT" && tar czf "x4-$part.tgz" --exclude='*.tgz' ./*.log ./*.txt 2>/dev/null; ls "$OUT"
+cd "$OUT" && tar czf "x4-$part.tgz" ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt; ls "$OUT"
