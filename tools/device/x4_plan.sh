@@ -2,7 +2,7 @@
 # Issue #6's four-GPU runs, in parts that each fit one device command (< 10 min), on
 # `nvidia-h200-x4` with the bundle carried (`.gpu`). Logs go under $OUT, packed into one
 # archive per part (the device returns only a few files).
-#   bash tools/device/x4_plan.sh probe   # sm_patterns.py; the four-rank exact suites
+#   bash tools/device/x4_plan.sh probe   # sm_patterns.py, push_allreduce.py; the four-rank exact suites
 #   bash tools/device/x4_plan.sh bench   # 8 B latency, the direct kernel's sweep, auto, NCCL
 #   bash tools/device/x4_plan.sh san     # the direct kernel on four GPUs under memcheck and racecheck
 set -u
@@ -14,6 +14,7 @@ case $part in
 probe)
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
     timeout 240 "$PY" docs/probes/sm_patterns.py 128 > "$OUT/sm_patterns.txt" 2>&1
+    timeout 120 "$PY" docs/probes/push_allreduce.py 128 512 > "$OUT/push_allreduce.txt" 2>&1
     GSC_TIMEOUT=30s timeout 300 .gpu/tests/collectives_gpu-test four_gpus --test-threads=1 > "$OUT/four_gpus.log" 2>&1
     echo "four_gpus rc $?" >> "$OUT/four_gpus.log"
     ;;
