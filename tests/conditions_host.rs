@@ -517,6 +517,44 @@ fn a_stopped_peer_times_out_stream_operations_shm() {
     });
 }
 
+/// The same stopped peer, but the send starts half a second after the receive on one host
+/// stream: the receive times out first and sets the channel's error bit while the send still
+/// runs. The proxy must go on watching the send until its own `GSC_TIMEOUT` (it once dropped
+/// every operation of a failed channel from its watch, and the send then never ended; CI saw
+/// it when the two expiries fell into different checks).
+#[test]
+fn a_send_still_running_after_an_earlier_timeout_times_out_too_shm() {
+    child_or(|| {
+        let s = Setup::with(Lane::Shm, "a_send_still_running_after_an_earlier_timeout_times_out_too_shm", &[("GSC_TIMEOUT", "1s")]);
+        let (mut p, ep) = s.peer("doomed");
+        p.proc().stop();
+        let stream = HostStream::new().unwrap();
+        let cond = Condition::host_stream(&stream);
+        let mut inbox = vec![0u8; 64];
+        let data = vec![7u8; 4 << 20];
+        let t0 = Instant::now();
+        let r = pending(unsafe { s.w.tag_recv_nbx(inbox.as_mut_ptr(), 64, 9, u64::MAX, on(&cond, false)).unwrap() });
+        std::thread::sleep(Duration::from_millis(500));
+        let h = pending(unsafe { ep.tag_send_nbx(data.as_ptr(), data.len(), 1, on(&cond, false)).unwrap() });
+        let finished = |q| loop {
+            if let Some(c) = s.w.request_test(q).unwrap() {
+                s.w.request_release(q).unwrap();
+                break (c.status, t0.elapsed());
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "no expiry after {:?}", t0.elapsed());
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let (recv_status, recv_at) = finished(r);
+        let (send_status, send_at) = finished(h);
+        assert_eq!((recv_status, send_status), (Status::TimedOut, Status::TimedOut));
+        assert!(recv_at >= Duration::from_secs(1) && send_at >= Duration::from_millis(1500), "{recv_at:?}, {send_at:?}");
+        assert!(send_at < Duration::from_secs(5), "the send timed out after {send_at:?}");
+        let c = p.proc();
+        c.signal(libc::SIGCONT);
+        c.kill();
+    });
+}
+
 fn refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
     v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }

@@ -94,6 +94,14 @@ impl Channel {
         self.words.done().load(Ordering::Acquire)
     }
 
+    /// How many operations completed, in order, whatever their status (the done word without
+    /// its error bit). The proxy watches its started operations by this: after one failure the
+    /// done word satisfies every wait, but the operations after it may still be running and
+    /// still need their `GSC_TIMEOUT`.
+    pub(crate) fn completed_through(&self) -> u64 {
+        self.done_word() & !DONE_ERROR_BIT
+    }
+
     /// The first failure of an operation on this channel, if any.
     pub(crate) fn error(&self) -> Option<Error> {
         self.lock().error.clone()
@@ -254,6 +262,16 @@ mod tests {
         c.complete(2, Status::Ok);
         assert_ne!(c.done_word() & DONE_ERROR_BIT, 0, "error stays set");
         assert_eq!(c.error().unwrap().status(), Status::PeerFailed);
+    }
+
+    #[test]
+    fn after_a_failure_the_operations_still_running_stay_visible() {
+        let c = channel();
+        c.complete(1, Status::TimedOut);
+        assert!(c.done_word() >= 2, "waiters are released");
+        assert_eq!(c.completed_through(), 1, "but operation 2 has not completed");
+        c.complete(2, Status::Ok);
+        assert_eq!(c.completed_through(), 2);
     }
 
     #[test]

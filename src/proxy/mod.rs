@@ -572,7 +572,10 @@ impl Engine {
         // passing until they are out (`Link::sending`), or a sender that completed would leave
         // its data, even a new link's hello, sitting in this process.
         self.lanes_sending = worker.lanes_sending();
-        self.in_flight.retain(|(c, seq)| c.done_word() < *seq);
+        // Not `done_word`: its error bit, set by the first failure, would drop every later
+        // operation of the channel from the watch below while it still runs (a receive that
+        // timed out a moment before its send: the send then never would).
+        self.in_flight.retain(|(c, seq)| c.completed_through() < *seq);
         // Started operations whose peer stopped answering (without dying) would hold their
         // producers forever: a few times a second, fail those older than GSC_TIMEOUT.
         if !self.in_flight.is_empty() && self.last_expiry_check.elapsed() > EXPIRY_CHECK_INTERVAL {
