@@ -32,4 +32,4 @@ san)
     ;;
 *) echo "unknown part $part" >&2; exit 2 ;;
 esac
-cd "$OUT" && files=$(ls ./*.log ./*.txt 2>/dev/null) && tar czf "x4-$part.tgz" $files && rm -f $files; ls "$OUT"
+cd "$OUT" && files=$(ls ./*.log ./*.txt 2>/dev/null; true) && tar czf "x4-$part.tgz" $files && rm -f $files; ls "$OUT"
