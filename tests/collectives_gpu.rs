@@ -655,34 +655,45 @@ fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
+/// The paths that work on the peers' own buffers (`run_rank_on_peer_buffers`).
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum PeerPath {
+    CopyEngines,
+    Direct,
+    Ring,
+}
+
 /// The collectives on the peers' own buffers: by the copy engines (`GSC_COLL_CE=on`,
-/// `GSC_COLL_CE_MIN=0`) or by the direct kernel (`GSC_COLL_SM=on`, `GSC_COLL_SM_MIN=0`), so
-/// every all-gather and reduce-scatter, and every all-reduce of whole shards (the direct
-/// kernel: of whole 16-byte pieces), eager and captured, runs there: the exact checks at every
-/// size, datatype and operator, in place and out of place; the large all-reduce (whole
-/// shards) and halves; pre-multiplied sums (the kernels); captured and graph-condition
-/// replays with new data each time (a graph condition runs the workspace kernels with the copy
-/// engines, one direct-kernel node with the direct kernel). Checks the path ran.
-fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], direct: bool) -> String {
+/// `GSC_COLL_CE_MIN=0`), by the direct kernel (`GSC_COLL_SM=on`, `GSC_COLL_SM_MIN=0`) or by
+/// the copy-engine ring (`GSC_COLL_RING=on`, `GSC_COLL_RING_MIN=0`, its reduce-scatter and
+/// all-reduce), so every such call that cuts into the path's pieces, eager and captured, runs
+/// there: the exact checks at every size, datatype and operator, in place and out of place;
+/// the large all-reduce (whole shards) and halves; pre-multiplied sums (the kernels); captured
+/// and graph-condition replays with new data each time (a graph condition runs the workspace
+/// kernels with the copy engines and the ring, one direct-kernel node with the direct kernel).
+/// Checks the path ran.
+fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], path: PeerPath) -> String {
     set_device(gpu_of(rank)).unwrap();
     let uid = UniqueId::from_bytes(uid).unwrap();
     let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
-    let knobs: &[(&str, &str)] = match direct {
-        false => &[("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "0")],
-        true => &[("GSC_COLL_SM", "on"), ("GSC_COLL_SM_MIN", "0"), ("GSC_COLL_CE", "off")],
+    let knobs: &[(&str, &str)] = match path {
+        PeerPath::CopyEngines => &[("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "0"), ("GSC_COLL_RING", "off")],
+        PeerPath::Direct => &[("GSC_COLL_SM", "on"), ("GSC_COLL_SM_MIN", "0"), ("GSC_COLL_CE", "off"), ("GSC_COLL_RING", "off")],
+        PeerPath::Ring => &[("GSC_COLL_RING", "on"), ("GSC_COLL_RING_MIN", "0"), ("GSC_COLL_SM", "off"), ("GSC_COLL_CE", "off")],
     };
     let config = config_with(&[&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")], knobs].concat());
     let comm = Communicator::new(boot, gpu_of(rank), &config).unwrap();
     let stream = Stream::new().unwrap();
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
     let r = Rank { comm, stream, cond };
-    let (path, calls) = match direct {
-        false => ("copy-engine", Communicator::copy_engine_calls as fn(&Communicator) -> u64),
-        true => ("direct-kernel", Communicator::direct_calls as fn(&Communicator) -> u64),
+    let (name, calls) = match path {
+        PeerPath::CopyEngines => ("copy-engine", Communicator::copy_engine_calls as fn(&Communicator) -> u64),
+        PeerPath::Direct => ("direct-kernel", Communicator::direct_calls as fn(&Communicator) -> u64),
+        PeerPath::Ring => ("copy-engine ring", Communicator::ring_calls as fn(&Communicator) -> u64),
     };
     let t0 = Instant::now();
-    let mut bad = exact_results(&r, if direct { DIRECT_COUNTS } else { COUNTS });
-    eprintln!("rank {rank}: {path} exact checks in {:?}", t0.elapsed());
+    let mut bad = exact_results(&r, if path == PeerPath::CopyEngines { COUNTS } else { DIRECT_COUNTS });
+    eprintln!("rank {rank}: {name} exact checks in {:?}", t0.elapsed());
     let t0 = Instant::now();
     bad.extend(large_all_reduce_of(&r, 2_400_000, &LARGE_TYPES, &RedOp::ALL));
     let every_type: Vec<(DataType, RedOp)> = DataType::ALL.iter().map(|&d| (d, RedOp::Sum)).collect();
@@ -693,14 +704,16 @@ fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], direct: bool) -> 
     let before = calls(&r.comm);
     bad.extend(graph_replays(&r, 300_000));
     bad.extend(graph_replays(&r, 2_000_064));
-    eprintln!("rank {rank}: {path} large and replay checks in {:?}", t0.elapsed());
+    eprintln!("rank {rank}: {name} large and replay checks in {:?}", t0.elapsed());
     // Each graph_replays captures one all-reduce of whole shards (the rest is 2-element calls,
     // which are not whole shards on 4 ranks, or eager).
     if calls(&r.comm) < before + 2 {
-        bad.push(format!("rank {rank}: the captured all-reduces did not take the {path} path"));
+        bad.push(format!("rank {rank}: the captured all-reduces did not take the {name} path"));
     }
-    if calls(&r.comm) < 100 {
-        bad.push(format!("rank {rank}: only {} calls took the {path} path", calls(&r.comm)));
+    // The ring takes no all-gather: fewer calls.
+    let least = if path == PeerPath::Ring { 50 } else { 100 };
+    if calls(&r.comm) < least {
+        bad.push(format!("rank {rank}: only {} calls took the {name} path", calls(&r.comm)));
     }
     if let Err(e) = r.comm.async_error() {
         bad.push(format!("rank {rank}: async error {e}"));
@@ -715,13 +728,13 @@ fn rank_of(role: &str) -> (usize, usize) {
 
 fn copy_engine_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     let (rank, n) = rank_of(role);
-    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), false);
+    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), PeerPath::CopyEngines);
     chan.put("result", v.as_bytes());
 }
 
 fn direct_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     let (rank, n) = rank_of(role);
-    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), true);
+    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), PeerPath::Direct);
     chan.put("result", v.as_bytes());
 }
 
@@ -730,7 +743,9 @@ fn copy_engine_collectives_exact_on_two_gpus() {
     if run_child_role(copy_engine_roles) {
         return;
     }
-    run_job_with("copy_engine_collectives_exact_on_two_gpus", 2, copy_engine_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, false));
+    run_job_with("copy_engine_collectives_exact_on_two_gpus", 2, copy_engine_roles, |r, n, u| {
+        run_rank_on_peer_buffers(r, n, u, PeerPath::CopyEngines)
+    });
 }
 
 #[test]
@@ -738,7 +753,9 @@ fn copy_engine_collectives_exact_on_four_gpus() {
     if run_child_role(copy_engine_roles) {
         return;
     }
-    run_job_with("copy_engine_collectives_exact_on_four_gpus", 4, copy_engine_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, false));
+    run_job_with("copy_engine_collectives_exact_on_four_gpus", 4, copy_engine_roles, |r, n, u| {
+        run_rank_on_peer_buffers(r, n, u, PeerPath::CopyEngines)
+    });
 }
 
 #[test]
@@ -746,7 +763,9 @@ fn direct_kernel_collectives_exact_on_two_gpus() {
     if run_child_role(direct_roles) {
         return;
     }
-    run_job_with("direct_kernel_collectives_exact_on_two_gpus", 2, direct_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, true));
+    run_job_with("direct_kernel_collectives_exact_on_two_gpus", 2, direct_roles, |r, n, u| {
+        run_rank_on_peer_buffers(r, n, u, PeerPath::Direct)
+    });
 }
 
 #[test]
@@ -754,7 +773,35 @@ fn direct_kernel_collectives_exact_on_four_gpus() {
     if run_child_role(direct_roles) {
         return;
     }
-    run_job_with("direct_kernel_collectives_exact_on_four_gpus", 4, direct_roles, |r, n, u| run_rank_on_peer_buffers(r, n, u, true));
+    run_job_with("direct_kernel_collectives_exact_on_four_gpus", 4, direct_roles, |r, n, u| {
+        run_rank_on_peer_buffers(r, n, u, PeerPath::Direct)
+    });
+}
+
+fn ring_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = rank_of(role);
+    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), PeerPath::Ring);
+    chan.put("result", v.as_bytes());
+}
+
+#[test]
+fn copy_engine_ring_collectives_exact_on_two_gpus() {
+    if run_child_role(ring_roles) {
+        return;
+    }
+    run_job_with("copy_engine_ring_collectives_exact_on_two_gpus", 2, ring_roles, |r, n, u| {
+        run_rank_on_peer_buffers(r, n, u, PeerPath::Ring)
+    });
+}
+
+#[test]
+fn copy_engine_ring_collectives_exact_on_four_gpus() {
+    if run_child_role(ring_roles) {
+        return;
+    }
+    run_job_with("copy_engine_ring_collectives_exact_on_four_gpus", 4, ring_roles, |r, n, u| {
+        run_rank_on_peer_buffers(r, n, u, PeerPath::Ring)
+    });
 }
 
 fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {

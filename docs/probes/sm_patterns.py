@@ -4,7 +4,9 @@
 # ce_allgather.py found the engines at ~200 GB/s per GPU all-to-all (383 alone); this asks
 # whether SMs, or a ring, do better, and what a fused two-shot all-reduce (each rank reads its
 # slice from all four buffers, sums, writes the sum into all four) reaches.
-#   python3 docs/probes/sm_patterns.py [MiB per part]
+#   python3 docs/probes/sm_patterns.py [MiB per part] [mix]
+# "mix" instead asks whether SMs and copy engines together move more than either alone: every
+# GPU runs the SM all-to-all push and a copy-engine ring copy at once, on two streams.
 import sys
 import time
 import cupy as cp
@@ -126,6 +128,36 @@ def twoshot(blocks, threads):
 
     return go
 
+
+if "mix" in sys.argv[2:]:
+    side, ce_src, ce_dst = [], [], []
+    for d in devs:
+        with cp.cuda.Device(d):
+            side.append(cp.cuda.Stream(non_blocking=True))
+            ce_src.append(cp.ones(N, dtype=cp.uint32))  # 4 N bytes: room for up to 4 parts
+            ce_dst.append(cp.zeros(N, dtype=cp.uint32))
+
+    def mixed(ce_bytes, blocks, threads, sm=True):
+        push_all = sm_push(lambda d: [q for q in devs if q != d], blocks, threads)
+
+        def go():
+            if sm:
+                push_all()
+            for d in devs:
+                q = (d + 1) % n
+                with cp.cuda.Device(d):
+                    cp.cuda.runtime.memcpyPeerAsync(ce_dst[q].data.ptr, q, ce_src[d].data.ptr, d, ce_bytes, side[d].ptr)
+
+        return go
+
+    print(f"# {MIB} MiB per part, {n} GPUs; per-GPU GB/s = bytes each GPU sends by SMs and engines / time")
+    for mult in (1, 2, 3, 4):
+        timed(f"CE ring alone, {mult * MIB} MiB", mixed(mult * N, 0, 0, sm=False), mult * N)
+    for blocks, threads in ((132, 512), (66, 512), (32, 512)):
+        timed(f"SM push all-to-all alone {blocks}x{threads}", sm_push(lambda d: [q for q in devs if q != d], blocks, threads), 3 * N)
+        for mult in (1, 2, 3):
+            timed(f"SM all-to-all {blocks}x{threads} + CE ring {mult * MIB} MiB", mixed(mult * N, blocks, threads), 3 * N + mult * N)
+    sys.exit(0)
 
 print(f"# {MIB} MiB per part, {n} GPUs; per-GPU GB/s = bytes each GPU sends / time")
 timed("CE ring: each GPU pushes one part to the next", ce_ring(), N)

@@ -178,6 +178,7 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
                 load.config.coll_large_min,
                 &shape,
                 (load.config.coll_sm, load.config.coll_sm_min),
+                (load.config.coll_ring, load.config.coll_ring_min),
                 (load.config.coll_ce, load.config.coll_ce_min),
             ),
             Err(e) => format!("# collectives: {e}\n"),

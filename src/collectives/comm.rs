@@ -14,6 +14,7 @@
 //! any number of times.
 
 use super::agreement::{self, Signature};
+use super::ce_ring::{self, Ring};
 use super::copy_engine::{self, CopyEngine};
 use super::direct::{self, Direct, Placement};
 use super::host_board::HostBoard;
@@ -64,6 +65,11 @@ pub struct Communicator {
     sm_mode: Tristate,
     sm_min: usize,
     direct: Direct,
+    /// `GSC_COLL_RING`, `GSC_COLL_RING_MIN`, and the copy-engine ring's state (its pieces:
+    /// `GSC_COLL_RING_PIECES`).
+    ring_mode: Tristate,
+    ring_min: usize,
+    ring: Ring,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -198,6 +204,9 @@ impl Communicator {
             sm_mode: if shares_process { Tristate::Off } else { config.coll_sm },
             sm_min: config.coll_sm_min,
             direct: Direct::new(config.coll_sm_blocks),
+            ring_mode: if shares_process { Tristate::Off } else { config.coll_ring },
+            ring_min: config.coll_ring_min,
+            ring: Ring::new(device, config.coll_ring_pieces),
         })
     }
 
@@ -316,6 +325,11 @@ impl Communicator {
     /// Collectives this rank ran by the direct kernel (`GSC_COLL_SM`) so far.
     pub fn direct_calls(&self) -> u64 {
         self.direct.runs()
+    }
+
+    /// Collectives this rank ran by the copy-engine ring (`GSC_COLL_RING`) so far.
+    pub fn ring_calls(&self) -> u64 {
+        self.ring.runs()
     }
 
     /// The large kernels' algorithm and shape this communicator runs (`GSC_COLL_LARGE_*`).
@@ -541,15 +555,15 @@ impl Communicator {
         };
         let direct_call =
             |kind| DirectCall { kind, send: call.send, recv: call.recv, part_bytes: call.part_bytes, dtype: call.dtype, op: call.op };
-        // Below both paths' floors (every mode of both applies its floor): nothing to ask CUDA.
-        if call.part_bytes < self.sm_min.min(self.ce_min) {
+        // Below every path's floor (every mode applies its floor): nothing to ask CUDA.
+        if call.part_bytes < self.sm_min.min(self.ce_min).min(self.ring_min) {
             return Ok(None);
         }
         // Captured or added to a graph: the buffers are exchanged once, for every replay.
         let replayed = match at {
             Placement::Graph(_) => true,
             Placement::Stream(stream) => {
-                (self.sm_mode == Tristate::Auto || self.ce_mode == Tristate::Auto) && crate::cuda::capture_graph(stream)?.is_some()
+                [self.sm_mode, self.ce_mode, self.ring_mode].contains(&Tristate::Auto) && crate::cuda::capture_graph(stream)?.is_some()
             }
         };
         let premul = call.premul.is_some();
@@ -561,6 +575,15 @@ impl Communicator {
             }
         }
         let Placement::Stream(stream) = at else { return Ok(None) };
+        let pieces = self.ring.pieces();
+        if let Some(kind) =
+            ce_ring::wanted(self.ring_mode, self.ring_min, call.kind, call.part_bytes, self.nranks, pieces, premul, replayed)
+        {
+            // SAFETY: as above.
+            if unsafe { self.ring.try_run(&cx, &direct_call(kind), stream) }? {
+                return Ok(Some(ArmedOutputs::default()));
+            }
+        }
         let Some(kind) =
             copy_engine::wanted(self.ce_mode, self.ce_min, call.kind, call.part_bytes, self.nranks, call.dtype.size(), premul, replayed)
         else {

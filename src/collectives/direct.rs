@@ -15,8 +15,8 @@
 //!
 //! Each byte of a receive buffer is written by exactly one rank, and no rank writes memory any
 //! rank reads in the same launch, in place or not (`job`'s tests check both on a model of the
-//! ranks' memory). `auto` takes this path between two ranks from the sizes where it measured
-//! faster (`auto_floor`).
+//! ranks' memory). `auto` takes this path between two ranks, and all-gathers of up to four,
+//! from the sizes where it measured faster (`auto_floor`).
 
 use super::peer_buffers::{self, DirectCall, DirectContext, DirectKind};
 use crate::config::Tristate;
@@ -42,7 +42,13 @@ pub(crate) fn wanted(
     let on = match mode {
         Tristate::Off => false,
         Tristate::On => part_bytes >= min,
-        Tristate::Auto => nranks == 2 && part_bytes >= min.max(auto_floor(kind, replayed)),
+        // Two ranks: every kind; up to four: the all-gather, ahead of NCCL and of every other
+        // path from a 1 MiB call on four H200s (docs/PERF.md, session 22), where the
+        // reduce-scatter and all-reduce lose to the copy-engine ring (`ce_ring`).
+        Tristate::Auto => {
+            (nranks == 2 || (kind == CollKind::AllGather && nranks <= AUTO_MAX_GATHER_RANKS))
+                && part_bytes >= min.max(auto_floor(kind, replayed))
+        }
     };
     if !on || !(2..=MAX_RANKS).contains(&nranks) || premul || part_bytes == 0 {
         return None;
@@ -56,13 +62,16 @@ pub(crate) fn wanted(
     }
 }
 
+/// The most ranks `auto` gives an all-gather to the direct kernel: measured on four.
+const AUTO_MAX_GATHER_RANKS: usize = 4;
+
 /// `auto`'s smallest call (as `wanted`'s `part_bytes`) where the direct kernel measured ahead
 /// of NCCL and of the workspace kernels between two H200s (docs/PERF.md, sessions 19–20):
 /// replayed from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a
 /// stream, from 8 MiB (16 MiB). A stream call exchanges its buffers twice; on the shared-memory
 /// board (`host_board`) that costs about as much as the workspace kernels' own start, so below
-/// these sizes the two paths tie and above them the direct kernel wins. Four and more ranks
-/// have not been measured: `auto` leaves them to the other paths.
+/// these sizes the two paths tie and above them the direct kernel wins. On four ranks the
+/// all-gather, replayed, led from 256 KiB parts (session 22): the same floors serve.
 pub(crate) fn auto_floor(kind: CollKind, replayed: bool) -> usize {
     let part = if replayed { 512 << 10 } else { 8 << 20 };
     if kind == CollKind::AllReduce { 2 * part } else { part }
@@ -303,7 +312,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_takes_two_ranks_from_the_measured_sizes() {
+    fn auto_takes_the_measured_rank_counts_from_the_measured_sizes() {
         let auto = |kind, bytes, n, replayed| wanted(Tristate::Auto, 512 << 10, kind, bytes, n, false, replayed);
         // Replayed: 512 KiB parts, 1 MiB all-reduces.
         assert_eq!(auto(CollKind::AllGather, 512 << 10, 2, true), Some(DirectKind::AllGather));
@@ -315,8 +324,14 @@ mod tests {
         assert_eq!(auto(CollKind::ReduceScatter, 8 << 20, 2, false), Some(DirectKind::ReduceScatter));
         assert_eq!(auto(CollKind::AllReduce, 8 << 20, 2, false), None);
         assert_eq!(auto(CollKind::AllReduce, 16 << 20, 2, false), Some(DirectKind::AllReduce));
-        // Not measured beyond two ranks.
+        // Beyond two ranks the all-gather only, up to four.
         assert_eq!(auto(CollKind::AllReduce, 256 << 20, 4, true), None);
+        assert_eq!(auto(CollKind::ReduceScatter, 256 << 20, 4, true), None);
+        assert_eq!(auto(CollKind::AllGather, 512 << 10, 4, true), Some(DirectKind::AllGather));
+        assert_eq!(auto(CollKind::AllGather, 512 << 10, 3, true), Some(DirectKind::AllGather));
+        assert_eq!(auto(CollKind::AllGather, 4 << 20, 4, false), None);
+        assert_eq!(auto(CollKind::AllGather, 8 << 20, 4, false), Some(DirectKind::AllGather));
+        assert_eq!(auto(CollKind::AllGather, 256 << 20, 8, true), None, "not measured on eight");
         // GSC_COLL_SM_MIN still bounds it from below.
         assert_eq!(wanted(Tristate::Auto, 64 << 20, CollKind::AllReduce, 32 << 20, 2, false, true), None);
     }

@@ -13,6 +13,7 @@
 //! The NCCL-ABI library is the workspace member nccl/.
 
 pub(crate) mod agreement;
+pub(crate) mod ce_ring;
 pub mod comm;
 pub(crate) mod copy_engine;
 pub(crate) mod direct;

@@ -85,12 +85,14 @@ pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, a
 }
 
 /// The table as `gsc-info -p` prints it; `shape`: the large kernels' (`GSC_COLL_LARGE_*`).
-/// `sm` and `ce`: `GSC_COLL_SM`/`GSC_COLL_SM_MIN` (`direct`) and `GSC_COLL_CE`/
-/// `GSC_COLL_CE_MIN` (`copy_engine`), which come before the table, in that order.
+/// `sm`, `ring` and `ce`: `GSC_COLL_SM`/`GSC_COLL_SM_MIN` (`direct`), `GSC_COLL_RING`/
+/// `GSC_COLL_RING_MIN` (`ce_ring`) and `GSC_COLL_CE`/`GSC_COLL_CE_MIN` (`copy_engine`), which
+/// come before the table, in that order.
 pub fn describe(
     large_min: usize,
     shape: &LargeShape,
     sm: (crate::config::Tristate, usize),
+    ring: (crate::config::Tristate, usize),
     ce: (crate::config::Tristate, usize),
 ) -> String {
     use crate::config::Tristate;
@@ -110,10 +112,27 @@ pub fn describe(
             let (stream, stream_ar) = (floor(CollKind::AllGather, false), floor(CollKind::AllReduce, false));
             writeln!(
                 out,
-                "# direct kernel (GSC_COLL_SM=auto): as on, between 2 ranks only, from max({sm_min}, {graph}) per rank (all_reduce: {graph_ar}) when replayed from a graph, from max({sm_min}, {stream}) (all_reduce: {stream_ar}) on a stream, first"
+                "# direct kernel (GSC_COLL_SM=auto): as on, between 2 ranks (all_gather: up to 4), from max({sm_min}, {graph}) per rank (all_reduce: {graph_ar}) when replayed from a graph, from max({sm_min}, {stream}) (all_reduce: {stream_ar}) on a stream, first"
             )
         }
         Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM=off): never"),
+    };
+    let ring_min = crate::config::format_size(ring.1 as u64);
+    let _ = match ring.0 {
+        Tristate::Off => writeln!(out, "# copy-engine ring (GSC_COLL_RING=off): never"),
+        Tristate::Auto => {
+            use crate::cuda::coll::CollKind;
+            let floor = |kind| crate::config::format_size(super::ce_ring::auto_floor(kind) as u64);
+            let (rs, ar) = (floor(CollKind::ReduceScatter), floor(CollKind::AllReduce));
+            writeln!(
+                out,
+                "# copy-engine ring (GSC_COLL_RING=auto): reduce_scatter from max({ring_min}, {rs}) per rank and all_reduce from max({ring_min}, {ar}) (pieces of whole 16 bytes), of 4 and more ranks, when captured into a graph (stream conditions), after the direct kernel"
+            )
+        }
+        Tristate::On => writeln!(
+            out,
+            "# copy-engine ring (GSC_COLL_RING=on): reduce_scatter and all_reduce (pieces of whole 16 bytes) from {ring_min} per rank on stream conditions, after the direct kernel"
+        ),
     };
     let ce_min = crate::config::format_size(ce.1 as u64);
     let _ = match ce.0 {
@@ -174,6 +193,7 @@ mod tests {
             256 << 10,
             &LargeShape::from_config(&config).unwrap(),
             (crate::config::Tristate::On, 1 << 20),
+            (crate::config::Tristate::Auto, 32 << 20),
             (crate::config::Tristate::Auto, 4 << 20),
         );
         for coll in Collective::ALL {
@@ -184,5 +204,6 @@ mod tests {
         assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
         assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
         assert!(t.contains("# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter"), "{t}");
+        assert!(t.contains("# copy-engine ring (GSC_COLL_RING=auto): reduce_scatter from max(32M, 32M) per rank and all_reduce from max(32M, 64M)"), "{t}");
     }
 }

@@ -563,9 +563,10 @@ pub(super) static KNOBS: &[Knob] = &[
               (all-reduce: shards) are whole 16 bytes, before the copy engines; auto: the same \
               between two ranks where it measured faster on 2 x H200 (docs/PERF.md): from \
               512K per rank (all-reduce: 1M) when captured into or added to a graph, from 8M \
-              (16M) on a stream, where each call exchanges the buffers; never on more ranks \
-              (not yet measured); off: never. Always off for a communicator with several ranks \
-              in one process",
+              (16M) on a stream, where each call exchanges the buffers; all-gathers of three \
+              and four ranks from the same sizes (measured ahead on 4 x H200); never the rest \
+              (not measured, or slower than the copy-engine ring); off: never. Always off for a \
+              communicator with several ranks in one process",
         kind: KnobKind::Tristate,
         parse: |c, v| {
             c.coll_sm = Tristate::from_option(parse_tristate(v)?);
@@ -604,6 +605,58 @@ pub(super) static KNOBS: &[Knob] = &[
             Ok(())
         },
         show: |c| c.coll_sm_blocks.map_or("auto".to_string(), |n| n.to_string()),
+    },
+    Knob {
+        name: "GSC_COLL_RING",
+        default: "auto",
+        doc: "Large reduce-scatter and all-reduce by a ring of copy engines: each rank's engines \
+              copy a part into the next rank's scratch, a kernel there waits for the copy's \
+              flag and adds its own input, and the sum travels on, step by step (an all-reduce \
+              then passes the reduced shards around the ring into every receive buffer). Each \
+              step is cut into GSC_COLL_RING_PIECES pieces so copies and reductions overlap. \
+              The buffers are exchanged and mapped during the call, as for GSC_COLL_CE. auto: \
+              on four or more ranks, for calls captured into a graph, where it measured faster \
+              than the kernels on 4 x H200 (docs/PERF.md): reduce-scatter from 32M per rank, \
+              all-reduce from 64M (and from GSC_COLL_RING_MIN); on: every \
+              such call from GSC_COLL_RING_MIN on stream conditions, before the copy engines; \
+              off: never. Parts (all-reduce: shards) must cut into pieces of whole 16 bytes, \
+              buffers on 16 bytes. Always off for a communicator with several ranks in one \
+              process",
+        kind: KnobKind::Tristate,
+        parse: |c, v| {
+            c.coll_ring = Tristate::from_option(parse_tristate(v)?);
+            Ok(())
+        },
+        show: |c| c.coll_ring.name().to_string(),
+    },
+    Knob {
+        name: "GSC_COLL_RING_MIN",
+        default: "1M",
+        doc: "Smallest call (bytes per rank's part: the whole buffer of an all-reduce) that \
+              GSC_COLL_RING gives to the copy-engine ring",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.coll_ring_min = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_ring_min as u64),
+    },
+    Knob {
+        name: "GSC_COLL_RING_PIECES",
+        default: "2",
+        doc: "Pieces each step of the copy-engine ring (GSC_COLL_RING) is cut into, 1 to 16: \
+              more overlap copies with reductions better, but every copy costs the engines a \
+              few microseconds (docs/PERF.md)",
+        kind: KnobKind::Positive,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(1..=16).contains(&n) {
+                return Err("expected 1 to 16 pieces".into());
+            }
+            c.coll_ring_pieces = n;
+            Ok(())
+        },
+        show: |c| c.coll_ring_pieces.to_string(),
     },
     Knob {
         name: "GSC_COLL_LARGE_MIN",

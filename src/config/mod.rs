@@ -350,6 +350,13 @@ pub struct Config {
     pub coll_sm_min: usize,
     /// `GSC_COLL_SM_BLOCKS`: the direct kernel's blocks; `None` (`auto`): two per SM.
     pub coll_sm_blocks: Option<usize>,
+    /// `GSC_COLL_RING`: reduce-scatter and all-reduce by a copy-engine ring, the SMs reducing
+    /// (`collectives::ce_ring`).
+    pub coll_ring: Tristate,
+    /// `GSC_COLL_RING_MIN`, bytes per rank's part: the smallest call the ring takes.
+    pub coll_ring_min: usize,
+    /// `GSC_COLL_RING_PIECES`: pieces each ring step is cut into, 1..=16.
+    pub coll_ring_pieces: usize,
     /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
     /// processes of one machine count as different hosts). `None`: the real host only.
     pub fake_host: Option<String>,
@@ -449,6 +456,9 @@ impl Default for Config {
             coll_sm: Tristate::Auto,
             coll_sm_min: 512 << 10,
             coll_sm_blocks: None,
+            coll_ring: Tristate::Auto,
+            coll_ring_min: 1 << 20,
+            coll_ring_pieces: 2,
             fake_host: None,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,

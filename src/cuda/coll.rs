@@ -49,10 +49,18 @@ const FLAGS_OFFSET: usize = 3 << 20;
 const PIPE_FLAGS_OFFSET: usize = FLAGS_OFFSET + (512 << 10);
 /// Blocks a large kernel may have (`GSC_COLL_LARGE_BLOCKS`): what the flags have room for.
 pub(crate) const BIG_BLOCKS_MAX: usize = 1024;
+/// The copy-engine ring's flags (`coll_ring`): one word per (phase, step, piece), then as many
+/// words counting a reduction's finished blocks.
+const RING_FLAGS_OFFSET: usize = PIPE_FLAGS_OFFSET + BIG_BLOCKS_MAX * 32 * 8;
+/// Pieces a ring step may be cut into (`GSC_COLL_RING_PIECES`): what the flags have room for.
+pub(crate) const RING_PIECES_MAX: usize = 16;
+/// Flag words of the ring: two phases (reduce-scatter, all-gather) of up to MAX_RANKS - 1 steps.
+const RING_FLAG_WORDS: usize = 2 * MAX_RANKS * RING_PIECES_MAX;
 const _: () = assert!(
     CTL_BYTES + 2 * MAX_RANKS * SLOT_BYTES <= FLAGS_OFFSET
         && FLAGS_OFFSET + BIG_BLOCKS_MAX * 2 * MAX_RANKS * 8 <= PIPE_FLAGS_OFFSET
-        && PIPE_FLAGS_OFFSET + BIG_BLOCKS_MAX * 32 * 8 <= BIG_OFFSET
+        && PIPE_FLAGS_OFFSET + BIG_BLOCKS_MAX * 32 * 8 <= RING_FLAGS_OFFSET
+        && RING_FLAGS_OFFSET + 2 * RING_FLAG_WORDS * 8 <= BIG_OFFSET
 );
 /// The large kernels' in and out areas: four of `big_round_max()` bytes (phased: two parities
 /// of each; pipelined: cut into stages).
@@ -656,7 +664,7 @@ const TYPE_INSTANCES: [(&str, &str); 10] = [
 fn module_source(t: usize) -> String {
     let (ty, tag) = TYPE_INSTANCES[t];
     format!(
-        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n",
+        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n",
         super::kernels::DEVICE_HEADER,
         FLAGS_OFFSET / 8,
         PIPE_FLAGS_OFFSET / 8,
@@ -664,8 +672,10 @@ fn module_source(t: usize) -> String {
         big_round_max(),
         crate::collectives::large::PIPELINED_MAX_THREADS,
         super::coll_direct::DIRECT_THREADS,
+        super::coll_ring::RING_THREADS,
         super::coll_pipelined::SOURCE,
-        super::coll_direct::SOURCE
+        super::coll_direct::SOURCE,
+        super::coll_ring::SOURCE
     )
 }
 
@@ -892,6 +902,24 @@ impl Workspace {
         replay::launch_uncached(f.0 as cu::CUfunction, stream, grid, &args)
     }
 
+    /// Launch a ring kernel (`gsc_ring_wait`, `gsc_ring_reduce_<type>_<op>`, looked up with
+    /// `direct_kernel`) on `stream`: `args` gives the flags and buffers, the workspace fills in
+    /// the rest. Not through the replay cache, as for the direct kernel.
+    pub(crate) fn launch_ring(&self, stream: usize, f: DirectKernel, mut args: super::coll_ring::RingArgs, grid: Grid) -> Result<()> {
+        args.coll = self.fill(args.coll);
+        replay::launch_uncached(f.0 as cu::CUfunction, stream, grid, &args)
+    }
+
+    /// The address, as this rank sees it, of rank `rank`'s ring flag for (`phase` 0:
+    /// reduce-scatter, 1: all-gather; `step`; `piece`), and of the word beside it counting a
+    /// reduction's finished blocks.
+    pub(crate) fn ring_flag(&self, rank: usize, phase: usize, step: usize, piece: usize) -> (u64, u64) {
+        debug_assert!(phase < 2 && step < MAX_RANKS && piece < RING_PIECES_MAX);
+        let word = (phase * MAX_RANKS + step) * RING_PIECES_MAX + piece;
+        let base = self.peers.get(rank).copied().unwrap_or(self.base) + RING_FLAGS_OFFSET as u64;
+        (base + 8 * word as u64, base + 8 * (RING_FLAG_WORDS + word) as u64)
+    }
+
     /// A barrier of every rank on `stream` (`gsc_coll_barrier`, one block of a warp): a round
     /// of the communicator like any collective's, with its timeout and abort.
     pub(crate) fn launch_barrier(
@@ -1110,7 +1138,7 @@ mod tests {
     #[test]
     fn every_kernel_name_finds_its_type_module() {
         for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
-            for family in ["gsc_coll_", "gsc_coll_big_", "gsc_coll_pipe_", "gsc_net_reduce_", "gsc_direct_"] {
+            for family in ["gsc_coll_", "gsc_coll_big_", "gsc_coll_pipe_", "gsc_net_reduce_", "gsc_direct_", "gsc_ring_reduce_"] {
                 for op in ["sum", "prod", "max", "min", "avg", "premul"] {
                     assert_eq!(module_of(&format!("{family}{tag}_{op}")), t, "{family}{tag}_{op}");
                 }
@@ -1120,8 +1148,10 @@ mod tests {
             assert_eq!(src.matches("\nGSC_COLL_PIPE(").count(), 1, "{tag}: one of the pipelined kernel");
             assert!(src.contains(&format!("GSC_COLL({}, {tag})", TYPE_INSTANCES[t].0)));
             assert!(src.contains(&format!("GSC_COLL_DIRECT({}, {tag})", TYPE_INSTANCES[t].0)));
+            assert!(src.contains(&format!("GSC_COLL_RING({}, {tag})", TYPE_INSTANCES[t].0)));
         }
         assert_eq!(module_of("gsc_coll_barrier"), 0);
+        assert_eq!(module_of("gsc_ring_wait"), 0);
     }
 
     /// Every type's module compiles for the device machines' GPUs (sm_90) wherever NVRTC is,

@@ -77,6 +77,57 @@ impl Lanes {
     }
 }
 
+/// Events that order work between a caller's stream and side streams within one call (the
+/// copy-engine ring: a copy starts after the reduction that produced its data). Under stream
+/// capture a record and a wait become an edge of the graph. The caller serializes its use.
+pub(crate) struct Events {
+    device: i32,
+    events: Vec<usize>,
+}
+
+// SAFETY: plain driver handles, used with the device's primary context made current.
+unsafe impl Send for Events {}
+
+impl Events {
+    pub(crate) fn new(device: i32, n: usize) -> Result<Events> {
+        let _scope = CtxScope::enter(primary_context(device)?)?;
+        let mut events = Events { device, events: Vec::with_capacity(n) };
+        for _ in 0..n {
+            events.events.push(new_event()?);
+        }
+        Ok(events)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    /// Event `i` marks what `stream` holds so far.
+    pub(crate) fn record(&self, i: usize, stream: usize) -> Result<()> {
+        let _scope = CtxScope::enter(primary_context(self.device)?)?;
+        // SAFETY: our event, the caller's live stream.
+        check(unsafe { cu::cuEventRecord(raw(self.events[i]), raw(stream)) }, "cuEventRecord")
+    }
+
+    /// `stream` continues after event `i`'s last record.
+    pub(crate) fn wait(&self, stream: usize, i: usize) -> Result<()> {
+        let _scope = CtxScope::enter(primary_context(self.device)?)?;
+        // SAFETY: our event, the caller's live stream.
+        check(unsafe { cu::cuStreamWaitEvent(raw(stream), raw(self.events[i]), 0) }, "cuStreamWaitEvent")
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        let Ok(ctx) = primary_context(self.device) else { return };
+        let Ok(_scope) = CtxScope::enter(ctx) else { return };
+        for &e in &self.events {
+            // SAFETY: our handles, not used after this (a pending record completes regardless).
+            unsafe { cu::cuEventDestroy_v2(raw(e)) };
+        }
+    }
+}
+
 fn new_event() -> Result<usize> {
     let mut e: cu::CUevent = std::ptr::null_mut();
     // SAFETY: a valid out-pointer; the caller made a context current.

@@ -33,6 +33,7 @@ pub(crate) mod bounce;
 pub(crate) mod coll;
 pub(crate) mod coll_direct;
 mod coll_pipelined;
+pub(crate) mod coll_ring;
 pub(crate) mod copy;
 mod device_handle;
 pub(crate) mod host_round;

@@ -5,11 +5,13 @@
 #   bash tools/device/x4_plan.sh probe   # sm_patterns.py, push_allreduce.py; the four-rank exact suites
 #   bash tools/device/x4_plan.sh bench   # 8 B latency, the direct kernel's sweep, auto, NCCL
 #   bash tools/device/x4_plan.sh san     # the direct kernel on four GPUs under memcheck and racecheck
+#   bash tools/device/x4_plan.sh floors  # what auto's floors on four ranks rest on: the direct
+#                                        # all-gather, and the other paths without the ring, by size
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/env.sh"
 cd "$here/../.."
-part=${1:?probe|bench|san}
+part=${1:?probe|bench|floors|san}
 case $part in
 probe)
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
@@ -25,6 +27,14 @@ bench)
     for c in all-reduce all-gather reduce-scatter; do
         timeout 200 $B "$c" -b 1M -e 512M -f 8 -g 4 -n 20 -w 5 -m graph,stream --nccl > "$OUT/$c-auto.log" 2>&1
     done
+    ;;
+floors)
+    B=.gpu/bin/gsc-bench
+    GSC_COLL_SM=on timeout 200 $B all-gather -b 1M -e 512M -f 4 -g 4 -n 20 -w 5 -m graph --nccl > "$OUT/ag-direct.log" 2>&1
+    for c in all-reduce reduce-scatter; do
+        GSC_COLL_RING=off timeout 200 $B "$c" -b 8M -e 512M -f 2 -g 4 -n 20 -w 5 -m graph --nccl > "$OUT/$c-noring.log" 2>&1
+    done
+    timeout 120 $B all-reduce -b 8 -e 8 -g 4 -n 2000 -w 200 -m graph --nccl > "$OUT/ar8.log" 2>&1
     ;;
 san)
     bash "$here/san.sh" memcheck x4 280 collectives_gpu:direct_kernel_collectives_exact_on_four_gpus

@@ -600,11 +600,12 @@ fn rank_main(o: &Opts, rank: usize, link: &mut Link, uid: &UniqueId, nccl: Optio
         }
     }
     if matches!(link, Link::Root(_)) {
-        // Which path the large calls took (`GSC_COLL_SM`, `GSC_COLL_CE`): a knob that did not
-        // apply shows here, not as a puzzling number.
+        // Which path the large calls took (`GSC_COLL_SM`, `GSC_COLL_RING`, `GSC_COLL_CE`): a
+        // knob that did not apply shows here, not as a puzzling number.
         println!(
-            "# rank 0 ran {} calls by the direct kernel, {} by the copy engines (the rest: workspace kernels)",
+            "# rank 0 ran {} calls by the direct kernel, {} by the copy-engine ring, {} by the copy engines (the rest: workspace kernels)",
             r.comm.direct_calls(),
+            r.comm.ring_calls(),
             r.comm.copy_engine_calls()
         );
     }
