@@ -1016,22 +1016,25 @@ fn a_killed_rank_releases_the_survivor_within_the_timeout() {
 /// Elements of the copy-engine kill test's all-reduce (whole shards on two ranks).
 const CE_KILL_COUNT: usize = 1 << 18;
 
-/// The knobs that send the kill tests' all-reduce to the copy engines or the direct kernel
-/// (their size floors lowered: `CE_KILL_COUNT` floats are below the copy engines' default).
-fn peer_buffer_knobs(direct: bool) -> [(&'static str, &'static str); 3] {
-    match direct {
-        false => [("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "64K"), ("GSC_COLL_SM", "off")],
-        true => [("GSC_COLL_SM", "on"), ("GSC_COLL_SM_MIN", "64K"), ("GSC_COLL_CE", "off")],
+/// The knobs that send the kill tests' all-reduce to the copy engines, the direct kernel or
+/// the copy-engine ring (their size floors lowered: `CE_KILL_COUNT` floats are below the
+/// copy engines' default).
+fn peer_buffer_knobs(path: PeerPath) -> [(&'static str, &'static str); 4] {
+    match path {
+        PeerPath::CopyEngines => [("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "64K"), ("GSC_COLL_SM", "off"), ("GSC_COLL_RING", "off")],
+        PeerPath::Direct => [("GSC_COLL_SM", "on"), ("GSC_COLL_SM_MIN", "64K"), ("GSC_COLL_CE", "off"), ("GSC_COLL_RING", "off")],
+        PeerPath::Ring => [("GSC_COLL_RING", "on"), ("GSC_COLL_RING_MIN", "64K"), ("GSC_COLL_SM", "off"), ("GSC_COLL_CE", "off")],
     }
 }
 
 /// Rank 1 of the kill tests on the peers' buffers ("ce_victim": the copy engines,
-/// "sm_victim": the direct kernel): captures the all-reduce, replays it once with rank 0, says
-/// so, then waits to be killed.
+/// "sm_victim": the direct kernel, "ring_victim": the copy-engine ring): captures the
+/// all-reduce, replays it once with rank 0, says so, then waits to be killed.
 fn ce_kill_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let direct = match role {
-        "ce_victim" => false,
-        "sm_victim" => true,
+    let path = match role {
+        "ce_victim" => PeerPath::CopyEngines,
+        "sm_victim" => PeerPath::Direct,
+        "ring_victim" => PeerPath::Ring,
         other => panic!("unknown role {other}"),
     };
     set_device(1).unwrap();
@@ -1039,7 +1042,7 @@ fn ce_kill_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
     let boot = Bootstrap::init(&uid, 1, 2, T).unwrap();
     let mut o = child_overrides();
     o.push(("GSC_TIMEOUT".into(), "60s".into()));
-    o.extend(peer_buffer_knobs(direct).map(|(k, v)| (k.to_string(), v.to_string())));
+    o.extend(peer_buffer_knobs(path).map(|(k, v)| (k.to_string(), v.to_string())));
     let config = config_with(&o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>());
     let comm = Communicator::new(boot, 1, &config).unwrap();
     let d = device_with(&input(DataType::Float32, 1, 78, CE_KILL_COUNT), CE_KILL_COUNT * 4);
@@ -1069,30 +1072,46 @@ fn capture_all_reduce(comm: &Communicator, d: &DeviceBuf) -> (gscomm::cuda::api:
 /// rank's memory must not fault its context, and `async_error` must say TimedOut.
 #[test]
 fn a_killed_rank_releases_a_captured_copy_engine_all_reduce() {
-    killed_rank_releases_a_captured_all_reduce("a_killed_rank_releases_a_captured_copy_engine_all_reduce", false);
+    killed_rank_releases_a_captured_all_reduce("a_killed_rank_releases_a_captured_copy_engine_all_reduce", PeerPath::CopyEngines);
 }
 
 /// The same with the direct kernel (`GSC_COLL_SM=on`): its reads of, and writes into, the dead
 /// rank's memory must not fault rank 0's context either.
 #[test]
 fn a_killed_rank_releases_a_captured_direct_kernel_all_reduce() {
-    killed_rank_releases_a_captured_all_reduce("a_killed_rank_releases_a_captured_direct_kernel_all_reduce", true);
+    killed_rank_releases_a_captured_all_reduce("a_killed_rank_releases_a_captured_direct_kernel_all_reduce", PeerPath::Direct);
 }
 
-fn killed_rank_releases_a_captured_all_reduce(test: &str, direct: bool) {
+/// The same with the copy-engine ring (`GSC_COLL_RING=on`): its barrier gives up, its waits
+/// then do not wait again, and its copies into the dead rank's memory must not fault rank 0's
+/// context.
+#[test]
+fn a_killed_rank_releases_a_captured_copy_engine_ring_all_reduce() {
+    killed_rank_releases_a_captured_all_reduce("a_killed_rank_releases_a_captured_copy_engine_ring_all_reduce", PeerPath::Ring);
+}
+
+fn killed_rank_releases_a_captured_all_reduce(test: &str, which: PeerPath) {
     if run_child_role(ce_kill_roles) {
         return;
     }
-    let (victim_role, path) = if direct { ("sm_victim", "direct-kernel") } else { ("ce_victim", "copy-engine") };
+    let (victim_role, path) = match which {
+        PeerPath::CopyEngines => ("ce_victim", "copy-engine"),
+        PeerPath::Direct => ("sm_victim", "direct-kernel"),
+        PeerPath::Ring => ("ring_victim", "copy-engine ring"),
+    };
     let Some((mut victim, boot, dir)) = start_kill_pair(test, victim_role) else {
         return;
     };
-    let config = config_with(&[&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str())], &peer_buffer_knobs(direct)[..]].concat());
+    let config = config_with(&[&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str())], &peer_buffer_knobs(which)[..]].concat());
     let comm = Communicator::new(boot, 0, &config).unwrap();
     let ins: Vec<Vec<u8>> = (0..2).map(|q| input(DataType::Float32, q, 78, CE_KILL_COUNT)).collect();
     let d = device_with(&ins[0], CE_KILL_COUNT * 4);
     let (graph, stream) = capture_all_reduce(&comm, &d);
-    let calls = if direct { comm.direct_calls() } else { comm.copy_engine_calls() };
+    let calls = match which {
+        PeerPath::CopyEngines => comm.copy_engine_calls(),
+        PeerPath::Direct => comm.direct_calls(),
+        PeerPath::Ring => comm.ring_calls(),
+    };
     assert_eq!(calls, 1, "the captured all-reduce did not take the {path} path");
     graph.launch(&stream).unwrap();
     stream.synchronize().unwrap();

@@ -204,6 +204,11 @@ mod tests {
         assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
         assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
         assert!(t.contains("# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter"), "{t}");
-        assert!(t.contains("# copy-engine ring (GSC_COLL_RING=auto): reduce_scatter from max(32M, 32M) per rank and all_reduce from max(32M, 64M)"), "{t}");
+        assert!(
+            t.contains(
+                "# copy-engine ring (GSC_COLL_RING=auto): reduce_scatter from max(32M, 32M) per rank and all_reduce from max(32M, 64M)"
+            ),
+            "{t}"
+        );
     }
 }
