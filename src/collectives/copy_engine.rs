@@ -27,8 +27,10 @@
 //! NCCL), and only where the copy engines measured faster than the kernels on H200s
 //! (docs/PERF.md, session 17): all-gathers, and all-reduces between two ranks. When four GPUs
 //! copy at once the engines move only ~200–220 GB/s per GPU, against ~383 for one GPU copying
-//! alone (docs/probes/ce_allgather.py), so on four the reduce-scatter and the 128 MiB
-//! all-reduce stay with the kernels. `on` takes all three, eager calls too.
+//! alone (docs/probes/ce_allgather.py), so on four the all-gather goes to the direct kernel
+//! (`direct`, first) and the reduce-scatter and all-reduce to a ring of copy engines, one
+//! copy to the next GPU at a time (`ce_ring`, before this path). `on` takes all three, eager
+//! calls too.
 
 use super::peer_buffers::{self, DirectCall, DirectContext, DirectKind};
 use super::types::RedOp;
