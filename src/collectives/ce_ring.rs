@@ -41,7 +41,7 @@ use super::peer_buffers::{self, DirectCall, DirectContext, DirectKind};
 use super::types::RedOp;
 use crate::config::Tristate;
 use crate::cuda::Grid;
-use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, RING_PIECES_MAX, stream_copy};
+use crate::cuda::coll::{CollArgs, CollKind, RING_PIECES_MAX, stream_copy};
 use crate::cuda::coll_ring::{RING_THREADS, RingArgs};
 use crate::cuda::lanes::{Events, GrowingScratch, Lanes};
 use crate::error::Result;
@@ -87,7 +87,7 @@ pub(crate) fn wanted(
         Tristate::On => true,
         Tristate::Auto => replayed && nranks >= AUTO_MIN_RANKS && part_bytes >= auto_floor(kind),
     };
-    if !on || !(2..=MAX_RANKS).contains(&nranks) || premul || part_bytes == 0 || part_bytes < min {
+    if !peer_buffers::eligible(on, min, part_bytes, nranks, premul) {
         return None;
     }
     // Pieces of whole 16 bytes (the reduction's loads).
@@ -375,6 +375,7 @@ impl Ring {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::coll::MAX_RANKS;
 
     /// Every rank's buffers as cells of 16 bytes, each holding the set of ranks whose input
     /// it sums (a bit each). Send at 0, recv after it or aliased into it (in place), scratch

@@ -106,7 +106,7 @@ pub(crate) fn wanted(
         // all-reduce were slower.
         Tristate::Auto => capturing && (kind == CollKind::AllGather || (kind == CollKind::AllReduce && nranks == 2)),
     };
-    if !on || nranks < 2 || premul || part_bytes == 0 || part_bytes < min {
+    if !peer_buffers::eligible(on, min, part_bytes, nranks, premul) {
         return None;
     }
     match kind {

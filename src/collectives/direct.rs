@@ -21,7 +21,7 @@
 use super::peer_buffers::{self, DirectCall, DirectContext, DirectKind};
 use crate::config::Tristate;
 use crate::cuda::Grid;
-use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS};
+use crate::cuda::coll::{CollArgs, CollKind};
 use crate::cuda::coll_direct::{DIRECT_THREADS, DirectArgs};
 use crate::error::Result;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,16 +41,15 @@ pub(crate) fn wanted(
 ) -> Option<DirectKind> {
     let on = match mode {
         Tristate::Off => false,
-        Tristate::On => part_bytes >= min,
+        Tristate::On => true,
         // Two ranks: every kind; up to four: the all-gather, ahead of NCCL and of every other
         // path from a 1 MiB call on four H200s (docs/PERF.md, session 22), where the
         // reduce-scatter and all-reduce lose to the copy-engine ring (`ce_ring`).
         Tristate::Auto => {
-            (nranks == 2 || (kind == CollKind::AllGather && nranks <= AUTO_MAX_GATHER_RANKS))
-                && part_bytes >= min.max(auto_floor(kind, replayed))
+            (nranks == 2 || (kind == CollKind::AllGather && nranks <= AUTO_MAX_GATHER_RANKS)) && part_bytes >= auto_floor(kind, replayed)
         }
     };
-    if !on || !(2..=MAX_RANKS).contains(&nranks) || premul || part_bytes == 0 {
+    if !peer_buffers::eligible(on, min, part_bytes, nranks, premul) {
         return None;
     }
     // The kernel moves whole 16-byte pieces.
@@ -206,6 +205,7 @@ impl Direct {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::coll::MAX_RANKS;
     use std::collections::HashMap;
 
     /// Rank r's (send, recv) in a model of every rank's memory (one address space, as the

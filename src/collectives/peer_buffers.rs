@@ -12,7 +12,7 @@
 use super::host_board::HostBoard;
 use super::types::{DataType, RedOp};
 use crate::bootstrap::Bootstrap;
-use crate::cuda::coll::Workspace;
+use crate::cuda::coll::{MAX_RANKS, Workspace};
 use crate::cuda::{ipc, memory};
 use crate::error::{Error, Result, Status};
 use std::path::Path;
@@ -81,6 +81,13 @@ impl DirectCall {
             DirectKind::AllReduce => self.send == self.recv,
         }
     }
+}
+
+/// What every path on the peers' buffers asks of a call besides its own rules (each path's
+/// `wanted`): the path is `on` for it, 2 to `MAX_RANKS` ranks, not a pre-multiplied sum (the
+/// workspace kernels apply the scalar), not empty, and at least the path's `min` bytes.
+pub(crate) fn eligible(on: bool, min: usize, part_bytes: usize, nranks: usize, premul: bool) -> bool {
+    on && (2..=MAX_RANKS).contains(&nranks) && !premul && part_bytes != 0 && part_bytes >= min
 }
 
 /// Every rank's (send, recv) buffers as this rank addresses them (its own at `rank`, the
