@@ -23,6 +23,7 @@ use super::p2p::{PeerLinks, PeerOp};
 use super::peer_buffers::{DirectCall, DirectContext};
 use super::select::{self, Collective};
 use super::settings;
+use super::triggered::Triggered;
 use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
@@ -35,6 +36,9 @@ use std::time::Duration;
 
 /// One rank of a communicator.
 pub struct Communicator {
+    /// Collectives on kernel-triggered conditions (`triggered`): first, so that its thread
+    /// has stopped launching before the workspace and the rest go.
+    triggered: Triggered,
     rank: usize,
     nranks: usize,
     device: i32,
@@ -183,6 +187,7 @@ impl Communicator {
         // still opening our workspace: harmless, but it would count against its timeout).
         bootstrap.barrier()?;
         Ok(Communicator {
+            triggered: Triggered::new(device, config.proxy_spin, config.proxy_poll),
             rank,
             nranks,
             device,
@@ -493,7 +498,8 @@ impl Communicator {
         Ok(())
     }
 
-    /// Check the call, then launch its rounds (or add them to the condition's graph).
+    /// Check the call, then launch its rounds (or add them to the condition's graph, or arm
+    /// them on its kernel trigger).
     fn run(&self, call: Call, on: &Condition) -> Result<ArmedOutputs> {
         self.check_aborted()?;
         // First, before any check of our own that could fail on this rank alone and leave the
@@ -501,6 +507,22 @@ impl Communicator {
         if self.check_calls {
             self.agree(&call)?;
         }
+        match on.category() {
+            Category::Stream | Category::Graph => self.issue(&call, on),
+            Category::KernelTriggered => {
+                let what = format!("a kernel-triggered {} of {} bytes", call.kind.name(), call.part_bytes);
+                let cache = self.kernel_cache.as_deref();
+                let handle = self.triggered.arm(on, what, &self.workspace, cache, |captured| self.issue(&call, captured).map(drop))?;
+                Ok(ArmedOutputs { device_handle: handle, ..Default::default() })
+            }
+            Category::HostStream => Err(Error::unsupported(
+                "collectives start on CUDA stream, graph and kernel-triggered conditions, not on host streams (they move GPU buffers)",
+            )),
+        }
+    }
+
+    /// The checked call on a stream or graph condition: its rounds launched or added.
+    fn issue(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
         if call.part_bytes == 0 {
             return Ok(ArmedOutputs::default());
         }
@@ -513,16 +535,7 @@ impl Communicator {
             self.check_device_buffer(call.recv, "receive")?;
         }
         // A buffer this rank does not touch is not passed on (0), checked or not.
-        let call = Call { send: if reads_send { call.send } else { 0 }, recv: if writes_recv { call.recv } else { 0 }, ..call };
-        match on.category() {
-            Category::Stream | Category::Graph => {}
-            other => {
-                return Err(Error::unsupported(format!(
-                    "collectives start on CUDA stream and graph conditions (not yet on {} conditions)",
-                    other.name()
-                )));
-            }
-        }
+        let call = Call { send: if reads_send { call.send } else { 0 }, recv: if writes_recv { call.recv } else { 0 }, ..*call };
         if let Some(outputs) = self.on_peer_buffers(&call, on)? {
             return Ok(outputs);
         }

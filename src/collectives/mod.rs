@@ -3,7 +3,8 @@
 //! `Communicator` (comm.rs): ranks on the GPUs of one host, made over a bootstrap group, each
 //! with a workspace every peer writes over NVLink. Collectives (all-reduce, all-gather,
 //! reduce-scatter, broadcast, reduce) on NCCL's datatypes and operators (types.rs) run as
-//! kernels on the caller's stream or as nodes of its graph (`cuda::coll`): small ones in one
+//! kernels on the caller's stream or as nodes of its graph (`cuda::coll`), or are started by a
+//! user kernel's trigger (triggered.rs): small ones in one
 //! round, larger ones in rounds of 64 KiB per rank, large ones by the kernels whose geometry
 //! large.rs computes. Send/recv between ranks (p2p.rs) go through
 //! the point-to-point engine on a worker of the communicator's own. `HostComm` (host.rs): the
@@ -25,6 +26,7 @@ pub mod p2p;
 pub(crate) mod peer_buffers;
 pub mod select;
 pub(crate) mod settings;
+mod triggered;
 pub mod types;
 
 pub use comm::{Communicator, PremulKind, Registration};

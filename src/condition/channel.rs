@@ -150,6 +150,23 @@ impl Channel {
         self.advanced.notify_all();
     }
 
+    /// For a channel whose done word the device advances itself (a kernel-triggered
+    /// collective's graph ends with a kernel that does, `collectives::triggered`): take the
+    /// word into the tracker — how far it got, and a failure the device marked there as the
+    /// sticky error, so that `Condition::query` reports it as for any other operation and a
+    /// later `fail` keeps the count. `what` names the operation.
+    pub(crate) fn adopt_device_done(&self, what: &str) {
+        let word = self.done_word();
+        let mut t = self.lock();
+        t.done = t.done.max(word & !DONE_ERROR_BIT);
+        if word & DONE_ERROR_BIT != 0 && t.error.is_none() {
+            t.error = Some(Error::new(
+                Status::TimedOut,
+                format!("{what} failed by trigger {} (a peer did not answer within GSC_TIMEOUT, or the communicator was aborted)", t.done),
+            ));
+        }
+    }
+
     /// Block the calling host thread until `done >= seq` (or the error bit is set). Returns
     /// false when `deadline` passed first.
     pub(crate) fn wait_done(&self, seq: u64, deadline: Option<Instant>) -> bool {

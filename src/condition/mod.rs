@@ -668,11 +668,29 @@ impl Condition {
 
     /// A kernel-triggered operation: the device handle, kept alive by the condition.
     fn issue_kernel_triggered(&self, ctx: usize) -> Result<Issued> {
+        let (channel, handle) = self.device_handle_channel(ctx)?;
+        Ok(Issued::Persistent(channel, ArmedOutputs { device_handle: handle, ..Default::default() }))
+    }
+
+    /// For an operation another part of gscomm performs on every trigger of a kernel-triggered
+    /// condition (a collective: `collectives::triggered`, not the worker's proxy): a channel of
+    /// its own, kept alive by the condition as the worker's are, and its device handle.
+    pub(crate) fn arm_device_handle(&self) -> Result<(Arc<Channel>, u64)> {
+        match self.inner.producer {
+            Producer::KernelTriggered { ctx } => self.device_handle_channel(ctx),
+            _ => Err(Error::invalid_param(format!(
+                "a device handle is armed on kernel-triggered conditions, not {} ones",
+                self.category().name()
+            ))),
+        }
+    }
+
+    fn device_handle_channel(&self, ctx: usize) -> Result<(Arc<Channel>, u64)> {
         // The user's kernel triggers it: ordering its data is the user's `gsc_trigger`'s job.
         let channel = self.persistent_channel(ctx, None, false)?;
         let handle = channel.words.device_handle().expect("pinned");
         self.remember(&channel, true);
-        Ok(Issued::Persistent(channel, ArmedOutputs { device_handle: handle, ..Default::default() }))
+        Ok((channel, handle))
     }
 
     fn remember(&self, channel: &Arc<Channel>, keep: bool) {

@@ -89,6 +89,19 @@ pub(crate) enum CollKind {
     Reduce = 4,
 }
 
+impl CollKind {
+    /// The collective's name in messages.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CollKind::AllReduce => "all-reduce",
+            CollKind::AllGather => "all-gather",
+            CollKind::ReduceScatter => "reduce-scatter",
+            CollKind::Broadcast => "broadcast",
+            CollKind::Reduce => "reduce",
+        }
+    }
+}
+
 const SOURCE: &str = r#"
 #define GSC_COLL_MAX_RANKS 8
 #define GSC_PRESENCE_WORDS 128 /* word offset of the presence words in a workspace (a line per rank) */
@@ -591,6 +604,33 @@ extern "C" __global__ void gsc_coll_barrier(gsc_coll_args_t a)
     gsc_coll_end(&a, e, ok);
 }
 
+/* The last node of a kernel-triggered collective's graph (collectives::triggered), one thread:
+ * the operation's done word (page-locked host memory, which the triggering kernel's gsc_wait
+ * reads) advances by one trigger — the graph is launched once per trigger, in order, on one
+ * stream, and nothing else writes the word meanwhile — with the error bit set when a round of
+ * this communicator failed (its error word: the collective before this node gave up on a
+ * peer, or an earlier one did and the ranks are out of step) or it was aborted. Once set, the
+ * bit stays. The release orders the collective's results before the word. */
+typedef struct {
+    gsc_coll_args_t c;
+    unsigned long long done; /* the done word, as the device addresses it */
+} gsc_triggered_args_t;
+
+extern "C" __global__ void gsc_coll_triggered_done(gsc_triggered_args_t t)
+{
+#if __CUDA_ARCH__ >= 900
+    /* Launched with programmatic dependent launch after a collective kernel that lets its
+     * dependents start early (gsc_coll_begin): the collective must have ended first. */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    const unsigned long long bit = 1ull << 63;
+    const unsigned long long d = *(volatile const unsigned long long *)t.done;
+    const int failed = ((volatile const unsigned long long *)t.c.ctl)[2] != 0 ||
+                       (t.c.abort && *(volatile const unsigned long long *)t.c.abort != 0);
+    const unsigned long long v = ((d & ~bit) + 1) | (d & bit) | (failed ? bit : 0);
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(t.done), "l"(v) : "memory");
+}
+
 #define GSC_COLL(T, TAG) \
     extern "C" __global__ void gsc_net_reduce_##TAG##_sum(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 0>(&a); } \
     extern "C" __global__ void gsc_net_reduce_##TAG##_prod(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 1>(&a); } \
@@ -642,6 +682,17 @@ pub(crate) struct CollArgs {
     pub(crate) reduce_threads: u64,
 }
 impl ArgBlock for CollArgs {}
+
+/// `gsc_triggered_args_t`: the last node of a kernel-triggered collective's graph
+/// (`Workspace::launch_triggered_done`).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct TriggeredArgs {
+    pub(crate) coll: CollArgs,
+    /// The operation's done word, as the device addresses it.
+    pub(crate) done: u64,
+}
+impl ArgBlock for TriggeredArgs {}
 
 /// The element types the kernels are instantiated for: (C type, tag in kernel names). Each is
 /// a module of its own, so that the modules compile side by side (the whole set in one
@@ -918,6 +969,15 @@ impl Workspace {
         let word = (phase * MAX_RANKS + step) * RING_PIECES_MAX + piece;
         let base = self.peers.get(rank).copied().unwrap_or(self.base) + RING_FLAGS_OFFSET as u64;
         (base + 8 * word as u64, base + 8 * (RING_FLAG_WORDS + word) as u64)
+    }
+
+    /// Advance a kernel-triggered collective's done word (`done`, its device address) by one
+    /// trigger on `stream`, with the error bit when this rank's collectives failed or were
+    /// aborted (`gsc_coll_triggered_done`): the last node of the collective's graph.
+    pub(crate) fn launch_triggered_done(&self, stream: usize, cache_dir: Option<&Path>, done: u64) -> Result<()> {
+        let f = self.direct_kernel("gsc_coll_triggered_done", cache_dir, None)?;
+        let args = TriggeredArgs { coll: self.fill(CollArgs::default()), done };
+        replay::launch_uncached(f.0 as cu::CUfunction, stream, Grid { blocks: 1, threads: 1 }, &args)
     }
 
     /// A barrier of every rank on `stream` (`gsc_coll_barrier`, one block of a warp): a round

@@ -1,0 +1,231 @@
+//! Collectives on kernel-triggered conditions: a user kernel starts one with `gsc_trigger` and
+//! waits for it with `gsc_wait` (include/gsc_device.cuh), as many times as it likes.
+//!
+//! Arming such a collective captures it, once, into a CUDA graph on a stream of gscomm's own:
+//! the call takes the path it would take captured on a stream (the ranks exchange buffers
+//! then, once, as for any capture), and the graph ends with a node that advances the
+//! operation's done word (`gsc_coll_triggered_done`, with the error bit when a round failed).
+//! A watcher thread per communicator, started by the first such call, reads the trigger words
+//! of the armed collectives and launches the graph once per trigger on a launch stream of its
+//! own. So the host is in the loop to launch only: the completion goes from the GPU to the
+//! waiting kernel without it, and the thread never waits for a stream.
+//!
+//! Order: as for any collective, every rank performs the same collectives in the same order.
+//! The watcher launches the triggers it sees, collective by collective in arm order, so a
+//! kernel must wait for one of a communicator's triggered collectives before it triggers
+//! another one of the same communicator (triggers of one collective back to back are fine:
+//! they launch in order). Triggered collectives share the communicator's workspace with the
+//! ones issued on streams, so the two must not run at the same time either.
+//!
+//! Room: the collective's kernels run beside the kernel that triggered it, which must leave
+//! the GPU room for them (a few blocks, not one per SM all spinning in `gsc_wait`).
+//!
+//! Failure: a collective that gives up on a peer (`GSC_TIMEOUT`) or finds the communicator
+//! aborted sets the done word's error bit: `gsc_wait` returns -1, `Condition::query` and
+//! `Communicator::async_error` report it. Dropping the communicator releases triggers that
+//! were never launched with the error bit; the work it launched must complete first, as for
+//! every collective (`gsc_comm_destroy`).
+//!
+//! Idle: like the proxy (src/proxy/), the thread spins for `GSC_PROXY_SPIN` after its last
+//! launch and then polls every `GSC_PROXY_POLL`; with nothing armed it sleeps.
+
+use crate::condition::{Category, Channel, Condition};
+use crate::cuda::api::{GraphExec, Stream};
+use crate::cuda::coll::Workspace;
+use crate::error::{Error, Result, Status};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long the idle thread (nothing armed) sleeps between looks at its stop flag, when no
+/// new collective wakes it first.
+const IDLE_SLEEP: Duration = Duration::from_millis(100);
+
+/// A communicator's kernel-triggered collectives: the watcher thread, once one is armed.
+pub(crate) struct Triggered {
+    device: i32,
+    spin: Duration,
+    poll: Duration,
+    watcher: Mutex<Option<Watcher>>,
+}
+
+struct Watcher {
+    arm: Option<Sender<Armed>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// One armed collective, as the watcher holds it.
+struct Armed {
+    channel: Arc<Channel>,
+    exec: GraphExec,
+    /// The last trigger launched (the channel's epochs count on from its base).
+    launched: u64,
+    /// The done word last taken into the channel's tracker.
+    seen_done: u64,
+    /// A launch failed: later triggers are not launched (the channel is failed).
+    broken: bool,
+    what: String,
+}
+
+impl Triggered {
+    /// `spin` and `poll`: `GSC_PROXY_SPIN` and `GSC_PROXY_POLL`.
+    pub(crate) fn new(device: i32, spin: Duration, poll: Duration) -> Triggered {
+        Triggered { device, spin, poll, watcher: Mutex::new(None) }
+    }
+
+    /// Arm a collective on kernel-triggered condition `on`: capture `issue` (the collective, on
+    /// the stream condition it is given) into a graph ending in the done node, and hand it to
+    /// the watcher. Returns the device handle the user's kernel triggers. Collective as
+    /// `issue` is: every rank arms the same collective. `what` names it in errors.
+    pub(crate) fn arm(
+        &self,
+        on: &Condition,
+        what: String,
+        workspace: &Workspace,
+        kernel_cache: Option<&Path>,
+        issue: impl FnOnce(&Condition) -> Result<()>,
+    ) -> Result<u64> {
+        let ctx = crate::cuda::copy::primary_context(self.device)?;
+        let _scope = crate::cuda::CtxScope::enter(ctx)?;
+        let capture = Stream::new()?;
+        let cond = Condition::cuda(Category::Stream, capture.raw(), kernel_cache.map(Path::to_path_buf))?;
+        capture.begin_capture()?;
+        // The handle only once the collective is captured: a handle whose triggers nothing
+        // would launch must not exist. After it, a failure fails the channel (waits return).
+        let mut armed = None;
+        let issued = issue(&cond).and_then(|()| {
+            let (channel, handle) = on.arm_device_handle()?;
+            let done = channel.words.device.expect("pinned words").1;
+            armed = Some((channel.clone(), handle));
+            workspace.launch_triggered_done(capture.raw(), kernel_cache, done)
+        });
+        // Always ended: an open capture would leave the stream unusable.
+        let graph = capture.end_capture();
+        let built = issued.and_then(|()| graph?.instantiate()).and_then(|exec| {
+            let (channel, _) = armed.as_ref().expect("armed once issued");
+            let base = channel.completed_through();
+            self.hand_over(
+                ctx as usize,
+                Armed { channel: channel.clone(), exec, launched: base, seen_done: base, broken: false, what: what.clone() },
+            )
+        });
+        match (built, armed) {
+            (Ok(()), Some((_, handle))) => Ok(handle),
+            (Err(e), armed) => {
+                let e = e.context(format!("arming {what} on a kernel-triggered condition"));
+                if let Some((channel, _)) = armed {
+                    channel.fail(e.clone());
+                }
+                Err(e)
+            }
+            (Ok(()), None) => unreachable!("handed over only once armed"),
+        }
+    }
+
+    /// Give `armed` to the watcher, starting it if this is the first.
+    fn hand_over(&self, ctx: usize, armed: Armed) -> Result<()> {
+        let mut w = self.watcher.lock().unwrap_or_else(|e| e.into_inner());
+        if w.is_none() {
+            let stream = Stream::new()?;
+            let (tx, rx) = crossbeam_channel::unbounded();
+            let stop = Arc::new(AtomicBool::new(false));
+            let (spin, poll, stop2) = (self.spin, self.poll, stop.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("gsc-triggered-{}", self.device))
+                .spawn(move || watch(ctx, stream, rx, stop2, spin, poll))
+                .map_err(|e| Error::new(Status::NoResource, format!("starting the kernel-triggered collectives' thread: {e}")))?;
+            *w = Some(Watcher { arm: Some(tx), stop, thread: Some(thread) });
+        }
+        let sender = w.as_ref().and_then(|w| w.arm.as_ref()).expect("started above");
+        sender.send(armed).map_err(|_| Error::new(Status::Internal, "the kernel-triggered collectives' thread has ended"))
+    }
+}
+
+impl Drop for Triggered {
+    fn drop(&mut self) {
+        let w = self.watcher.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = w.as_mut() {
+            w.stop.store(true, Ordering::Release);
+            w.arm.take();
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// The watcher thread: launch every new trigger of every armed collective, in arm order.
+fn watch(ctx: usize, stream: Stream, rx: Receiver<Armed>, stop: Arc<AtomicBool>, spin: Duration, poll: Duration) {
+    let scope = crate::cuda::CtxScope::enter(crate::cuda::raw(ctx));
+    let mut armed: Vec<Armed> = Vec::new();
+    let mut last_launch = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        let next = match armed.is_empty() {
+            true => rx.recv_timeout(IDLE_SLEEP).map_err(|e| e == RecvTimeoutError::Disconnected),
+            false => rx.try_recv().map_err(|e| e == TryRecvError::Disconnected),
+        };
+        match next {
+            Ok(a) => armed.push(a),
+            Err(true) => break,
+            Err(false) => {}
+        }
+        let mut launched = false;
+        for a in armed.iter_mut() {
+            launched |= launch_new_triggers(a, &stream, scope.as_ref().err());
+            let done = a.channel.done_word();
+            if done != a.seen_done {
+                a.seen_done = done;
+                a.channel.adopt_device_done(&a.what);
+            }
+        }
+        // Gone: only this thread refers to it (its condition was released) and its launches
+        // completed (the graph no longer writes its words).
+        armed.retain(|a| Arc::strong_count(&a.channel) > 1 || a.channel.completed_through() < a.launched);
+        if launched {
+            last_launch = Instant::now();
+        } else if !armed.is_empty() {
+            match last_launch.elapsed() < spin {
+                true => std::hint::spin_loop(),
+                false => std::thread::sleep(poll),
+            }
+        }
+    }
+    // What was launched completes (the collective kernels' own timeout bounds it); what was
+    // triggered but never launched is released with the error bit.
+    let _ = stream.synchronize();
+    for a in &armed {
+        a.channel.adopt_device_done(&a.what);
+        if a.channel.trigger() > a.launched {
+            a.channel
+                .fail(Error::new(Status::Canceled, format!("{}: its communicator was destroyed before the trigger was performed", a.what)));
+        }
+    }
+}
+
+/// Launch `a`'s triggers since the last pass; whether any was. `no_context`: the thread could
+/// not make the device's context current, so no launch can succeed.
+fn launch_new_triggers(a: &mut Armed, stream: &Stream, no_context: Option<&Error>) -> bool {
+    let trigger = a.channel.trigger();
+    let mut any = false;
+    while !a.broken && a.launched < trigger {
+        let launched = match no_context {
+            Some(e) => Err(e.clone()),
+            None => a.exec.launch(stream),
+        };
+        match launched {
+            Ok(()) => {
+                a.launched += 1;
+                any = true;
+            }
+            Err(e) => {
+                a.broken = true;
+                a.channel.fail(e.context(format!("launching {} for trigger {}", a.what, a.launched + 1)));
+            }
+        }
+    }
+    any
+}
