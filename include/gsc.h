@@ -813,7 +813,8 @@ gsc_status_t gsc_host_stream_synchronize(gsc_host_stream_h stream, int64_t timeo
 /* ---------------------------------------------------------------------------------------------
  * Communicators: collectives and send/recv between the GPUs of one host (one rank per GPU),
  * NCCL-style, on conditions. A collective is a kernel on the condition's stream, or nodes of its
- * graph (STREAM and GRAPH conditions); send/recv go through the point-to-point engine on a
+ * graph (STREAM and GRAPH conditions), or is started by a kernel (KERNEL_TRIGGERED conditions,
+ * through gsc_comm_collective: see there); send/recv go through the point-to-point engine on a
  * worker of the communicator's own (STREAM conditions; inside gsc_condition_group_start/end a
  * group's transfers are in flight together, so an all-to-all cannot deadlock on its order).
  * Every rank calls the same collectives in the same order (GSC_COLL_CHECK=on verifies it). */
@@ -867,6 +868,43 @@ gsc_status_t gsc_comm_broadcast(gsc_comm_h comm, const void *sendbuf, void *recv
 /** Every rank's `count` elements into `recvbuf` (size x count), rank r's at element r x count. */
 gsc_status_t gsc_comm_all_gather(gsc_comm_h comm, const void *sendbuf, void *recvbuf, size_t count,
                                  gsc_datatype_t datatype, gsc_condition_h condition);
+/** Which collective a gsc_coll_desc_t describes. */
+typedef enum {
+    GSC_COLL_ALL_REDUCE = 0,
+    GSC_COLL_ALL_GATHER = 1,
+    GSC_COLL_REDUCE_SCATTER = 2,
+    GSC_COLL_BROADCAST = 3,
+    GSC_COLL_REDUCE = 4
+} gsc_coll_kind_t;
+
+/** One collective call, as NCCL's functions take it. */
+typedef struct gsc_coll_desc {
+    gsc_coll_kind_t kind;
+    const void *sendbuf;     /**< broadcast: read on the root only */
+    void *recvbuf;           /**< reduce: written on the root only */
+    size_t count;            /**< elements: all-gather, each rank's part; reduce-scatter, each
+                                  rank's result; the others, the whole buffer */
+    gsc_datatype_t datatype;
+    gsc_red_op_t op;         /**< all-reduce, reduce-scatter, reduce */
+    int root;                /**< broadcast, reduce */
+} gsc_coll_desc_t;
+
+/** Any collective on any condition; `out` (NULL allowed, except on KERNEL_TRIGGERED conditions)
+ *  receives what the condition hands back.
+ *
+ *  KERNEL_TRIGGERED: the call is armed once — collectively: every rank arms the same
+ *  collectives in the same order — and out->device_handle is the gsc_device_handle_t a kernel
+ *  passes to gsc_trigger() to perform the collective once more, with that rank's buffers as
+ *  they are then, and to gsc_wait() to wait for it (-1: it failed: a peer did not answer within
+ *  GSC_TIMEOUT, or the communicator was aborted; gsc_condition_query() and gsc_comm_query() say
+ *  so too). gscomm's thread for the communicator launches each trigger; the collective's
+ *  kernels run beside the triggering kernel, which must leave the GPU room for them. Rules, as
+ *  for every collective, the same order on every rank: a kernel waits for one of a
+ *  communicator's triggered collectives before triggering another (triggers of one collective
+ *  may follow each other), and none runs while the communicator's stream collectives do.
+ *  The buffers stay valid until the last kernel that triggers it has finished. */
+gsc_status_t gsc_comm_collective(gsc_comm_h comm, const gsc_coll_desc_t *desc, gsc_condition_h condition,
+                                 gsc_condition_out_t *out);
 /** Send `count` elements to rank `peer`: the k-th send to a peer pairs with its k-th receive from
  *  this rank. The condition's stream waits for completion (in a group: at its end). */
 gsc_status_t gsc_comm_send(gsc_comm_h comm, const void *buf, size_t count, gsc_datatype_t datatype, int peer,

@@ -764,6 +764,7 @@ static void stale_handles(gsc_context_h ctx)
     EXPECT_STATUS(gsc_comm_all_reduce((gsc_comm_h)(void *)wb, buf, buf, 1, GSC_FLOAT32, GSC_SUM, NULL),
                   GSC_ERR_INVALID_HANDLE, "");
     EXPECT_STATUS(gsc_comm_send(NULL, buf, 1, GSC_UINT8, 0, NULL), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_collective((gsc_comm_h)(void *)wa, NULL, NULL, NULL), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
     EXPECT(gsc_get_unique_id(&uid) == GSC_OK);
     if (gsc_comm_init_rank(&comm, 1, &uid, 0, 0) == GSC_OK) {
         EXPECT(gsc_comm_rank(comm, &x) == GSC_OK && x == 0);

@@ -1,13 +1,15 @@
 //! Communicator exports: collectives and send/recv between the ranks of a communicator (see
-//! `crate::collectives`), on any condition a CUDA stream or graph gives.
+//! `crate::collectives`), on any condition a CUDA stream or graph gives, and collectives on
+//! kernel triggers (`gsc_comm_collective`, which returns the device handle).
 
 use super::bootstrap::CUniqueId;
 use super::handles;
 use super::panic::ffi_guard;
+use super::params::ConditionOut;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::collectives::p2p::PeerOp;
 use crate::collectives::{Communicator, DataType, RedOp};
-use crate::condition::Condition;
+use crate::condition::{Category, Condition};
 use crate::error::{Error, Result, Status};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
@@ -27,6 +29,68 @@ fn rank_arg(v: c_int, what: &str) -> Result<usize> {
 /// The communicator and the condition of a call, both cloned out of their handles.
 fn comm_and_condition(comm: *mut c_void, condition: *mut c_void) -> Result<(Arc<Communicator>, Condition)> {
     Ok((handles::get::<Arc<Communicator>>(comm)?, handles::get::<Condition>(condition)?))
+}
+
+/// The collective exports without an out-parameter (`name`) cannot hand back a kernel-triggered
+/// collective's device handle: refused before anything is armed.
+fn without_outputs(name: &str, on: &Condition) -> Result<()> {
+    match on.category() {
+        Category::KernelTriggered => Err(Error::invalid_param(format!(
+            "{name} on a KERNEL_TRIGGERED condition: use gsc_comm_collective, whose condition_out returns the device handle"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// `gsc_coll_desc_t`. The enums are read as integers, so that a value outside them is an
+/// error, not undefined behaviour.
+#[repr(C)]
+pub struct CollDesc {
+    pub kind: c_int,
+    pub sendbuf: *const c_void,
+    pub recvbuf: *mut c_void,
+    pub count: usize,
+    pub datatype: c_int,
+    pub op: c_int,
+    pub root: c_int,
+}
+
+/// `gsc_comm_collective`
+///
+/// # Safety
+/// `desc` is NULL or readable; `out` is NULL or writable; the buffers as for
+/// `gsc_comm_all_reduce` (for a kernel-triggered collective: until the last kernel that
+/// triggers it has finished).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_collective(
+    comm: *mut c_void,
+    desc: *const CollDesc,
+    condition: *mut c_void,
+    out: *mut ConditionOut,
+) -> i32 {
+    ffi_guard("gsc_comm_collective", || {
+        let (c, on) = comm_and_condition(comm, condition)?;
+        // SAFETY: the caller's contract: NULL or readable.
+        let d = unsafe { desc.as_ref() }.ok_or_else(|| Error::invalid_param("a NULL gsc_coll_desc_t"))?;
+        if on.category() == Category::KernelTriggered && out.is_null() {
+            return Err(Error::invalid_param("a collective on a KERNEL_TRIGGERED condition needs a condition_out for its device handle"));
+        }
+        let (s, r, n, dt) = (d.sendbuf as u64, d.recvbuf as u64, d.count, datatype(d.datatype)?);
+        // SAFETY (each arm): the caller's contract on the buffers.
+        let armed = match d.kind {
+            0 => unsafe { c.all_reduce(s, r, n, dt, red_op(d.op)?, &on) },
+            1 => unsafe { c.all_gather(s, r, n, dt, &on) },
+            2 => unsafe { c.reduce_scatter(s, r, n, dt, red_op(d.op)?, &on) },
+            3 => unsafe { c.broadcast(s, r, n, dt, rank_arg(d.root, "root")?, &on) },
+            4 => unsafe { c.reduce(s, r, n, dt, red_op(d.op)?, rank_arg(d.root, "root")?, &on) },
+            k => return Err(Error::invalid_param(format!("kind {k} is not a gsc_coll_kind_t"))),
+        }?;
+        if !out.is_null() {
+            // SAFETY: the caller's contract: writable when not NULL.
+            unsafe { out.write(ConditionOut::from(armed)) };
+        }
+        Ok(Status::Ok.code())
+    })
 }
 
 /// `gsc_comm_init_rank`
@@ -134,6 +198,7 @@ pub unsafe extern "C" fn gsc_comm_all_reduce(
 ) -> i32 {
     ffi_guard("gsc_comm_all_reduce", || {
         let (c, on) = comm_and_condition(comm, condition)?;
+        without_outputs("gsc_comm_all_reduce", &on)?;
         // SAFETY: the caller's contract on the buffers.
         unsafe { c.all_reduce(sendbuf as u64, recvbuf as u64, count, datatype(dtype)?, red_op(op)?, &on) }?;
         Ok(Status::Ok.code())
@@ -156,6 +221,7 @@ pub unsafe extern "C" fn gsc_comm_broadcast(
 ) -> i32 {
     ffi_guard("gsc_comm_broadcast", || {
         let (c, on) = comm_and_condition(comm, condition)?;
+        without_outputs("gsc_comm_broadcast", &on)?;
         // SAFETY: the caller's contract on the buffers.
         unsafe { c.broadcast(sendbuf as u64, recvbuf as u64, count, datatype(dtype)?, rank_arg(root, "root")?, &on) }?;
         Ok(Status::Ok.code())
@@ -177,6 +243,7 @@ pub unsafe extern "C" fn gsc_comm_all_gather(
 ) -> i32 {
     ffi_guard("gsc_comm_all_gather", || {
         let (c, on) = comm_and_condition(comm, condition)?;
+        without_outputs("gsc_comm_all_gather", &on)?;
         // SAFETY: the caller's contract on the buffers.
         unsafe { c.all_gather(sendbuf as u64, recvbuf as u64, count, datatype(dtype)?, &on) }?;
         Ok(Status::Ok.code())

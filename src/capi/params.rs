@@ -94,6 +94,16 @@ pub struct ConditionOut {
     pub device_handle: *mut c_void,
 }
 
+impl From<crate::condition::ArmedOutputs> for ConditionOut {
+    fn from(o: crate::condition::ArmedOutputs) -> ConditionOut {
+        ConditionOut {
+            start_node: o.start_node as *mut c_void,
+            done_node: o.done_node as *mut c_void,
+            device_handle: o.device_handle as usize as *mut c_void,
+        }
+    }
+}
+
 /// `gsc_config_pair_t`
 #[repr(C)]
 pub struct ConfigPair {
@@ -301,11 +311,7 @@ pub(crate) fn status_ptr(started: Started, out: Outputs) -> *mut c_void {
         }
         Started::Armed(o) => {
             if !out.condition_out.is_null() {
-                let c = ConditionOut {
-                    start_node: o.start_node as *mut c_void,
-                    done_node: o.done_node as *mut c_void,
-                    device_handle: o.device_handle as usize as *mut c_void,
-                };
+                let c = ConditionOut::from(o);
                 // SAFETY: `convert` took this pointer from `condition_out`, which the caller points
                 // at a writable gsc_condition_out_t for the duration of the call.
                 unsafe { out.condition_out.write(c) };

@@ -18,6 +18,11 @@
 //!   the stream).
 //! - graph: `-G` calls captured into one CUDA graph, replayed (nccl-tests' `-G`; time is per
 //!   captured call).
+//! - kernel: the call armed once on a kernel-triggered condition; one thread of a kernel
+//!   triggers it and waits for it (`gsc_trigger` / `gsc_wait`), once per iteration, all
+//!   iterations in one launch: the time per call is the whole round trip from the trigger
+//!   (gscomm's thread sees it, launches the collective's graph, whose last node releases the
+//!   wait). Its NCCL twin is nccl (NCCL has no kernel trigger).
 //! - nccl, nccl-graph (`--nccl`, one beside each mode of `-m`): NCCL's ncclAllReduce, ... on
 //!   the same buffers, the same way.
 //!
@@ -35,7 +40,8 @@ use gscomm::bootstrap::{Bootstrap, UniqueId};
 use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, reduce_reference};
 use gscomm::collectives::{Communicator, DataType, RedOp};
 use gscomm::condition::{Category, Condition};
-use gscomm::cuda::api::{DeviceBuf, Stream, device_count, set_device};
+use gscomm::cuda::api::{DeviceBuf, Function, Module, PinnedBuf, Stream, device_count, set_device};
+use std::cell::RefCell;
 use std::net::Ipv4Addr;
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -101,6 +107,7 @@ impl Coll {
 enum Mode {
     Stream,
     Graph,
+    Kernel,
     Nccl,
     NcclGraph,
 }
@@ -110,6 +117,7 @@ impl Mode {
         match self {
             Mode::Stream => "stream",
             Mode::Graph => "graph",
+            Mode::Kernel => "kernel",
             Mode::Nccl => "nccl",
             Mode::NcclGraph => "nccl-graph",
         }
@@ -190,6 +198,7 @@ pub(crate) fn parse_args(coll: Coll, args: &[String]) -> Option<Opts> {
                     .map(|m| match m {
                         "stream" => Some(Mode::Stream),
                         "graph" => Some(Mode::Graph),
+                        "kernel" => Some(Mode::Kernel),
                         _ => None,
                     })
                     .collect::<Option<Vec<_>>>()?
@@ -204,7 +213,12 @@ pub(crate) fn parse_args(coll: Coll, args: &[String]) -> Option<Opts> {
     }
     if o.nccl {
         let twins: Vec<Mode> = o.modes.iter().map(|m| m.nccl_twin()).collect();
-        o.modes.extend(twins);
+        for t in twins {
+            // stream and kernel share NCCL's stream mode.
+            if !o.modes.contains(&t) {
+                o.modes.push(t);
+            }
+        }
     }
     Some(o)
 }
@@ -333,6 +347,43 @@ struct Rank<'a> {
     /// Both of the sweep's largest size: every call of the sweep fits (see `shapes`).
     send: DeviceBuf,
     recv: DeviceBuf,
+    /// The kernel mode: its condition, the triggering kernel, and the call armed for the size
+    /// being measured (bytes, device handle).
+    triggered: Option<Triggering>,
+}
+
+/// What the kernel mode needs on a rank.
+struct Triggering {
+    cond: Condition,
+    trigger_loop: Function,
+    _module: Module,
+    armed: RefCell<Option<(usize, u64)>>,
+    failed: PinnedBuf,
+}
+
+/// The kernel mode's kernel: one thread triggers the call `n` times, each after the last
+/// completed.
+const TRIGGER_LOOP: &str = r#"
+extern "C" __global__ void trigger_loop(gsc_device_handle_t *h, unsigned long long n, unsigned long long *failed) {
+    for (unsigned long long i = 0; i < n; i++) {
+        gsc_trigger(h);
+        if (gsc_wait(h) != 0) { *failed = 1; return; }
+    }
+}
+"#;
+
+impl Triggering {
+    fn new() -> Triggering {
+        let module = Module::compile(&format!("{}\n{TRIGGER_LOOP}", include_str!("../../../include/gsc_device.cuh")))
+            .unwrap_or_else(|e| die("compile", e));
+        Triggering {
+            cond: Condition::cuda(Category::KernelTriggered, 0, None).unwrap_or_else(|e| die("condition", e)),
+            trigger_loop: module.function("trigger_loop").unwrap_or_else(|e| die("kernel", e)),
+            _module: module,
+            armed: RefCell::new(None),
+            failed: PinnedBuf::new(8).unwrap_or_else(|e| die("pinned buffer", e)),
+        }
+    }
 }
 
 impl Rank<'_> {
@@ -340,8 +391,12 @@ impl Rank<'_> {
         self.stream.synchronize().unwrap_or_else(|e| die("stream synchronize", e));
     }
 
-    /// Enqueue one call of `mode`'s library on `stream` (`cond`: gscomm's condition of it).
+    /// Enqueue one call of `mode`'s library on `stream` (`cond`: gscomm's condition of it; the
+    /// kernel mode: `n` triggers of the call armed for `s`, from one kernel on `stream`).
     fn call(&self, mode: Mode, s: Shape, stream: &Stream, cond: &Condition) {
+        if mode == Mode::Kernel {
+            return self.trigger(s, 1);
+        }
         let o = self.o;
         let (send, recv, count) = (self.send.ptr(), self.recv.ptr(), s.count);
         if mode.is_nccl() {
@@ -378,10 +433,52 @@ impl Rank<'_> {
         }
     }
 
+    /// The kernel mode: `n` triggers of the call for `s` (armed on the first use of the size)
+    /// from one thread of one kernel on the stream.
+    fn trigger(&self, s: Shape, n: usize) {
+        let t = self.triggered.as_ref().expect("the kernel mode comes with its kernel");
+        let mut armed = t.armed.borrow_mut();
+        if armed.is_none_or(|(bytes, _)| bytes != s.bytes) {
+            let (send, recv, count) = (self.send.ptr(), self.recv.ptr(), s.count);
+            let (c, dt, op, root, on) = (&self.comm, self.o.dtype, self.o.op, self.o.root, &t.cond);
+            // SAFETY: as in `call`; the armed call is triggered only while the buffers live
+            // (the kernels end with a stream synchronize before `rank_main` returns).
+            let r = unsafe {
+                match self.o.coll {
+                    Coll::AllReduce => c.all_reduce(send, recv, count, dt, op, on),
+                    Coll::AllGather => c.all_gather(send, recv, count, dt, on),
+                    Coll::ReduceScatter => c.reduce_scatter(send, recv, count, dt, op, on),
+                    Coll::Broadcast => c.broadcast(send, recv, count, dt, root, on),
+                    Coll::Reduce => c.reduce(send, recv, count, dt, op, root, on),
+                }
+            };
+            let handle = r.unwrap_or_else(|e| die(self.o.coll.name(), e)).device_handle;
+            *armed = Some((s.bytes, handle));
+        }
+        let handle = armed.expect("armed above").1;
+        t.trigger_loop.launch(1, 1, &self.stream, &[handle, n as u64, t.failed.device_ptr()]).unwrap_or_else(|e| die("launch", e));
+    }
+
     /// Run `warmup` then `iters` calls of `mode`, timing the latter; seconds per call.
     fn run(&self, link: &mut Link, mode: Mode, s: Shape) -> f64 {
         let (iters, warmup) = iterations(self.o, s.bytes, mode);
-        let elapsed = if mode.is_graph() {
+        let elapsed = if mode == Mode::Kernel {
+            self.trigger(s, warmup);
+            self.sync();
+            link.barrier();
+            let t0 = Instant::now();
+            let left_barrier = monotonic_ns();
+            self.trigger(s, iters);
+            let enqueued = t0.elapsed();
+            self.sync();
+            self.trace(mode, s, left_barrier, enqueued, t0.elapsed(), iters);
+            let failed = self.triggered.as_ref().expect("kernel mode").failed.to_vec();
+            if failed.iter().any(|&b| b != 0) {
+                self.comm.async_error().unwrap_or_else(|e| die(self.o.coll.name(), e));
+                die(self.o.coll.name(), "a triggered call failed (gsc_wait returned -1)");
+            }
+            t0.elapsed()
+        } else if mode.is_graph() {
             // `g` calls captured once, the graph replayed: per replay one launch, no host work
             // per call.
             let g = self.o.graph_iters.min(iters);
@@ -578,7 +675,8 @@ fn rank_main(o: &Opts, rank: usize, link: &mut Link, uid: &UniqueId, nccl: Optio
     let buf = |what| DeviceBuf::new(max).unwrap_or_else(|e| die(what, e));
     let stream = Stream::new().unwrap_or_else(|e| die("stream", e));
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap_or_else(|e| die("condition", e));
-    let r = Rank { o, rank, comm, nccl, cond, stream, send: buf("send buffer"), recv: buf("receive buffer") };
+    let triggered = o.modes.contains(&Mode::Kernel).then(Triggering::new);
+    let r = Rank { o, rank, comm, nccl, cond, stream, send: buf("send buffer"), recv: buf("receive buffer"), triggered };
     // The checked inputs, once: calls are out of place, so the send buffer keeps them, and
     // every size reads a prefix of them (reduce-scatter: all nranks parts).
     r.send.upload(&input(o.dtype, rank, 0..max / o.dtype.size())).unwrap_or_else(|e| die("upload", e));
@@ -680,6 +778,12 @@ mod tests {
         let o = opts("all-reduce", &["-g", "4", "-d", "half", "-o", "max", "--nccl", "-m", "graph"]).unwrap();
         assert_eq!((o.nranks, o.dtype, o.op), (4, DataType::Float16, RedOp::Max));
         assert_eq!(o.modes, vec![Mode::Graph, Mode::NcclGraph], "one NCCL mode beside each of -m");
+        let o = opts("all-reduce", &["--nccl", "-m", "stream,kernel,graph"]).unwrap();
+        assert_eq!(
+            o.modes,
+            vec![Mode::Stream, Mode::Kernel, Mode::Graph, Mode::Nccl, Mode::NcclGraph],
+            "stream and kernel share one NCCL mode"
+        );
         assert!(opts("all-reduce", &["-d", "float8"]).is_none(), "an unknown datatype is a usage error");
         assert!(opts("all-reduce", &["-o", "xor"]).is_none(), "an unknown operator is a usage error");
         assert!(opts("all-reduce", &["-g", "0"]).is_none());

@@ -24,10 +24,11 @@
 //! Collectives between GPUs, one process per GPU (see `coll.rs`):
 //!   gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR]
 //!             [-n ITERS] [-w WARMUP] [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT]
-//!             [-m stream,graph] [--nccl]
+//!             [-m stream,graph,kernel] [--nccl]
 //! nccl-tests' collectives (sizes, algbw, busbw, #wrong as nccl-tests defines them) on a gscomm
 //! communicator of NGPUS ranks (default 2), each call started on a stream or replayed from a
-//! captured graph, and NCCL's same collective in the same run with `--nccl`.
+//! captured graph, or triggered from a kernel, and NCCL's same collective in the same run with
+//! `--nccl`.
 //!
 //! GSC_* knobs apply as usual (e.g. GSC_TLS=shm, GSC_LOG_LEVEL). The tool's own variables:
 //! GSC_BENCH_NCCL_LIB (where libnccl.so.2 is), GSC_BENCH_HOST_TIME=1 (gpu-sendrecv's stream
@@ -49,7 +50,7 @@ fn usage() -> ! {
          \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]\n\
          \x20      gsc-bench staged-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--gpus SEND,RECV] [--mem cuda,host] [--no-pin]\n\
          \x20      gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n\
-         \x20                             [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT] [-m stream,graph] [--nccl]\n\
+         \x20                             [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT] [-m stream,graph,kernel] [--nccl]\n\
          \x20        TYPE: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)\n\
          \x20        OP: sum prod max min avg (default sum); NGPUS: ranks, one GPU each (default 2); ROOT default 0\n\
          sizes accept K/M/G suffixes"
