@@ -115,13 +115,13 @@ fn arm(comm: &Communicator, kind: Kind, send: &DeviceBuf, recv: &DeviceBuf, coun
     Ok(out.device_handle)
 }
 
-/// Run the user's kernel for `rounds` rounds from round `first` on `stream`; (wrong elements,
-/// failed waits). Fails the test if the kernel has not finished within `limit`.
+/// Run the user's kernel for `rounds` rounds from round `first` on `stream`, as rank `rank` of
+/// `n`; (wrong elements, failed waits). Fails the test if the kernel has not finished within `limit`.
 #[allow(clippy::too_many_arguments)]
 fn run_rounds(
     k: &UserKernel,
     stream: &Arc<Stream>,
-    comm: &Communicator,
+    (n, rank): (usize, usize),
     handle: u64,
     kind: Kind,
     bufs: (&DeviceBuf, &DeviceBuf),
@@ -136,9 +136,9 @@ fn run_rounds(
         bufs.1.ptr(),
         count as u64,
         kind as u64,
-        (comm.nranks() - 1) as u64,
-        comm.rank() as u64,
-        comm.nranks() as u64,
+        (n - 1) as u64,
+        rank as u64,
+        n as u64,
         first,
         rounds,
         result.device_ptr(),
@@ -175,12 +175,12 @@ fn triggered_cases(comm: &Communicator, k: &UserKernel, counts: &[usize], label:
                 }
             };
             let rounds = if count >= 1 << 20 { 3 } else { 20 };
-            let (wrong, failed) = run_rounds(k, &stream, comm, handle, kind, (&send, &recv), count, (1, rounds), T);
+            let (wrong, failed) = run_rounds(k, &stream, (n, me), handle, kind, (&send, &recv), count, (1, rounds), T);
             if wrong != 0 || failed != 0 {
                 bad.push(format!("rank {me} {label}: {kind:?} of {count} floats: {wrong} wrong elements, {failed} failed waits"));
             }
             // The same handle again later: the operation continues from its last trigger.
-            let (wrong, failed) = run_rounds(k, &stream, comm, handle, kind, (&send, &recv), count, (100, 2), T);
+            let (wrong, failed) = run_rounds(k, &stream, (n, me), handle, kind, (&send, &recv), count, (100, 2), T);
             if wrong != 0 || failed != 0 {
                 bad.push(format!("rank {me} {label}: {kind:?} of {count} floats, a second kernel: {wrong} wrong, {failed} failed"));
             }
@@ -233,7 +233,35 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
         }
         eprintln!("rank {rank}: {label} in {:?} ({taken} calls on the path)", t0.elapsed());
     }
+    bad.extend(triggered_after_destroy(&comm, &k));
     bad.join("\n")
+}
+
+/// A collective armed on a communicator that is then destroyed: a kernel that triggers it
+/// later gets -1 from its wait at once, and the condition says why.
+fn triggered_after_destroy(comm: &Communicator, k: &UserKernel) -> Vec<String> {
+    let me = comm.rank();
+    let split = comm.split(Some(0), 0, &config_with(&[("GSC_TIMEOUT", "30s")])).unwrap().expect("color 0");
+    let cond = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
+    let (send, recv) = (DeviceBuf::new(4096).unwrap(), DeviceBuf::new(4096).unwrap());
+    let handle = arm(&split, Kind::AllReduce, &send, &recv, 1024, &cond).unwrap();
+    let stream = Arc::new(Stream::new().unwrap());
+    let before = run_rounds(k, &stream, (split.nranks(), split.rank()), handle, Kind::AllReduce, (&send, &recv), 1024, (1, 3), T);
+    let who = (split.nranks(), split.rank());
+    drop(split);
+    let after = run_rounds(k, &stream, who, handle, Kind::AllReduce, (&send, &recv), 1024, (4, 1), Duration::from_secs(10));
+    let mut bad = Vec::new();
+    if before != (0, 0) {
+        bad.push(format!("rank {me}: the rounds before the communicator was destroyed: {before:?} (wrong, failed)"));
+    }
+    if after != (0, 1) {
+        bad.push(format!("rank {me}: a trigger after the communicator was destroyed: {after:?} (wrong, failed), want (0, 1)"));
+    }
+    match cond.query() {
+        Err(e) if e.status() == Status::Canceled => {}
+        other => bad.push(format!("rank {me}: the condition after the communicator was destroyed: {other:?}")),
+    }
+    bad
 }
 
 fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
@@ -307,7 +335,10 @@ fn victim_role(role: &str, chan: &dyn Chan, _ctx: Context) {
     let (send, recv) = (DeviceBuf::new(KILL_COUNT * 4).unwrap(), DeviceBuf::new(KILL_COUNT * 4).unwrap());
     let handle = arm(&comm, Kind::AllReduce, &send, &recv, KILL_COUNT, &cond).unwrap();
     let stream = Arc::new(Stream::new().unwrap());
-    assert_eq!(run_rounds(&k, &stream, &comm, handle, Kind::AllReduce, (&send, &recv), KILL_COUNT, (1, 1), T), (0, 0));
+    assert_eq!(
+        run_rounds(&k, &stream, (comm.nranks(), comm.rank()), handle, Kind::AllReduce, (&send, &recv), KILL_COUNT, (1, 1), T),
+        (0, 0)
+    );
     chan.put("joined", &[]);
     loop {
         std::thread::sleep(Duration::from_secs(1));
@@ -347,12 +378,16 @@ fn a_killed_rank_fails_a_kernel_triggered_all_reduce_within_the_timeout() {
     let handle = arm(&comm, Kind::AllReduce, &send, &recv, KILL_COUNT, &cond).unwrap();
     let stream = Arc::new(Stream::new().unwrap());
     let bufs = (&send, &recv);
-    assert_eq!(run_rounds(&k, &stream, &comm, handle, Kind::AllReduce, bufs, KILL_COUNT, (1, 1), T), (0, 0), "the round before the kill");
+    assert_eq!(
+        run_rounds(&k, &stream, (comm.nranks(), comm.rank()), handle, Kind::AllReduce, bufs, KILL_COUNT, (1, 1), T),
+        (0, 0),
+        "the round before the kill"
+    );
     victim.get("joined", T);
     let killed_at = Instant::now();
     victim.sigkill_proven();
     let limit = KILL_TIMEOUT + Duration::from_secs(30);
-    let (wrong, failed) = run_rounds(&k, &stream, &comm, handle, Kind::AllReduce, bufs, KILL_COUNT, (2, 1), limit);
+    let (wrong, failed) = run_rounds(&k, &stream, (comm.nranks(), comm.rank()), handle, Kind::AllReduce, bufs, KILL_COUNT, (2, 1), limit);
     let released = killed_at.elapsed();
     assert_eq!((wrong, failed), (0, 1), "the survivor's kernel: (wrong elements, failed waits)");
     assert!(released < slowed(KILL_TIMEOUT + Duration::from_secs(5)), "the wait returned {released:?} after the kill");

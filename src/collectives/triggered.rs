@@ -22,9 +22,10 @@
 //!
 //! Failure: a collective that gives up on a peer (`GSC_TIMEOUT`) or finds the communicator
 //! aborted sets the done word's error bit: `gsc_wait` returns -1, `Condition::query` and
-//! `Communicator::async_error` report it. Dropping the communicator releases triggers that
-//! were never launched with the error bit; the work it launched must complete first, as for
-//! every collective (`gsc_comm_destroy`).
+//! `Communicator::async_error` report it. Dropping the communicator waits for what it
+//! launched (as for every collective, the work must be done by then: `gsc_comm_destroy`) and
+//! fails its triggered collectives: a trigger that was not launched, or comes later, finds
+//! the error bit set and its wait returns -1 at once.
 //!
 //! Idle: like the proxy (src/proxy/), the thread spins for `GSC_PROXY_SPIN` after its last
 //! launch and then polls every `GSC_PROXY_POLL`; with nothing armed it sleeps.
@@ -194,15 +195,13 @@ fn watch(ctx: usize, stream: Stream, rx: Receiver<Armed>, stop: Arc<AtomicBool>,
             }
         }
     }
-    // What was launched completes (the collective kernels' own timeout bounds it); what was
-    // triggered but never launched is released with the error bit.
+    // What was launched completes (the collective kernels' own timeout bounds it). Then every
+    // armed collective fails: a trigger not launched yet, or one a kernel makes later, would
+    // otherwise wait for ever; with the error bit set every wait returns at once.
     let _ = stream.synchronize();
     for a in &armed {
         a.channel.adopt_device_done(&a.what);
-        if a.channel.trigger() > a.launched {
-            a.channel
-                .fail(Error::new(Status::Canceled, format!("{}: its communicator was destroyed before the trigger was performed", a.what)));
-        }
+        a.channel.fail(Error::new(Status::Canceled, format!("{}: its communicator was destroyed", a.what)));
     }
 }
 
