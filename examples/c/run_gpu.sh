@@ -170,5 +170,8 @@ run "06_graph_broadcast 2 ranks" 2 "all checks passed" 06_graph_broadcast 1000
 run "06_graph_broadcast 3 ranks (the seed's shape)" 3 "all checks passed" 06_graph_broadcast 1000
 [ "$ngpus" -ge 4 ] && run "06_graph_broadcast 4 ranks (receive, then two sends)" 4 "all checks passed" 06_graph_broadcast 1000
 
+run "07_triggered_allreduce 2 ranks" 2 "all checks passed" 07_triggered_allreduce --header "$incdir/gsc_device.cuh"
+[ "$ngpus" -ge 4 ] && run "07_triggered_allreduce 4 ranks" 4 "all checks passed" 07_triggered_allreduce --header "$incdir/gsc_device.cuh"
+
 echo "run_gpu.sh: $passed passed, $failed failed"
 [ $failed -eq 0 ]
