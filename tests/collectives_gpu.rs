@@ -701,6 +701,7 @@ fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], path: PeerPath) -
     let every_op: Vec<(DataType, RedOp)> = RedOp::ALL.iter().map(|&op| (DataType::Float16, op)).collect();
     bad.extend(large_halves_of(&r, 3 << 19, &every_op));
     bad.extend(premul_sums(&r));
+    bad.extend(carved_buffers(&r, name, calls));
     let before = calls(&r.comm);
     bad.extend(graph_replays(&r, 300_000));
     bad.extend(graph_replays(&r, 2_000_064));
@@ -719,6 +720,59 @@ fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], path: PeerPath) -
         bad.push(format!("rank {rank}: async error {e}"));
     }
     bad.join("\n")
+}
+
+/// The seed's rules for registered memory: buffers carved from one `mem_alloc` allocation per
+/// rank (CUDA VMM memory the peers open through a POSIX file descriptor), at the same offsets
+/// on every rank, registered with the communicator. They take the path on the peers' own
+/// buffers like any GPU memory: an all-reduce eager and captured (replayed with new data),
+/// checked exactly; both calls run on the peers' buffers, at least one on the path under test
+/// (`calls`: with the copy engines on, `auto` still gives the captured call to the direct
+/// kernel between two ranks).
+fn carved_buffers(r: &Rank, name: &str, calls: fn(&Communicator) -> u64) -> Vec<String> {
+    let on_peer_buffers = |c: &Communicator| c.direct_calls() + c.copy_engine_calls() + c.ring_calls();
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let (dtype, op) = (DataType::Float32, RedOp::Sum);
+    // 1 Mi floats per buffer: whole shards and pieces for every path on up to 8 ranks.
+    let count = 1 << 20;
+    let bytes = count * 4;
+    // Receive buffer one page past the send buffer's end: carved at an offset, not at a base.
+    let region = 2 * bytes + 4096;
+    let base = gscomm::mem_alloc(region).unwrap();
+    let (send, recv) = (base, base + (bytes + 4096) as u64);
+    let mut bad = Vec::new();
+    let reg = r.comm.register(base, region).unwrap();
+    match reg.mem_alloc {
+        Some(info) if info.base == base && info.offset == 0 => {}
+        other => bad.push(format!("rank {me}: the registration's allocation is {other:?}")),
+    }
+    let before = (calls(&r.comm), on_peer_buffers(&r.comm));
+    let cap = Stream::new().unwrap();
+    let cap_cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+    cap.begin_capture().unwrap();
+    unsafe { r.comm.all_reduce(send, recv, count, dtype, op, &cap_cond) }.unwrap();
+    let captured = cap.end_capture().unwrap().instantiate().unwrap();
+    for i in 0..3u64 {
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 7000 + i, count)).collect();
+        unsafe { gscomm::cuda::api::copy_to_device(send, &ins[me]) }.unwrap();
+        // Eager first, then the captured call replayed.
+        if i == 0 {
+            unsafe { r.comm.all_reduce(send, recv, count, dtype, op, &r.cond) }.unwrap();
+        } else {
+            captured.launch(&r.stream).unwrap();
+        }
+        r.sync();
+        let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+        if unsafe { gscomm::cuda::api::copy_from_device(recv, bytes) }.unwrap() != reduce_reference(dtype, op, &refs) {
+            bad.push(format!("rank {me}: the all-reduce of carved, registered buffers, call {i}, is wrong"));
+        }
+    }
+    if calls(&r.comm) < before.0 + 1 || on_peer_buffers(&r.comm) < before.1 + 2 {
+        bad.push(format!("rank {me}: the all-reduces of carved, registered buffers did not take the {name} path"));
+    }
+    drop(captured);
+    unsafe { gscomm::mem_free(base) }.unwrap();
+    bad
 }
 
 fn rank_of(role: &str) -> (usize, usize) {

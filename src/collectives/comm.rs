@@ -280,9 +280,10 @@ impl Communicator {
 
     /// NCCL's buffer registration: `bytes` at `addr` are checked to be memory of this rank's
     /// GPU, and the range is returned for `deregister` (with the `mem_alloc` allocation it lies
-    /// in, if any). Registration is a hint in NCCL and no
-    /// collective here takes a different path for registered buffers yet, so it changes no
-    /// result; it is checked so that a wrong buffer is named at registration, not later.
+    /// in, if any). Registration is a hint in NCCL; here every buffer, registered or not,
+    /// takes the zero-copy paths where they apply (exchanged per eager call, once per capture),
+    /// so it changes no path and no result; it is checked so that a wrong buffer is named at
+    /// registration, not later.
     pub fn register(&self, addr: u64, bytes: usize) -> Result<Registration> {
         if bytes == 0 {
             return Err(Error::invalid_param("registering 0 bytes"));
