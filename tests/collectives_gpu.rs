@@ -878,47 +878,8 @@ fn run_job(test: &str, n: usize) {
     run_job_with(test, n, roles, run_rank)
 }
 
-/// `GSC_TEST_SHARE_GPUS=1`: the multi-rank jobs run on fewer GPUs than ranks (rank r on GPU r
-/// mod count; ranks on one GPU map each other's memory by CUDA IPC within the device, and
-/// their kernels take turns on it). It checks the code paths of more ranks than the machine
-/// has GPUs, not their speed.
-fn sharing_gpus() -> bool {
-    std::env::var_os("GSC_TEST_SHARE_GPUS").is_some()
-}
-
-fn gpu_of(rank: usize) -> i32 {
-    rank as i32 % device_count().max(1)
-}
-
 fn run_job_with(test: &str, n: usize, roles: fn(&str, &dyn Chan, Context), run_rank: fn(usize, usize, &[u8]) -> String) {
-    if let Some(why) = gpu_test_skip_reason() {
-        eprintln!("skipped: {why}");
-        return;
-    }
-    if device_count() < n as i32 && !sharing_gpus() {
-        eprintln!("skipped: needs {n} GPUs (or GSC_TEST_SHARE_GPUS=1), found {}", device_count());
-        return;
-    }
-    // The kernels compiled once here, before the ranks start: on a machine with a cold kernel
-    // cache, ranks compiling them all at once outlive the children's watchdog.
-    let t0 = Instant::now();
-    gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
-    eprintln!("collective kernels ready in {:?}", t0.elapsed());
-    let uid = UniqueId::create(None).unwrap();
-    let mut peers: Vec<Peer> = (1..n).map(|r| start_peer(Lane::Shm, test, &format!("rank{r}of{n}"), &[], roles)).collect();
-    for p in peers.iter_mut() {
-        p.put("uid", &uid.to_bytes());
-    }
-    let mine = run_rank(0, n, &uid.to_bytes());
-    let mut all = vec![mine];
-    for p in peers.iter_mut() {
-        all.push(String::from_utf8(p.get("result", slowed(T))).unwrap());
-    }
-    for p in peers.iter_mut() {
-        p.finish(slowed(T));
-    }
-    let problems: Vec<&String> = all.iter().filter(|s| !s.is_empty()).collect();
-    assert!(problems.is_empty(), "{problems:#?}");
+    run_rank_job(test, n, T, roles, run_rank)
 }
 
 #[test]

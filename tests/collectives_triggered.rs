@@ -199,10 +199,6 @@ fn triggered_cases(comm: &Communicator, k: &UserKernel, counts: &[usize], label:
 /// the direct kernel under `auto`).
 const COUNTS: &[usize] = &[0, 1, 1001, 70_001, 1 << 18, 1 << 22];
 
-fn gpu_of(rank: usize) -> i32 {
-    rank as i32 % device_count().max(1)
-}
-
 fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     set_device(gpu_of(rank)).unwrap();
     let k = user_kernel();
@@ -271,29 +267,7 @@ fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
 }
 
 fn run_job(test: &str, n: usize) {
-    if let Some(why) = gpu_test_skip_reason() {
-        eprintln!("skipped: {why}");
-        return;
-    }
-    if device_count() < n as i32 && std::env::var_os("GSC_TEST_SHARE_GPUS").is_none() {
-        eprintln!("skipped: needs {n} GPUs (or GSC_TEST_SHARE_GPUS=1), found {}", device_count());
-        return;
-    }
-    gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
-    let uid = UniqueId::create(None).unwrap();
-    let mut peers: Vec<Peer> = (1..n).map(|r| start_peer(Lane::Shm, test, &format!("rank{r}of{n}"), &[], roles)).collect();
-    for p in peers.iter_mut() {
-        p.put("uid", &uid.to_bytes());
-    }
-    let mut all = vec![run_rank(0, n, &uid.to_bytes())];
-    for p in peers.iter_mut() {
-        all.push(String::from_utf8(p.get("result", slowed(T))).unwrap());
-    }
-    for p in peers.iter_mut() {
-        p.finish(slowed(T));
-    }
-    let problems: Vec<&String> = all.iter().filter(|s| !s.is_empty()).collect();
-    assert!(problems.is_empty(), "{problems:#?}");
+    run_rank_job(test, n, T, roles, run_rank)
 }
 
 #[test]

@@ -737,3 +737,59 @@ pub fn bounded<R: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() 
         Err(_) => panic!("{what}: still running after {limit:?}"),
     }
 }
+
+/// `GSC_TEST_SHARE_GPUS=1`: the multi-rank collective jobs run on fewer GPUs than ranks (rank r
+/// on GPU r mod count; ranks on one GPU map each other's memory by CUDA IPC within the device,
+/// and their kernels take turns on it). It checks the code paths of more ranks than the machine
+/// has GPUs, not their speed.
+pub fn sharing_gpus() -> bool {
+    std::env::var_os("GSC_TEST_SHARE_GPUS").is_some()
+}
+
+/// The GPU of rank `rank` in a collective job: rank mod the GPUs there are.
+pub fn gpu_of(rank: usize) -> i32 {
+    rank as i32 % gscomm::cuda::api::device_count().max(1)
+}
+
+/// A job of `n` ranks, one process each: rank 0 here, ranks 1.. as children running `roles`
+/// (which call `run_rank` with the unique id the parent sends as "uid" and put its result as
+/// "result"). Each rank returns what it found wrong, one problem per line; the test fails with
+/// every rank's. Skips (printing why) without GPUs, or with fewer than `n` unless
+/// `sharing_gpus`. `limit`: how long each child may take.
+pub fn run_rank_job(
+    test: &str,
+    n: usize,
+    limit: Duration,
+    roles: fn(&str, &dyn Chan, Context),
+    run_rank: fn(usize, usize, &[u8]) -> String,
+) {
+    use gscomm::bootstrap::UniqueId;
+    use gscomm::cuda::api::{device_count, gpu_test_skip_reason};
+    if let Some(why) = gpu_test_skip_reason() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    if device_count() < n as i32 && !sharing_gpus() {
+        eprintln!("skipped: needs {n} GPUs (or GSC_TEST_SHARE_GPUS=1), found {}", device_count());
+        return;
+    }
+    // The kernels compiled once here, before the ranks start: on a machine with a cold kernel
+    // cache, ranks compiling them all at once outlive the children's watchdog.
+    let t0 = Instant::now();
+    gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
+    eprintln!("collective kernels ready in {:?}", t0.elapsed());
+    let uid = UniqueId::create(None).unwrap();
+    let mut peers: Vec<Peer> = (1..n).map(|r| start_peer(Lane::Shm, test, &format!("rank{r}of{n}"), &[], roles)).collect();
+    for p in peers.iter_mut() {
+        p.put("uid", &uid.to_bytes());
+    }
+    let mut all = vec![run_rank(0, n, &uid.to_bytes())];
+    for p in peers.iter_mut() {
+        all.push(String::from_utf8(p.get("result", slowed(limit))).unwrap());
+    }
+    for p in peers.iter_mut() {
+        p.finish(slowed(limit));
+    }
+    let problems: Vec<&String> = all.iter().filter(|s| !s.is_empty()).collect();
+    assert!(problems.is_empty(), "{problems:#?}");
+}
