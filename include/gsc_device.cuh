@@ -16,6 +16,7 @@
 #define GSC_DEVICE_CUH
 
 struct gsc_prepared_device;
+struct gsc_coll_device;
 
 typedef struct gsc_device_handle {
     unsigned long long *trigger; /* written by the device: the last epoch triggered */
@@ -26,6 +27,10 @@ typedef struct gsc_device_handle {
      * calling thread (see gsc_prep_trigger below); NULL for operations the proxy performs. */
     const struct gsc_prepared_device *prep;
     unsigned long long prep_recv; /* 1: prep is a receive */
+    unsigned long long reserved;  /* gscomm's (a prepared transfer's done word) */
+    /* A small collective run by the calling thread itself (gsc_coll_trigger below); NULL for
+     * one gscomm launches on each trigger. */
+    struct gsc_coll_device *coll;
 } gsc_device_handle_t;
 
 /* Set in *done when an operation failed: every wait is released (see gsc_condition_query). */
@@ -33,10 +38,13 @@ typedef struct gsc_device_handle {
 
 static __device__ unsigned long long gsc_prep_trigger(gsc_device_handle_t *h);
 static __device__ void gsc_prep_trigger_wait(gsc_device_handle_t *h);
+static __device__ unsigned long long gsc_coll_trigger(gsc_device_handle_t *h);
+static __device__ unsigned long long gsc_coll_trigger_wait(gsc_device_handle_t *h);
 
 /* Start the operation once more. Returns the epoch to pass to gsc_wait_epoch(). */
 static __device__ __forceinline__ unsigned long long gsc_trigger(gsc_device_handle_t *h)
 {
+    if (h->coll) return gsc_coll_trigger(h);
     if (h->prep) return gsc_prep_trigger(h);
     volatile unsigned long long *ep = &h->epoch;
     unsigned long long e = *ep + 1;
@@ -54,6 +62,7 @@ static __device__ __forceinline__ unsigned long long gsc_trigger(gsc_device_hand
 static __device__ __forceinline__ unsigned long long gsc_wait_epoch(gsc_device_handle_t *h, unsigned long long epoch)
 {
     unsigned long long d;
+    if (h->coll) return gsc_coll_trigger_wait(h); /* the collective's round ends here */
     if (h->prep && h->prep_recv) gsc_prep_trigger_wait(h); /* the receive's round ends here */
     do {
         asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(d) : "l"(h->done) : "memory");
@@ -589,6 +598,200 @@ static __device__ unsigned long long gsc_prep_trigger(gsc_device_handle_t *h)
         d->ctl[GSC_CTL_ERROR] = e;
         *done = e | GSC_DEVICE_DONE_ERROR_BIT;
     }
+    return e;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Small collectives run by the triggering thread itself (an all-reduce armed on a kernel-       */
+/* triggered condition, up to GSC_COLL_TRIGGER_MAX bytes): no launch, no host. Each rank has a   */
+/* mailbox of LL words, two slots per sender; round r goes into slot r % 2 of every peer's       */
+/* mailbox. A rank writes round r only after its own round r - 1 ended, which needed every      */
+/* peer's round r - 1, which each peer wrote after its round r - 2 ended: so slot r % 2, which  */
+/* held round r - 2, has been read everywhere. gsc_trigger writes this rank's input into every  */
+/* peer's mailbox; gsc_wait (or the next gsc_trigger) waits for every peer's words, reduces in  */
+/* rank order — the arithmetic of gscomm's kernels — into the receive buffer, and advances the  */
+/* done word (bit 63 when a peer did not answer within the timeout, or the communicator was    */
+/* aborted: the communicator's error word is then set too). One thread, as for every trigger.  */
+/* ------------------------------------------------------------------------------------------ */
+
+#define GSC_DEVICE_MAX_RANKS 8
+
+typedef struct gsc_coll_device {
+    unsigned long long *box[GSC_DEVICE_MAX_RANKS]; /* every rank's mailbox, as this rank addresses it */
+    const unsigned char *send;
+    unsigned char *recv;
+    unsigned long long bytes;      /* the buffer's bytes */
+    unsigned long long words;      /* LL words per slot: (bytes + 3) / 4 */
+    unsigned long long dtype, op;  /* gsc_datatype_t (not 16-bit floats), gsc_red_op_t */
+    unsigned long long nranks, rank, timeout_ns;
+    unsigned long long round;      /* the last round begun: 0 on every rank when armed */
+    const volatile unsigned long long *abort; /* the communicator's abort word */
+    unsigned long long *error;     /* the communicator's error word */
+} gsc_coll_device_t;
+
+/* One 8-byte unit (two LL words: whole elements of any type) of a and b combined with op
+ * (0 sum and avg's sum, 1 prod, 2 max, 3 min), element by element, as gscomm's kernels do. */
+template <typename T> static __device__ __forceinline__ unsigned long long gsc_coll_op8(unsigned long long a, unsigned long long b, int op)
+{
+    union { unsigned long long u; T v[8 / sizeof(T)]; } x, y;
+    x.u = a;
+    y.u = b;
+    for (int k = 0; k < (int)(8 / sizeof(T)); k++) {
+        T p = x.v[k], q = y.v[k];
+        x.v[k] = op == 1 ? (T)(p * q) : op == 2 ? (q > p ? q : p) : op == 3 ? (q < p ? q : p) : (T)(p + q);
+    }
+    return x.u;
+}
+
+/* avg's one division, element by element. */
+template <typename T> static __device__ __forceinline__ unsigned long long gsc_coll_div8(unsigned long long a, unsigned long long n)
+{
+    union { unsigned long long u; T v[8 / sizeof(T)]; } x;
+    x.u = a;
+    for (int k = 0; k < (int)(8 / sizeof(T)); k++) x.v[k] = (T)(x.v[k] / (T)n);
+    return x.u;
+}
+
+static __device__ unsigned long long gsc_coll_reduce8(const gsc_coll_device_t *c, unsigned long long a, unsigned long long b)
+{
+    const int op = c->op == 4 ? 0 : (int)c->op;
+    switch (c->dtype) {
+    case 0: return gsc_coll_op8<signed char>(a, b, op);
+    case 1: return gsc_coll_op8<unsigned char>(a, b, op);
+    case 2: return gsc_coll_op8<int>(a, b, op);
+    case 3: return gsc_coll_op8<unsigned>(a, b, op);
+    case 4: return gsc_coll_op8<long long>(a, b, op);
+    case 5: return gsc_coll_op8<unsigned long long>(a, b, op);
+    case 7: return gsc_coll_op8<float>(a, b, op);
+    default: return gsc_coll_op8<double>(a, b, op);
+    }
+}
+
+static __device__ unsigned long long gsc_coll_avg8(const gsc_coll_device_t *c, unsigned long long a)
+{
+    switch (c->dtype) {
+    case 0: return gsc_coll_div8<signed char>(a, c->nranks);
+    case 1: return gsc_coll_div8<unsigned char>(a, c->nranks);
+    case 2: return gsc_coll_div8<int>(a, c->nranks);
+    case 3: return gsc_coll_div8<unsigned>(a, c->nranks);
+    case 4: return gsc_coll_div8<long long>(a, c->nranks);
+    case 5: return gsc_coll_div8<unsigned long long>(a, c->nranks);
+    case 7: return gsc_coll_div8<float>(a, c->nranks);
+    default: return gsc_coll_div8<double>(a, c->nranks);
+    }
+}
+
+/* LL word w of sender q's slot for round r in this rank's mailbox, once it arrived: 1, or 0
+ * when the timeout passed or the communicator was aborted (looked at every
+ * GSC_ABORT_LOOK_NS). */
+static __device__ int gsc_coll_ll_get(const gsc_coll_device_t *c, unsigned long long q, unsigned long long r, unsigned long long w,
+                                      unsigned long long t0, unsigned *data)
+{
+    const unsigned long long *at = c->box[c->rank] + (q * 2 + (r & 1)) * c->words + w;
+    const unsigned flag = gsc_ll_flag(r);
+    unsigned long long look = t0 + GSC_ABORT_LOOK_NS;
+    for (;;) {
+        unsigned long long v;
+        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(at) : "memory");
+        if ((unsigned)(v >> 32) == flag) {
+            *data = (unsigned)v;
+            return 1;
+        }
+        const unsigned long long now = gsc_globaltimer();
+        if (now - t0 > c->timeout_ns) return 0;
+        if (c->abort && now >= look) {
+            if (*c->abort != 0) return 0;
+            look = now + GSC_ABORT_LOOK_NS;
+        }
+    }
+}
+
+/* Units per sender loaded at once: their LL words are in flight together, so one thread is not
+ * held up by a load's latency per word. */
+#define GSC_COLL_BATCH 8
+
+/* Units u0 .. u0 + nu of sender q's round r into v: the words loaded together, then checked;
+ * one not there yet is waited for alone (gsc_coll_ll_get). 1, or 0 (see there). */
+static __device__ int gsc_coll_units(const gsc_coll_device_t *c, unsigned long long q, unsigned long long r, unsigned long long u0,
+                                     unsigned long long nu, unsigned long long t0, unsigned long long *v)
+{
+    const unsigned long long *at = c->box[c->rank] + (q * 2 + (r & 1)) * c->words;
+    const unsigned long long w0 = 2 * u0, nw = 2 * nu < c->words - w0 ? 2 * nu : c->words - w0;
+    const unsigned flag = gsc_ll_flag(r);
+    unsigned long long raw[2 * GSC_COLL_BATCH];
+#pragma unroll
+    for (int k = 0; k < 2 * GSC_COLL_BATCH; k++)
+        if (k < (int)nw) asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(raw[k]) : "l"(at + w0 + k) : "memory");
+    for (int k = 0; k < (int)nw; k++) {
+        unsigned data;
+        if ((unsigned)(raw[k] >> 32) == flag) continue;
+        if (!gsc_coll_ll_get(c, q, r, w0 + k, t0, &data)) return 0;
+        raw[k] = (unsigned long long)flag << 32 | data;
+    }
+    for (int k = 0; k < (int)nu; k++) {
+        const unsigned lo = (unsigned)raw[2 * k], hi = 2 * k + 1 < (int)nw ? (unsigned)raw[2 * k + 1] : 0u;
+        v[k] = (unsigned long long)hi << 32 | lo;
+    }
+    return 1;
+}
+
+/* End the round triggered last, if it has not ended: every rank's input, reduced in rank
+ * order into the receive buffer; the done word advanced. Returns the done word. */
+static __device__ unsigned long long gsc_coll_trigger_wait(gsc_device_handle_t *h)
+{
+    gsc_coll_device_t *c = h->coll;
+    volatile unsigned long long *done = h->done;
+    const unsigned long long e = *(volatile unsigned long long *)&h->epoch, d = *done;
+    if ((d & GSC_DEVICE_DONE_ERROR_BIT) || d >= e) return d;
+    const unsigned long long r = *(volatile unsigned long long *)&c->round, units = (c->bytes + 7) / 8;
+    const unsigned long long t0 = gsc_globaltimer();
+    int ok = 1;
+    for (unsigned long long u0 = 0; ok && u0 < units; u0 += GSC_COLL_BATCH) {
+        const unsigned long long nu = units - u0 < GSC_COLL_BATCH ? units - u0 : GSC_COLL_BATCH;
+        unsigned long long acc[GSC_COLL_BATCH], v[GSC_COLL_BATCH];
+        for (unsigned long long q = 0; ok && q < c->nranks; q++) {
+            if (q == c->rank) {
+                for (unsigned long long k = 0; k < nu; k++)
+                    v[k] = (unsigned long long)gsc_ll_data(c->send, c->bytes, 2 * (u0 + k) + 1) << 32 |
+                           gsc_ll_data(c->send, c->bytes, 2 * (u0 + k));
+            } else {
+                ok = gsc_coll_units(c, q, r, u0, nu, t0, v);
+            }
+            for (unsigned long long k = 0; k < nu; k++) acc[k] = q == 0 ? v[k] : gsc_coll_reduce8(c, acc[k], v[k]);
+        }
+        if (!ok) break;
+        for (unsigned long long k = 0; k < nu; k++) {
+            const unsigned long long x = c->op == 4 ? gsc_coll_avg8(c, acc[k]) : acc[k];
+            for (unsigned long long b = 0; b < 8 && (u0 + k) * 8 + b < c->bytes; b++) c->recv[(u0 + k) * 8 + b] = (unsigned char)(x >> (8 * b));
+        }
+    }
+    unsigned long long v = e;
+    if (!ok) {
+        v = e | GSC_DEVICE_DONE_ERROR_BIT;
+        *(volatile unsigned long long *)c->error = r | (1ull << 62);
+    }
+    /* The receive buffer's bytes before the word (other threads of the block read them after
+     * the __syncthreads that follows the wait). */
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(done), "l"(v) : "memory");
+    return v;
+}
+
+/* gsc_trigger of such a collective: the previous round ends first; then this rank's input
+ * (written before the call, with a __syncthreads) goes into every peer's mailbox as LL words.
+ * After a failed round nothing more is done: every wait returns -1. */
+static __device__ unsigned long long gsc_coll_trigger(gsc_device_handle_t *h)
+{
+    gsc_coll_device_t *c = h->coll;
+    volatile unsigned long long *ep = &h->epoch;
+    const unsigned long long d = gsc_coll_trigger_wait(h), e = *ep + 1;
+    *ep = e;
+    if (d & GSC_DEVICE_DONE_ERROR_BIT) return e;
+    const unsigned long long r = *(volatile unsigned long long *)&c->round + 1;
+    *(volatile unsigned long long *)&c->round = r;
+    const unsigned first = gsc_ll_data(c->send, c->bytes, 0);
+    for (unsigned long long q = 0; q < c->nranks; q++)
+        if (q != c->rank)
+            gsc_ll_write_lanes(c->box[q] + (c->rank * 2 + (r & 1)) * c->words, c->send, c->bytes, r, first, 0, 1);
     return e;
 }
 

@@ -28,26 +28,7 @@ const COUNTS: &[usize] = &[1, 3, 255, 257, 4097, 70_001];
 /// give them for every type on up to 8 ranks, beside two it refuses (the workspace kernels).
 const DIRECT_COUNTS: &[usize] = &[3, 128, 4096, 65_536, 70_001];
 
-/// Rank `rank`'s input of `count` elements for `seed`: random bits for integers (sums and
-/// products wrap), small integers for floats (exact in every float type, so a result is wrong
-/// only when the data is).
-fn input(dtype: DataType, rank: usize, seed: u64, count: usize) -> Vec<u8> {
-    let raw = pattern(seed * 31 + rank as u64, count * 8);
-    if !dtype.is_float() {
-        return raw[..count * dtype.size()].to_vec();
-    }
-    let mut out = Vec::with_capacity(count * dtype.size());
-    for i in 0..count {
-        let v = f32::from(raw[i * 8] % 5) - 2.0;
-        match dtype {
-            DataType::Float16 => out.extend_from_slice(&f32_to_f16(v).to_le_bytes()),
-            DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v).to_le_bytes()),
-            DataType::Float32 => out.extend_from_slice(&v.to_le_bytes()),
-            _ => out.extend_from_slice(&f64::from(v).to_le_bytes()),
-        }
-    }
-    out
-}
+use common::coll_input as input;
 
 struct Rank {
     comm: Communicator,

@@ -12,6 +12,7 @@ mod common;
 
 use common::*;
 use gscomm::bootstrap::{Bootstrap, UniqueId};
+use gscomm::collectives::types::reduce_reference;
 use gscomm::collectives::{Communicator, DataType, RedOp};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Function, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, set_device};
@@ -73,6 +74,14 @@ extern "C" __global__ void triggered_rounds(gsc_device_handle_t *h, float *send,
         __syncthreads();
     }
 }
+
+/* One thread: trigger the collective once and wait for it (the host wrote the input and checks
+ * the result). result[1] counts failed waits. */
+extern "C" __global__ void trigger_once(gsc_device_handle_t *h, unsigned long long *result)
+{
+    gsc_trigger(h);
+    if (gsc_wait(h) != 0) atomicAdd(&result[1], 1ull);
+}
 "#;
 
 #[derive(Copy, Clone, Debug)]
@@ -88,13 +97,14 @@ const KINDS: [Kind; 5] = [Kind::AllReduce, Kind::AllGather, Kind::ReduceScatter,
 
 struct UserKernel {
     rounds: Function,
+    once: Function,
     _m: Module,
 }
 
 fn user_kernel() -> UserKernel {
     let src = format!("{}\n{KERNELS}", include_str!("../include/gsc_device.cuh"));
     let m = Module::compile(&src).expect("compile the triggering kernel");
-    UserKernel { rounds: m.function("triggered_rounds").unwrap(), _m: m }
+    UserKernel { rounds: m.function("triggered_rounds").unwrap(), once: m.function("trigger_once").unwrap(), _m: m }
 }
 
 /// Arm `kind` of `count` floats on `cond` (root: the last rank); returns the device handle.
@@ -195,6 +205,68 @@ fn triggered_cases(comm: &Communicator, k: &UserKernel, counts: &[usize], label:
     bad
 }
 
+/// The all-reduces the triggering thread runs itself (`GSC_COLL_TRIGGER_MAX`: 256 bytes on
+/// this test's communicator): every datatype it takes and every operator, 1, 3 and as many
+/// elements as fit, in place and not, each armed once and triggered three times with new
+/// inputs that the host wrote; each result compared with the host reference
+/// (`reduce_reference`, the kernels' arithmetic in rank order). Problems, one per line.
+fn device_path_cases(comm: &Communicator, k: &UserKernel) -> Vec<String> {
+    const TYPES: [DataType; 8] = [
+        DataType::Int8,
+        DataType::Uint8,
+        DataType::Int32,
+        DataType::Uint32,
+        DataType::Int64,
+        DataType::Uint64,
+        DataType::Float32,
+        DataType::Float64,
+    ];
+    let (n, me) = (comm.nranks(), comm.rank());
+    let stream = Arc::new(Stream::new().unwrap());
+    let cond = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
+    let result = PinnedBuf::new(16).unwrap();
+    let before = comm.triggered_on_device();
+    let (mut bad, mut armed) = (Vec::new(), 0);
+    for dtype in TYPES {
+        for op in RedOp::ALL {
+            for count in [1, 3, 256 / dtype.size()] {
+                for in_place in [false, true] {
+                    let bytes = count * dtype.size();
+                    let send = DeviceBuf::new(bytes).unwrap();
+                    let recv = if in_place { None } else { Some(DeviceBuf::new(bytes).unwrap()) };
+                    let out = recv.as_ref().unwrap_or(&send);
+                    // SAFETY: our device buffers of `bytes`, alive until the kernels below ended.
+                    let handle = unsafe { comm.all_reduce(send.ptr(), out.ptr(), count, dtype, op, &cond) }.unwrap().device_handle;
+                    armed += 1;
+                    for round in 0..3u64 {
+                        let ins: Vec<Vec<u8>> = (0..n).map(|q| coll_input(dtype, q, 900 + round, count)).collect();
+                        send.upload(&ins[me]).unwrap();
+                        k.once.launch(1, 1, &stream, &[handle, result.device_ptr()]).unwrap();
+                        let s = stream.clone();
+                        bounded("a triggered small all-reduce", T, move || s.synchronize()).0.unwrap();
+                        let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+                        let what = format!("rank {me}: {dtype:?} {op:?} of {count} (in place {in_place}), round {round}");
+                        if result.to_vec()[8..] != [0; 8] {
+                            bad.push(format!("{what}: the wait failed"));
+                            return bad;
+                        }
+                        if out.download().unwrap() != reduce_reference(dtype, op, &refs) {
+                            bad.push(format!("{what}: wrong"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if comm.triggered_on_device() != before + armed {
+        bad.push(format!("rank {me}: {} of {armed} small all-reduces ran in the triggering thread", comm.triggered_on_device() - before));
+    }
+    if let Err(e) = cond.query() {
+        bad.push(format!("rank {me}: the condition reports {e}"));
+    }
+    bad
+}
+
 /// Counts: 0, 1, odd, several 64 KiB rounds, and 1 / 16 MiB of floats (the large kernels;
 /// the direct kernel under `auto`).
 const COUNTS: &[usize] = &[0, 1, 1001, 70_001, 1 << 18, 1 << 22];
@@ -204,17 +276,21 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     let k = user_kernel();
     let uid = UniqueId::from_bytes(uid).unwrap();
     let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
-    let base = [("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")];
+    let base = [("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on"), ("GSC_COLL_TRIGGER_MAX", "256")];
     let comm = Communicator::new(boot, gpu_of(rank), &config_with(&base)).unwrap();
     let t0 = Instant::now();
     let mut bad = triggered_cases(&comm, &k, COUNTS, "auto");
     eprintln!(
-        "rank {rank}: auto in {:?} (direct-kernel calls {}, copy-engine {}, ring {})",
+        "rank {rank}: auto in {:?} (in the triggering thread {}, direct-kernel calls {}, copy-engine {}, ring {})",
         t0.elapsed(),
+        comm.triggered_on_device(),
         comm.direct_calls(),
         comm.copy_engine_calls(),
         comm.ring_calls()
     );
+    let t0 = Instant::now();
+    bad.extend(device_path_cases(&comm, &k));
+    eprintln!("rank {rank}: the small all-reduces in the triggering thread in {:?}", t0.elapsed());
     // The paths on the peers' buffers that `auto` leaves out here, on communicators split off.
     for (label, knobs, calls) in [
         ("copy engines", [("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "64K"), ("GSC_COLL_SM", "off"), ("GSC_COLL_RING", "off")], 0),
@@ -233,25 +309,33 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
-/// A collective armed on a communicator that is then destroyed: a kernel that triggers it
-/// later gets -1 from its wait at once, and the condition says why.
+/// Collectives armed on a communicator that is then destroyed — one launched per trigger
+/// (1024 floats) and one the triggering thread runs (2) —: a kernel that triggers them later
+/// gets -1 from its wait at once, and the condition says why.
 fn triggered_after_destroy(comm: &Communicator, k: &UserKernel) -> Vec<String> {
     let me = comm.rank();
     let split = comm.split(Some(0), 0, &config_with(&[("GSC_TIMEOUT", "30s")])).unwrap().expect("color 0");
     let cond = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
     let (send, recv) = (DeviceBuf::new(4096).unwrap(), DeviceBuf::new(4096).unwrap());
-    let handle = arm(&split, Kind::AllReduce, &send, &recv, 1024, &cond).unwrap();
     let stream = Arc::new(Stream::new().unwrap());
-    let before = run_rounds(k, &stream, (split.nranks(), split.rank()), handle, Kind::AllReduce, (&send, &recv), 1024, (1, 3), T);
     let who = (split.nranks(), split.rank());
-    drop(split);
-    let after = run_rounds(k, &stream, who, handle, Kind::AllReduce, (&send, &recv), 1024, (4, 1), Duration::from_secs(10));
+    let handles: Vec<(usize, u64)> =
+        [1024, 2].iter().map(|&count| (count, arm(&split, Kind::AllReduce, &send, &recv, count, &cond).unwrap())).collect();
     let mut bad = Vec::new();
-    if before != (0, 0) {
-        bad.push(format!("rank {me}: the rounds before the communicator was destroyed: {before:?} (wrong, failed)"));
+    for &(count, handle) in &handles {
+        let before = run_rounds(k, &stream, who, handle, Kind::AllReduce, (&send, &recv), count, (1, 3), T);
+        if before != (0, 0) {
+            bad.push(format!("rank {me}: {count} floats, the rounds before the communicator was destroyed: {before:?} (wrong, failed)"));
+        }
     }
-    if after != (0, 1) {
-        bad.push(format!("rank {me}: a trigger after the communicator was destroyed: {after:?} (wrong, failed), want (0, 1)"));
+    drop(split);
+    for &(count, handle) in &handles {
+        let after = run_rounds(k, &stream, who, handle, Kind::AllReduce, (&send, &recv), count, (4, 1), Duration::from_secs(10));
+        if after != (0, 1) {
+            bad.push(format!(
+                "rank {me}: {count} floats, a trigger after the communicator was destroyed: {after:?} (wrong, failed), want (0, 1)"
+            ));
+        }
     }
     match cond.query() {
         Err(e) if e.status() == Status::Canceled => {}
@@ -291,12 +375,21 @@ fn kernel_triggered_collectives_exact_on_four_gpus() {
 
 /// The survivor's GSC_TIMEOUT: how long its collective waits for the dead peer.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
-const KILL_COUNT: usize = 1024;
+
+/// The all-reduce of the kill tests, by victim role: floats launched by gscomm's thread on each
+/// trigger (4 KiB, above GSC_COLL_TRIGGER_MAX), or run by the triggering thread (8 bytes).
+fn kill_count(role: &str) -> usize {
+    match role {
+        "victim" => 1024,
+        "small_victim" => 2,
+        other => panic!("unknown role {other}"),
+    }
+}
 
 /// Rank 1: arms the triggered all-reduce, performs one round with rank 0, says so, then waits
 /// to be killed (the children's watchdog ends it otherwise).
 fn victim_role(role: &str, chan: &dyn Chan, _ctx: Context) {
-    assert_eq!(role, "victim");
+    let count = kill_count(role);
     set_device(1).unwrap();
     let k = user_kernel();
     let uid = UniqueId::from_bytes(&chan.get("uid")).unwrap();
@@ -306,13 +399,11 @@ fn victim_role(role: &str, chan: &dyn Chan, _ctx: Context) {
     let config = config_with(&o.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>());
     let comm = Communicator::new(boot, 1, &config).unwrap();
     let cond = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
-    let (send, recv) = (DeviceBuf::new(KILL_COUNT * 4).unwrap(), DeviceBuf::new(KILL_COUNT * 4).unwrap());
-    let handle = arm(&comm, Kind::AllReduce, &send, &recv, KILL_COUNT, &cond).unwrap();
+    let (send, recv) = (DeviceBuf::new(count * 4).unwrap(), DeviceBuf::new(count * 4).unwrap());
+    let handle = arm(&comm, Kind::AllReduce, &send, &recv, count, &cond).unwrap();
     let stream = Arc::new(Stream::new().unwrap());
-    assert_eq!(
-        run_rounds(&k, &stream, (comm.nranks(), comm.rank()), handle, Kind::AllReduce, (&send, &recv), KILL_COUNT, (1, 1), T),
-        (0, 0)
-    );
+    let who = (comm.nranks(), comm.rank());
+    assert_eq!(run_rounds(&k, &stream, who, handle, Kind::AllReduce, (&send, &recv), count, (1, 1), T), (0, 0));
     chan.put("joined", &[]);
     loop {
         std::thread::sleep(Duration::from_secs(1));
@@ -325,6 +416,18 @@ fn victim_role(role: &str, chan: &dyn Chan, _ctx: Context) {
 /// condition and the communicator report the failure.
 #[test]
 fn a_killed_rank_fails_a_kernel_triggered_all_reduce_within_the_timeout() {
+    killed_rank_fails_a_triggered_all_reduce("a_killed_rank_fails_a_kernel_triggered_all_reduce_within_the_timeout", "victim");
+}
+
+/// The same with an all-reduce the triggering thread runs itself (GSC_COLL_TRIGGER_MAX): its
+/// wait for the dead rank's words gives up, and the communicator reports it (the condition
+/// does not: no host takes part in such a round).
+#[test]
+fn a_killed_rank_fails_a_small_all_reduce_run_by_the_triggering_thread() {
+    killed_rank_fails_a_triggered_all_reduce("a_killed_rank_fails_a_small_all_reduce_run_by_the_triggering_thread", "small_victim");
+}
+
+fn killed_rank_fails_a_triggered_all_reduce(test: &str, role: &str) {
     if run_child_role(victim_role) {
         return;
     }
@@ -336,47 +439,49 @@ fn a_killed_rank_fails_a_kernel_triggered_all_reduce_within_the_timeout() {
         eprintln!("skipped: needs 2 GPUs, found {}", device_count());
         return;
     }
+    let count = kill_count(role);
     set_device(0).unwrap();
     gscomm::collectives::prepare_kernels(0, &config_with(&[])).unwrap();
     let k = user_kernel();
     let uid = UniqueId::create(None).unwrap();
-    let dir = ShmDir::new("victim");
-    let test = "a_killed_rank_fails_a_kernel_triggered_all_reduce_within_the_timeout";
-    let mut victim = spawn_child(test, "victim", &[("GSC_SHM_DIR", dir.as_str())]);
+    let dir = ShmDir::new(role);
+    let mut victim = spawn_child(test, role, &[("GSC_SHM_DIR", dir.as_str())]);
     victim.put("uid", &uid.to_bytes());
     let boot = Bootstrap::init(&uid, 0, 2, T).unwrap();
     let config = config_with(&[("GSC_TIMEOUT", "5s"), ("GSC_SHM_DIR", dir.as_str())]);
     let comm = Communicator::new(boot, 0, &config).unwrap();
     let cond = Condition::cuda(Category::KernelTriggered, 0, None).unwrap();
-    let (send, recv) = (DeviceBuf::new(KILL_COUNT * 4).unwrap(), DeviceBuf::new(KILL_COUNT * 4).unwrap());
-    let handle = arm(&comm, Kind::AllReduce, &send, &recv, KILL_COUNT, &cond).unwrap();
+    let (send, recv) = (DeviceBuf::new(count * 4).unwrap(), DeviceBuf::new(count * 4).unwrap());
+    let handle = arm(&comm, Kind::AllReduce, &send, &recv, count, &cond).unwrap();
+    let on_device = comm.triggered_on_device() == 1;
+    assert_eq!(on_device, role == "small_victim", "which path the all-reduce took");
     let stream = Arc::new(Stream::new().unwrap());
-    let bufs = (&send, &recv);
-    assert_eq!(
-        run_rounds(&k, &stream, (comm.nranks(), comm.rank()), handle, Kind::AllReduce, bufs, KILL_COUNT, (1, 1), T),
-        (0, 0),
-        "the round before the kill"
-    );
+    let (bufs, who) = ((&send, &recv), (comm.nranks(), comm.rank()));
+    assert_eq!(run_rounds(&k, &stream, who, handle, Kind::AllReduce, bufs, count, (1, 1), T), (0, 0), "the round before the kill");
     victim.get("joined", T);
     let killed_at = Instant::now();
     victim.sigkill_proven();
     let limit = KILL_TIMEOUT + Duration::from_secs(30);
-    let (wrong, failed) = run_rounds(&k, &stream, (comm.nranks(), comm.rank()), handle, Kind::AllReduce, bufs, KILL_COUNT, (2, 1), limit);
+    let (wrong, failed) = run_rounds(&k, &stream, who, handle, Kind::AllReduce, bufs, count, (2, 1), limit);
     let released = killed_at.elapsed();
     assert_eq!((wrong, failed), (0, 1), "the survivor's kernel: (wrong elements, failed waits)");
     assert!(released < slowed(KILL_TIMEOUT + Duration::from_secs(5)), "the wait returned {released:?} after the kill");
-    // The watcher takes the failure into the condition within microseconds of the kernel
-    // seeing it; a second is far more than it needs.
+    // Launched per trigger: the watcher takes the failure into the condition within
+    // microseconds of the kernel seeing it; a second is far more than it needs. Run by the
+    // triggering thread: no host sees the round, so only the communicator's error word says it.
     let deadline = Instant::now() + Duration::from_secs(1);
-    let e = loop {
+    while !on_device {
         match cond.query() {
-            Err(e) => break e,
+            Err(e) => {
+                assert_eq!(e.status(), Status::TimedOut, "the condition after a peer died: {e}");
+                break;
+            }
             Ok(()) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
             Ok(()) => panic!("the condition reports no failure after its wait returned -1"),
         }
-    };
-    assert_eq!(e.status(), Status::TimedOut, "the condition after a peer died: {e}");
+    }
     let e = comm.async_error().unwrap_err();
     assert_eq!(e.status(), Status::TimedOut, "async_error after a peer died: {e}");
-    eprintln!("rank 1 killed: the triggered all-reduce's wait returned -1 after {released:?}");
+    let path = if on_device { "run by the triggering thread" } else { "launched per trigger" };
+    eprintln!("rank 1 killed: the triggered all-reduce ({path}) released its wait with -1 after {released:?}");
 }

@@ -288,7 +288,7 @@ impl Ring {
             return Ok(false);
         };
         let (scratch, (reduce_k, wait_k)) = (scratch?, kernels?);
-        let Some(scratches) = peer_buffers::exchange_buffer(cx, scratch, scratch_len, "the copy-engine ring's scratch")? else {
+        let Some(scratches) = peer_buffers::exchange_buffer(cx, scratch, scratch_len, true, "the copy-engine ring's scratch")? else {
             return Ok(false);
         };
         let (lanes, events) = (st.lanes.as_ref().expect("usable"), st.events.as_ref().expect("usable"));

@@ -23,7 +23,7 @@ use super::p2p::{PeerLinks, PeerOp};
 use super::peer_buffers::{DirectCall, DirectContext};
 use super::select::{self, Collective};
 use super::settings;
-use super::triggered::Triggered;
+use super::triggered::{self, DeviceCall, Triggered};
 use super::types::{DataType, PreMulScalar, RedOp};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
@@ -74,6 +74,9 @@ pub struct Communicator {
     ring_mode: Tristate,
     ring_min: usize,
     ring: Ring,
+    /// `GSC_COLL_TRIGGER_MAX`: the largest kernel-triggered all-reduce the triggering thread
+    /// runs itself (`triggered::on_device`).
+    trigger_max: usize,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -212,6 +215,8 @@ impl Communicator {
             ring_mode: if shares_process { Tristate::Off } else { config.coll_ring },
             ring_min: config.coll_ring_min,
             ring: Ring::new(device, config.coll_ring_pieces),
+            // Off where ranks share a process: the mailboxes are exchanged while arming.
+            trigger_max: if shares_process { 0 } else { config.coll_trigger_max },
         })
     }
 
@@ -331,6 +336,12 @@ impl Communicator {
     /// Collectives this rank ran by the direct kernel (`GSC_COLL_SM`) so far.
     pub fn direct_calls(&self) -> u64 {
         self.direct.runs()
+    }
+
+    /// Kernel-triggered all-reduces armed so far to run in the triggering thread
+    /// (`GSC_COLL_TRIGGER_MAX`).
+    pub fn triggered_on_device(&self) -> u64 {
+        self.triggered.armed_on_device()
     }
 
     /// Collectives this rank ran by the copy-engine ring (`GSC_COLL_RING`) so far.
@@ -512,6 +523,20 @@ impl Communicator {
             Category::Stream | Category::Graph => self.issue(&call, on),
             Category::KernelTriggered => {
                 let what = format!("a kernel-triggered {} of {} bytes", call.kind.name(), call.part_bytes);
+                if triggered::on_device(self.trigger_max, call.kind, call.part_bytes, call.dtype, call.premul.is_some(), self.nranks) {
+                    self.check_device_buffer(call.send, "send")?;
+                    self.check_device_buffer(call.recv, "receive")?;
+                    let on_device = DeviceCall {
+                        send: call.send,
+                        recv: call.recv,
+                        bytes: call.part_bytes,
+                        dtype: call.dtype.nccl() as u64,
+                        op: call.op.nccl() as u64,
+                    };
+                    if let Some(handle) = self.triggered.arm_on_device(on, what.clone(), &self.direct_context(), on_device)? {
+                        return Ok(ArmedOutputs { device_handle: handle, ..Default::default() });
+                    }
+                }
                 let cache = self.kernel_cache.as_deref();
                 let handle = self.triggered.arm(on, what, &self.workspace, cache, |captured| self.issue(&call, captured).map(drop))?;
                 Ok(ArmedOutputs { device_handle: handle, ..Default::default() })
@@ -557,16 +582,7 @@ impl Communicator {
             Category::Graph => Placement::Graph(on.cuda_graph()?),
             _ => return Ok(None),
         };
-        let cx = DirectContext {
-            workspace: &self.workspace,
-            bootstrap: &self.bootstrap,
-            board: self.board.as_ref(),
-            rank: self.rank,
-            nranks: self.nranks,
-            device: self.device,
-            kernel_cache: self.kernel_cache.as_deref(),
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        };
+        let cx = self.direct_context();
         let direct_call =
             |kind| DirectCall { kind, send: call.send, recv: call.recv, part_bytes: call.part_bytes, dtype: call.dtype, op: call.op };
         // Below every path's floor (every mode applies its floor): nothing to ask CUDA.
@@ -606,6 +622,20 @@ impl Communicator {
         // SAFETY: as above.
         let ran = unsafe { self.ce.try_run(&cx, &direct_call(kind), stream) }?;
         Ok(ran.then(ArmedOutputs::default))
+    }
+
+    /// What a call on the peers' buffers (or a kernel-triggered one's mailbox) needs.
+    fn direct_context(&self) -> DirectContext<'_> {
+        DirectContext {
+            workspace: &self.workspace,
+            bootstrap: &self.bootstrap,
+            board: self.board.as_ref(),
+            rank: self.rank,
+            nranks: self.nranks,
+            device: self.device,
+            kernel_cache: self.kernel_cache.as_deref(),
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        }
     }
 
     /// An allgather inside a call: on the board where there is one.

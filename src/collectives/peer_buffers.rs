@@ -142,11 +142,12 @@ pub(crate) fn exchange(cx: &DirectContext, call: &DirectCall, usable: bool, path
 
 /// Every rank's `len` bytes at `addr` — a buffer of the communicator's own, such as scratch —
 /// as this rank addresses them (its own at `rank`), or `None` when some rank cannot share or
-/// map it. Collective, like `exchange`, which does the work: the buffer stands for both halves
-/// of an all-reduce's entry (the second mapping of one allocation is a cache hit).
-pub(crate) fn exchange_buffer(cx: &DirectContext, addr: u64, len: usize, path: &str) -> Result<Option<Vec<u64>>> {
+/// map it, or has none (`usable` false: `addr` is not looked at). Collective, like `exchange`,
+/// which does the work: the buffer stands for both halves of an all-reduce's entry (the second
+/// mapping of one allocation is a cache hit).
+pub(crate) fn exchange_buffer(cx: &DirectContext, addr: u64, len: usize, usable: bool, path: &str) -> Result<Option<Vec<u64>>> {
     let call = DirectCall { kind: DirectKind::AllReduce, send: addr, recv: addr, part_bytes: len, dtype: DataType::Int8, op: RedOp::Sum };
-    Ok(exchange(cx, &call, true, path)?.map(|bufs| bufs.into_iter().map(|(at, _)| at).collect()))
+    Ok(exchange(cx, &call, usable, path)?.map(|bufs| bufs.into_iter().map(|(at, _)| at).collect()))
 }
 
 /// What a rank tells the others about its buffers: whether it can share them, their addresses

@@ -29,14 +29,29 @@
 //!
 //! Idle: like the proxy (src/proxy/), the thread spins for `GSC_PROXY_SPIN` after its last
 //! launch and then polls every `GSC_PROXY_POLL`; with nothing armed it sleeps.
+//!
+//! Small all-reduces (`GSC_COLL_TRIGGER_MAX`, `on_device`) skip all of that: the triggering
+//! thread runs them itself (`gsc_coll_trigger` in include/gsc_device.cuh). Arming gives every
+//! rank a mailbox of LL words that the peers map (exchanged as the call's buffers are) and the
+//! handle a descriptor of the call; `gsc_trigger` writes this rank's input into every peer's
+//! mailbox and `gsc_wait` reduces what arrived in its own, in rank order, with the kernels'
+//! arithmetic. No launch, no host: the round trip is the NVLink's, and the handle's done word
+//! is in GPU memory. A failed round shows in `gsc_wait` (-1) and in the communicator's error
+//! word (`async_error`), not in the condition's query (nothing on the host sees it). The
+//! mailboxes live as long as the communicator (a peer may write into one until then); its
+//! drop marks these handles failed, so a later trigger returns at once.
 
+use super::peer_buffers::{self, DirectContext};
+use super::types::DataType;
 use crate::condition::{Category, Channel, Condition};
+use crate::cuda::DeviceHandleSlot;
 use crate::cuda::api::{GraphExec, Stream};
-use crate::cuda::coll::Workspace;
+use crate::cuda::coll::{CollKind, MAX_RANKS, Workspace};
+use crate::cuda::coll_device::{CollDevice, DeviceMemory};
 use crate::error::{Error, Result, Status};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -45,12 +60,61 @@ use std::time::{Duration, Instant};
 /// new collective wakes it first.
 const IDLE_SLEEP: Duration = Duration::from_millis(100);
 
-/// A communicator's kernel-triggered collectives: the watcher thread, once one is armed.
+/// Whether a kernel-triggered call runs in the triggering thread (`arm_on_device`): an
+/// all-reduce of 1 to `max` bytes (`GSC_COLL_TRIGGER_MAX`) on 2 to `MAX_RANKS` ranks, not of
+/// 16-bit floats (the device header has no half arithmetic), not a pre-multiplied sum. A
+/// function of the configuration and the call, so every rank decides alike.
+pub(crate) fn on_device(max: usize, kind: CollKind, bytes: usize, dtype: DataType, premul: bool, nranks: usize) -> bool {
+    kind == CollKind::AllReduce
+        && (1..=max).contains(&bytes)
+        && (2..=MAX_RANKS).contains(&nranks)
+        && !premul
+        && !matches!(dtype, DataType::Float16 | DataType::Bfloat16)
+}
+
+/// A call `arm_on_device` takes: its buffers and bytes, and NCCL's codes of its datatype and
+/// operator (the device header's).
+pub(crate) struct DeviceCall {
+    pub(crate) send: u64,
+    pub(crate) recv: u64,
+    pub(crate) bytes: usize,
+    pub(crate) dtype: u64,
+    pub(crate) op: u64,
+}
+
+/// Bytes of a mailbox area (`Triggered::mailboxes`): room for hundreds of small all-reduces,
+/// and a whole granule of the driver's (2 MiB on H100/H200), so the area shares its IPC
+/// export with no other allocation.
+const MAILBOX_AREA: usize = 2 << 20;
+/// Mailboxes start on cache lines.
+const MAILBOX_ALIGN: usize = 128;
+
+/// A communicator's mailbox area, every rank's as this rank addresses it, and how much of it
+/// mailboxes already took.
+struct MailboxArea {
+    mem: DeviceMemory,
+    peers: Vec<u64>,
+    len: usize,
+    used: usize,
+}
+
+/// A communicator's kernel-triggered collectives: the watcher thread, once one is armed, and
+/// the mailboxes and descriptors of those the triggering thread runs.
 pub(crate) struct Triggered {
     device: i32,
     spin: Duration,
     poll: Duration,
     watcher: Mutex<Option<Watcher>>,
+    /// Freed with the communicator, after the watcher stopped (`Drop` joins it first): the
+    /// descriptors and full mailbox areas.
+    on_device: Mutex<Vec<DeviceMemory>>,
+    /// Where the next mailbox is cut from.
+    mailbox_area: Mutex<Option<MailboxArea>>,
+    /// The handles of the collectives the triggering thread runs: failed when the
+    /// communicator goes, so that a later trigger returns at once.
+    device_handles: Mutex<Vec<DeviceHandleSlot>>,
+    /// Collectives armed to run in the triggering thread so far (tests check the path).
+    armed_on_device: AtomicU64,
 }
 
 struct Watcher {
@@ -62,6 +126,7 @@ struct Watcher {
 /// One armed collective, as the watcher holds it.
 struct Armed {
     channel: Arc<Channel>,
+    /// The graph launched per trigger.
     exec: GraphExec,
     /// The last trigger launched (the channel's epochs count on from its base).
     launched: u64,
@@ -75,9 +140,89 @@ struct Armed {
 impl Triggered {
     /// `spin` and `poll`: `GSC_PROXY_SPIN` and `GSC_PROXY_POLL`.
     pub(crate) fn new(device: i32, spin: Duration, poll: Duration) -> Triggered {
-        Triggered { device, spin, poll, watcher: Mutex::new(None) }
+        Triggered {
+            device,
+            spin,
+            poll,
+            watcher: Mutex::new(None),
+            on_device: Mutex::new(Vec::new()),
+            mailbox_area: Mutex::new(None),
+            device_handles: Mutex::new(Vec::new()),
+            armed_on_device: AtomicU64::new(0),
+        }
     }
 
+    /// Collectives armed to run in the triggering thread so far.
+    pub(crate) fn armed_on_device(&self) -> u64 {
+        self.armed_on_device.load(Ordering::Relaxed)
+    }
+
+    /// Arm `call` to run in the triggering thread (`on_device` said yes): a mailbox here, every
+    /// rank's exchanged, the descriptor, the handle. `Ok(None)`: some rank could not make or
+    /// share its mailbox; every rank learnt it and nothing was armed (the launched path takes
+    /// the call). Collective: every rank whose `on_device` said yes calls it.
+    pub(crate) fn arm_on_device(&self, on: &Condition, what: String, cx: &DirectContext, call: DeviceCall) -> Result<Option<u64>> {
+        let (n, me) = (cx.nranks, cx.rank);
+        let Some(boxes) = self.mailboxes(cx, CollDevice::mailbox_bytes(n, call.bytes))? else {
+            return Ok(None);
+        };
+        let (abort, error) = cx.workspace.failure_words();
+        let mut desc = CollDevice {
+            send: call.send,
+            recv: call.recv,
+            bytes: call.bytes as u64,
+            words: call.bytes.div_ceil(4) as u64,
+            dtype: call.dtype,
+            op: call.op,
+            nranks: n as u64,
+            rank: me as u64,
+            timeout_ns: cx.timeout_ns,
+            round: 0,
+            abort,
+            error,
+            ..Default::default()
+        };
+        desc.boxes[..n].copy_from_slice(&boxes);
+        let desc = DeviceMemory::descriptor(self.device, &desc)?;
+        let slot = on.collective_kernel_handle(desc.addr())?;
+        let handle = slot.addr();
+        self.on_device.lock().unwrap_or_else(|e| e.into_inner()).push(desc);
+        self.device_handles.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+        tracing::debug!(target: "gsc::coll", what, "armed to run in the triggering thread");
+        self.armed_on_device.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(handle))
+    }
+
+    /// A mailbox of `len` zeroed bytes on every rank, as this rank addresses each: cut from the
+    /// communicator's mailbox area, at the same offset on every rank (every rank arms the same
+    /// collectives in the same order, so every rank cuts alike), so that the area is exchanged
+    /// once, not per collective. A new area, exchanged, when the current one is full (on every
+    /// rank at the same call). `None`: some rank could not make or share one (every rank
+    /// learnt it).
+    fn mailboxes(&self, cx: &DirectContext, len: usize) -> Result<Option<Vec<u64>>> {
+        let len = len.next_multiple_of(MAILBOX_ALIGN);
+        let mut area = self.mailbox_area.lock().unwrap_or_else(|e| e.into_inner());
+        if area.as_ref().is_none_or(|a| a.used + len > a.len) {
+            let area_len = len.max(MAILBOX_AREA);
+            let mem = DeviceMemory::zeroed(self.device, area_len);
+            if let Err(e) = &mem {
+                tracing::debug!(target: "gsc::coll", error = %e, "no mailbox area for small kernel-triggered all-reduces; every rank launches them instead");
+            }
+            let at = mem.as_ref().map_or(0, DeviceMemory::addr);
+            let exchanged =
+                peer_buffers::exchange_buffer(cx, at, area_len, mem.is_ok(), "the mailboxes of small kernel-triggered all-reduces")?;
+            let Some(peers) = exchanged else { return Ok(None) };
+            if let Some(old) = area.take() {
+                // Peers may write into the old area's mailboxes until the communicator goes.
+                self.on_device.lock().unwrap_or_else(|e| e.into_inner()).push(old.mem);
+            }
+            *area = Some(MailboxArea { mem: mem.expect("every rank, this one too, has its area"), peers, len: area_len, used: 0 });
+        }
+        let a = area.as_mut().expect("made above");
+        let at = a.used as u64;
+        a.used += len;
+        Ok(Some(a.peers.iter().map(|p| p + at).collect()))
+    }
     /// Arm a collective on kernel-triggered condition `on`: capture `issue` (the collective, on
     /// the stream condition it is given) into a graph ending in the done node, and hand it to
     /// the watcher. Returns the device handle the user's kernel triggers. Collective as
@@ -156,6 +301,13 @@ impl Drop for Triggered {
                 let _ = t.join();
             }
         }
+        // Before the mailboxes and descriptors go (the fields, after this): a trigger from now
+        // on finds its handle failed and touches neither.
+        for slot in self.device_handles.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            if let Err(e) = slot.fail_collective() {
+                tracing::warn!(target: "gsc::coll", error = %e, "a kernel-triggered all-reduce's handle could not be marked failed");
+            }
+        }
     }
 }
 
@@ -227,4 +379,26 @@ fn launch_new_triggers(a: &mut Armed, stream: &Stream, no_context: Option<&Error
         }
     }
     any
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_small_all_reduces_of_whole_types_run_in_the_triggering_thread() {
+        let f = |kind, bytes, dtype, premul, n| on_device(256, kind, bytes, dtype, premul, n);
+        assert!(f(CollKind::AllReduce, 8, DataType::Float32, false, 2));
+        assert!(f(CollKind::AllReduce, 256, DataType::Int8, false, 8));
+        assert!(f(CollKind::AllReduce, 1, DataType::Uint8, false, 4), "any size from 1 byte");
+        assert!(!f(CollKind::AllReduce, 257, DataType::Float32, false, 2), "above GSC_COLL_TRIGGER_MAX");
+        assert!(!f(CollKind::AllReduce, 0, DataType::Float32, false, 2), "nothing to move");
+        assert!(!f(CollKind::AllGather, 8, DataType::Float32, false, 2), "all-reduces only");
+        assert!(!f(CollKind::AllReduce, 8, DataType::Float16, false, 2), "no half arithmetic on the device");
+        assert!(!f(CollKind::AllReduce, 8, DataType::Bfloat16, false, 2));
+        assert!(!f(CollKind::AllReduce, 8, DataType::Float32, true, 2), "pre-multiplied sums");
+        assert!(!f(CollKind::AllReduce, 8, DataType::Float32, false, 1), "one rank");
+        assert!(!f(CollKind::AllReduce, 8, DataType::Float32, false, MAX_RANKS + 1));
+        assert!(!on_device(0, CollKind::AllReduce, 8, DataType::Float32, false, 2), "0: never");
+    }
 }

@@ -383,6 +383,19 @@ impl Condition {
         }
     }
 
+    /// For a kernel-triggered condition: a device handle, in the condition's context, of a
+    /// small collective the triggering thread runs itself (`coll`: its `gsc_coll_device_t`;
+    /// `collectives::triggered`). An error for other categories.
+    pub(crate) fn collective_kernel_handle(&self, coll: u64) -> Result<crate::cuda::DeviceHandleSlot> {
+        match self.inner.producer {
+            Producer::KernelTriggered { ctx } => crate::cuda::DeviceHandleSlot::collective(crate::cuda::raw(ctx), coll),
+            _ => Err(Error::invalid_param(format!(
+                "a collective's device handle is for kernel-triggered conditions, not {} ones",
+                self.category().name()
+            ))),
+        }
+    }
+
     /// A GPU round on this stream: launched now, or, in an open group, at its end together with
     /// the group's other rounds (one launch: every receive's readiness, then the sends, then the
     /// waits). `deferred`: a receive's wait that goes on the stream at the next `wait` instead.

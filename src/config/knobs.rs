@@ -659,6 +659,25 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| c.coll_ring_pieces.to_string(),
     },
     Knob {
+        name: "GSC_COLL_TRIGGER_MAX",
+        default: "64",
+        doc: "Largest all-reduce (bytes) on a kernel-triggered condition that the triggering \
+              thread runs itself: gsc_trigger writes this rank's input into every peer's \
+              mailbox, gsc_wait reduces what the peers wrote into its own, with no launch and \
+              no host in between (every type but 16-bit floats, every operator but \
+              pre-multiplied sums). Larger ones, and the other collectives, are launched by \
+              gscomm's thread on every trigger. One thread moves the data, about 0.6 us per \
+              4 bytes, so it wins for small calls only: 8 bytes in 4.2-4.9 us against 15-16 \
+              launched, 64 bytes 11.9 against 15.3, 128 bytes slower (2 x H200, docs/PERF.md). \
+              0: never. Always 0 for a communicator with several ranks in one process",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.coll_trigger_max = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_trigger_max as u64),
+    },
+    Knob {
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
         doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \

@@ -357,6 +357,9 @@ pub struct Config {
     pub coll_ring_min: usize,
     /// `GSC_COLL_RING_PIECES`: pieces each ring step is cut into, 1..=16.
     pub coll_ring_pieces: usize,
+    /// `GSC_COLL_TRIGGER_MAX`, bytes: the largest kernel-triggered all-reduce the triggering
+    /// thread runs itself (`collectives::triggered`); 0: none.
+    pub coll_trigger_max: usize,
     /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
     /// processes of one machine count as different hosts). `None`: the real host only.
     pub fake_host: Option<String>,
@@ -458,6 +461,7 @@ impl Default for Config {
             coll_sm_blocks: None,
             coll_ring: Tristate::Auto,
             coll_ring_min: 1 << 20,
+            coll_trigger_max: 64,
             coll_ring_pieces: 2,
             fake_host: None,
             cuda_copy_streams: 1,

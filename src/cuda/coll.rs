@@ -863,6 +863,13 @@ impl Workspace {
         self.abort.word().store(1, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// The device addresses of this rank's abort word (page-locked) and error word (control
+    /// word 2 of the workspace), for kernels outside the workspace's own that take part in its
+    /// failure handling (a kernel-triggered collective run by the triggering thread).
+    pub(crate) fn failure_words(&self) -> (u64, u64) {
+        (self.abort.0.device_ptr(), self.base + 16)
+    }
+
     /// 0, or the round a kernel of this rank gave up on (a peer did not answer in time, or the
     /// communicator was aborted).
     pub(crate) fn error(&self) -> Result<u64> {

@@ -39,6 +39,9 @@ pub(crate) struct DeviceHandle {
     pub(crate) prep_recv: u64,
     /// Where `done` points for a prepared transfer (written by the device).
     pub(crate) prep_done: u64,
+    /// A small collective the triggering thread runs itself: its `gsc_coll_device_t`
+    /// (`collective`), else 0.
+    pub(crate) coll: u64,
 }
 
 impl DeviceHandle {
@@ -48,9 +51,14 @@ impl DeviceHandle {
     }
 }
 
-/// Offset of `prep_done` in a handle.
+/// Offsets of `prep_done` and `coll` in a handle (the header's `reserved` and `coll`).
 const PREP_DONE_OFFSET: u64 = 40;
-const _: () = assert!(std::mem::size_of::<DeviceHandle>() <= SLOT && std::mem::offset_of!(DeviceHandle, prep_done) == 40);
+const COLL_OFFSET: u64 = 48;
+const _: () = assert!(
+    std::mem::size_of::<DeviceHandle>() <= SLOT
+        && std::mem::offset_of!(DeviceHandle, prep_done) == PREP_DONE_OFFSET as usize
+        && std::mem::offset_of!(DeviceHandle, coll) == COLL_OFFSET as usize
+);
 const BLOCK: usize = 64 << 10;
 
 struct Pool {
@@ -125,6 +133,33 @@ impl DeviceHandleSlot {
         // SAFETY: our own stream.
         check(unsafe { cu::cuStreamSynchronize(stream) }, "cuStreamSynchronize (device handle)")?;
         Ok(slot)
+    }
+
+    /// A slot in `ctx`'s memory holding the handle of a small collective the triggering thread
+    /// runs itself (`coll`: its `gsc_coll_device_t`, include/gsc_device.cuh): the done word is
+    /// in the slot, in GPU memory, so neither gsc_trigger nor gsc_wait crosses PCIe.
+    pub(crate) fn collective(ctx: cu::CUcontext, coll: u64) -> Result<DeviceHandleSlot> {
+        DeviceHandleSlot::with(ctx, |addr| DeviceHandle { done: addr + PREP_DONE_OFFSET, coll, ..Default::default() })
+    }
+
+    /// Set the error bit in the done word of a collective's handle (`collective`), and keep the
+    /// slot out of the pool for good: a kernel that triggers it later (its communicator gone)
+    /// finds the bit and returns at once, touching nothing else.
+    pub(crate) fn fail_collective(self) -> Result<()> {
+        let stream = {
+            let pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+            pools.as_ref().and_then(|p| p.get(&self.ctx)).map(|p| p.stream).expect("a slot's pool lives as long as the process")
+        } as cu::CUstream;
+        let (ctx, done) = (self.ctx as cu::CUcontext, self.addr + PREP_DONE_OFFSET);
+        // Out of the pool even if the write fails: a stale handle must never alias a new one.
+        std::mem::forget(self);
+        let _scope = CtxScope::enter(ctx)?;
+        let failed = crate::condition::DONE_ERROR_BIT;
+        // SAFETY: the slot's done word, in our context's memory; `failed` is read by the copy,
+        // complete when the synchronize returns.
+        check(unsafe { cu::cuMemcpyHtoDAsync_v2(done, (&failed as *const u64).cast(), 8, stream) }, "cuMemcpyHtoDAsync (device handle)")?;
+        // SAFETY: our own stream.
+        check(unsafe { cu::cuStreamSynchronize(stream) }, "cuStreamSynchronize (device handle)")
     }
 
     /// The handle's device address (what kernels take as `gsc_device_handle_t *`).

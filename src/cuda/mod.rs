@@ -31,6 +31,7 @@ pub(crate) mod alloc;
 pub mod api;
 pub(crate) mod bounce;
 pub(crate) mod coll;
+pub(crate) mod coll_device;
 pub(crate) mod coll_direct;
 mod coll_pipelined;
 pub(crate) mod coll_ring;
