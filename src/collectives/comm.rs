@@ -521,30 +521,35 @@ impl Communicator {
         }
         match on.category() {
             Category::Stream | Category::Graph => self.issue(&call, on),
-            Category::KernelTriggered => {
-                let what = format!("a kernel-triggered {} of {} bytes", call.kind.name(), call.part_bytes);
-                if triggered::on_device(self.trigger_max, call.kind, call.part_bytes, call.dtype, call.premul.is_some(), self.nranks) {
-                    self.check_device_buffer(call.send, "send")?;
-                    self.check_device_buffer(call.recv, "receive")?;
-                    let on_device = DeviceCall {
-                        send: call.send,
-                        recv: call.recv,
-                        bytes: call.part_bytes,
-                        dtype: call.dtype.nccl() as u64,
-                        op: call.op.nccl() as u64,
-                    };
-                    if let Some(handle) = self.triggered.arm_on_device(on, what.clone(), &self.direct_context(), on_device)? {
-                        return Ok(ArmedOutputs { device_handle: handle, ..Default::default() });
-                    }
-                }
-                let cache = self.kernel_cache.as_deref();
-                let handle = self.triggered.arm(on, what, &self.workspace, cache, |captured| self.issue(&call, captured).map(drop))?;
-                Ok(ArmedOutputs { device_handle: handle, ..Default::default() })
-            }
+            Category::KernelTriggered => self.arm_triggered(&call, on),
             Category::HostStream => Err(Error::unsupported(
                 "collectives start on CUDA stream, graph and kernel-triggered conditions, not on host streams (they move GPU buffers)",
             )),
         }
+    }
+
+    /// The checked call on a kernel-triggered condition (`triggered`): run by the triggering
+    /// thread itself where it is a small all-reduce and every rank can share a mailbox, else
+    /// captured once and launched per trigger.
+    fn arm_triggered(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
+        let what = format!("a kernel-triggered {} of {} bytes", call.kind.name(), call.part_bytes);
+        if triggered::on_device(self.trigger_max, call.kind, call.part_bytes, call.dtype, call.premul.is_some(), self.nranks) {
+            self.check_device_buffer(call.send, "send")?;
+            self.check_device_buffer(call.recv, "receive")?;
+            let on_device = DeviceCall {
+                send: call.send,
+                recv: call.recv,
+                bytes: call.part_bytes,
+                dtype: call.dtype.nccl() as u64,
+                op: call.op.nccl() as u64,
+            };
+            if let Some(handle) = self.triggered.arm_on_device(on, what.clone(), &self.direct_context(), on_device)? {
+                return Ok(ArmedOutputs { device_handle: handle, ..Default::default() });
+            }
+        }
+        let cache = self.kernel_cache.as_deref();
+        let handle = self.triggered.arm(on, what, &self.workspace, cache, |captured| self.issue(call, captured).map(drop))?;
+        Ok(ArmedOutputs { device_handle: handle, ..Default::default() })
     }
 
     /// The checked call on a stream or graph condition: its rounds launched or added.
