@@ -180,6 +180,7 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
                 (load.config.coll_sm, load.config.coll_sm_min),
                 (load.config.coll_ring, load.config.coll_ring_min),
                 (load.config.coll_ce, load.config.coll_ce_min),
+                load.config.coll_trigger_max,
             ),
             Err(e) => format!("# collectives: {e}\n"),
         };

@@ -94,6 +94,7 @@ pub fn describe(
     sm: (crate::config::Tristate, usize),
     ring: (crate::config::Tristate, usize),
     ce: (crate::config::Tristate, usize),
+    trigger_max: usize,
 ) -> String {
     use crate::config::Tristate;
     let mut out = String::new();
@@ -146,6 +147,18 @@ pub fn describe(
             "# copy engines (GSC_COLL_CE=on): all_gather, reduce_scatter and all_reduce (whole shards) from {ce_min} per rank on stream conditions, before the table"
         ),
     };
+    let _ = match trigger_max {
+        0 => writeln!(
+            out,
+            "# kernel-triggered conditions (GSC_COLL_TRIGGER_MAX=0): every collective captured once, as on a stream, and launched by gscomm's thread per trigger"
+        ),
+        max => writeln!(
+            out,
+            "# kernel-triggered conditions (GSC_COLL_TRIGGER_MAX={}): all_reduce of 1 to {} bytes (not 16-bit floats, not pre-multiplied sums) run by the triggering thread itself; the rest captured once, as on a stream, and launched by gscomm's thread per trigger",
+            crate::config::format_size(max as u64),
+            crate::config::format_size(max as u64)
+        ),
+    };
     for coll in Collective::ALL {
         let line = match choose(coll, usize::MAX & !15, true, large_min, shape.algo) {
             Algorithm::OneShotLl if coll.rooted() => format!("{} at every size, a launch per 64 KiB round", Algorithm::OneShotLl.name()),
@@ -195,6 +208,7 @@ mod tests {
             (crate::config::Tristate::On, 1 << 20),
             (crate::config::Tristate::Auto, 32 << 20),
             (crate::config::Tristate::Auto, 4 << 20),
+            64,
         );
         for coll in Collective::ALL {
             assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
@@ -204,6 +218,7 @@ mod tests {
         assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
         assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
         assert!(t.contains("# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter"), "{t}");
+        assert!(t.contains("# kernel-triggered conditions (GSC_COLL_TRIGGER_MAX=64): all_reduce of 1 to 64 bytes"), "{t}");
         assert!(
             t.contains(
                 "# copy-engine ring (GSC_COLL_RING=auto): reduce_scatter from max(32M, 32M) per rank and all_reduce from max(32M, 64M)"
