@@ -8,7 +8,9 @@
 //! and replayed with new data) and split (by parity, one rank without a color on four GPUs).
 //!
 //! Skips with a printed reason unless `GSC_TEST_GPU=1` and enough GPUs are there; the device
-//! machines run it through `.gpu/run.sh collectives_gpu`.
+//! machines run it through `.gpu/run.sh collectives_gpu -- --test-threads=1`: one test's stream
+//! capture would make another test thread's CUDA calls in this process fail
+//! (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, seen in session 23).
 mod common;
 
 use common::*;
