@@ -21,6 +21,7 @@
 #![allow(clippy::missing_safety_doc)] // the safety contract of each function is nccl.h's
 
 use gscomm::bootstrap::{Bootstrap, UniqueId};
+use gscomm::collectives::PeerTransfer;
 use gscomm::collectives::p2p::PeerOp;
 use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp, Registration};
 use gscomm::condition::{Category, Condition};
@@ -199,7 +200,7 @@ fn unsupported(function: &str) -> Fail {
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-    static GROUP: RefCell<Group> = const { RefCell::new(Group { depth: 0, inits: Vec::new(), open: Vec::new() }) };
+    static GROUP: RefCell<Group> = const { RefCell::new(Group { depth: 0, inits: Vec::new(), transfers: Vec::new() }) };
 }
 
 /// This thread's ncclGroupStart nesting and what its outermost ncclGroupEnd completes.
@@ -207,9 +208,16 @@ struct Group {
     depth: u32,
     /// Inits and splits, run together at the end.
     inits: Vec<PendingInit>,
-    /// Stream conditions with a condition group opened for the sends and receives issued on
-    /// them, closed at the end.
-    open: Vec<Condition>,
+    /// The sends and receives issued in the group, by (communicator, stream) in the order
+    /// each pair first appeared: issued together at the end.
+    transfers: Vec<GroupTransfers>,
+}
+
+/// A group's sends and receives on one communicator and stream.
+struct GroupTransfers {
+    comm: Arc<Comm>,
+    on: Condition,
+    group: Vec<PeerTransfer>,
 }
 
 /// The gate every exported function goes through (see the module doc).
@@ -521,23 +529,23 @@ pub unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
     })
 }
 
-/// The outermost end closes the condition groups its sends and receives opened (they go on
-/// their streams), then runs its inits and splits.
+/// The outermost end issues its sends and receives (per communicator and stream, together:
+/// `Communicator::transfers`), then runs its inits and splits.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
     gate("ncclGroupEnd", || {
-        let (inits, open) = GROUP.with(|g| {
+        let (inits, transfers) = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.depth == 0 {
                 return Err(Fail(NCCL_INVALID_USAGE, "ncclGroupEnd without ncclGroupStart".into()));
             }
             g.depth -= 1;
-            Ok(if g.depth == 0 { (std::mem::take(&mut g.inits), std::mem::take(&mut g.open)) } else { Default::default() })
+            Ok(if g.depth == 0 { (std::mem::take(&mut g.inits), std::mem::take(&mut g.transfers)) } else { Default::default() })
         })?;
         let mut first = None;
-        for cond in open {
-            if let Err(e) = cond.group_end() {
-                first = first.or(Some(Fail::from(e.context("putting the group's sends and receives on their stream"))));
+        for t in transfers {
+            if let Err(f) = issue_transfers(&t) {
+                first = first.or(Some(f));
             }
         }
         let inits = if inits.is_empty() { Ok(()) } else { start_inits(inits) };
@@ -821,10 +829,11 @@ pub unsafe extern "C" fn ncclReduceScatter(
 // ---------------------------------------------------------------------------------------------
 // Point-to-point
 
-/// ncclSend / ncclRecv. Inside a group the first transfer on a (communicator, stream) opens a
-/// condition group there, and the group's end closes it: the group's sends and receives are
-/// then in flight together (an all-to-all cannot deadlock on its own order), and the stream
-/// waits for all of them. Outside a group a transfer goes on the stream alone.
+/// ncclSend / ncclRecv. Inside a group they are kept per (communicator, stream) and issued at
+/// its end, together (`Communicator::transfers`: one kernel for those up to GSC_COLL_P2P_MAX,
+/// the point-to-point engine in one condition group for larger ones): in flight at once, so
+/// an all-to-all cannot deadlock on its own order, and the stream waits for all of them.
+/// Outside a group a transfer is a group of one.
 #[allow(clippy::too_many_arguments)]
 fn p2p(
     name: &str,
@@ -842,21 +851,35 @@ fn p2p(
         let dtype = DataType::from_nccl(datatype)?;
         let peer = usize::try_from(peer).map_err(|_| invalid(format!("peer {peer}")))?;
         let on = on_stream(&c, stream)?;
-        GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.depth > 0 && !g.open.iter().any(|o| o.same(&on)) {
-                on.group_start()?;
-                g.open.push(on.clone());
-            }
-            Ok::<(), Fail>(())
-        })?;
-        // SAFETY: nccl.h's contract on the buffer and the stream.
-        match op {
-            PeerOp::Send => unsafe { communicator.send(buf, count, dtype, peer, &on) }?,
-            PeerOp::Recv => unsafe { communicator.recv(buf, count, dtype, peer, &on) }?,
+        let bytes = count.checked_mul(dtype.size()).ok_or_else(|| invalid(format!("{count} elements overflow")))?;
+        if peer >= communicator.nranks() {
+            return Err(invalid(format!("peer {peer} of a communicator of {} ranks", communicator.nranks())));
         }
-        Ok(())
+        let transfer = PeerTransfer { op, buf, bytes, peer };
+        let alone = GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            if g.depth == 0 {
+                return Some(transfer);
+            }
+            match g.transfers.iter_mut().find(|t| Arc::ptr_eq(&t.comm, &c) && t.on.same(&on)) {
+                Some(t) => t.group.push(transfer),
+                None => g.transfers.push(GroupTransfers { comm: c.clone(), on: on.clone(), group: vec![transfer] }),
+            }
+            None
+        });
+        match alone {
+            Some(t) => issue_transfers(&GroupTransfers { comm: c.clone(), on, group: vec![t] }),
+            None => Ok(()),
+        }
     })
+}
+
+/// A group's sends and receives on one communicator and stream, issued.
+fn issue_transfers(t: &GroupTransfers) -> Result<(), Fail> {
+    let communicator = t.comm.ready()?;
+    // SAFETY: nccl.h's contract on the buffers and the stream, for every call of the group.
+    unsafe { communicator.transfers(&t.group, &t.on) }.map_err(|e| Fail::from(e.context("issuing the group's sends and receives")))?;
+    Ok(())
 }
 
 #[unsafe(no_mangle)]

@@ -20,6 +20,7 @@ use super::direct::{self, Direct, Placement};
 use super::host_board::HostBoard;
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
+use super::p2p_kernel::{self, PeerTransfer};
 use super::peer_buffers::{DirectCall, DirectContext};
 use super::select::{self, Collective};
 use super::settings;
@@ -30,6 +31,7 @@ use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::{Config, Tristate};
 use crate::cuda::Grid;
 use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max, one_shot_grid};
+use crate::cuda::coll_p2p::{P2P_FAILED, P2P_SIZE_MISMATCH, P2P_THREADS, P2pArgs};
 use crate::error::{Error, Result, Status};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -77,6 +79,12 @@ pub struct Communicator {
     /// `GSC_COLL_TRIGGER_MAX`: the largest kernel-triggered all-reduce the triggering thread
     /// runs itself (`triggered::on_device`).
     trigger_max: usize,
+    /// `GSC_COLL_P2P_MAX` and `GSC_COLL_P2P_BLOCKS`: which sends and receives of a group the
+    /// send/recv kernel moves (`p2p_kernel`), with how many blocks; and the most blocks one
+    /// launch of it may have (the SMs: every block resident at once).
+    p2p_max: usize,
+    p2p_blocks: usize,
+    p2p_grid_max: usize,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -184,6 +192,7 @@ impl Communicator {
             );
         }
         workspace.map_peers(rank, &keys, &bases)?;
+        let p2p_grid_max = crate::cuda::sm_count(device)?;
         let peers = PeerLinks::new(&bootstrap, config)?;
         let board = HostBoard::open(&bootstrap, &config.shm_dir)?;
         // Nobody launches before everyone has mapped (a kernel would wait for a peer that is
@@ -217,6 +226,9 @@ impl Communicator {
             ring: Ring::new(device, config.coll_ring_pieces),
             // Off where ranks share a process: the mailboxes are exchanged while arming.
             trigger_max: if shares_process { 0 } else { config.coll_trigger_max },
+            p2p_max: config.coll_p2p_max,
+            p2p_blocks: config.coll_p2p_blocks,
+            p2p_grid_max,
         })
     }
 
@@ -324,6 +336,91 @@ impl Communicator {
         unsafe { self.peers.transfer(PeerOp::Recv, buf, bytes, peer, on) }
     }
 
+    /// A group of sends and receives (NCCL's ncclSend/ncclRecv between ncclGroupStart and
+    /// ncclGroupEnd), in flight together once `on` reaches them; `on`'s producer waits for all
+    /// of them. The k-th send to a peer pairs with its k-th receive from this rank, whatever
+    /// path either takes, and a send and its receive must have the same length. Those of up
+    /// to `GSC_COLL_P2P_MAX` bytes run as one kernel on the stream or one node of the graph
+    /// (`p2p_kernel`), which needs GPU buffers of this rank's device and a CUDA stream or
+    /// graph condition; the rest go through the point-to-point engine, after the kernel, as
+    /// `send`/`recv` do. The groups of one communicator run one at a time, in the same order
+    /// on every rank (as its collectives do). Every transfer is checked before anything is
+    /// issued. Returns the kernel's node (graph conditions), else nothing.
+    ///
+    /// # Safety
+    /// Every buffer is valid for its bytes until the group completed on `on`, and a receive
+    /// buffer is not read or written by anything else until then.
+    pub unsafe fn transfers(&self, group: &[PeerTransfer], on: &Condition) -> Result<ArmedOutputs> {
+        self.check_aborted()?;
+        let on_kernel = |t: &PeerTransfer| t.bytes > 0 && t.bytes <= self.p2p_max;
+        for t in group {
+            if t.peer >= self.nranks {
+                return Err(Error::invalid_param(format!("peer {} of a communicator of {} ranks", t.peer, self.nranks)));
+            }
+            if on_kernel(t) {
+                let what = if t.op == PeerOp::Send { "send" } else { "receive" };
+                self.check_device_buffer(t.buf, what)?;
+            }
+        }
+        let (kernel, engine): (Vec<PeerTransfer>, Vec<PeerTransfer>) = group.iter().partition(|t| on_kernel(t));
+        let mut outputs = ArmedOutputs::default();
+        if kernel.iter().any(|t| t.bytes > 0) {
+            let graph = match on.category() {
+                Category::Stream => None,
+                Category::Graph => Some(on.cuda_graph()?),
+                _ => {
+                    return Err(Error::unsupported(format!(
+                        "a group's sends and receives of up to GSC_COLL_P2P_MAX ({} bytes) run on CUDA stream and graph \
+                         conditions (use send/recv on others)",
+                        self.p2p_max
+                    )));
+                }
+            };
+            let cache = self.kernel_cache.as_deref();
+            for launch in p2p_kernel::plan(&kernel, self.p2p_blocks, self.p2p_grid_max) {
+                let mut args = P2pArgs {
+                    coll: CollArgs {
+                        nranks: self.nranks as u64,
+                        rank: self.rank as u64,
+                        timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                        ..Default::default()
+                    },
+                    nops: launch.ops.len() as u64,
+                    ..Default::default()
+                };
+                args.ops[..launch.ops.len()].copy_from_slice(&launch.ops);
+                let grid = Grid { blocks: launch.blocks as u32, threads: P2P_THREADS };
+                match graph {
+                    Some(g) => {
+                        let after = (outputs.done_node != 0).then_some(outputs.done_node);
+                        let node = self.workspace.add_p2p_node(g, cache, args, grid, after)?;
+                        if outputs.start_node == 0 {
+                            outputs.start_node = node;
+                        }
+                        outputs.done_node = node;
+                    }
+                    None => self.workspace.launch_p2p(on.cuda_stream()?, cache, args, grid)?,
+                }
+            }
+        }
+        let engine: Vec<&PeerTransfer> = engine.iter().filter(|t| t.bytes > 0).collect();
+        if !engine.is_empty() {
+            on.group_start()?;
+            let mut first = Ok(());
+            for t in engine {
+                // SAFETY: the caller's contract.
+                if let Err(e) = unsafe { self.peers.transfer(t.op, t.buf, t.bytes, t.peer, on) } {
+                    first = Err(e);
+                    break;
+                }
+            }
+            let ended = on.group_end();
+            first?;
+            ended?;
+        }
+        Ok(outputs)
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -368,6 +465,22 @@ impl Communicator {
         self.check_aborted()?;
         match self.workspace.error()? {
             0 => Ok(()),
+            word if word & P2P_FAILED != 0 => {
+                let peer = word & 0xff;
+                Err(match word & P2P_SIZE_MISMATCH == P2P_SIZE_MISMATCH {
+                    true => Error::invalid_param(format!(
+                        "a receive from rank {peer} expected a different number of bytes than rank {peer} sent \
+                         (a send and its receive must have the same size); the communicator is unusable now"
+                    )),
+                    false => Error::new(
+                        Status::TimedOut,
+                        format!(
+                            "a send or receive between this rank and rank {peer} failed (it did not come within the timeout, \
+                             the communicator was aborted, or rank {peer} found an error); the communicator is unusable now"
+                        ),
+                    ),
+                })
+            }
             round => Err(Error::new(Status::TimedOut, format!("a collective (round {round}) gave up waiting for a peer"))),
         }
     }

@@ -23,6 +23,7 @@ mod host_board;
 pub mod large;
 pub mod net;
 pub mod p2p;
+pub mod p2p_kernel;
 pub(crate) mod peer_buffers;
 pub mod select;
 pub(crate) mod settings;
@@ -32,6 +33,8 @@ pub mod types;
 pub use comm::{Communicator, PremulKind, Registration};
 pub use host::HostComm;
 pub use net::{GroupPlan, NetComm};
+pub use p2p::PeerOp;
+pub use p2p_kernel::PeerTransfer;
 pub use types::{DataType, PreMulScalar, RedOp};
 
 /// Compile the collective kernels for `device` (or find them in the kernel cache,

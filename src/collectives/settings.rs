@@ -33,7 +33,7 @@ pub(crate) fn decode_workspace_entry(rank: usize, entry: &[u8]) -> Result<(u64, 
 
 /// The knobs compared (the rest — timeouts, logging, caches — may differ between ranks).
 /// `GSC_COLL_LARGE_ROUND` is the value the process uses (`cuda::coll::big_round_max`, read once).
-const SHARED_KNOBS: [&str; 16] = [
+const SHARED_KNOBS: [&str; 17] = [
     "GSC_COLL_LARGE_MIN",
     "GSC_COLL_LARGE_ALGO",
     "GSC_COLL_LARGE_BLOCKS",
@@ -49,6 +49,7 @@ const SHARED_KNOBS: [&str; 16] = [
     "GSC_COLL_RING_MIN",
     "GSC_COLL_RING_PIECES",
     "GSC_COLL_TRIGGER_MAX",
+    "GSC_COLL_P2P_MAX",
     "GSC_COLL_CHECK",
 ];
 

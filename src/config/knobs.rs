@@ -678,6 +678,39 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.coll_trigger_max as u64),
     },
     Knob {
+        name: "GSC_COLL_P2P_MAX",
+        default: "16M",
+        doc: "Largest send/recv (bytes) of a communicator's group that SMs move, through FIFOs \
+              in the receivers' workspaces, in one kernel per group on the stream (no host in \
+              the loop, no buffer exchange, replayable in graphs); larger ones go through the \
+              point-to-point engine (copy engines through CUDA IPC). Decided per message from \
+              its length, so every rank must share it. 0: never. Applies to the NCCL-ABI \
+              library's ncclSend/ncclRecv and Communicator::transfers",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.coll_p2p_max = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_p2p_max as u64),
+    },
+    Knob {
+        name: "GSC_COLL_P2P_BLOCKS",
+        default: "8",
+        doc: "Blocks the send/recv kernel (GSC_COLL_P2P_MAX) gives one send or receive, 1 to \
+              64: each moves one 64 KiB chunk at a time. A group's blocks are kept within the \
+              GPU's SM count (fewer per operation when it has many)",
+        kind: KnobKind::Positive,
+        parse: |c, v| {
+            let n = parse_usize(v)?;
+            if !(1..=64).contains(&n) {
+                return Err("expected 1 to 64 blocks".into());
+            }
+            c.coll_p2p_blocks = n;
+            Ok(())
+        },
+        show: |c| c.coll_p2p_blocks.to_string(),
+    },
+    Knob {
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
         doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \

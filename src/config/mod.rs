@@ -360,6 +360,11 @@ pub struct Config {
     /// `GSC_COLL_TRIGGER_MAX`, bytes: the largest kernel-triggered all-reduce the triggering
     /// thread runs itself (`collectives::triggered`); 0: none.
     pub coll_trigger_max: usize,
+    /// `GSC_COLL_P2P_MAX`, bytes: the largest send/recv of a group the send/recv kernel moves
+    /// (`collectives::p2p_kernel`); 0: none.
+    pub coll_p2p_max: usize,
+    /// `GSC_COLL_P2P_BLOCKS`: blocks per send or receive of that kernel, 1..=64.
+    pub coll_p2p_blocks: usize,
     /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
     /// processes of one machine count as different hosts). `None`: the real host only.
     pub fake_host: Option<String>,
@@ -463,6 +468,8 @@ impl Default for Config {
             coll_ring_min: 1 << 20,
             coll_trigger_max: 64,
             coll_ring_pieces: 2,
+            coll_p2p_max: 16 << 20,
+            coll_p2p_blocks: 8,
             fake_host: None,
             cuda_copy_streams: 1,
             cuda_copy_split: 8 << 20,

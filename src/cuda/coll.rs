@@ -71,9 +71,13 @@ pub(crate) fn big_round_max() -> usize {
     static ROUND: OnceLock<usize> = OnceLock::new();
     *ROUND.get_or_init(|| crate::config::Config::load_env().map_or(8 << 20, |l| l.config.coll_large_round))
 }
-/// Bytes of a workspace.
-fn workspace_bytes() -> usize {
+/// Where the send/recv area begins in a workspace (`coll_p2p`): after the large kernels' areas.
+fn p2p_area() -> usize {
     BIG_OFFSET + 4 * big_round_max()
+}
+/// Bytes of a workspace of a communicator of `nranks`.
+fn workspace_bytes(nranks: usize) -> usize {
+    p2p_area() + super::coll_p2p::p2p_area_bytes(nranks)
 }
 /// Threads per block of the collective kernel.
 const THREADS: u32 = super::THREADS;
@@ -715,7 +719,7 @@ const TYPE_INSTANCES: [(&str, &str); 10] = [
 fn module_source(t: usize) -> String {
     let (ty, tag) = TYPE_INSTANCES[t];
     format!(
-        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n",
+        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n{}\n",
         super::kernels::DEVICE_HEADER,
         FLAGS_OFFSET / 8,
         PIPE_FLAGS_OFFSET / 8,
@@ -724,9 +728,12 @@ fn module_source(t: usize) -> String {
         crate::collectives::large::PIPELINED_MAX_THREADS,
         super::coll_direct::DIRECT_THREADS,
         super::coll_ring::RING_THREADS,
+        super::coll_p2p::defines(),
         super::coll_pipelined::SOURCE,
         super::coll_direct::SOURCE,
-        super::coll_ring::SOURCE
+        super::coll_ring::SOURCE,
+        // Type-less, as the barrier: in every module, the first one's is used.
+        super::coll_p2p::SOURCE
     )
 }
 
@@ -819,7 +826,7 @@ impl Workspace {
         }
         let _scope = CtxScope::enter(primary_context(device)?)?;
         // Its own allocation (a peer opens each CUDA block once: prep_ctl).
-        let bytes = workspace_bytes();
+        let bytes = workspace_bytes(nranks);
         let mut base: cu::CUdeviceptr = 0;
         // SAFETY: a valid out-pointer. Never freed: a peer may still write into it after this
         // rank destroyed its communicator (a kernel of a round this rank gave up on).
@@ -844,7 +851,7 @@ impl Workspace {
                 continue;
             }
             let key = ipc::DeviceKey::decode(key)?;
-            let at = ipc::map_peer(&key, *base, workspace_bytes(), self.device)
+            let at = ipc::map_peer(&key, *base, workspace_bytes(n), self.device)
                 .map_err(|e| e.context(format!("opening the collective workspace of rank {r}")))?;
             peers.push(at);
         }
@@ -985,6 +992,37 @@ impl Workspace {
         let f = self.direct_kernel("gsc_coll_triggered_done", cache_dir, None)?;
         let args = TriggeredArgs { coll: self.fill(CollArgs::default()), done };
         replay::launch_uncached(f.0 as cu::CUfunction, stream, Grid { blocks: 1, threads: 1 }, &args)
+    }
+
+    /// `args` with this workspace's part: the workspaces, the abort word, the send/recv area.
+    fn fill_p2p(&self, mut args: super::coll_p2p::P2pArgs) -> super::coll_p2p::P2pArgs {
+        args.coll = self.fill(args.coll);
+        args.area = p2p_area() as u64;
+        args
+    }
+
+    /// Launch one group's sends and receives (`gsc_p2p`) on `stream` as `grid`: `args` gives
+    /// the operations, ranks and timeout. Through the replay cache: a program repeating an
+    /// exchange repeats the same arguments (the chunk numbers are on the GPU).
+    pub(crate) fn launch_p2p(&self, stream: usize, cache_dir: Option<&Path>, args: super::coll_p2p::P2pArgs, grid: Grid) -> Result<()> {
+        let ctx = primary_context(self.device)?;
+        let f = kernel(ctx, "gsc_p2p", cache_dir)?;
+        replay::launch(ctx as usize, f, stream, grid, &self.fill_p2p(args))
+    }
+
+    /// Add one group's sends and receives to a graph (`graph`: the CUgraph and the context
+    /// its nodes are built in), after `after` when given; returns the node.
+    pub(crate) fn add_p2p_node(
+        &self,
+        graph: (usize, usize),
+        cache_dir: Option<&Path>,
+        args: super::coll_p2p::P2pArgs,
+        grid: Grid,
+        after: Option<usize>,
+    ) -> Result<usize> {
+        let ctx = super::raw::<std::ffi::c_void>(graph.1) as cu::CUcontext;
+        let f = kernel(ctx, "gsc_p2p", cache_dir)?;
+        add_kernel_node(graph, f, &self.fill_p2p(args), grid, after)
     }
 
     /// A barrier of every rank on `stream` (`gsc_coll_barrier`, one block of a warp): a round

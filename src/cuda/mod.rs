@@ -33,6 +33,7 @@ pub(crate) mod bounce;
 pub(crate) mod coll;
 pub(crate) mod coll_device;
 pub(crate) mod coll_direct;
+pub(crate) mod coll_p2p;
 mod coll_pipelined;
 pub(crate) mod coll_ring;
 pub(crate) mod copy;
