@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(240);
 /// `GSC_COLL_P2P_MAX`'s default: the largest message of the kernel.
-const KERNEL_MAX: usize = 16 << 20;
+const KERNEL_MAX: usize = 8 << 20;
 
 struct Rank {
     comm: Communicator,
@@ -178,12 +178,13 @@ fn several_per_pair(r: &Rank, bad: &mut Vec<String>) {
 }
 
 /// A group captured from a stream, and one built on a graph condition: an all-to-all of 65,537
-/// bytes and 3 MiB to the next rank (48 chunks through a 16-slot FIFO), replayed with new data.
+/// bytes and 6 MiB to the next rank (96 chunks: past the end of the pair's 64-slot FIFO),
+/// replayed with new data.
 fn replays(r: &Rank, bad: &mut Vec<String>) {
     let (me, n) = (r.me(), r.n());
     let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
     let a = AllToAll::new(r, 65_537, 0);
-    let big_len = 3 << 20;
+    let big_len = 6 << 20;
     let (big_out, big_in) = (zeroed(big_len), zeroed(big_len));
     let mut g = a.group_for(r);
     g.push(send(&big_out, 0, big_len, next));
@@ -210,7 +211,7 @@ fn replays(r: &Rank, bad: &mut Vec<String>) {
         r.sync();
         a.check(r, round, "replayed all-to-all", bad);
         if big_in.download().unwrap() != message(prev, me, round, 1, big_len) {
-            bad.push(format!("rank {me}: replay {round}: 3 MiB from rank {prev} wrong"));
+            bad.push(format!("rank {me}: replay {round}: 6 MiB from rank {prev} wrong"));
         }
         if !bad.is_empty() {
             break;

@@ -34,7 +34,7 @@ use super::replay::ArgBlock;
 /// Bytes of one FIFO slot (a chunk). Fixed: every rank's workspace must agree.
 pub(crate) const P2P_CHUNK: usize = 64 << 10;
 /// Slots per sender in every receiver's workspace: a pair has `P2P_SLOTS` chunks in flight.
-pub(crate) const P2P_SLOTS: usize = 16;
+pub(crate) const P2P_SLOTS: usize = 64;
 /// Sends and receives one launch carries (in its argument block).
 pub(crate) const P2P_MAX_OPS: usize = 32;
 /// Threads per block.

@@ -1,17 +1,23 @@
 //! The collectives: `all-reduce`, `all-gather`, `reduce-scatter`, `broadcast` and `reduce` of
 //! a gscomm `Communicator`, in nccl-tests' style: `-g` ranks, one process and one GPU each
-//! (rank r on GPU r), every rank calling the same collective on its own buffers.
+//! (rank r on GPU r), every rank calling the same collective on its own buffers; and its
+//! groups of sends and receives as nccl-tests' sendrecv and alltoall issue them
+//! (`Communicator::transfers`; NCCL's twin: ncclSend/ncclRecv in ncclGroupStart/End):
+//! `sendrecv` (each rank sends its buffer to the next rank and receives the previous one's)
+//! and `all-to-all` (part q of each rank's buffer to rank q, self included).
 //!
 //! Sizes are nccl-tests' `size`: the bytes of the whole buffer, i.e. `count × element size` for
-//! all-reduce, broadcast and reduce, and the total of all ranks' parts for all-gather (what each
-//! rank receives) and reduce-scatter (what each rank sends), so a rank's part is size / nranks.
+//! all-reduce, broadcast, reduce and sendrecv, and the total of all ranks' parts for all-gather
+//! (what each rank receives), reduce-scatter and all-to-all (what each rank sends), so a rank's
+//! part is size / nranks.
 //! A size is rounded down to whole elements (whole parts of every rank), and skipped when it
 //! holds none. Calls are out of place, from a send buffer into a separate receive buffer.
 //!
 //! Time is per call: wall clock over the timed iterations, from the first enqueue to the end
 //! of the stream, after a host barrier of all ranks; the larger over the ranks is shown.
 //! algbw = size / time; busbw = algbw × nccl-tests' factor for the collective (all-reduce
-//! 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast and reduce 1).
+//! 2(n-1)/n, all-gather, reduce-scatter and all-to-all (n-1)/n, broadcast, reduce and
+//! sendrecv 1).
 //!
 //! How each mode starts the calls:
 //! - stream: one gscomm call per iteration on the stream's condition (its kernels launched on
@@ -38,7 +44,7 @@ use crate::nccl::{self, Nccl};
 use crate::{Control, Sweep, config, die, hex, parse_size, spawn_peer, unhex};
 use gscomm::bootstrap::{Bootstrap, UniqueId};
 use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, reduce_reference};
-use gscomm::collectives::{Communicator, DataType, RedOp};
+use gscomm::collectives::{Communicator, DataType, PeerOp, PeerTransfer, RedOp};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Function, Module, PinnedBuf, Stream, device_count, set_device};
 use std::cell::RefCell;
@@ -54,6 +60,8 @@ pub(crate) enum Coll {
     ReduceScatter,
     Broadcast,
     Reduce,
+    SendRecv,
+    AllToAll,
 }
 
 impl Coll {
@@ -65,6 +73,8 @@ impl Coll {
             "reduce-scatter" => Some(Coll::ReduceScatter),
             "broadcast" => Some(Coll::Broadcast),
             "reduce" => Some(Coll::Reduce),
+            "sendrecv" => Some(Coll::SendRecv),
+            "all-to-all" => Some(Coll::AllToAll),
             _ => None,
         }
     }
@@ -76,6 +86,8 @@ impl Coll {
             Coll::ReduceScatter => "reduce-scatter",
             Coll::Broadcast => "broadcast",
             Coll::Reduce => "reduce",
+            Coll::SendRecv => "sendrecv",
+            Coll::AllToAll => "all-to-all",
         }
     }
 
@@ -84,14 +96,19 @@ impl Coll {
         let n = n as f64;
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
-            Coll::AllGather | Coll::ReduceScatter => (n - 1.0) / n,
-            Coll::Broadcast | Coll::Reduce => 1.0,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
         }
     }
 
     /// Whether the size is split into one part per rank (the count argument is a part).
     fn split(self) -> bool {
-        matches!(self, Coll::AllGather | Coll::ReduceScatter)
+        matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll)
+    }
+
+    /// Sends and receives rather than a collective call.
+    fn point_to_point(self) -> bool {
+        matches!(self, Coll::SendRecv | Coll::AllToAll)
     }
 
     fn reduces(self) -> bool {
@@ -206,6 +223,10 @@ pub(crate) fn parse_args(coll: Coll, args: &[String]) -> Option<Opts> {
             "--nccl" => o.nccl = true,
             _ => return None,
         }
+    }
+    if coll.point_to_point() && o.modes.contains(&Mode::Kernel) {
+        eprintln!("gsc-bench: {} has no kernel mode (sends and receives take stream and graph conditions)", coll.name());
+        return None;
     }
     if coll.rooted() && o.root >= o.nranks {
         eprintln!("gsc-bench: root {} is not one of the {} ranks", o.root, o.nranks);
@@ -412,6 +433,10 @@ impl Rank<'_> {
                     Coll::ReduceScatter => c.reduce_scatter(send, recv, count, dt, op, st),
                     Coll::Broadcast => c.broadcast(send, recv, count, dt, root, st),
                     Coll::Reduce => c.reduce(send, recv, count, dt, op, root, st),
+                    Coll::SendRecv | Coll::AllToAll => {
+                        let (sends, recvs) = self.peer_group(s);
+                        c.group(&sends, &recvs, st)
+                    }
                 }
             };
             r.unwrap_or_else(|e| die("nccl", e));
@@ -425,6 +450,16 @@ impl Rank<'_> {
                     Coll::ReduceScatter => c.reduce_scatter(send, recv, count, dt, op, cond),
                     Coll::Broadcast => c.broadcast(send, recv, count, dt, root, cond),
                     Coll::Reduce => c.reduce(send, recv, count, dt, op, root, cond),
+                    Coll::SendRecv | Coll::AllToAll => {
+                        let (sends, recvs) = self.peer_group(s);
+                        let op = |(buf, bytes, peer): (u64, usize, i32), op| PeerTransfer { op, buf, bytes, peer: peer as usize };
+                        let group: Vec<PeerTransfer> = sends
+                            .into_iter()
+                            .map(|t| op(t, PeerOp::Send))
+                            .chain(recvs.into_iter().map(|t| op(t, PeerOp::Recv)))
+                            .collect();
+                        c.transfers(&group, cond)
+                    }
                 }
             };
             if let Err(e) = r {
@@ -450,6 +485,7 @@ impl Rank<'_> {
                     Coll::ReduceScatter => c.reduce_scatter(send, recv, count, dt, op, on),
                     Coll::Broadcast => c.broadcast(send, recv, count, dt, root, on),
                     Coll::Reduce => c.reduce(send, recv, count, dt, op, root, on),
+                    Coll::SendRecv | Coll::AllToAll => unreachable!("refused by parse_args"),
                 }
             };
             let handle = r.unwrap_or_else(|e| die(self.o.coll.name(), e)).device_handle;
@@ -537,6 +573,22 @@ impl Rank<'_> {
         );
     }
 
+    /// The sends and receives of one call of sendrecv or all-to-all for `s`: (buffer, bytes,
+    /// peer) each, in nccl-tests' order (sends, then receives).
+    #[allow(clippy::type_complexity)]
+    fn peer_group(&self, s: Shape) -> (Vec<(u64, usize, i32)>, Vec<(u64, usize, i32)>) {
+        let (me, n) = (self.rank, self.o.nranks);
+        let bytes = s.count * self.o.dtype.size();
+        let (send, recv) = (self.send.ptr(), self.recv.ptr());
+        match self.o.coll {
+            Coll::SendRecv => (vec![(send, bytes, ((me + 1) % n) as i32)], vec![(recv, bytes, ((me + n - 1) % n) as i32)]),
+            _ => {
+                let at = |base: u64, q: usize| base + (q * bytes) as u64;
+                ((0..n).map(|q| (at(send, q), bytes, q as i32)).collect(), (0..n).map(|q| (at(recv, q), bytes, q as i32)).collect())
+            }
+        }
+    }
+
     /// Where this rank's expected result comes from: (first element of the receive buffer,
     /// elements, source) stretches. The send buffer holds `input(rank, 0..)` (see `rank_main`).
     fn expected(&self, s: Shape) -> Vec<(usize, usize, Source)> {
@@ -551,6 +603,10 @@ impl Rank<'_> {
             Coll::Broadcast => vec![(0, count, Source::Rank { rank: self.o.root, base: 0 })],
             // Rank q's part at q × count.
             Coll::AllGather => (0..self.o.nranks).map(|q| (q * count, count, Source::Rank { rank: q, base: 0 })).collect(),
+            // The previous rank's buffer.
+            Coll::SendRecv => vec![(0, count, Source::Rank { rank: (me + self.o.nranks - 1) % self.o.nranks, base: 0 })],
+            // Rank q's part for us, at q × count.
+            Coll::AllToAll => (0..self.o.nranks).map(|q| (q * count, count, Source::Rank { rank: q, base: me * count })).collect(),
         }
     }
 
@@ -789,7 +845,21 @@ mod tests {
         assert!(opts("all-reduce", &["-g", "0"]).is_none());
         assert!(opts("broadcast", &["-g", "2", "-r", "2"]).is_none(), "the root is one of the ranks");
         assert!(opts("all-reduce", &["-r", "2"]).is_some(), "no root to check");
-        assert!(Coll::parse("sendrecv").is_none());
+        assert!(Coll::parse("alltoall").is_none(), "gsc-bench spells it all-to-all");
+        let o = opts("sendrecv", &["--nccl", "-m", "stream,graph"]).unwrap();
+        assert_eq!(o.modes, vec![Mode::Stream, Mode::Graph, Mode::Nccl, Mode::NcclGraph]);
+        assert!(opts("all-to-all", &["-m", "kernel"]).is_none(), "sends and receives have no kernel mode");
+    }
+
+    #[test]
+    fn an_all_to_all_size_is_what_a_rank_sends_in_parts_for_every_rank() {
+        let o = opts("all-to-all", &["-g", "4", "-b", "64", "-e", "64", "-d", "uint8"]).unwrap();
+        let s: Vec<(usize, usize)> = shapes(&o).iter().map(|s| (s.bytes, s.count)).collect();
+        assert_eq!(s, vec![(64, 16)], "16 bytes to each of 4 ranks");
+        assert_eq!(Coll::AllToAll.bus_factor(4), 0.75);
+        assert_eq!(Coll::SendRecv.bus_factor(4), 1.0);
+        let o = opts("sendrecv", &["-g", "4", "-b", "64", "-e", "64", "-d", "uint8"]).unwrap();
+        assert_eq!(shapes(&o).iter().map(|s| (s.bytes, s.count)).collect::<Vec<_>>(), vec![(64, 64)], "the whole buffer to the next rank");
     }
 
     #[test]

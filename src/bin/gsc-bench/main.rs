@@ -22,7 +22,7 @@
 //! transfer over the same lane, in nccl-tests' columns.
 //!
 //! Collectives between GPUs, one process per GPU (see `coll.rs`):
-//!   gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR]
+//!   gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce|sendrecv|all-to-all [-b MIN] [-e MAX] [-f FACTOR]
 //!             [-n ITERS] [-w WARMUP] [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT]
 //!             [-m stream,graph,kernel] [--nccl]
 //! nccl-tests' collectives (sizes, algbw, busbw, #wrong as nccl-tests defines them) on a gscomm
@@ -49,7 +49,7 @@ fn usage() -> ! {
          \x20      gsc-bench gpu-sendrecv [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-G GRAPH_ITERS]\n\
          \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]\n\
          \x20      gsc-bench staged-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--gpus SEND,RECV] [--mem cuda,host] [--no-pin]\n\
-         \x20      gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n\
+         \x20      gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce|sendrecv|all-to-all [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n\
          \x20                             [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT] [-m stream,graph,kernel] [--nccl]\n\
          \x20        TYPE: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)\n\
          \x20        OP: sum prod max min avg (default sum); NGPUS: ranks, one GPU each (default 2); ROOT default 0\n\

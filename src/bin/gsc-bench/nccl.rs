@@ -156,6 +156,30 @@ impl Comm<'_> {
         }
     }
 
+    /// One group of sends and receives, as nccl-tests' sendrecv and alltoall issue them:
+    /// `sends` and `recvs` are (buffer, bytes, peer).
+    ///
+    /// # Safety
+    /// Every buffer is a device buffer of its bytes on this rank's GPU, live until the stream
+    /// has run the group; `stream` is a live stream of that GPU.
+    pub(crate) unsafe fn group(&self, sends: &[(u64, usize, i32)], recvs: &[(u64, usize, i32)], stream: usize) -> Result<(), String> {
+        let a = &self.nccl.api;
+        let s = stream as *mut c_void;
+        // SAFETY: the caller's promise; group calls bracket the operations.
+        unsafe {
+            self.nccl.check((a.group_start)(), "ncclGroupStart")?;
+            let mut first = Ok(());
+            for &(buf, n, peer) in sends {
+                first = first.and(self.nccl.check((a.send)(buf as *const c_void, n, NCCL_INT8, peer, self.comm, s), "ncclSend"));
+            }
+            for &(buf, n, peer) in recvs {
+                first = first.and(self.nccl.check((a.recv)(buf as *mut c_void, n, NCCL_INT8, peer, self.comm, s), "ncclRecv"));
+            }
+            let end = self.nccl.check((a.group_end)(), "ncclGroupEnd");
+            first.and(end)
+        }
+    }
+
     // The collectives, enqueued on `stream`. `dtype` and `op` are `ncclDataType_t` /
     // `ncclRedOp_t` values (`DataType::nccl()`, `RedOp::nccl()`); counts are elements, as
     // NCCL takes them.
