@@ -12,7 +12,7 @@
 //!
 //! **Protocol** (NCCL's "simple" one, with a FIFO per pair). The sender of chunk c waits until
 //! the receiver gave back slot c % slots from chunk c - slots (credit >= c + 1 - slots), copies
-//! the chunk into the slot, fences at system scope and releases the header (c + 1). The
+//! the chunk into the slot and releases the header (c + 1) at system scope. The
 //! receiver acquires the header, copies the slot into the receive buffer and releases the
 //! credit (c + 1) into the sender's area. So a pair needs no handshake per message, only per
 //! chunk, and a message of up to slots x chunk bytes is delivered before the receiver shows up.
@@ -194,8 +194,9 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
                 if (!ok_s) break;
                 gsc_p2p_copy(slot, (const unsigned char *)o.buf + off, len, false);
                 __syncthreads();
+                /* The release is cumulative over the block's stores (ordered before it by the
+                 * barrier): no separate fence. */
                 if (threadIdx.x == 0) {
-                    __threadfence_system();
                     *(volatile unsigned long long *)(hdr + 1) = o.bytes;
                     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(hdr), "l"(c + 1) : "memory");
                 }
@@ -229,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
         *error = fail_s;
     }
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        __threadfence();
         last_s = atomicAdd(ctl + 16, 1ull) == gridDim.x - 1;
     }
     __syncthreads();

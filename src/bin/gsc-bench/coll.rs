@@ -453,11 +453,8 @@ impl Rank<'_> {
                     Coll::SendRecv | Coll::AllToAll => {
                         let (sends, recvs) = self.peer_group(s);
                         let op = |(buf, bytes, peer): (u64, usize, i32), op| PeerTransfer { op, buf, bytes, peer: peer as usize };
-                        let group: Vec<PeerTransfer> = sends
-                            .into_iter()
-                            .map(|t| op(t, PeerOp::Send))
-                            .chain(recvs.into_iter().map(|t| op(t, PeerOp::Recv)))
-                            .collect();
+                        let group: Vec<PeerTransfer> =
+                            sends.into_iter().map(|t| op(t, PeerOp::Send)).chain(recvs.into_iter().map(|t| op(t, PeerOp::Recv))).collect();
                         c.transfers(&group, cond)
                     }
                 }
