@@ -87,7 +87,8 @@ pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, a
 /// The table as `gsc-info -p` prints it; `shape`: the large kernels' (`GSC_COLL_LARGE_*`).
 /// `sm`, `ring` and `ce`: `GSC_COLL_SM`/`GSC_COLL_SM_MIN` (`direct`), `GSC_COLL_RING`/
 /// `GSC_COLL_RING_MIN` (`ce_ring`) and `GSC_COLL_CE`/`GSC_COLL_CE_MIN` (`copy_engine`), which
-/// come before the table, in that order.
+/// come before the table, in that order; `trigger_max`: `GSC_COLL_TRIGGER_MAX`; `p2p`:
+/// `GSC_COLL_P2P_MAX` and `GSC_COLL_P2P_BLOCKS` (`p2p_kernel`), a line after the table.
 pub fn describe(
     large_min: usize,
     shape: &LargeShape,
@@ -95,6 +96,7 @@ pub fn describe(
     ring: (crate::config::Tristate, usize),
     ce: (crate::config::Tristate, usize),
     trigger_max: usize,
+    p2p: (usize, usize),
 ) -> String {
     use crate::config::Tristate;
     let mut out = String::new();
@@ -172,6 +174,16 @@ pub fn describe(
         };
         let _ = writeln!(out, "[{}] {line}", coll.name());
     }
+    let _ = match p2p.0 {
+        0 => writeln!(out, "# send/recv groups (GSC_COLL_P2P_MAX=0): every message through the point-to-point engine"),
+        max => writeln!(
+            out,
+            "# send/recv groups (GSC_COLL_P2P_MAX={}): messages of up to {} by the send/recv kernel, {} blocks each (GSC_COLL_P2P_BLOCKS), one launch per group; larger ones through the point-to-point engine",
+            crate::config::format_size(max as u64),
+            crate::config::format_size(max as u64),
+            p2p.1
+        ),
+    };
     out
 }
 
@@ -209,6 +221,7 @@ mod tests {
             (crate::config::Tristate::Auto, 32 << 20),
             (crate::config::Tristate::Auto, 4 << 20),
             64,
+            (8 << 20, 32),
         );
         for coll in Collective::ALL {
             assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
@@ -219,6 +232,10 @@ mod tests {
         assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
         assert!(t.contains("# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter"), "{t}");
         assert!(t.contains("# kernel-triggered conditions (GSC_COLL_TRIGGER_MAX=64): all_reduce of 1 to 64 bytes"), "{t}");
+        assert!(
+            t.contains("# send/recv groups (GSC_COLL_P2P_MAX=8M): messages of up to 8M by the send/recv kernel, 32 blocks each"),
+            "{t}"
+        );
         assert!(
             t.contains(
                 "# copy-engine ring (GSC_COLL_RING=auto): reduce_scatter from max(32M, 32M) per rank and all_reduce from max(32M, 64M)"
