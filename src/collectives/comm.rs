@@ -364,7 +364,7 @@ impl Communicator {
         }
         let (kernel, engine): (Vec<PeerTransfer>, Vec<PeerTransfer>) = group.iter().partition(|t| on_kernel(t));
         let mut outputs = ArmedOutputs::default();
-        if kernel.iter().any(|t| t.bytes > 0) {
+        if !kernel.is_empty() {
             let graph = match on.category() {
                 Category::Stream => None,
                 Category::Graph => Some(on.cuda_graph()?),

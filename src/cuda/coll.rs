@@ -1002,12 +1002,12 @@ impl Workspace {
     }
 
     /// Launch one group's sends and receives (`gsc_p2p`) on `stream` as `grid`: `args` gives
-    /// the operations, ranks and timeout. Through the replay cache: a program repeating an
-    /// exchange repeats the same arguments (the chunk numbers are on the GPU).
+    /// the operations, ranks and timeout. Not through the replay cache, as for the direct
+    /// kernel: the arguments name the group's buffers, which many programs change from call
+    /// to call (an instantiation per new set would cost more than the launch it saves).
     pub(crate) fn launch_p2p(&self, stream: usize, cache_dir: Option<&Path>, args: super::coll_p2p::P2pArgs, grid: Grid) -> Result<()> {
-        let ctx = primary_context(self.device)?;
-        let f = kernel(ctx, "gsc_p2p", cache_dir)?;
-        replay::launch(ctx as usize, f, stream, grid, &self.fill_p2p(args))
+        let f = kernel(primary_context(self.device)?, "gsc_p2p", cache_dir)?;
+        replay::launch_uncached(f, stream, grid, &self.fill_p2p(args))
     }
 
     /// Add one group's sends and receives to a graph (`graph`: the CUgraph and the context
