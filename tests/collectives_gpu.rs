@@ -32,17 +32,7 @@ const DIRECT_COUNTS: &[usize] = &[3, 128, 4096, 65_536, 70_001];
 
 use common::coll_input as input;
 
-struct Rank {
-    comm: Communicator,
-    stream: Stream,
-    cond: Condition,
-}
-
-impl Rank {
-    fn sync(&self) {
-        self.stream.synchronize().unwrap();
-    }
-}
+use common::CommRank as Rank;
 
 /// Upload `data` into a fresh device buffer of at least `len` bytes (the rest zero).
 fn device_with(data: &[u8], len: usize) -> DeviceBuf {

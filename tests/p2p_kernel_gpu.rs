@@ -23,23 +23,7 @@ const T: Duration = Duration::from_secs(240);
 /// `GSC_COLL_P2P_MAX`'s default: the largest message of the kernel.
 const KERNEL_MAX: usize = 8 << 20;
 
-struct Rank {
-    comm: Communicator,
-    stream: Stream,
-    cond: Condition,
-}
-
-impl Rank {
-    fn sync(&self) {
-        self.stream.synchronize().unwrap();
-    }
-    fn me(&self) -> usize {
-        self.comm.rank()
-    }
-    fn n(&self) -> usize {
-        self.comm.nranks()
-    }
-}
+use common::CommRank as Rank;
 
 /// Rank `from`'s `k`-th message to rank `to` in `round`, `len` bytes.
 fn message(from: usize, to: usize, round: u64, k: u64, len: usize) -> Vec<u8> {

@@ -816,3 +816,22 @@ pub fn coll_input(dtype: gscomm::collectives::DataType, rank: usize, seed: u64, 
     }
     out
 }
+
+/// One rank of a collective job: its communicator, a stream, and the stream's condition.
+pub struct CommRank {
+    pub comm: gscomm::collectives::Communicator,
+    pub stream: gscomm::cuda::api::Stream,
+    pub cond: gscomm::condition::Condition,
+}
+
+impl CommRank {
+    pub fn sync(&self) {
+        self.stream.synchronize().unwrap();
+    }
+    pub fn me(&self) -> usize {
+        self.comm.rank()
+    }
+    pub fn n(&self) -> usize {
+        self.comm.nranks()
+    }
+}
