@@ -13,7 +13,7 @@
 //! This module plans the launches; the kernel and its protocol are in `cuda::coll_p2p`.
 
 use super::p2p::PeerOp;
-use crate::cuda::coll_p2p::{P2P_CHUNK, P2P_MAX_OPS, P2pOp};
+use crate::cuda::coll_p2p::{P2P_MAX_OPS, P2pOp, chunks};
 
 /// One send or receive of a group.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -49,15 +49,15 @@ pub(crate) fn plan(transfers: &[PeerTransfer], blocks_per_op: usize, max_blocks:
         let mut ops = Vec::with_capacity(group.len());
         let mut next_block = 0;
         for t in group {
-            let chunks = t.bytes.div_ceil(P2P_CHUNK);
+            let op_chunks = chunks(t.bytes as u64) as usize;
             // Chunks of this launch's earlier operations with the same peer and direction: the
             // launch's counters advance only when it ends.
             let skip: u64 = ops
                 .iter()
                 .filter(|o: &&P2pOp| o.peer == t.peer as u64 && o.send == (t.op == PeerOp::Send) as u64)
-                .map(|o| o.bytes.div_ceil(P2P_CHUNK as u64))
+                .map(|o| chunks(o.bytes))
                 .sum();
-            let blocks = per_op.min(chunks);
+            let blocks = per_op.min(op_chunks);
             ops.push(P2pOp {
                 buf: t.buf,
                 bytes: t.bytes as u64,
@@ -83,32 +83,42 @@ mod tests {
     }
 
     #[test]
+    fn messages_are_cut_into_up_to_32_chunks_of_16_to_64_kib() {
+        use crate::cuda::coll_p2p::chunk_bytes;
+        let k = 1u64 << 10;
+        for (bytes, chunk, n) in [(1, 16 * k, 1), (16 * k, 16 * k, 1), (16 * k + 1, 16 * k, 2), (128 * k, 16 * k, 8), (512 * k, 16 * k, 32)] {
+            assert_eq!((chunk_bytes(bytes), chunks(bytes)), (chunk, n), "{bytes} bytes");
+        }
+        // Past 512 KiB the chunk grows in 16 KiB steps to keep 32 chunks, up to a whole slot.
+        assert_eq!((chunk_bytes(512 * k + 1), chunks(512 * k + 1)), (32 * k, 17));
+        assert_eq!((chunk_bytes(1024 * k), chunks(1024 * k)), (32 * k, 32));
+        assert_eq!((chunk_bytes(2048 * k), chunks(2048 * k)), (64 * k, 32));
+        assert_eq!((chunk_bytes(8192 * k + 1), chunks(8192 * k + 1)), (64 * k, 129));
+    }
+
+    #[test]
     fn operations_get_blocks_by_chunks_and_skips_by_pair_and_direction() {
-        let c = P2P_CHUNK;
-        let group = [
-            t(PeerOp::Send, 3 * c, 1),
-            t(PeerOp::Recv, 8, 1),
-            t(PeerOp::Send, 0, 2),
-            t(PeerOp::Send, c + 1, 1),
-            t(PeerOp::Recv, 20 * c, 1),
-        ];
+        let (a, b, d) = (40 << 10, (1 << 20) + 1, 20 << 20);
+        let group = [t(PeerOp::Send, a, 1), t(PeerOp::Recv, 8, 1), t(PeerOp::Send, 0, 2), t(PeerOp::Send, b, 1), t(PeerOp::Recv, d, 1)];
         let launches = plan(&group, 8, 132);
         assert_eq!(launches.len(), 1);
         let ops = &launches[0].ops;
         // The empty send is left out; the rest keep their order.
         assert_eq!(ops.len(), 4);
-        assert_eq!(ops.iter().map(|o| o.blocks).collect::<Vec<_>>(), [3, 1, 2, 8]);
-        assert_eq!(ops.iter().map(|o| o.first_block).collect::<Vec<_>>(), [0, 3, 4, 6]);
-        assert_eq!(launches[0].blocks, 14);
-        // The second send to rank 1 comes after the first's 3 chunks; the second receive from
-        // rank 1 after the first's 1.
-        assert_eq!(ops.iter().map(|o| o.skip).collect::<Vec<_>>(), [0, 0, 3, 1]);
+        let (ca, cb) = (chunks(a as u64), chunks(b as u64));
+        assert!(ca > 1 && ca < 8 && cb >= 8, "{ca} {cb}");
+        assert_eq!(ops.iter().map(|o| o.blocks).collect::<Vec<_>>(), [ca, 1, 8, 8]);
+        assert_eq!(ops.iter().map(|o| o.first_block).collect::<Vec<_>>(), [0, ca, ca + 1, ca + 9]);
+        assert_eq!(launches[0].blocks as u64, ca + 17);
+        // The second send to rank 1 comes after the first's chunks; the second receive from
+        // rank 1 after the first's one.
+        assert_eq!(ops.iter().map(|o| o.skip).collect::<Vec<_>>(), [0, 0, ca, 1]);
         assert_eq!(ops.iter().map(|o| o.send).collect::<Vec<_>>(), [1, 0, 1, 0]);
     }
 
     #[test]
     fn blocks_shrink_to_keep_a_launch_resident() {
-        let group: Vec<_> = (0..16).map(|i| t(if i % 2 == 0 { PeerOp::Send } else { PeerOp::Recv }, 64 * P2P_CHUNK, i / 2)).collect();
+        let group: Vec<_> = (0..16).map(|i| t(if i % 2 == 0 { PeerOp::Send } else { PeerOp::Recv }, 4 << 20, i / 2)).collect();
         let launches = plan(&group, 8, 66);
         assert_eq!(launches.len(), 1);
         assert!(launches[0].ops.iter().all(|o| o.blocks == 4), "{:?}", launches[0].ops);

@@ -10,6 +10,11 @@
 //! between two ranks in one direction are numbered from 0 for the communicator's life, and
 //! chunk c travels through slot c % slots.
 //!
+//! **Chunk size.** A message is cut into `P2P_SPLIT` chunks where it can be, so a mid-sized
+//! message keeps as many blocks busy as a large one (one block per chunk): `chunk_bytes` —
+//! between `P2P_MIN_CHUNK` and the slot's `P2P_CHUNK`, from the message's length alone, which
+//! sender and receiver agree on. A smaller chunk leaves the rest of its slot unused.
+//!
 //! **Protocol** (NCCL's "simple" one, with a FIFO per pair). The sender of chunk c waits until
 //! the receiver gave back slot c % slots from chunk c - slots (credit >= c + 1 - slots), copies
 //! the chunk into the slot and releases the header (c + 1) at system scope. The
@@ -31,8 +36,26 @@
 use super::coll::{CollArgs, MAX_RANKS};
 use super::replay::ArgBlock;
 
-/// Bytes of one FIFO slot (a chunk). Fixed: every rank's workspace must agree.
+/// Bytes of one FIFO slot (the largest chunk). Fixed: every rank's workspace must agree.
 pub(crate) const P2P_CHUNK: usize = 64 << 10;
+/// The smallest chunk a message is cut into: two 16-byte stores per thread of a block. 4, 8,
+/// 16 and 64 KiB measured alike from 2 MiB up; 16 KiB was best below (PERF.md, session 25).
+pub(crate) const P2P_MIN_CHUNK: usize = 16 << 10;
+/// Chunks a message is cut into where `P2P_MIN_CHUNK` and `P2P_CHUNK` allow: as many as an
+/// operation's blocks by default (`GSC_COLL_P2P_BLOCKS`).
+pub(crate) const P2P_SPLIT: usize = 32;
+const _: () = assert!(P2P_MIN_CHUNK % 16 == 0 && P2P_MIN_CHUNK <= P2P_CHUNK);
+
+/// The chunk size of a message of `bytes` (the kernel's `gsc_p2p_chunk`).
+pub(crate) fn chunk_bytes(bytes: u64) -> u64 {
+    bytes.div_ceil(P2P_SPLIT as u64).next_multiple_of(P2P_MIN_CHUNK as u64).min(P2P_CHUNK as u64)
+}
+
+/// The chunks of a message of `bytes` (`gsc_p2p_chunks`).
+pub(crate) fn chunks(bytes: u64) -> u64 {
+    bytes.div_ceil(chunk_bytes(bytes))
+}
+
 /// Slots per sender in every receiver's workspace: a pair has `P2P_SLOTS` chunks in flight.
 pub(crate) const P2P_SLOTS: usize = 64;
 /// Sends and receives one launch carries (in its argument block).
@@ -43,7 +66,7 @@ pub(crate) const P2P_THREADS: u32 = 512;
 pub(super) fn defines() -> String {
     format!(
         "#define GSC_P2P_CHUNK {P2P_CHUNK}ull\n#define GSC_P2P_SLOTS {P2P_SLOTS}ull\n#define GSC_P2P_MAX_OPS {P2P_MAX_OPS}\n\
-         #define GSC_P2P_THREADS {P2P_THREADS}\n#define GSC_P2P_CREDITS {P2P_CREDITS}ull\n#define GSC_P2P_HEADERS {P2P_HEADERS}ull\n\
+         #define GSC_P2P_THREADS {P2P_THREADS}\n#define GSC_P2P_MIN_CHUNK {P2P_MIN_CHUNK}ull\n#define GSC_P2P_SPLIT {P2P_SPLIT}ull\n#define GSC_P2P_CREDITS {P2P_CREDITS}ull\n#define GSC_P2P_HEADERS {P2P_HEADERS}ull\n\
          #define GSC_P2P_DATA {P2P_DATA}ull\n#define GSC_P2P_FAILED {P2P_FAILED}ull\n#define GSC_P2P_SIZE_MISMATCH {P2P_SIZE_MISMATCH}ull\n"
     )
 }
@@ -143,6 +166,19 @@ static __device__ int gsc_p2p_spin(const gsc_p2p_args_t *a, unsigned long long *
     }
 }
 
+/* The chunk size of a message of `bytes` and its number of chunks (coll_p2p.rs: chunk_bytes). */
+static __device__ __forceinline__ unsigned long long gsc_p2p_chunk(unsigned long long bytes)
+{
+    unsigned long long c = (bytes + GSC_P2P_SPLIT - 1) / GSC_P2P_SPLIT;
+    c = (c + GSC_P2P_MIN_CHUNK - 1) / GSC_P2P_MIN_CHUNK * GSC_P2P_MIN_CHUNK;
+    return c < GSC_P2P_CHUNK ? c : GSC_P2P_CHUNK;
+}
+static __device__ __forceinline__ unsigned long long gsc_p2p_chunks(unsigned long long bytes)
+{
+    const unsigned long long c = gsc_p2p_chunk(bytes);
+    return (bytes + c - 1) / c;
+}
+
 /* The block copies len bytes: 16 at a time where both sides allow it. `cg`: the source was
  * written by a peer (loads skip L1: the slot held an older chunk). */
 static __device__ __forceinline__ void gsc_p2p_copy(unsigned char *t, const unsigned char *s, unsigned long long len, bool cg)
@@ -177,8 +213,8 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
     __syncthreads();
     if (fail_s == 0 && i < a->nops) {
         const gsc_p2p_op_t o = a->op[i];
-        const unsigned long long chunk = GSC_P2P_CHUNK, slots = GSC_P2P_SLOTS;
-        const unsigned long long chunks = (o.bytes + chunk - 1) / chunk;
+        const unsigned long long chunk = gsc_p2p_chunk(o.bytes), slot_bytes = GSC_P2P_CHUNK, slots = GSC_P2P_SLOTS;
+        const unsigned long long chunks = gsc_p2p_chunks(o.bytes);
         const unsigned long long base = *(volatile unsigned long long *)(ctl + (o.send ? 0 : 8) + o.peer) + o.skip;
         const unsigned long long peer_ws = a->c.peer[o.peer];
         for (unsigned long long j = blockIdx.x - o.first_block; j < chunks; j += o.blocks) {
@@ -186,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
             const unsigned long long off = j * chunk, len = o.bytes - off < chunk ? o.bytes - off : chunk;
             if (o.send) {
                 /* Our slot k at the receiver; its credit word here. */
-                unsigned char *slot = (unsigned char *)GSC_P2P_AT(peer_ws, GSC_P2P_DATA + (me * slots + k) * chunk);
+                unsigned char *slot = (unsigned char *)GSC_P2P_AT(peer_ws, GSC_P2P_DATA + (me * slots + k) * slot_bytes);
                 unsigned long long *hdr = GSC_P2P_AT(peer_ws, GSC_P2P_HEADERS + (me * slots + k) * 16);
                 unsigned long long *credit = GSC_P2P_AT(ws, GSC_P2P_CREDITS + (o.peer * slots + k) * 8);
                 if (threadIdx.x == 0) ok_s = c < slots || gsc_p2p_spin(a, credit, c + 1 - slots);
@@ -202,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
                 }
             } else {
                 /* The sender's slot k here; our credit word at the sender. */
-                const unsigned char *slot = (const unsigned char *)GSC_P2P_AT(ws, GSC_P2P_DATA + (o.peer * slots + k) * chunk);
+                const unsigned char *slot = (const unsigned char *)GSC_P2P_AT(ws, GSC_P2P_DATA + (o.peer * slots + k) * slot_bytes);
                 unsigned long long *hdr = GSC_P2P_AT(ws, GSC_P2P_HEADERS + (o.peer * slots + k) * 16);
                 unsigned long long *credit = GSC_P2P_AT(peer_ws, GSC_P2P_CREDITS + (me * slots + k) * 8);
                 if (threadIdx.x == 0) {
@@ -238,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
     /* Every block has read the counters: advance them past this launch's chunks. */
     for (unsigned long long q = 0; q < a->nops; q++) {
         const gsc_p2p_op_t o = a->op[q];
-        ctl[(o.send ? 0 : 8) + o.peer] += (o.bytes + GSC_P2P_CHUNK - 1) / GSC_P2P_CHUNK;
+        ctl[(o.send ? 0 : 8) + o.peer] += gsc_p2p_chunks(o.bytes);
     }
     ctl[16] = 0;
 }
