@@ -855,8 +855,11 @@ gsc_status_t gsc_comm_destroy(gsc_comm_h comm);
 gsc_status_t gsc_comm_rank(gsc_comm_h comm, int *rank);
 /** The number of ranks. */
 gsc_status_t gsc_comm_size(gsc_comm_h comm, int *size);
-/** GSC_OK, or GSC_ERR_TIMED_OUT when a collective kernel gave up waiting for a peer (GSC_TIMEOUT);
- *  send/recv failures show in gsc_condition_query() of their condition. */
+/** GSC_OK, or why the communicator's work cannot be trusted: GSC_ERR_TIMED_OUT when a collective
+ *  or gsc_comm_transfers() kernel gave up waiting for a peer (GSC_TIMEOUT), GSC_ERR_INVALID_PARAM
+ *  when a gsc_comm_transfers() message's length differed from its peer's (the message names the
+ *  peer); gsc_comm_send()/gsc_comm_recv() failures show in gsc_condition_query() of their
+ *  condition. */
 gsc_status_t gsc_comm_query(gsc_comm_h comm);
 /** `count` elements of `sendbuf` reduced with `op` across the ranks into every rank's `recvbuf`
  *  (sendbuf == recvbuf: in place), when `condition` reaches the call. */
@@ -912,6 +915,36 @@ gsc_status_t gsc_comm_send(gsc_comm_h comm, const void *buf, size_t count, gsc_d
 /** Receive `count` elements from rank `peer` (see gsc_comm_send()). */
 gsc_status_t gsc_comm_recv(gsc_comm_h comm, void *buf, size_t count, gsc_datatype_t datatype, int peer,
                            gsc_condition_h condition);
+
+/** Which way a gsc_peer_transfer_t goes. */
+typedef enum {
+    GSC_PEER_SEND = 0,
+    GSC_PEER_RECV = 1
+} gsc_peer_op_t;
+
+/** One send or receive of a gsc_comm_transfers() group. */
+typedef struct gsc_peer_transfer {
+    gsc_peer_op_t op;
+    void *buf;      /**< GPU memory of the communicator's device (read by a send) */
+    size_t count;   /**< elements */
+    gsc_datatype_t datatype;
+    int peer;
+} gsc_peer_transfer_t;
+
+/** A group of sends and receives (NCCL's ncclSend/ncclRecv between ncclGroupStart and
+ *  ncclGroupEnd), in flight together once `condition` reaches them; the condition's stream
+ *  (or the graph's later nodes) waits for all of them. The k-th send to a peer pairs with its
+ *  k-th receive from this rank, with the same number of bytes. Messages of up to
+ *  GSC_COLL_P2P_MAX bytes (16 MiB) are moved by one kernel on the stream, or one node of the
+ *  graph, with no host in the loop — the fast path, which gsc_comm_send()/gsc_comm_recv() do
+ *  not take; larger ones go through the point-to-point engine after it. STREAM and GRAPH
+ *  conditions; `out` (NULL allowed) receives a GRAPH condition's start and done nodes. The
+ *  groups of one communicator run one at a time, in the same order on every rank, as its
+ *  collectives do. Every entry is checked before anything is issued (an error names the
+ *  entry's index). A peer that does not answer within GSC_TIMEOUT, or a length that differs
+ *  from its peer's, fails the communicator: gsc_comm_query() then says which peer. */
+gsc_status_t gsc_comm_transfers(gsc_comm_h comm, const gsc_peer_transfer_t *transfers, size_t n,
+                                gsc_condition_h condition, gsc_condition_out_t *out);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -20,8 +20,10 @@ use gscomm::{Context, Status};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(240);
-/// `GSC_COLL_P2P_MAX`'s default: the largest message of the kernel.
-const KERNEL_MAX: usize = 8 << 20;
+/// `GSC_COLL_P2P_MAX` as the ranks see it: the largest message of the kernel.
+fn kernel_max() -> usize {
+    common::config_with(&[]).coll_p2p_max
+}
 
 use common::CommRank as Rank;
 
@@ -95,7 +97,8 @@ fn issue(r: &Rank, group: &[PeerTransfer], on: &Condition) {
 /// All-to-all on the stream from 1 B to past the kernel's limit (the engine), aligned and at
 /// an odd offset; and both paths in one group.
 fn all_to_all_sizes(r: &Rank, bad: &mut Vec<String>) {
-    let sizes = [1usize, 7, 4096, 65_536, 65_537, (1 << 20) + 3, KERNEL_MAX, KERNEL_MAX + 1];
+    // Chunks of 16 KiB up to 512 KiB, then growing to 64 KiB (cuda/coll_p2p.rs: chunk_bytes).
+    let sizes = [1usize, 7, 4096, 16_384, 16_385, 65_536, 65_537, (512 << 10) + 1, (1 << 20) + 3, kernel_max(), kernel_max() + 1];
     for (round, len) in sizes.into_iter().enumerate() {
         for off in [0, 1] {
             let a = AllToAll::new(r, len, off);
@@ -107,7 +110,7 @@ fn all_to_all_sizes(r: &Rank, bad: &mut Vec<String>) {
         }
     }
     // Both paths in one group: the engine's message and the kernel's, to every rank.
-    let big = AllToAll::new(r, KERNEL_MAX + 5, 0);
+    let big = AllToAll::new(r, kernel_max() + 5, 0);
     let small = AllToAll::new(r, 5, 0);
     big.fill(r, 50);
     small.fill(r, 50);
@@ -217,10 +220,16 @@ fn bad_input(r: &Rank, bad: &mut Vec<String>) {
         }
     };
     let good = send(&b, 0, 8, (me + 1) % n);
-    expect("a peer out of range", &[good, send(&b, 0, 8, n)], &r.cond, Status::InvalidParam, &format!("peer {n} of a communicator"));
+    expect(
+        "a peer out of range",
+        &[good, send(&b, 0, 8, n)],
+        &r.cond,
+        Status::InvalidParam,
+        &format!("transfer 1 (send): peer {n} of a communicator"),
+    );
     let host = [0u8; 8];
     let host_send = PeerTransfer { op: PeerOp::Send, buf: host.as_ptr() as u64, bytes: 8, peer: 0 };
-    expect("a host buffer", &[good, host_send], &r.cond, Status::InvalidParam, "not GPU memory");
+    expect("a host buffer", &[good, host_send], &r.cond, Status::InvalidParam, "transfer 1: the send buffer is not GPU memory");
     let hs = HostStream::new().unwrap();
     let on_host = Condition::host_stream(&hs);
     expect("a host stream", &[good], &on_host, Status::Unsupported, "CUDA stream and graph conditions");

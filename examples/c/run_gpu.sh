@@ -173,5 +173,9 @@ run "06_graph_broadcast 3 ranks (the seed's shape)" 3 "all checks passed" 06_gra
 run "07_triggered_allreduce 2 ranks" 2 "all checks passed" 07_triggered_allreduce --header "$incdir/gsc_device.cuh"
 [ "$ngpus" -ge 4 ] && run "07_triggered_allreduce 4 ranks" 4 "all checks passed" 07_triggered_allreduce --header "$incdir/gsc_device.cuh"
 
+run "08_alltoall 2 ranks, stream and graph" 2 "all checks passed" 08_alltoall
+run "08_alltoall 3 ranks, stream and graph" 3 "all checks passed" 08_alltoall
+[ "$ngpus" -ge 4 ] && run "08_alltoall 4 ranks, stream and graph" 4 "all checks passed" 08_alltoall
+
 echo "run_gpu.sh: $passed passed, $failed failed"
 [ $failed -eq 0 ]

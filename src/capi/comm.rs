@@ -8,7 +8,7 @@ use super::panic::ffi_guard;
 use super::params::ConditionOut;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::collectives::p2p::PeerOp;
-use crate::collectives::{Communicator, DataType, RedOp};
+use crate::collectives::{Communicator, DataType, PeerTransfer, RedOp};
 use crate::condition::{Category, Condition};
 use crate::error::{Error, Result, Status};
 use std::ffi::{c_int, c_void};
@@ -308,4 +308,69 @@ pub unsafe extern "C" fn gsc_comm_recv(
 ) -> i32 {
     // SAFETY: forwarded caller contract.
     unsafe { peer_op("gsc_comm_recv", PeerOp::Recv, comm, buf as u64, count, dtype, peer, condition) }
+}
+
+/// `gsc_peer_transfer_t`. The enums are read as integers (see `CollDesc`).
+#[repr(C)]
+pub struct CPeerTransfer {
+    pub op: c_int,
+    pub buf: *mut c_void,
+    pub count: usize,
+    pub datatype: c_int,
+    pub peer: c_int,
+}
+
+/// The group of `gsc_comm_transfers`, each entry checked (its index in every message).
+pub(super) fn peer_transfers(entries: &[CPeerTransfer]) -> Result<Vec<PeerTransfer>> {
+    let named = |i: usize, e: Error| Error::new(e.status(), format!("transfer {i}: {}", e.message()));
+    let one = |t: &CPeerTransfer| -> Result<PeerTransfer> {
+        let op = match t.op {
+            0 => PeerOp::Send,
+            1 => PeerOp::Recv,
+            v => return Err(Error::invalid_param(format!("op {v} is not a gsc_peer_op_t"))),
+        };
+        let dtype = datatype(t.datatype)?;
+        let bytes = t
+            .count
+            .checked_mul(dtype.size())
+            .filter(|b| *b <= isize::MAX as usize)
+            .ok_or_else(|| Error::invalid_param(format!("{} elements of {} bytes overflow", t.count, dtype.size())))?;
+        Ok(PeerTransfer { op, buf: t.buf as u64, bytes, peer: rank_arg(t.peer, "peer")? })
+    };
+    entries.iter().enumerate().map(|(i, t)| one(t).map_err(|e| named(i, e))).collect()
+}
+
+/// `gsc_comm_transfers`
+///
+/// # Safety
+/// `transfers` is NULL (with `n` 0) or readable for `n` entries; `out` is NULL or writable;
+/// every buffer is valid for its elements until the group completed on `condition`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_transfers(
+    comm: *mut c_void,
+    transfers: *const CPeerTransfer,
+    n: usize,
+    condition: *mut c_void,
+    out: *mut ConditionOut,
+) -> i32 {
+    ffi_guard("gsc_comm_transfers", || {
+        let (c, on) = comm_and_condition(comm, condition)?;
+        if transfers.is_null() && n != 0 {
+            return Err(Error::invalid_param(format!("transfers is NULL and n is {n}")));
+        }
+        let entries = if n == 0 {
+            &[][..]
+        } else {
+            // SAFETY: the caller's contract: readable for n entries (not NULL: checked above).
+            unsafe { std::slice::from_raw_parts(transfers, n) }
+        };
+        let group = peer_transfers(entries)?;
+        // SAFETY: the caller's contract on the buffers.
+        let armed = unsafe { c.transfers(&group, &on) }?;
+        if !out.is_null() {
+            // SAFETY: the caller's contract: writable when not NULL.
+            unsafe { out.write(ConditionOut::from(armed)) };
+        }
+        Ok(Status::Ok.code())
+    })
 }

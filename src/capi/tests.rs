@@ -1,6 +1,6 @@
 //! The header cannot drift from the Rust side: status values and layouts are checked here.
 
-use crate::error::{ALL_STATUSES, ERR_LAST};
+use crate::error::{ALL_STATUSES, ERR_LAST, Status};
 use std::collections::HashMap;
 
 const HEADER: &str = include_str!("../../include/gsc.h");
@@ -132,6 +132,9 @@ int main(void) {
     O(gsc_buffer_param_t, length); O(gsc_buffer_param_t, tag); O(gsc_buffer_param_t, partitions);
     O(gsc_buffer_param_t, memory_type); O(gsc_buffer_param_t, flags);
     S(gsc_status_t); S(gsc_memory_type_t); S(gsc_unique_id_t);
+    S(gsc_coll_desc_t); O(gsc_coll_desc_t, sendbuf); O(gsc_coll_desc_t, count); O(gsc_coll_desc_t, root);
+    S(gsc_peer_transfer_t); O(gsc_peer_transfer_t, buf); O(gsc_peer_transfer_t, count);
+    O(gsc_peer_transfer_t, datatype); O(gsc_peer_transfer_t, peer);
     return 0;
 }
 "#,
@@ -159,6 +162,15 @@ int main(void) {
         ("gsc_request_param_t.recv_info", offset_of!(RequestParam, recv_info)),
         ("gsc_request_param_t.condition", offset_of!(RequestParam, condition)),
         ("gsc_request_param_t.condition_out", offset_of!(RequestParam, condition_out)),
+        ("gsc_coll_desc_t", size_of::<super::comm::CollDesc>()),
+        ("gsc_coll_desc_t.sendbuf", offset_of!(super::comm::CollDesc, sendbuf)),
+        ("gsc_coll_desc_t.count", offset_of!(super::comm::CollDesc, count)),
+        ("gsc_coll_desc_t.root", offset_of!(super::comm::CollDesc, root)),
+        ("gsc_peer_transfer_t", size_of::<super::comm::CPeerTransfer>()),
+        ("gsc_peer_transfer_t.buf", offset_of!(super::comm::CPeerTransfer, buf)),
+        ("gsc_peer_transfer_t.count", offset_of!(super::comm::CPeerTransfer, count)),
+        ("gsc_peer_transfer_t.datatype", offset_of!(super::comm::CPeerTransfer, datatype)),
+        ("gsc_peer_transfer_t.peer", offset_of!(super::comm::CPeerTransfer, peer)),
         ("gsc_condition_out_t", size_of::<super::params::ConditionOut>()),
         ("gsc_condition_out_t.done_node", offset_of!(super::params::ConditionOut, done_node)),
         ("gsc_condition_out_t.device_handle", offset_of!(super::params::ConditionOut, device_handle)),
@@ -276,4 +288,33 @@ fn header_datatypes_and_ops_equal_the_rust_values() {
     for (name, v) in ops {
         assert_eq!(name, format!("GSC_{}", RedOp::from_nccl(v).unwrap().name().to_uppercase()), "value {v}");
     }
+}
+
+#[test]
+fn peer_transfer_entries_are_checked_and_named_by_index() {
+    use super::comm::{CPeerTransfer, gsc_comm_transfers, peer_transfers};
+    use crate::collectives::{PeerOp, PeerTransfer};
+    assert_eq!(header_enum("gsc_peer_op_t"), [("GSC_PEER_SEND".to_string(), 0), ("GSC_PEER_RECV".to_string(), 1)]);
+    let mut buf = [0u32; 4];
+    let ptr: *mut std::ffi::c_void = buf.as_mut_ptr().cast();
+    let entry = |op, count, datatype, peer| CPeerTransfer { op, buf: ptr, count, datatype, peer };
+    let good = [entry(0, 3, 2, 1), entry(1, 4, 9, 0)];
+    let addr = ptr as u64;
+    assert_eq!(
+        peer_transfers(&good).unwrap(),
+        [PeerTransfer { op: PeerOp::Send, buf: addr, bytes: 12, peer: 1 }, PeerTransfer { op: PeerOp::Recv, buf: addr, bytes: 8, peer: 0 }]
+    );
+    for (bad, text) in [
+        (entry(2, 1, 2, 0), "transfer 1: op 2 is not a gsc_peer_op_t"),
+        (entry(0, 1, 99, 0), "transfer 1: datatype 99 is not a gsc_datatype_t"),
+        (entry(1, 1, 2, -3), "transfer 1: peer is negative (-3)"),
+        (entry(0, usize::MAX / 2, 2, 0), "transfer 1: 9223372036854775807 elements of 4 bytes overflow"),
+    ] {
+        let err = peer_transfers(&[entry(0, 3, 2, 1), bad]).unwrap_err();
+        assert_eq!((err.status(), err.message()), (Status::InvalidParam, text));
+    }
+    // Without a communicator the handle is refused before the entries are read.
+    // SAFETY: NULL handles; nothing is dereferenced.
+    let st = unsafe { gsc_comm_transfers(std::ptr::null_mut(), std::ptr::null(), 3, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(st, Status::InvalidHandle.code());
 }

@@ -353,13 +353,16 @@ impl Communicator {
     pub unsafe fn transfers(&self, group: &[PeerTransfer], on: &Condition) -> Result<ArmedOutputs> {
         self.check_aborted()?;
         let on_kernel = |t: &PeerTransfer| t.bytes > 0 && t.bytes <= self.p2p_max;
-        for t in group {
+        for (i, t) in group.iter().enumerate() {
+            let what = if t.op == PeerOp::Send { "send" } else { "receive" };
             if t.peer >= self.nranks {
-                return Err(Error::invalid_param(format!("peer {} of a communicator of {} ranks", t.peer, self.nranks)));
+                return Err(Error::invalid_param(format!(
+                    "transfer {i} ({what}): peer {} of a communicator of {} ranks",
+                    t.peer, self.nranks
+                )));
             }
             if on_kernel(t) {
-                let what = if t.op == PeerOp::Send { "send" } else { "receive" };
-                self.check_device_buffer(t.buf, what)?;
+                self.check_device_buffer(t.buf, what).map_err(|e| Error::new(e.status(), format!("transfer {i}: {}", e.message())))?;
             }
         }
         let (kernel, engine): (Vec<PeerTransfer>, Vec<PeerTransfer>) = group.iter().partition(|t| on_kernel(t));

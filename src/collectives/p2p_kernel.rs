@@ -86,7 +86,8 @@ mod tests {
     fn messages_are_cut_into_up_to_32_chunks_of_16_to_64_kib() {
         use crate::cuda::coll_p2p::chunk_bytes;
         let k = 1u64 << 10;
-        for (bytes, chunk, n) in [(1, 16 * k, 1), (16 * k, 16 * k, 1), (16 * k + 1, 16 * k, 2), (128 * k, 16 * k, 8), (512 * k, 16 * k, 32)] {
+        for (bytes, chunk, n) in [(1, 16 * k, 1), (16 * k, 16 * k, 1), (16 * k + 1, 16 * k, 2), (128 * k, 16 * k, 8), (512 * k, 16 * k, 32)]
+        {
             assert_eq!((chunk_bytes(bytes), chunks(bytes)), (chunk, n), "{bytes} bytes");
         }
         // Past 512 KiB the chunk grows in 16 KiB steps to keep 32 chunks, up to a whole slot.

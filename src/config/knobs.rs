@@ -679,14 +679,15 @@ pub(super) static KNOBS: &[Knob] = &[
     },
     Knob {
         name: "GSC_COLL_P2P_MAX",
-        default: "8M",
+        default: "16M",
         doc: "Largest send/recv (bytes) of a communicator's group that SMs move, through FIFOs \
               in the receivers' workspaces, in one kernel per group on the stream (no host in \
               the loop, no buffer exchange, replayable in graphs); larger ones go through the \
               point-to-point engine (copy engines through CUDA IPC). Decided per message from \
               its length, so every rank must share it. 0: never. Applies to the NCCL-ABI \
               library's ncclSend/ncclRecv and Communicator::transfers. Between two H200s the \
-              kernel wins up to 4 MiB and the engine from 16 MiB (docs/PERF.md)",
+              kernel wins up to 16 MiB and the engine from 32 MiB for one message per pair \
+              (docs/PERF.md, session 25)",
         kind: KnobKind::Size,
         parse: |c, v| {
             c.coll_p2p_max = parse_usize(v)?;

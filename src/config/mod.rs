@@ -468,7 +468,7 @@ impl Default for Config {
             coll_ring_min: 1 << 20,
             coll_trigger_max: 64,
             coll_ring_pieces: 2,
-            coll_p2p_max: 8 << 20,
+            coll_p2p_max: 16 << 20,
             coll_p2p_blocks: 32,
             fake_host: None,
             cuda_copy_streams: 1,
