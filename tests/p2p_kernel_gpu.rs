@@ -164,6 +164,34 @@ fn several_per_pair(r: &Rank, bad: &mut Vec<String>) {
     }
 }
 
+/// Messages to itself: a send and its receive in one group are one copy in the kernel; sends
+/// whose receives come in a later group wait in the rank's own FIFO, and while one does, the
+/// later group's messages to itself go through the FIFO too (in order: the k-th send pairs
+/// with the k-th receive).
+fn self_messages(r: &Rank, bad: &mut Vec<String>) {
+    let me = r.me();
+    let lens = [5000usize, 70_000, 300, 1234];
+    let outs: Vec<DeviceBuf> = lens.iter().map(|&l| zeroed(l)).collect();
+    let ins: Vec<DeviceBuf> = lens.iter().map(|&l| zeroed(l)).collect();
+    for (k, &len) in lens.iter().enumerate() {
+        outs[k].upload(&message(me, me, 62, k as u64, len)).unwrap();
+    }
+    let groups: [Vec<PeerTransfer>; 3] = [
+        vec![send(&outs[0], 0, lens[0], me), send(&outs[1], 0, lens[1], me)],
+        vec![recv(&ins[0], 0, lens[0], me), recv(&ins[1], 0, lens[1], me), send(&outs[2], 0, lens[2], me), recv(&ins[2], 0, lens[2], me)],
+        vec![recv(&ins[3], 0, lens[3], me), send(&outs[3], 0, lens[3], me)],
+    ];
+    for g in &groups {
+        issue(r, g, &r.cond);
+        r.sync();
+    }
+    for (k, &len) in lens.iter().enumerate() {
+        if ins[k].download().unwrap() != message(me, me, 62, k as u64, len) {
+            bad.push(format!("rank {me}: message {k} ({len} B) to itself wrong"));
+        }
+    }
+}
+
 /// A group captured from a stream, and one built on a graph condition: an all-to-all of 65,537
 /// bytes and 6 MiB to the next rank (96 chunks: past the end of the pair's 64-slot FIFO),
 /// replayed with new data.
@@ -230,6 +258,14 @@ fn bad_input(r: &Rank, bad: &mut Vec<String>) {
     let host = [0u8; 8];
     let host_send = PeerTransfer { op: PeerOp::Send, buf: host.as_ptr() as u64, bytes: 8, peer: 0 };
     expect("a host buffer", &[good, host_send], &r.cond, Status::InvalidParam, "transfer 1: the send buffer is not GPU memory");
+    let pair = [good, send(&b, 0, 8, me), recv(&b, 8, 16, me)];
+    expect(
+        "a send to itself and its receive of different lengths",
+        &pair,
+        &r.cond,
+        Status::InvalidParam,
+        "transfer 1 (a send to this rank, 8 bytes) pairs with transfer 2",
+    );
     let hs = HostStream::new().unwrap();
     let on_host = Condition::host_stream(&hs);
     expect("a host stream", &[good], &on_host, Status::Unsupported, "CUDA stream and graph conditions");
@@ -307,6 +343,7 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     all_to_all_sizes(&r, &mut bad);
     several_per_pair(&r, &mut bad);
     replays(&r, &mut bad);
+    self_messages(&r, &mut bad);
     bad_input(&r, &mut bad);
     eprintln!("rank {rank}: exact checks in {:?}", t0.elapsed());
     if let Err(e) = r.comm.async_error() {

@@ -85,6 +85,10 @@ pub struct Communicator {
     p2p_max: usize,
     p2p_blocks: usize,
     p2p_grid_max: usize,
+    /// Sends to this rank minus receives from it that went through its own FIFO so far
+    /// (`p2p_kernel::fuse_self`); groups are issued one at a time, so the lock is never
+    /// contended.
+    p2p_self_backlog: std::sync::Mutex<i64>,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -229,6 +233,7 @@ impl Communicator {
             p2p_max: config.coll_p2p_max,
             p2p_blocks: config.coll_p2p_blocks,
             p2p_grid_max,
+            p2p_self_backlog: std::sync::Mutex::new(0),
         })
     }
 
@@ -380,7 +385,11 @@ impl Communicator {
                 }
             };
             let cache = self.kernel_cache.as_deref();
-            for launch in p2p_kernel::plan(&kernel, self.p2p_blocks, self.p2p_grid_max) {
+            let kernel_ops = {
+                let mut backlog = self.p2p_self_backlog.lock().unwrap_or_else(|e| e.into_inner());
+                p2p_kernel::fuse_self(&kernel, self.rank, &mut backlog)?
+            };
+            for launch in p2p_kernel::plan(&kernel_ops, self.rank, self.p2p_blocks, self.p2p_grid_max) {
                 let mut args = P2pArgs {
                     coll: CollArgs {
                         nranks: self.nranks as u64,

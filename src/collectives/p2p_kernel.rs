@@ -10,10 +10,15 @@
 //! must take the same path — and `GSC_COLL_P2P_MAX` is one of the settings every rank must
 //! share.
 //!
+//! A send to this rank and its receive from this rank in the same group are one copy in the
+//! kernel (`fuse_self`), not a trip through the rank's own FIFO: two ranks' all-to-all of 64 B
+//! took 6.5 µs in graphs with the trip and 6.15 without the pair (docs/PERF.md, session 25).
+//!
 //! This module plans the launches; the kernel and its protocol are in `cuda::coll_p2p`.
 
 use super::p2p::PeerOp;
-use crate::cuda::coll_p2p::{P2P_MAX_OPS, P2pOp, chunks};
+use crate::cuda::coll_p2p::{P2P_COPY, P2P_MAX_OPS, P2P_RECV, P2P_SEND, P2pOp, chunks};
+use crate::error::{Error, Result};
 
 /// One send or receive of a group.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -23,6 +28,66 @@ pub struct PeerTransfer {
     pub buf: u64,
     pub bytes: usize,
     pub peer: usize,
+}
+
+/// What the kernel does for one entry of a group: a transfer through a FIFO, or a copy that is
+/// a send to this rank and its receive from this rank at once.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum KernelOp {
+    Fifo(PeerTransfer),
+    SelfCopy { src: u64, dst: u64, bytes: usize },
+}
+
+/// The kernel's operations for `group` (its kernel-path transfers, in order) on rank `me`.
+/// `backlog` is how many more sends to itself than receives from itself this rank has put
+/// through its own FIFO so far (negative: receives ahead); it is updated only on success.
+///
+/// The k-th send to itself pairs with the k-th receive from itself. While nothing of that
+/// sequence waits in the FIFO (`backlog` 0), the group's sends and receives to itself pair up
+/// in order and each pair becomes one copy; what is left over (sends without a receive in the
+/// group, or the reverse) goes through the FIFO, as everything to itself does while the FIFO
+/// holds a backlog. A pair whose lengths differ is refused here, naming both entries.
+pub(crate) fn fuse_self(group: &[PeerTransfer], me: usize, backlog: &mut i64) -> Result<Vec<KernelOp>> {
+    let mut ops: Vec<Option<KernelOp>> = Vec::with_capacity(group.len());
+    let mut balance = *backlog;
+    // Entries of the group waiting for their other half: (index, transfer).
+    let (mut sends, mut recvs) = (std::collections::VecDeque::new(), std::collections::VecDeque::new());
+    for (i, t) in group.iter().enumerate() {
+        if t.peer != me || *backlog != 0 {
+            if t.peer == me {
+                balance += if t.op == PeerOp::Send { 1 } else { -1 };
+            }
+            ops.push(Some(KernelOp::Fifo(*t)));
+            continue;
+        }
+        let other = if t.op == PeerOp::Send { recvs.pop_front() } else { sends.pop_front() };
+        match other {
+            Some((j, o)) => {
+                let (send, recv): (&PeerTransfer, &PeerTransfer) = if t.op == PeerOp::Send { (t, o) } else { (o, t) };
+                if send.bytes != recv.bytes {
+                    let (si, ri) = if t.op == PeerOp::Send { (i, j) } else { (j, i) };
+                    return Err(Error::invalid_param(format!(
+                        "transfer {si} (a send to this rank, {} bytes) pairs with transfer {ri} (a receive from this rank,                          {} bytes): a send and its receive must have the same length",
+                        send.bytes, recv.bytes
+                    )));
+                }
+                // The copy takes the place of the pair's first entry.
+                ops[j] = Some(KernelOp::SelfCopy { src: send.buf, dst: recv.buf, bytes: send.bytes });
+                ops.push(None);
+            }
+            None => {
+                if t.op == PeerOp::Send { &mut sends } else { &mut recvs }.push_back((i, t));
+                ops.push(None);
+            }
+        }
+    }
+    // The unpaired go through the FIFO, in their places.
+    for (i, t) in sends.iter().chain(recvs.iter()) {
+        ops[*i] = Some(KernelOp::Fifo(**t));
+    }
+    balance += sends.len() as i64 - recvs.len() as i64;
+    *backlog = balance;
+    Ok(ops.into_iter().flatten().collect())
 }
 
 /// One launch of a group: its operations and its grid.
@@ -41,32 +106,33 @@ pub(crate) struct Launch {
 /// other side is in a later launch of its rank then waits for it, which is fine while every
 /// launch's sends fit in the FIFOs (`P2P_SLOTS` chunks per pair) and may stall otherwise, as
 /// in any FIFO of bounded depth.
-pub(crate) fn plan(transfers: &[PeerTransfer], blocks_per_op: usize, max_blocks: usize) -> Vec<Launch> {
-    let live: Vec<&PeerTransfer> = transfers.iter().filter(|t| t.bytes > 0).collect();
+pub(crate) fn plan(kernel_ops: &[KernelOp], me: usize, blocks_per_op: usize, max_blocks: usize) -> Vec<Launch> {
+    let bytes = |k: &KernelOp| match k {
+        KernelOp::Fifo(t) => t.bytes,
+        KernelOp::SelfCopy { bytes, .. } => *bytes,
+    };
+    let live: Vec<&KernelOp> = kernel_ops.iter().filter(|k| bytes(k) > 0).collect();
     let mut launches = Vec::new();
     for group in live.chunks(P2P_MAX_OPS.min(max_blocks.max(1))) {
         let per_op = blocks_per_op.clamp(1, (max_blocks / group.len()).max(1));
         let mut ops = Vec::with_capacity(group.len());
         let mut next_block = 0;
-        for t in group {
-            let op_chunks = chunks(t.bytes as u64) as usize;
-            // Chunks of this launch's earlier operations with the same peer and direction: the
-            // launch's counters advance only when it ends.
-            let skip: u64 = ops
-                .iter()
-                .filter(|o: &&P2pOp| o.peer == t.peer as u64 && o.send == (t.op == PeerOp::Send) as u64)
-                .map(|o| chunks(o.bytes))
-                .sum();
-            let blocks = per_op.min(op_chunks);
-            ops.push(P2pOp {
-                buf: t.buf,
-                bytes: t.bytes as u64,
-                peer: t.peer as u64,
-                send: (t.op == PeerOp::Send) as u64,
-                skip,
-                first_block: next_block as u64,
-                blocks: blocks as u64,
-            });
+        for k in group {
+            let blocks = per_op.min(chunks(bytes(k) as u64) as usize);
+            let op = match **k {
+                KernelOp::Fifo(t) => {
+                    let kind = if t.op == PeerOp::Send { P2P_SEND } else { P2P_RECV };
+                    // Chunks of this launch's earlier operations with the same peer and
+                    // direction: the launch's counters advance only when it ends.
+                    let skip: u64 =
+                        ops.iter().filter(|o: &&P2pOp| o.peer == t.peer as u64 && o.kind == kind).map(|o| chunks(o.bytes)).sum();
+                    P2pOp { buf: t.buf, src: 0, bytes: t.bytes as u64, peer: t.peer as u64, kind, skip, first_block: 0, blocks: 0 }
+                }
+                KernelOp::SelfCopy { src, dst, bytes } => {
+                    P2pOp { buf: dst, src, bytes: bytes as u64, peer: me as u64, kind: P2P_COPY, skip: 0, first_block: 0, blocks: 0 }
+                }
+            };
+            ops.push(P2pOp { first_block: next_block as u64, blocks: blocks as u64, ..op });
             next_block += blocks;
         }
         launches.push(Launch { ops, blocks: next_block });
@@ -80,6 +146,77 @@ mod tests {
 
     fn t(op: PeerOp, bytes: usize, peer: usize) -> PeerTransfer {
         PeerTransfer { op, buf: 0x1000, bytes, peer }
+    }
+
+    fn fifo(group: &[PeerTransfer]) -> Vec<KernelOp> {
+        group.iter().map(|t| KernelOp::Fifo(*t)).collect()
+    }
+
+    /// A transfer of `bytes` at `buf`.
+    fn at(op: PeerOp, buf: u64, bytes: usize, peer: usize) -> PeerTransfer {
+        PeerTransfer { op, buf, bytes, peer }
+    }
+
+    #[test]
+    fn sends_to_self_pair_with_receives_from_self_in_order_into_copies() {
+        use PeerOp::{Recv, Send};
+        // Rank 1: a receive from itself before its send, a ring to rank 0 between them, then
+        // two sends to itself with one receive: the first pairs, the second is left over.
+        let group = [
+            at(Recv, 0xa0, 8, 1),
+            at(Send, 0xb0, 64, 0),
+            at(Send, 0xc0, 8, 1),
+            at(Send, 0xd0, 16, 1),
+            at(Send, 0xe0, 32, 1),
+            at(Recv, 0xf0, 16, 1),
+        ];
+        let mut backlog = 0;
+        let ops = fuse_self(&group, 1, &mut backlog).unwrap();
+        assert_eq!(
+            ops,
+            [
+                KernelOp::SelfCopy { src: 0xc0, dst: 0xa0, bytes: 8 },
+                KernelOp::Fifo(group[1]),
+                KernelOp::SelfCopy { src: 0xd0, dst: 0xf0, bytes: 16 },
+                KernelOp::Fifo(group[4]),
+            ]
+        );
+        assert_eq!(backlog, 1);
+        // With a send waiting in the FIFO, everything to itself goes through the FIFO (the
+        // next receive must take that send), until the backlog is gone.
+        let next = [at(Send, 0x10, 4, 1), at(Recv, 0x20, 32, 1), at(Recv, 0x30, 4, 1)];
+        assert_eq!(fuse_self(&next, 1, &mut backlog).unwrap(), fifo(&next));
+        assert_eq!(backlog, 0);
+        let last = [at(Send, 0x40, 4, 1), at(Recv, 0x50, 4, 1)];
+        assert_eq!(fuse_self(&last, 1, &mut backlog).unwrap(), [KernelOp::SelfCopy { src: 0x40, dst: 0x50, bytes: 4 }]);
+        // Receives ahead count negative.
+        let recv_only = [at(Recv, 0x60, 4, 1)];
+        assert_eq!(fuse_self(&recv_only, 1, &mut backlog).unwrap(), fifo(&recv_only));
+        assert_eq!(backlog, -1);
+    }
+
+    #[test]
+    fn a_copy_is_its_own_operation_and_moves_no_fifo_counter() {
+        let ops = [
+            KernelOp::Fifo(t(PeerOp::Send, 8, 2)),
+            KernelOp::SelfCopy { src: 0x2000, dst: 0x3000, bytes: 1 << 20 },
+            KernelOp::Fifo(t(PeerOp::Send, 8, 2)),
+        ];
+        let launch = &plan(&ops, 2, 8, 132)[0];
+        let copy = launch.ops[1];
+        assert_eq!((copy.kind, copy.buf, copy.src, copy.peer, copy.skip, copy.blocks), (P2P_COPY, 0x3000, 0x2000, 2, 0, 8));
+        // The second send to rank 2 (itself through its FIFO) skips the first's chunk only.
+        assert_eq!(launch.ops[2].skip, 1);
+    }
+
+    #[test]
+    fn a_self_pair_of_different_lengths_is_refused_and_changes_nothing() {
+        let group = [t(PeerOp::Send, 8, 0), t(PeerOp::Send, 100, 3), t(PeerOp::Recv, 12, 3)];
+        let mut backlog = 0;
+        let err = fuse_self(&group, 3, &mut backlog).unwrap_err();
+        assert_eq!(err.status(), crate::Status::InvalidParam);
+        assert!(err.message().contains("transfer 1 (a send to this rank, 100 bytes) pairs with transfer 2"), "{err}");
+        assert_eq!(backlog, 0);
     }
 
     #[test]
@@ -101,7 +238,7 @@ mod tests {
     fn operations_get_blocks_by_chunks_and_skips_by_pair_and_direction() {
         let (a, b, d) = (40 << 10, (1 << 20) + 1, 20 << 20);
         let group = [t(PeerOp::Send, a, 1), t(PeerOp::Recv, 8, 1), t(PeerOp::Send, 0, 2), t(PeerOp::Send, b, 1), t(PeerOp::Recv, d, 1)];
-        let launches = plan(&group, 8, 132);
+        let launches = plan(&fifo(&group), 0, 8, 132);
         assert_eq!(launches.len(), 1);
         let ops = &launches[0].ops;
         // The empty send is left out; the rest keep their order.
@@ -114,18 +251,18 @@ mod tests {
         // The second send to rank 1 comes after the first's chunks; the second receive from
         // rank 1 after the first's one.
         assert_eq!(ops.iter().map(|o| o.skip).collect::<Vec<_>>(), [0, 0, ca, 1]);
-        assert_eq!(ops.iter().map(|o| o.send).collect::<Vec<_>>(), [1, 0, 1, 0]);
+        assert_eq!(ops.iter().map(|o| o.kind).collect::<Vec<_>>(), [P2P_SEND, P2P_RECV, P2P_SEND, P2P_RECV]);
     }
 
     #[test]
     fn blocks_shrink_to_keep_a_launch_resident() {
         let group: Vec<_> = (0..16).map(|i| t(if i % 2 == 0 { PeerOp::Send } else { PeerOp::Recv }, 4 << 20, i / 2)).collect();
-        let launches = plan(&group, 8, 66);
+        let launches = plan(&fifo(&group), 0, 8, 66);
         assert_eq!(launches.len(), 1);
         assert!(launches[0].ops.iter().all(|o| o.blocks == 4), "{:?}", launches[0].ops);
         assert_eq!(launches[0].blocks, 64);
         // One block per operation is the floor, however small the GPU.
-        let launches = plan(&group, 8, 4);
+        let launches = plan(&fifo(&group), 0, 8, 4);
         assert_eq!(launches.len(), 4);
         assert!(launches.iter().all(|l| l.ops.len() == 4 && l.blocks == 4));
     }
@@ -133,10 +270,10 @@ mod tests {
     #[test]
     fn large_groups_are_cut_and_skips_restart_per_launch() {
         let group: Vec<_> = (0..P2P_MAX_OPS + 3).map(|_| t(PeerOp::Send, 10, 0)).collect();
-        let launches = plan(&group, 8, 132);
+        let launches = plan(&fifo(&group), 0, 8, 132);
         assert_eq!(launches.iter().map(|l| l.ops.len()).collect::<Vec<_>>(), [P2P_MAX_OPS, 3]);
         assert_eq!(launches[0].ops.last().unwrap().skip, (P2P_MAX_OPS - 1) as u64);
         assert_eq!(launches[1].ops.iter().map(|o| o.skip).collect::<Vec<_>>(), [0, 1, 2]);
-        assert!(plan(&[t(PeerOp::Recv, 0, 0)], 8, 132).is_empty());
+        assert!(plan(&fifo(&[t(PeerOp::Recv, 0, 0)]), 0, 8, 132).is_empty());
     }
 }

@@ -22,6 +22,10 @@
 //! credit (c + 1) into the sender's area. So a pair needs no handshake per message, only per
 //! chunk, and a message of up to slots x chunk bytes is delivered before the receiver shows up.
 //!
+//! **Copies.** A send to this rank and its receive from this rank in one group
+//! (`p2p_kernel::fuse_self`) are one `P2P_COPY` operation: its blocks copy the chunks from the
+//! send buffer to the receive buffer and touch no FIFO, header, credit or counter.
+//!
 //! **Why chunk numbers live on the GPU.** A launch reads the counters of its pairs when it
 //! starts and its last block advances them when it ends, so a captured group replays any
 //! number of times. So send/recv kernels of one communicator run one at a time, in issue order
@@ -87,15 +91,25 @@ pub(crate) const fn p2p_area_bytes(nranks: usize) -> usize {
 pub(crate) const P2P_FAILED: u64 = 1 << 63;
 pub(crate) const P2P_SIZE_MISMATCH: u64 = P2P_FAILED | 1 << 62;
 
-/// `gsc_p2p_op_t`: one send or receive of a launch.
+/// `gsc_p2p_op_t::kind`.
+pub(crate) const P2P_RECV: u64 = 0;
+pub(crate) const P2P_SEND: u64 = 1;
+/// A send to this rank and its receive from this rank: `src` to `buf`, no FIFO.
+pub(crate) const P2P_COPY: u64 = 2;
+
+/// `gsc_p2p_op_t`: one send, receive or copy of a launch.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct P2pOp {
+    /// The send's source, the receive's or the copy's target.
     pub(crate) buf: u64,
+    /// The copy's source.
+    pub(crate) src: u64,
     pub(crate) bytes: u64,
+    /// The other rank (a copy's: this one).
     pub(crate) peer: u64,
-    /// 1: send, 0: receive.
-    pub(crate) send: u64,
+    /// `P2P_RECV`, `P2P_SEND` or `P2P_COPY`.
+    pub(crate) kind: u64,
     /// Chunks of the launch's earlier operations with the same peer and direction.
     pub(crate) skip: u64,
     /// The operation's blocks: `first_block .. first_block + blocks`.
@@ -116,8 +130,10 @@ pub(crate) struct P2pArgs {
 }
 impl ArgBlock for P2pArgs {}
 // u64 fields only, so no padding: the cache keys on the bytes.
-const _: () = assert!(std::mem::size_of::<P2pOp>() == 7 * 8);
-const _: () = assert!(std::mem::size_of::<P2pArgs>() == std::mem::size_of::<CollArgs>() + 16 + P2P_MAX_OPS * 7 * 8);
+const _: () = assert!(std::mem::size_of::<P2pOp>() == 8 * 8);
+const _: () = assert!(std::mem::size_of::<P2pArgs>() == std::mem::size_of::<CollArgs>() + 16 + P2P_MAX_OPS * 8 * 8);
+// A kernel's parameters: 4 KiB (the limit before CUDA 12.1).
+const _: () = assert!(std::mem::size_of::<P2pArgs>() <= 4096);
 
 impl Default for P2pArgs {
     fn default() -> P2pArgs {
@@ -131,8 +147,11 @@ pub(super) const SOURCE: &str = r#"
 /* Send/recv through FIFOs in the receivers' workspaces (cuda/coll_p2p.rs has the protocol).   */
 /* ------------------------------------------------------------------------------------------ */
 typedef struct {
-    unsigned long long buf, bytes, peer, send, skip, first_block, blocks;
+    unsigned long long buf, src, bytes, peer, kind, skip, first_block, blocks;
 } gsc_p2p_op_t;
+#define GSC_P2P_RECV 0ull
+#define GSC_P2P_SEND 1ull
+#define GSC_P2P_COPY 2ull
 
 typedef struct {
     gsc_coll_args_t c;
@@ -215,12 +234,15 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
         const gsc_p2p_op_t o = a->op[i];
         const unsigned long long chunk = gsc_p2p_chunk(o.bytes), slot_bytes = GSC_P2P_CHUNK, slots = GSC_P2P_SLOTS;
         const unsigned long long chunks = gsc_p2p_chunks(o.bytes);
-        const unsigned long long base = *(volatile unsigned long long *)(ctl + (o.send ? 0 : 8) + o.peer) + o.skip;
+        const bool send = o.kind == GSC_P2P_SEND;
+        const unsigned long long base = o.kind == GSC_P2P_COPY ? 0 : *(volatile unsigned long long *)(ctl + (send ? 0 : 8) + o.peer) + o.skip;
         const unsigned long long peer_ws = a->c.peer[o.peer];
         for (unsigned long long j = blockIdx.x - o.first_block; j < chunks; j += o.blocks) {
             const unsigned long long c = base + j, k = c % slots;
             const unsigned long long off = j * chunk, len = o.bytes - off < chunk ? o.bytes - off : chunk;
-            if (o.send) {
+            if (o.kind == GSC_P2P_COPY) {
+                gsc_p2p_copy((unsigned char *)o.buf + off, (const unsigned char *)o.src + off, len, false);
+            } else if (send) {
                 /* Our slot k at the receiver; its credit word here. */
                 unsigned char *slot = (unsigned char *)GSC_P2P_AT(peer_ws, GSC_P2P_DATA + (me * slots + k) * slot_bytes);
                 unsigned long long *hdr = GSC_P2P_AT(peer_ws, GSC_P2P_HEADERS + (me * slots + k) * 16);
@@ -274,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
     /* Every block has read the counters: advance them past this launch's chunks. */
     for (unsigned long long q = 0; q < a->nops; q++) {
         const gsc_p2p_op_t o = a->op[q];
-        ctl[(o.send ? 0 : 8) + o.peer] += gsc_p2p_chunks(o.bytes);
+        if (o.kind != GSC_P2P_COPY) ctl[(o.kind == GSC_P2P_SEND ? 0 : 8) + o.peer] += gsc_p2p_chunks(o.bytes);
     }
     ctl[16] = 0;
 }
