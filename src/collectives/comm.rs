@@ -85,10 +85,9 @@ pub struct Communicator {
     p2p_max: usize,
     p2p_blocks: usize,
     p2p_grid_max: usize,
-    /// Sends to this rank minus receives from it that went through its own FIFO so far
-    /// (`p2p_kernel::fuse_self`); groups are issued one at a time, so the lock is never
-    /// contended.
-    p2p_self_backlog: std::sync::Mutex<i64>,
+    /// Whether messages to this rank have gone through its own FIFO (`p2p_kernel::fuse_self`);
+    /// groups are issued one at a time, so the lock is never contended.
+    p2p_self_fifo: std::sync::Mutex<bool>,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -233,7 +232,7 @@ impl Communicator {
             p2p_max: config.coll_p2p_max,
             p2p_blocks: config.coll_p2p_blocks,
             p2p_grid_max,
-            p2p_self_backlog: std::sync::Mutex::new(0),
+            p2p_self_fifo: std::sync::Mutex::new(false),
         })
     }
 
@@ -386,8 +385,8 @@ impl Communicator {
             };
             let cache = self.kernel_cache.as_deref();
             let kernel_ops = {
-                let mut backlog = self.p2p_self_backlog.lock().unwrap_or_else(|e| e.into_inner());
-                p2p_kernel::fuse_self(&kernel, self.rank, &mut backlog)?
+                let mut self_fifo = self.p2p_self_fifo.lock().unwrap_or_else(|e| e.into_inner());
+                p2p_kernel::fuse_self(&kernel, self.rank, &mut self_fifo)?
             };
             for launch in p2p_kernel::plan(&kernel_ops, self.rank, self.p2p_blocks, self.p2p_grid_max) {
                 let mut args = P2pArgs {

@@ -11,8 +11,9 @@
 //! share.
 //!
 //! A send to this rank and its receive from this rank in the same group are one copy in the
-//! kernel (`fuse_self`), not a trip through the rank's own FIFO: two ranks' all-to-all of 64 B
-//! took 6.5 µs in graphs with the trip and 6.15 without the pair (docs/PERF.md, session 25).
+//! kernel (`fuse_self`; while every group's messages to itself balance), not a trip through
+//! the rank's own FIFO: two ranks' all-to-all of 64 B took 6.5 µs in graphs with the trip and
+//! 6.15 without the pair (docs/PERF.md, session 25).
 //!
 //! This module plans the launches; the kernel and its protocol are in `cuda::coll_p2p`.
 
@@ -39,54 +40,37 @@ pub(crate) enum KernelOp {
 }
 
 /// The kernel's operations for `group` (its kernel-path transfers, in order) on rank `me`.
-/// `backlog` is how many more sends to itself than receives from itself this rank has put
-/// through its own FIFO so far (negative: receives ahead); it is updated only on success.
+/// `self_fifo` says whether this rank's messages to itself have ever gone through its own
+/// FIFO; it is set (for good) by the first group whose sends to itself and receives from
+/// itself do not balance.
 ///
-/// The k-th send to itself pairs with the k-th receive from itself. While nothing of that
-/// sequence waits in the FIFO (`backlog` 0), the group's sends and receives to itself pair up
-/// in order and each pair becomes one copy; what is left over (sends without a receive in the
-/// group, or the reverse) goes through the FIFO, as everything to itself does while the FIFO
-/// holds a backlog. A pair whose lengths differ is refused here, naming both entries.
-pub(crate) fn fuse_self(group: &[PeerTransfer], me: usize, backlog: &mut i64) -> Result<Vec<KernelOp>> {
-    let mut ops: Vec<Option<KernelOp>> = Vec::with_capacity(group.len());
-    let mut balance = *backlog;
-    // Entries of the group waiting for their other half: (index, transfer).
-    let (mut sends, mut recvs) = (std::collections::VecDeque::new(), std::collections::VecDeque::new());
-    for (i, t) in group.iter().enumerate() {
-        if t.peer != me || *backlog != 0 {
-            if t.peer == me {
-                balance += if t.op == PeerOp::Send { 1 } else { -1 };
-            }
-            ops.push(Some(KernelOp::Fifo(*t)));
-            continue;
-        }
-        let other = if t.op == PeerOp::Send { recvs.pop_front() } else { sends.pop_front() };
-        match other {
-            Some((j, o)) => {
-                let (send, recv): (&PeerTransfer, &PeerTransfer) = if t.op == PeerOp::Send { (t, o) } else { (o, t) };
-                if send.bytes != recv.bytes {
-                    let (si, ri) = if t.op == PeerOp::Send { (i, j) } else { (j, i) };
-                    return Err(Error::invalid_param(format!(
-                        "transfer {si} (a send to this rank, {} bytes) pairs with transfer {ri} (a receive from this rank,                          {} bytes): a send and its receive must have the same length",
-                        send.bytes, recv.bytes
-                    )));
-                }
-                // The copy takes the place of the pair's first entry.
-                ops[j] = Some(KernelOp::SelfCopy { src: send.buf, dst: recv.buf, bytes: send.bytes });
-                ops.push(None);
-            }
-            None => {
-                if t.op == PeerOp::Send { &mut sends } else { &mut recvs }.push_back((i, t));
-                ops.push(None);
-            }
-        }
+/// The k-th send to itself pairs with the k-th receive from itself. In a group where they
+/// balance, and while none ever went through the FIFO, the pairs are known: each becomes one
+/// copy (a pair whose lengths differ is refused here, naming both entries). Otherwise they go
+/// through the FIFO, from then on always: a replayed graph repeats its group, so counting what
+/// waits in the FIFO on the host could not say which later receive takes which send.
+pub(crate) fn fuse_self(group: &[PeerTransfer], me: usize, self_fifo: &mut bool) -> Result<Vec<KernelOp>> {
+    let is_self = |op: PeerOp| group.iter().filter(|t| t.peer == me && t.op == op).count();
+    let fifo = || group.iter().map(|t| KernelOp::Fifo(*t)).collect();
+    if *self_fifo || is_self(PeerOp::Send) != is_self(PeerOp::Recv) {
+        *self_fifo |= is_self(PeerOp::Send) + is_self(PeerOp::Recv) > 0;
+        return Ok(fifo());
     }
-    // The unpaired go through the FIFO, in their places.
-    for (i, t) in sends.iter().chain(recvs.iter()) {
-        ops[*i] = Some(KernelOp::Fifo(**t));
+    let sends: Vec<usize> = (0..group.len()).filter(|&i| group[i].peer == me && group[i].op == PeerOp::Send).collect();
+    let recvs: Vec<usize> = (0..group.len()).filter(|&i| group[i].peer == me && group[i].op == PeerOp::Recv).collect();
+    let mut ops: Vec<Option<KernelOp>> = group.iter().map(|t| (t.peer != me).then_some(KernelOp::Fifo(*t))).collect();
+    for (&si, &ri) in sends.iter().zip(&recvs) {
+        let (send, recv) = (&group[si], &group[ri]);
+        if send.bytes != recv.bytes {
+            return Err(Error::invalid_param(format!(
+                "transfer {si} (a send to this rank, {} bytes) pairs with transfer {ri} (a receive from this rank, {} bytes): \
+                 a send and its receive must have the same length",
+                send.bytes, recv.bytes
+            )));
+        }
+        // The copy takes the place of the pair's first entry.
+        ops[si.min(ri)] = Some(KernelOp::SelfCopy { src: send.buf, dst: recv.buf, bytes: send.bytes });
     }
-    balance += sends.len() as i64 - recvs.len() as i64;
-    *backlog = balance;
     Ok(ops.into_iter().flatten().collect())
 }
 
@@ -160,39 +144,29 @@ mod tests {
     #[test]
     fn sends_to_self_pair_with_receives_from_self_in_order_into_copies() {
         use PeerOp::{Recv, Send};
-        // Rank 1: a receive from itself before its send, a ring to rank 0 between them, then
-        // two sends to itself with one receive: the first pairs, the second is left over.
-        let group = [
-            at(Recv, 0xa0, 8, 1),
-            at(Send, 0xb0, 64, 0),
-            at(Send, 0xc0, 8, 1),
-            at(Send, 0xd0, 16, 1),
-            at(Send, 0xe0, 32, 1),
-            at(Recv, 0xf0, 16, 1),
-        ];
-        let mut backlog = 0;
-        let ops = fuse_self(&group, 1, &mut backlog).unwrap();
+        // Rank 1: a receive from itself before its send, a send to rank 0 between them, then
+        // a send and a receive of 16 bytes.
+        let group = [at(Recv, 0xa0, 8, 1), at(Send, 0xb0, 64, 0), at(Send, 0xc0, 8, 1), at(Send, 0xd0, 16, 1), at(Recv, 0xf0, 16, 1)];
+        let mut self_fifo = false;
+        let ops = fuse_self(&group, 1, &mut self_fifo).unwrap();
         assert_eq!(
             ops,
             [
                 KernelOp::SelfCopy { src: 0xc0, dst: 0xa0, bytes: 8 },
                 KernelOp::Fifo(group[1]),
-                KernelOp::SelfCopy { src: 0xd0, dst: 0xf0, bytes: 16 },
-                KernelOp::Fifo(group[4]),
+                KernelOp::SelfCopy { src: 0xd0, dst: 0xf0, bytes: 16 }
             ]
         );
-        assert_eq!(backlog, 1);
-        // With a send waiting in the FIFO, everything to itself goes through the FIFO (the
-        // next receive must take that send), until the backlog is gone.
-        let next = [at(Send, 0x10, 4, 1), at(Recv, 0x20, 32, 1), at(Recv, 0x30, 4, 1)];
-        assert_eq!(fuse_self(&next, 1, &mut backlog).unwrap(), fifo(&next));
-        assert_eq!(backlog, 0);
-        let last = [at(Send, 0x40, 4, 1), at(Recv, 0x50, 4, 1)];
-        assert_eq!(fuse_self(&last, 1, &mut backlog).unwrap(), [KernelOp::SelfCopy { src: 0x40, dst: 0x50, bytes: 4 }]);
-        // Receives ahead count negative.
-        let recv_only = [at(Recv, 0x60, 4, 1)];
-        assert_eq!(fuse_self(&recv_only, 1, &mut backlog).unwrap(), fifo(&recv_only));
-        assert_eq!(backlog, -1);
+        assert!(!self_fifo);
+        // A group without messages to itself changes nothing.
+        assert_eq!(fuse_self(&group[1..2], 1, &mut self_fifo).unwrap(), fifo(&group[1..2]));
+        assert!(!self_fifo);
+        // Two sends and one receive: all through the FIFO, and so is every later group's.
+        let unbalanced = [at(Send, 0x10, 4, 1), at(Send, 0x20, 32, 1), at(Recv, 0x30, 4, 1)];
+        assert_eq!(fuse_self(&unbalanced, 1, &mut self_fifo).unwrap(), fifo(&unbalanced));
+        assert!(self_fifo);
+        let pair = [at(Recv, 0x40, 32, 1), at(Send, 0x50, 4, 1), at(Recv, 0x60, 4, 1)];
+        assert_eq!(fuse_self(&pair, 1, &mut self_fifo).unwrap(), fifo(&pair));
     }
 
     #[test]
@@ -212,11 +186,11 @@ mod tests {
     #[test]
     fn a_self_pair_of_different_lengths_is_refused_and_changes_nothing() {
         let group = [t(PeerOp::Send, 8, 0), t(PeerOp::Send, 100, 3), t(PeerOp::Recv, 12, 3)];
-        let mut backlog = 0;
-        let err = fuse_self(&group, 3, &mut backlog).unwrap_err();
+        let mut self_fifo = false;
+        let err = fuse_self(&group, 3, &mut self_fifo).unwrap_err();
         assert_eq!(err.status(), crate::Status::InvalidParam);
         assert!(err.message().contains("transfer 1 (a send to this rank, 100 bytes) pairs with transfer 2"), "{err}");
-        assert_eq!(backlog, 0);
+        assert!(!self_fifo);
     }
 
     #[test]
