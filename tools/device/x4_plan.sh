@@ -7,11 +7,16 @@
 #   bash tools/device/x4_plan.sh san     # the direct kernel on four GPUs under memcheck and racecheck
 #   bash tools/device/x4_plan.sh floors  # what auto's floors on four ranks rest on: the direct
 #                                        # all-gather, and the other paths without the ring, by size
+#   bash tools/device/x4_plan.sh paths   # reduce-scatter and all-reduce 8-128 MiB: the direct
+#                                        # kernel alone, then the ring alone (to set auto)
+#   bash tools/device/x4_plan.sh p2p     # send/recv on four GPUs: the exact suite, gsc-bench
+#                                        # sendrecv and all-to-all, nccl-tests (carry .nccltests
+#                                        # and .gpn: see scripts/nccl-tests.sh)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/env.sh"
 cd "$here/../.."
-part=${1:?probe|bench|floors|san}
+part=${1:?probe|bench|floors|paths|p2p|san}
 case $part in
 probe)
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
@@ -35,6 +40,24 @@ floors)
         GSC_COLL_RING=off timeout 200 $B "$c" -b 8M -e 512M -f 2 -g 4 -n 20 -w 5 -m graph --nccl > "$OUT/$c-noring.log" 2>&1
     done
     timeout 120 $B all-reduce -b 8 -e 8 -g 4 -n 2000 -w 200 -m graph --nccl > "$OUT/ar8.log" 2>&1
+    ;;
+paths)
+    B=.gpu/bin/gsc-bench
+    for c in reduce-scatter all-reduce; do
+        GSC_COLL_SM=on GSC_COLL_RING=off timeout 200 $B "$c" -b 8M -e 128M -f 2 -g 4 -n 20 -w 5 -m graph --nccl > "$OUT/$c-sm.log" 2>&1
+        GSC_COLL_RING=on GSC_COLL_SM=off timeout 200 $B "$c" -b 8M -e 128M -f 2 -g 4 -n 20 -w 5 -m graph --nccl > "$OUT/$c-ring.log" 2>&1
+    done
+    ;;
+p2p)
+    B=.gpu/bin/gsc-bench
+    timeout 200 .gpu/tests/p2p_kernel_gpu-test four --test-threads=1 > "$OUT/p2p-four.log" 2>&1
+    echo "p2p four rc $?" >> "$OUT/p2p-four.log"
+    timeout 150 $B sendrecv -b 8 -e 128M -f 4 -g 4 -n 200 -w 20 -m stream,graph --nccl > "$OUT/sendrecv.log" 2>&1
+    timeout 150 $B all-to-all -b 64 -e 128M -f 4 -g 4 -n 200 -w 20 -m stream,graph --nccl > "$OUT/all-to-all.log" 2>&1
+    if [ -d .nccltests ] && [ -f .gpn/libnccl.so.2 ]; then
+        NCCLTESTS=.nccltests GSC_NCCL_LIB=.gpn/libnccl.so.2 timeout 240 bash scripts/nccl-tests.sh 4 "sendrecv alltoall" \
+            -b 8 -e 128M -f 8 -n 20 -w 5 > "$OUT/nccltests-summary.txt" 2>&1
+    fi
     ;;
 san)
     bash "$here/san.sh" memcheck x4 280 collectives_gpu:direct_kernel_collectives_exact_on_four_gpus
