@@ -935,7 +935,7 @@ typedef struct gsc_peer_transfer {
  *  ncclGroupEnd), in flight together once `condition` reaches them; the condition's stream
  *  (or the graph's later nodes) waits for all of them. The k-th send to a peer pairs with its
  *  k-th receive from this rank, with the same number of bytes. Messages of up to
- *  GSC_COLL_P2P_MAX bytes (16 MiB) are moved by one kernel on the stream, or one node of the
+ *  GSC_COLL_P2P_MAX bytes (32 MiB) are moved by one kernel on the stream, or one node of the
  *  graph, with no host in the loop — the fast path, which gsc_comm_send()/gsc_comm_recv() do
  *  not take; larger ones go through the point-to-point engine after it. STREAM and GRAPH
  *  conditions; `out` (NULL allowed) receives a GRAPH condition's start and done nodes. The

@@ -679,15 +679,15 @@ pub(super) static KNOBS: &[Knob] = &[
     },
     Knob {
         name: "GSC_COLL_P2P_MAX",
-        default: "16M",
+        default: "32M",
         doc: "Largest send/recv (bytes) of a communicator's group that SMs move, through FIFOs \
               in the receivers' workspaces, in one kernel per group on the stream (no host in \
               the loop, no buffer exchange, replayable in graphs); larger ones go through the \
               point-to-point engine (copy engines through CUDA IPC). Decided per message from \
               its length, so every rank must share it. 0: never. Applies to the NCCL-ABI \
               library's ncclSend/ncclRecv and Communicator::transfers. Between two H200s the \
-              kernel wins up to 16 MiB and the engine from 32 MiB for one message per pair \
-              (docs/PERF.md, session 25)",
+              kernel wins up to 32 MiB; at 64 MiB the engine wins one message per pair by \
+              2% and the kernel an all-to-all by 11% (docs/PERF.md, session 25)",
         kind: KnobKind::Size,
         parse: |c, v| {
             c.coll_p2p_max = parse_usize(v)?;
@@ -697,11 +697,13 @@ pub(super) static KNOBS: &[Knob] = &[
     },
     Knob {
         name: "GSC_COLL_P2P_BLOCKS",
-        default: "32",
+        default: "64",
         doc: "Blocks the send/recv kernel (GSC_COLL_P2P_MAX) gives one send or receive, 1 to \
-              64: each moves one 64 KiB chunk at a time, through a FIFO of 64 chunks per pair \
-              (8 blocks: 112 GB/s at 16 MiB, 32: 219, 64: 210 between two H200s). A group's \
-              blocks are kept within the GPU's SM count (fewer per operation when it has many)",
+              64: each moves one chunk (16 to 64 KiB) at a time, through a FIFO of 128 chunks \
+              per pair; a message has as many blocks as chunks at most (32 up to 2 MiB). \
+              Between two H200s at 16 MiB: 32 blocks 255 GB/s, 64: 298 (docs/PERF.md, session \
+              25). A group's blocks are kept within the GPU's SM count (fewer per operation \
+              when it has many)",
         kind: KnobKind::Positive,
         parse: |c, v| {
             let n = parse_usize(v)?;

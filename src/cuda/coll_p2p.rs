@@ -45,8 +45,8 @@ pub(crate) const P2P_CHUNK: usize = 64 << 10;
 /// The smallest chunk a message is cut into: two 16-byte stores per thread of a block. 4, 8,
 /// 16 and 64 KiB measured alike from 2 MiB up; 16 KiB was best below (PERF.md, session 25).
 pub(crate) const P2P_MIN_CHUNK: usize = 16 << 10;
-/// Chunks a message is cut into where `P2P_MIN_CHUNK` and `P2P_CHUNK` allow: as many as an
-/// operation's blocks by default (`GSC_COLL_P2P_BLOCKS`).
+/// Chunks a message is cut into where `P2P_MIN_CHUNK` and `P2P_CHUNK` allow (so up to 2 MiB
+/// a message has at most 32 blocks, past it up to `GSC_COLL_P2P_BLOCKS`).
 pub(crate) const P2P_SPLIT: usize = 32;
 const _: () = assert!(P2P_MIN_CHUNK % 16 == 0 && P2P_MIN_CHUNK <= P2P_CHUNK);
 
@@ -60,8 +60,10 @@ pub(crate) fn chunks(bytes: u64) -> u64 {
     bytes.div_ceil(chunk_bytes(bytes))
 }
 
-/// Slots per sender in every receiver's workspace: a pair has `P2P_SLOTS` chunks in flight.
-pub(crate) const P2P_SLOTS: usize = 64;
+/// Slots per sender in every receiver's workspace: a pair has `P2P_SLOTS` chunks in flight
+/// (8 MiB; 128 slots with 64 blocks per message moved 16 MiB in 56 µs between two H200s,
+/// 64 slots with 32 blocks in 66: docs/PERF.md, session 25).
+pub(crate) const P2P_SLOTS: usize = 128;
 /// Sends and receives one launch carries (in its argument block).
 pub(crate) const P2P_MAX_OPS: usize = 32;
 /// Threads per block.
@@ -78,7 +80,7 @@ pub(super) fn defines() -> String {
 /// Byte offsets inside the send/recv area (see the module doc).
 pub(crate) const P2P_CREDITS: usize = 4096;
 pub(crate) const P2P_HEADERS: usize = P2P_CREDITS + MAX_RANKS * P2P_SLOTS * 8;
-pub(crate) const P2P_DATA: usize = 16384;
+pub(crate) const P2P_DATA: usize = 32768;
 const _: () = assert!(P2P_HEADERS + MAX_RANKS * P2P_SLOTS * 16 <= P2P_DATA && P2P_DATA % 4096 == 0);
 
 /// Bytes of the send/recv area of a communicator of `nranks`.

@@ -9,7 +9,7 @@
  * Rank r sends `count` int32 elements to every rank p (itself included) from element p x count
  * of its send buffer, and receives rank p's into element p x count of its receive buffer: 2N
  * entries of one gsc_peer_transfer_t array, one call. Messages of up to GSC_COLL_P2P_MAX bytes
- * (16 MiB) are moved by one kernel on the stream — no host in the loop — and larger ones by the
+ * (32 MiB) are moved by one kernel on the stream — no host in the loop — and larger ones by the
  * point-to-point engine; the sizes below take both paths. Each all-to-all is this rank's data to
  * the GPU, the receive buffer poisoned, the group, the result back, all in stream order; then
  * the host checks every element. The graph phase puts the group on a GRAPH condition (one
@@ -67,9 +67,9 @@ static struct {
 #define ITERS 3
 #define GRAPH_REPLAYS 20
 #define WAIT_SECONDS 120
-/* Elements per pair: 20 MiB of int32 is past GSC_COLL_P2P_MAX's default 16 MiB, so the largest
+/* Elements per pair: 36 MiB of int32 is past GSC_COLL_P2P_MAX's default 32 MiB, so the largest
  * all-to-all goes through the point-to-point engine; the others are the kernel's. */
-#define MAX_COUNT ((size_t)5 << 20)
+#define MAX_COUNT ((size_t)9 << 20)
 
 static const size_t counts[] = {1, 1000, 12345, (size_t)1 << 20, MAX_COUNT};
 #define NCOUNTS (sizeof(counts) / sizeof(counts[0]))
