@@ -18,7 +18,7 @@
 //! This module plans the launches; the kernel and its protocol are in `cuda::coll_p2p`.
 
 use super::p2p::PeerOp;
-use crate::cuda::coll_p2p::{P2P_COPY, P2P_MAX_OPS, P2P_RECV, P2P_SEND, P2pOp, chunks};
+use crate::cuda::coll_p2p::{P2P_COPY, P2P_MAX_OPS, P2P_RECV, P2P_SEND, P2pOp, chunk_bytes, chunks};
 use crate::error::{Error, Result};
 
 /// One send or receive of a group.
@@ -102,21 +102,20 @@ pub(crate) fn plan(kernel_ops: &[KernelOp], me: usize, blocks_per_op: usize, max
         let mut ops = Vec::with_capacity(group.len());
         let mut next_block = 0;
         for k in group {
-            let blocks = per_op.min(chunks(bytes(k) as u64) as usize);
+            let n = chunks(bytes(k) as u64);
+            let blocks = per_op.min(n as usize);
+            let shape = P2pOp { bytes: bytes(k) as u64, chunks: n, chunk: chunk_bytes(bytes(k) as u64) as u32, ..Default::default() };
             let op = match **k {
                 KernelOp::Fifo(t) => {
                     let kind = if t.op == PeerOp::Send { P2P_SEND } else { P2P_RECV };
                     // Chunks of this launch's earlier operations with the same peer and
                     // direction: the launch's counters advance only when it ends.
-                    let skip: u64 =
-                        ops.iter().filter(|o: &&P2pOp| o.peer == t.peer as u64 && o.kind == kind).map(|o| chunks(o.bytes)).sum();
-                    P2pOp { buf: t.buf, src: 0, bytes: t.bytes as u64, peer: t.peer as u64, kind, skip, first_block: 0, blocks: 0 }
+                    let skip: u64 = ops.iter().filter(|o: &&P2pOp| o.peer == t.peer as u32 && o.kind == kind).map(|o| o.chunks).sum();
+                    P2pOp { buf: t.buf, peer: t.peer as u32, kind, skip, ..shape }
                 }
-                KernelOp::SelfCopy { src, dst, bytes } => {
-                    P2pOp { buf: dst, src, bytes: bytes as u64, peer: me as u64, kind: P2P_COPY, skip: 0, first_block: 0, blocks: 0 }
-                }
+                KernelOp::SelfCopy { src, dst, .. } => P2pOp { buf: dst, src, peer: me as u32, kind: P2P_COPY, ..shape },
             };
-            ops.push(P2pOp { first_block: next_block as u64, blocks: blocks as u64, ..op });
+            ops.push(P2pOp { first_block: next_block as u32, blocks: blocks as u32, ..op });
             next_block += blocks;
         }
         launches.push(Launch { ops, blocks: next_block });
@@ -179,6 +178,7 @@ mod tests {
         let launch = &plan(&ops, 2, 8, 132)[0];
         let copy = launch.ops[1];
         assert_eq!((copy.kind, copy.buf, copy.src, copy.peer, copy.skip, copy.blocks), (P2P_COPY, 0x3000, 0x2000, 2, 0, 8));
+        assert_eq!((copy.chunk, copy.chunks), (32 << 10, 32));
         // The second send to rank 2 (itself through its FIFO) skips the first's chunk only.
         assert_eq!(launch.ops[2].skip, 1);
     }
@@ -219,8 +219,8 @@ mod tests {
         assert_eq!(ops.len(), 4);
         let (ca, cb) = (chunks(a as u64), chunks(b as u64));
         assert!(ca > 1 && ca < 8 && cb >= 8, "{ca} {cb}");
-        assert_eq!(ops.iter().map(|o| o.blocks).collect::<Vec<_>>(), [ca, 1, 8, 8]);
-        assert_eq!(ops.iter().map(|o| o.first_block).collect::<Vec<_>>(), [0, ca, ca + 1, ca + 9]);
+        assert_eq!(ops.iter().map(|o| o.blocks as u64).collect::<Vec<_>>(), [ca, 1, 8, 8]);
+        assert_eq!(ops.iter().map(|o| o.first_block as u64).collect::<Vec<_>>(), [0, ca, ca + 1, ca + 9]);
         assert_eq!(launches[0].blocks as u64, ca + 17);
         // The second send to rank 1 comes after the first's chunks; the second receive from
         // rank 1 after the first's one.

@@ -50,12 +50,12 @@ pub(crate) const P2P_MIN_CHUNK: usize = 16 << 10;
 pub(crate) const P2P_SPLIT: usize = 32;
 const _: () = assert!(P2P_MIN_CHUNK % 16 == 0 && P2P_MIN_CHUNK <= P2P_CHUNK);
 
-/// The chunk size of a message of `bytes` (the kernel's `gsc_p2p_chunk`).
+/// The chunk size of a message of `bytes` (`P2pOp::chunk`).
 pub(crate) fn chunk_bytes(bytes: u64) -> u64 {
     bytes.div_ceil(P2P_SPLIT as u64).next_multiple_of(P2P_MIN_CHUNK as u64).min(P2P_CHUNK as u64)
 }
 
-/// The chunks of a message of `bytes` (`gsc_p2p_chunks`).
+/// The chunks of a message of `bytes` (`P2pOp::chunks`).
 pub(crate) fn chunks(bytes: u64) -> u64 {
     bytes.div_ceil(chunk_bytes(bytes))
 }
@@ -72,7 +72,7 @@ pub(crate) const P2P_THREADS: u32 = 512;
 pub(super) fn defines() -> String {
     format!(
         "#define GSC_P2P_CHUNK {P2P_CHUNK}ull\n#define GSC_P2P_SLOTS {P2P_SLOTS}ull\n#define GSC_P2P_MAX_OPS {P2P_MAX_OPS}\n\
-         #define GSC_P2P_THREADS {P2P_THREADS}\n#define GSC_P2P_MIN_CHUNK {P2P_MIN_CHUNK}ull\n#define GSC_P2P_SPLIT {P2P_SPLIT}ull\n#define GSC_P2P_CREDITS {P2P_CREDITS}ull\n#define GSC_P2P_HEADERS {P2P_HEADERS}ull\n\
+         #define GSC_P2P_THREADS {P2P_THREADS}\n#define GSC_P2P_CREDITS {P2P_CREDITS}ull\n#define GSC_P2P_HEADERS {P2P_HEADERS}ull\n\
          #define GSC_P2P_DATA {P2P_DATA}ull\n#define GSC_P2P_FAILED {P2P_FAILED}ull\n#define GSC_P2P_SIZE_MISMATCH {P2P_SIZE_MISMATCH}ull\n"
     )
 }
@@ -94,12 +94,14 @@ pub(crate) const P2P_FAILED: u64 = 1 << 63;
 pub(crate) const P2P_SIZE_MISMATCH: u64 = P2P_FAILED | 1 << 62;
 
 /// `gsc_p2p_op_t::kind`.
-pub(crate) const P2P_RECV: u64 = 0;
-pub(crate) const P2P_SEND: u64 = 1;
+pub(crate) const P2P_RECV: u32 = 0;
+pub(crate) const P2P_SEND: u32 = 1;
 /// A send to this rank and its receive from this rank: `src` to `buf`, no FIFO.
-pub(crate) const P2P_COPY: u64 = 2;
+pub(crate) const P2P_COPY: u32 = 2;
 
-/// `gsc_p2p_op_t`: one send, receive or copy of a launch.
+/// `gsc_p2p_op_t`: one send, receive or copy of a launch. The chunking is worked out here,
+/// not in the kernel: its 64-bit divisions by a message's chunk size cost the 8 B sendrecv
+/// 0.3 µs (docs/PERF.md, session 25).
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct P2pOp {
@@ -108,15 +110,21 @@ pub(crate) struct P2pOp {
     /// The copy's source.
     pub(crate) src: u64,
     pub(crate) bytes: u64,
-    /// The other rank (a copy's: this one).
-    pub(crate) peer: u64,
-    /// `P2P_RECV`, `P2P_SEND` or `P2P_COPY`.
-    pub(crate) kind: u64,
     /// Chunks of the launch's earlier operations with the same peer and direction.
     pub(crate) skip: u64,
+    /// `chunks(bytes)`.
+    pub(crate) chunks: u64,
+    /// `chunk_bytes(bytes)`.
+    pub(crate) chunk: u32,
+    /// The other rank (a copy's: this one).
+    pub(crate) peer: u32,
+    /// `P2P_RECV`, `P2P_SEND` or `P2P_COPY`.
+    pub(crate) kind: u32,
     /// The operation's blocks: `first_block .. first_block + blocks`.
-    pub(crate) first_block: u64,
-    pub(crate) blocks: u64,
+    pub(crate) first_block: u32,
+    pub(crate) blocks: u32,
+    /// Zero: no padding bytes of undefined value in the argument block.
+    pub(crate) pad: u32,
 }
 
 /// `gsc_p2p_args_t`.
@@ -131,9 +139,9 @@ pub(crate) struct P2pArgs {
     pub(crate) ops: [P2pOp; P2P_MAX_OPS],
 }
 impl ArgBlock for P2pArgs {}
-// u64 fields only, so no padding: the cache keys on the bytes.
-const _: () = assert!(std::mem::size_of::<P2pOp>() == 8 * 8);
-const _: () = assert!(std::mem::size_of::<P2pArgs>() == std::mem::size_of::<CollArgs>() + 16 + P2P_MAX_OPS * 8 * 8);
+// No implicit padding (the argument block's bytes are all defined).
+const _: () = assert!(std::mem::size_of::<P2pOp>() == 5 * 8 + 6 * 4);
+const _: () = assert!(std::mem::size_of::<P2pArgs>() == std::mem::size_of::<CollArgs>() + 16 + P2P_MAX_OPS * 64);
 // A kernel's parameters: 4 KiB (the limit before CUDA 12.1).
 const _: () = assert!(std::mem::size_of::<P2pArgs>() <= 4096);
 
@@ -149,11 +157,12 @@ pub(super) const SOURCE: &str = r#"
 /* Send/recv through FIFOs in the receivers' workspaces (cuda/coll_p2p.rs has the protocol).   */
 /* ------------------------------------------------------------------------------------------ */
 typedef struct {
-    unsigned long long buf, src, bytes, peer, kind, skip, first_block, blocks;
+    unsigned long long buf, src, bytes, skip, chunks;
+    unsigned int chunk, peer, kind, first_block, blocks, pad;
 } gsc_p2p_op_t;
-#define GSC_P2P_RECV 0ull
-#define GSC_P2P_SEND 1ull
-#define GSC_P2P_COPY 2ull
+#define GSC_P2P_RECV 0u
+#define GSC_P2P_SEND 1u
+#define GSC_P2P_COPY 2u
 
 typedef struct {
     gsc_coll_args_t c;
@@ -185,19 +194,6 @@ static __device__ int gsc_p2p_spin(const gsc_p2p_args_t *a, unsigned long long *
             look = now + GSC_ABORT_LOOK_NS;
         }
     }
-}
-
-/* The chunk size of a message of `bytes` and its number of chunks (coll_p2p.rs: chunk_bytes). */
-static __device__ __forceinline__ unsigned long long gsc_p2p_chunk(unsigned long long bytes)
-{
-    unsigned long long c = (bytes + GSC_P2P_SPLIT - 1) / GSC_P2P_SPLIT;
-    c = (c + GSC_P2P_MIN_CHUNK - 1) / GSC_P2P_MIN_CHUNK * GSC_P2P_MIN_CHUNK;
-    return c < GSC_P2P_CHUNK ? c : GSC_P2P_CHUNK;
-}
-static __device__ __forceinline__ unsigned long long gsc_p2p_chunks(unsigned long long bytes)
-{
-    const unsigned long long c = gsc_p2p_chunk(bytes);
-    return (bytes + c - 1) / c;
 }
 
 /* The block copies len bytes: 16 at a time where both sides allow it. `cg`: the source was
@@ -234,8 +230,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
     __syncthreads();
     if (fail_s == 0 && i < a->nops) {
         const gsc_p2p_op_t o = a->op[i];
-        const unsigned long long chunk = gsc_p2p_chunk(o.bytes), slot_bytes = GSC_P2P_CHUNK, slots = GSC_P2P_SLOTS;
-        const unsigned long long chunks = gsc_p2p_chunks(o.bytes);
+        const unsigned long long chunk = o.chunk, chunks = o.chunks, slot_bytes = GSC_P2P_CHUNK, slots = GSC_P2P_SLOTS;
         const bool send = o.kind == GSC_P2P_SEND;
         const unsigned long long base = o.kind == GSC_P2P_COPY ? 0 : *(volatile unsigned long long *)(ctl + (send ? 0 : 8) + o.peer) + o.skip;
         const unsigned long long peer_ws = a->c.peer[o.peer];
@@ -298,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
     /* Every block has read the counters: advance them past this launch's chunks. */
     for (unsigned long long q = 0; q < a->nops; q++) {
         const gsc_p2p_op_t o = a->op[q];
-        if (o.kind != GSC_P2P_COPY) ctl[(o.kind == GSC_P2P_SEND ? 0 : 8) + o.peer] += gsc_p2p_chunks(o.bytes);
+        if (o.kind != GSC_P2P_COPY) ctl[(o.kind == GSC_P2P_SEND ? 0 : 8) + o.peer] += o.chunks;
     }
     ctl[16] = 0;
 }
