@@ -195,7 +195,6 @@ mod tests {
 
     #[test]
     fn messages_are_cut_into_up_to_32_chunks_of_16_to_64_kib() {
-        use crate::cuda::coll_p2p::chunk_bytes;
         let k = 1u64 << 10;
         for (bytes, chunk, n) in [(1, 16 * k, 1), (16 * k, 16 * k, 1), (16 * k + 1, 16 * k, 2), (128 * k, 16 * k, 8), (512 * k, 16 * k, 32)]
         {
