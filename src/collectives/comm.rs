@@ -386,7 +386,7 @@ impl Communicator {
             let cache = self.kernel_cache.as_deref();
             let kernel_ops = {
                 let mut self_fifo = self.p2p_self_fifo.lock().unwrap_or_else(|e| e.into_inner());
-                p2p_kernel::fuse_self(&kernel, self.rank, &mut self_fifo)?
+                p2p_kernel::fuse_self(group, on_kernel, self.rank, &mut self_fifo)?
             };
             for launch in p2p_kernel::plan(&kernel_ops, self.rank, self.p2p_blocks, self.p2p_grid_max) {
                 let mut args = P2pArgs {

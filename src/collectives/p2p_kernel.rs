@@ -39,26 +39,30 @@ pub(crate) enum KernelOp {
     SelfCopy { src: u64, dst: u64, bytes: usize },
 }
 
-/// The kernel's operations for `group` (its kernel-path transfers, in order) on rank `me`.
-/// `self_fifo` says whether this rank's messages to itself have ever gone through its own
-/// FIFO; it is set (for good) by the first group whose sends to itself and receives from
-/// itself do not balance.
+/// The kernel's operations for the entries of `group` that `on_kernel` picks, in order, on
+/// rank `me` (errors name entries by their index in the whole group). `self_fifo` says whether
+/// this rank's messages to itself have ever gone through its own FIFO; it is set (for good) by
+/// the first group whose sends to itself and receives from itself do not balance.
 ///
 /// The k-th send to itself pairs with the k-th receive from itself. In a group where they
 /// balance, and while none ever went through the FIFO, the pairs are known: each becomes one
 /// copy (a pair whose lengths differ is refused here, naming both entries). Otherwise they go
 /// through the FIFO, from then on always: a replayed graph repeats its group, so counting what
 /// waits in the FIFO on the host could not say which later receive takes which send.
-pub(crate) fn fuse_self(group: &[PeerTransfer], me: usize, self_fifo: &mut bool) -> Result<Vec<KernelOp>> {
-    let is_self = |op: PeerOp| group.iter().filter(|t| t.peer == me && t.op == op).count();
-    let fifo = || group.iter().map(|t| KernelOp::Fifo(*t)).collect();
-    if *self_fifo || is_self(PeerOp::Send) != is_self(PeerOp::Recv) {
-        *self_fifo |= is_self(PeerOp::Send) + is_self(PeerOp::Recv) > 0;
-        return Ok(fifo());
+pub(crate) fn fuse_self(
+    group: &[PeerTransfer],
+    on_kernel: impl Fn(&PeerTransfer) -> bool,
+    me: usize,
+    self_fifo: &mut bool,
+) -> Result<Vec<KernelOp>> {
+    let kernel: Vec<usize> = (0..group.len()).filter(|&i| on_kernel(&group[i])).collect();
+    let to_self = |op: PeerOp| -> Vec<usize> { kernel.iter().copied().filter(|&i| group[i].peer == me && group[i].op == op).collect() };
+    let (sends, recvs) = (to_self(PeerOp::Send), to_self(PeerOp::Recv));
+    let mut ops: Vec<(usize, KernelOp)> = kernel.iter().map(|&i| (i, KernelOp::Fifo(group[i]))).collect();
+    if *self_fifo || sends.len() != recvs.len() {
+        *self_fifo |= !sends.is_empty() || !recvs.is_empty();
+        return Ok(ops.into_iter().map(|(_, k)| k).collect());
     }
-    let sends: Vec<usize> = (0..group.len()).filter(|&i| group[i].peer == me && group[i].op == PeerOp::Send).collect();
-    let recvs: Vec<usize> = (0..group.len()).filter(|&i| group[i].peer == me && group[i].op == PeerOp::Recv).collect();
-    let mut ops: Vec<Option<KernelOp>> = group.iter().map(|t| (t.peer != me).then_some(KernelOp::Fifo(*t))).collect();
     for (&si, &ri) in sends.iter().zip(&recvs) {
         let (send, recv) = (&group[si], &group[ri]);
         if send.bytes != recv.bytes {
@@ -68,10 +72,14 @@ pub(crate) fn fuse_self(group: &[PeerTransfer], me: usize, self_fifo: &mut bool)
                 send.bytes, recv.bytes
             )));
         }
-        // The copy takes the place of the pair's first entry.
-        ops[si.min(ri)] = Some(KernelOp::SelfCopy { src: send.buf, dst: recv.buf, bytes: send.bytes });
+        // The copy takes the place of the pair's first entry; the second is dropped.
+        let (first, second) = (si.min(ri), si.max(ri));
+        for op in ops.iter_mut().filter(|(i, _)| *i == first) {
+            op.1 = KernelOp::SelfCopy { src: send.buf, dst: recv.buf, bytes: send.bytes };
+        }
+        ops.retain(|(i, _)| *i != second);
     }
-    Ok(ops.into_iter().flatten().collect())
+    Ok(ops.into_iter().map(|(_, k)| k).collect())
 }
 
 /// One launch of a group: its operations and its grid.
@@ -147,7 +155,7 @@ mod tests {
         // a send and a receive of 16 bytes.
         let group = [at(Recv, 0xa0, 8, 1), at(Send, 0xb0, 64, 0), at(Send, 0xc0, 8, 1), at(Send, 0xd0, 16, 1), at(Recv, 0xf0, 16, 1)];
         let mut self_fifo = false;
-        let ops = fuse_self(&group, 1, &mut self_fifo).unwrap();
+        let ops = fuse_self(&group, |_| true, 1, &mut self_fifo).unwrap();
         assert_eq!(
             ops,
             [
@@ -158,14 +166,14 @@ mod tests {
         );
         assert!(!self_fifo);
         // A group without messages to itself changes nothing.
-        assert_eq!(fuse_self(&group[1..2], 1, &mut self_fifo).unwrap(), fifo(&group[1..2]));
+        assert_eq!(fuse_self(&group[1..2], |_| true, 1, &mut self_fifo).unwrap(), fifo(&group[1..2]));
         assert!(!self_fifo);
         // Two sends and one receive: all through the FIFO, and so is every later group's.
         let unbalanced = [at(Send, 0x10, 4, 1), at(Send, 0x20, 32, 1), at(Recv, 0x30, 4, 1)];
-        assert_eq!(fuse_self(&unbalanced, 1, &mut self_fifo).unwrap(), fifo(&unbalanced));
+        assert_eq!(fuse_self(&unbalanced, |_| true, 1, &mut self_fifo).unwrap(), fifo(&unbalanced));
         assert!(self_fifo);
         let pair = [at(Recv, 0x40, 32, 1), at(Send, 0x50, 4, 1), at(Recv, 0x60, 4, 1)];
-        assert_eq!(fuse_self(&pair, 1, &mut self_fifo).unwrap(), fifo(&pair));
+        assert_eq!(fuse_self(&pair, |_| true, 1, &mut self_fifo).unwrap(), fifo(&pair));
     }
 
     #[test]
@@ -185,9 +193,10 @@ mod tests {
 
     #[test]
     fn a_self_pair_of_different_lengths_is_refused_and_changes_nothing() {
+        // Entry 0 is not the kernel's (the engine's, say): the indices are still the group's.
         let group = [t(PeerOp::Send, 8, 0), t(PeerOp::Send, 100, 3), t(PeerOp::Recv, 12, 3)];
         let mut self_fifo = false;
-        let err = fuse_self(&group, 3, &mut self_fifo).unwrap_err();
+        let err = fuse_self(&group, |t| t.peer == 3, 3, &mut self_fifo).unwrap_err();
         assert_eq!(err.status(), crate::Status::InvalidParam);
         assert!(err.message().contains("transfer 1 (a send to this rank, 100 bytes) pairs with transfer 2"), "{err}");
         assert!(!self_fifo);
