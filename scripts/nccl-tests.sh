@@ -7,8 +7,9 @@
 #   NCCLTESTS=dir GSC_NCCL_LIB=path scripts/nccl-tests.sh NGPUS "TESTS" [nccl-tests args]
 #   e.g. scripts/nccl-tests.sh 4 "sendrecv alltoall" -b 8 -e 64M -f 8 -n 20 -w 5
 #
-# NCCLTESTS: a checkout of https://github.com/NVIDIA/nccl-tests (v2.16.9 was used; the machines
-# have no network, so carry it: git archive v2.16.9 | tar -x -C .nccltests). GSC_NCCL_LIB:
+# NCCLTESTS: a checkout of https://github.com/NVIDIA/nccl-tests (v2.19.6, which calls nccl.h
+# 2.28's ncclAlltoAll, ncclGather and ncclScatter, is used since session 26; v2.16.9 before; the
+# machines have no network, so carry it: git archive v2.19.6 | tar -x -C .nccltests). GSC_NCCL_LIB:
 # gscomm's library (cargo build --release -p gscomm-nccl; target/release/libnccl.so).
 # NVIDIA's NCCL is taken from the torch venv, as on our machines.
 ng=${1:-2}; tests=${2:-"sendrecv alltoall"}; shift 2; extra=("$@")
@@ -17,7 +18,7 @@ ourlib=${GSC_NCCL_LIB:-.gpu/lib/libnccl.so.2}
 OUT=${OUT:-/tmp/nccltests-out}; mkdir -p "$OUT"
 nv=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl | head -1)
 mkdir -p /tmp/nh/include /tmp/nh/lib
-cp "$nv"/include/nccl*.h /tmp/nh/include/
+cp -r "$nv"/include/. /tmp/nh/include/  # nccl.h and nccl_device.h with its directory
 cp "$ourlib" /tmp/nh/lib/libnccl.so.2 && ln -sf libnccl.so.2 /tmp/nh/lib/libnccl.so
 if [ ! -x /tmp/ntb/sendrecv_perf ]; then
   make -C "$ntdir/src" -j16 MPI=0 NCCL_HOME=/tmp/nh CUDA_HOME=/usr/local/cuda \

@@ -445,18 +445,16 @@ fn blocking(config: *const c_void) -> Result<bool, Fail> {
     }
 }
 
-fn init_rank(name: &str, comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int, config: *const c_void) -> ncclResult_t {
-    gate(name, || {
-        out(comm, "comm")?;
-        let blocking = blocking(config)?;
-        let device = gscomm::cuda::api::current_device()?;
-        init_or_defer(PendingInit { slot: comm as usize, job: InitJob::Rank { nranks, id, rank, device }, blocking })
-    })
+fn init_rank(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int, config: *const c_void) -> Result<(), Fail> {
+    out(comm, "comm")?;
+    let blocking = blocking(config)?;
+    let device = gscomm::cuda::api::current_device()?;
+    init_or_defer(PendingInit { slot: comm as usize, job: InitJob::Rank { nranks, id, rank, device }, blocking })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int) -> ncclResult_t {
-    init_rank("ncclCommInitRank", comm, nranks, id, rank, std::ptr::null())
+    gate("ncclCommInitRank", || init_rank(comm, nranks, id, rank, std::ptr::null()))
 }
 
 /// Of the config, `blocking` is read (0: the init goes on in the background and the call
@@ -469,7 +467,30 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     rank: c_int,
     config: *mut c_void,
 ) -> ncclResult_t {
-    init_rank("ncclCommInitRankConfig", comm, nranks, id, rank, config)
+    gate("ncclCommInitRankConfig", || init_rank(comm, nranks, id, rank, config))
+}
+
+/// NCCL spreads its bootstrap over the `n_ids` ids (made by different ranks) to start large
+/// jobs faster. gscomm's rendezvous takes one root, so every rank joins that of the first id
+/// (all ranks hold the same ids in the same order); the other ids' root services, never
+/// contacted, end by themselves after their timeout.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommInitRankScalable(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    rank: c_int,
+    n_ids: c_int,
+    ids: *mut ncclUniqueId,
+    config: *mut c_void,
+) -> ncclResult_t {
+    gate("ncclCommInitRankScalable", || {
+        if n_ids < 1 || n_ids > nranks.max(1) {
+            return Err(invalid(format!("nId {n_ids} (from 1 to nranks, {nranks})")));
+        }
+        // SAFETY: nccl.h: `ids` holds `n_ids` ids (checked for NULL here).
+        let first = unsafe { ids.as_ref() }.ok_or_else(|| invalid("commIds is NULL"))?;
+        init_rank(comm, nranks, *first, rank, config)
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -855,23 +876,28 @@ fn p2p(
         if peer >= communicator.nranks() {
             return Err(invalid(format!("peer {peer} of a communicator of {} ranks", communicator.nranks())));
         }
-        let transfer = PeerTransfer { op, buf, bytes, peer };
-        let alone = GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.depth == 0 {
-                return Some(transfer);
-            }
-            match g.transfers.iter_mut().find(|t| Arc::ptr_eq(&t.comm, &c) && t.on.same(&on)) {
-                Some(t) => t.group.push(transfer),
-                None => g.transfers.push(GroupTransfers { comm: c.clone(), on: on.clone(), group: vec![transfer] }),
-            }
-            None
-        });
-        match alone {
-            Some(t) => issue_transfers(&GroupTransfers { comm: c.clone(), on, group: vec![t] }),
-            None => Ok(()),
-        }
+        enqueue_transfers(&c, on, vec![PeerTransfer { op, buf, bytes, peer }])
     })
+}
+
+/// Inside a group, add `transfers` to the group's sends and receives on `c` and `on` (issued
+/// at its end); outside one, issue them now as a group of their own.
+fn enqueue_transfers(c: &Arc<Comm>, on: Condition, transfers: Vec<PeerTransfer>) -> Result<(), Fail> {
+    let alone = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Some((on, transfers));
+        }
+        match g.transfers.iter_mut().find(|t| Arc::ptr_eq(&t.comm, c) && t.on.same(&on)) {
+            Some(t) => t.group.extend(transfers),
+            None => g.transfers.push(GroupTransfers { comm: c.clone(), on, group: transfers }),
+        }
+        None
+    });
+    match alone {
+        Some((on, group)) => issue_transfers(&GroupTransfers { comm: c.clone(), on, group }),
+        None => Ok(()),
+    }
 }
 
 /// A group's sends and receives on one communicator and stream, issued.
@@ -904,6 +930,148 @@ pub unsafe extern "C" fn ncclRecv(
     stream: *mut c_void,
 ) -> ncclResult_t {
     p2p("ncclRecv", PeerOp::Recv, recvbuff as u64, count, datatype, peer, comm, stream)
+}
+
+// ---------------------------------------------------------------------------------------------
+// All-to-all, gather and scatter (nccl.h 2.28's collectives made of sends and receives)
+
+/// A collective that is a pattern of sends and receives of `count` elements each: `transfers`
+/// lists this rank's (from its rank, the communicator's size and the bytes per part), which
+/// are then queued or issued as ncclSend/ncclRecv are (`enqueue_transfers`): inside a group
+/// with the group's other sends and receives, else as a group of their own, so those of up to
+/// GSC_COLL_P2P_MAX bytes are one kernel on the stream.
+fn peer_pattern(
+    name: &str,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    transfers: impl FnOnce(usize, usize, usize) -> Result<Vec<PeerTransfer>, Fail>,
+) -> ncclResult_t {
+    gate(name, || {
+        let c = comm_ref(comm)?;
+        let communicator = c.ready()?;
+        let dtype = DataType::from_nccl(datatype)?;
+        let nranks = communicator.nranks();
+        // Every part's offset (at most nranks parts) must fit the address space.
+        let bytes = count
+            .checked_mul(dtype.size())
+            .filter(|b| b.checked_mul(nranks).is_some_and(|all| all <= isize::MAX as usize))
+            .ok_or_else(|| invalid(format!("{count} elements per rank for {nranks} ranks overflow")))?;
+        let group = transfers(communicator.rank(), nranks, bytes)?;
+        enqueue_transfers(&c, on_stream(&c, stream)?, group)
+    })
+}
+
+/// Part `i` (of `bytes` each) of the buffer at `base`.
+fn part(base: *const c_void, i: usize, bytes: usize) -> Result<u64, Fail> {
+    (base as u64).checked_add((i * bytes) as u64).ok_or_else(|| invalid("a buffer's parts run past the end of the address space"))
+}
+
+/// `root` as a rank of a communicator of `nranks`.
+fn root_rank(root: c_int, nranks: usize) -> Result<usize, Fail> {
+    usize::try_from(root).ok().filter(|r| *r < nranks).ok_or_else(|| invalid(format!("root {root} of a communicator of {nranks} ranks")))
+}
+
+/// Part j of `sendbuff` goes to rank j, and part i of `recvbuff` comes from rank i. As in NCCL,
+/// the two buffers must not overlap (nccl.h defines no in-place all-to-all).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> ncclResult_t {
+    peer_pattern("ncclAlltoAll", comm, stream, count, datatype, |_, nranks, bytes| alltoall_parts(sendbuff, recvbuff, nranks, bytes))
+}
+
+fn alltoall_parts(sendbuff: *const c_void, recvbuff: *mut c_void, nranks: usize, bytes: usize) -> Result<Vec<PeerTransfer>, Fail> {
+    let mut group = Vec::with_capacity(2 * nranks);
+    for peer in 0..nranks {
+        group.push(PeerTransfer { op: PeerOp::Send, buf: part(sendbuff, peer, bytes)?, bytes, peer });
+        group.push(PeerTransfer { op: PeerOp::Recv, buf: part(recvbuff, peer, bytes)?, bytes, peer });
+    }
+    Ok(group)
+}
+
+/// Every rank's `sendbuff` goes to part i of the root's `recvbuff` (i: the sender's rank).
+/// In place (the root's `sendbuff` is its own part of `recvbuff`) the root copies nothing to
+/// itself. Other ranks' `recvbuff` is not used.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> ncclResult_t {
+    peer_pattern("ncclGather", comm, stream, count, datatype, |rank, nranks, bytes| {
+        gather_parts(sendbuff, recvbuff, root_rank(root, nranks)?, rank, nranks, bytes)
+    })
+}
+
+fn gather_parts(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    root: usize,
+    rank: usize,
+    nranks: usize,
+    bytes: usize,
+) -> Result<Vec<PeerTransfer>, Fail> {
+    let in_place = rank == root && sendbuff as u64 == part(recvbuff, root, bytes)?;
+    let mut group = Vec::new();
+    if !in_place {
+        group.push(PeerTransfer { op: PeerOp::Send, buf: sendbuff as u64, bytes, peer: root });
+    }
+    if rank == root {
+        for peer in (0..nranks).filter(|&p| !(in_place && p == root)) {
+            group.push(PeerTransfer { op: PeerOp::Recv, buf: part(recvbuff, peer, bytes)?, bytes, peer });
+        }
+    }
+    Ok(group)
+}
+
+/// Part i of the root's `sendbuff` goes to rank i's `recvbuff`. In place (the root's
+/// `recvbuff` is its own part of `sendbuff`) the root copies nothing to itself. Other ranks'
+/// `sendbuff` is not used.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> ncclResult_t {
+    peer_pattern("ncclScatter", comm, stream, count, datatype, |rank, nranks, bytes| {
+        scatter_parts(sendbuff, recvbuff, root_rank(root, nranks)?, rank, nranks, bytes)
+    })
+}
+
+fn scatter_parts(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    root: usize,
+    rank: usize,
+    nranks: usize,
+    bytes: usize,
+) -> Result<Vec<PeerTransfer>, Fail> {
+    let in_place = rank == root && recvbuff as u64 == part(sendbuff, root, bytes)?;
+    let mut group = Vec::new();
+    if rank == root {
+        for peer in (0..nranks).filter(|&p| !(in_place && p == root)) {
+            group.push(PeerTransfer { op: PeerOp::Send, buf: part(sendbuff, peer, bytes)?, bytes, peer });
+        }
+    }
+    if !in_place {
+        group.push(PeerTransfer { op: PeerOp::Recv, buf: recvbuff as u64, bytes, peer: root });
+    }
+    Ok(group)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1047,6 +1215,12 @@ macro_rules! not_yet {
 not_yet! {
     ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut *mut c_void, flags: c_int);
     ncclCommWindowDeregister(comm: ncclComm_t, win: *mut c_void);
+    ncclCommShrink(comm: ncclComm_t, exclude: *mut c_int, n_exclude: c_int, newcomm: *mut ncclComm_t, config: *mut c_void, flags: c_int);
+    ncclCommRevoke(comm: ncclComm_t, flags: c_int);
+    ncclGroupSimulateEnd(sim_info: *mut c_void);
+    // nccl_device.h (installed with nccl.h 2.28): device communicators.
+    ncclDevCommCreate(comm: ncclComm_t, requirements: *const c_void, dev_comm: *mut c_void);
+    ncclDevCommDestroy(comm: ncclComm_t, dev_comm: *const c_void);
 }
 
 #[cfg(test)]
@@ -1405,6 +1579,117 @@ mod tests {
         }
     }
 
+    /// nccl.h 2.28's all-to-all, gather and scatter on two GPUs from one thread, each call of
+    /// the two ranks in one group as NCCL requires (and nccl-tests does): the kernel's sizes
+    /// and one past GSC_COLL_P2P_MAX's default (the engine), gather and scatter out of place
+    /// and in place, results checked exactly. The communicators come from
+    /// ncclCommInitRankScalable with two ids. Skips without `GSC_TEST_GPU=1` and 2 GPUs.
+    #[test]
+    fn alltoall_gather_and_scatter_on_two_gpus() {
+        use gscomm::cuda::api::{DeviceBuf, Stream, set_device};
+        if !gpus_or_skip(2) {
+            return;
+        }
+        let mut ids = [ncclUniqueId { internal: [0; 128] }; 2];
+        for id in ids.iter_mut() {
+            assert_eq!(unsafe { ncclGetUniqueId(id) }, NCCL_SUCCESS);
+        }
+        let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, c) in comms.iter_mut().enumerate() {
+            set_device(r as i32).unwrap();
+            let rc = unsafe { ncclCommInitRankScalable(c, 2, r as c_int, 2, ids.as_mut_ptr(), std::ptr::null_mut()) };
+            assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        // int32 elements per part: 1, odd, 2^20 + 3, and 9 Mi (36 MiB: the engine's path).
+        const UINT32: c_int = 3; // ncclUint32
+        let counts = [1usize, 1001, (1 << 20) + 3, 9 << 20];
+        let max = counts[3] * 4;
+        let val = |r: usize, i: usize, salt: usize| (i as u32).wrapping_mul(2_654_435_761).wrapping_add((r * 97 + salt) as u32);
+        let le = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let gpus: Vec<(DeviceBuf, DeviceBuf, Stream)> = (0..2)
+            .map(|r| {
+                set_device(r).unwrap();
+                (DeviceBuf::new(2 * max).unwrap(), DeviceBuf::new(2 * max).unwrap(), Stream::new().unwrap())
+            })
+            .collect();
+        let group = |call: &dyn Fn(usize, u64, u64, *mut c_void) -> ncclResult_t| {
+            assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+            for (r, (send, recv, stream)) in gpus.iter().enumerate() {
+                assert_eq!(call(r, send.ptr(), recv.ptr(), stream.raw() as *mut c_void), NCCL_SUCCESS, "{}", last());
+            }
+            assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+            for (r, (_, _, stream)) in gpus.iter().enumerate() {
+                set_device(r as i32).unwrap();
+                stream.synchronize().unwrap();
+            }
+        };
+        let fill = |salt: usize, n: usize| {
+            for (r, (send, recv, _)) in gpus.iter().enumerate() {
+                set_device(r as i32).unwrap();
+                send.upload(&le(&(0..2 * n).map(|i| val(r, i, salt)).collect::<Vec<_>>())).unwrap();
+                recv.fill(0xEE).unwrap();
+            }
+        };
+        let got = |r: usize, which: usize, n: usize| -> Vec<u8> {
+            set_device(r as i32).unwrap();
+            let b = if which == 0 { &gpus[r].0 } else { &gpus[r].1 };
+            b.download().unwrap()[..2 * n * 4].to_vec()
+        };
+        for (salt, n) in counts.into_iter().enumerate() {
+            // All-to-all: rank r's part j goes to part r of rank j.
+            fill(salt, n);
+            group(&|r, send, recv, s| unsafe { ncclAlltoAll(send as *const c_void, recv as *mut c_void, n, UINT32, comms[r], s) });
+            for r in 0..2 {
+                let want: Vec<u32> = (0..2).flat_map(|j| (0..n).map(move |i| val(j, r * n + i, salt))).collect();
+                assert!(got(r, 1, n) == le(&want), "GPU {r}: all-to-all of {n} int32 per part wrong");
+            }
+            // Gather to rank 1, out of place: part j of its receive buffer is rank j's input.
+            fill(salt + 10, n);
+            group(&|r, send, recv, s| unsafe { ncclGather(send as *const c_void, recv as *mut c_void, n, UINT32, 1, comms[r], s) });
+            let want: Vec<u32> = (0..2).flat_map(|j| (0..n).map(move |i| val(j, i, salt + 10))).collect();
+            assert!(got(1, 1, n) == le(&want), "gather of {n} int32 to rank 1 wrong");
+            // Gather to rank 0, in place: its input is already part 0 of its send buffer,
+            // which is also the receive buffer.
+            fill(salt + 20, n);
+            group(&|r, send, _, s| {
+                let recv = if r == 0 { send } else { 0 };
+                unsafe { ncclGather(send as *const c_void, recv as *mut c_void, n, UINT32, 0, comms[r], s) }
+            });
+            let want: Vec<u32> = (0..n).map(|i| val(0, i, salt + 20)).chain((0..n).map(|i| val(1, i, salt + 20))).collect();
+            assert!(got(0, 0, n) == le(&want), "in-place gather of {n} int32 to rank 0 wrong");
+            // Scatter from rank 0, out of place: rank j gets part j of rank 0's input.
+            fill(salt + 30, n);
+            group(&|r, send, recv, s| unsafe { ncclScatter(send as *const c_void, recv as *mut c_void, n, UINT32, 0, comms[r], s) });
+            for r in 0..2 {
+                let want: Vec<u32> = (0..n).map(|i| val(0, r * n + i, salt + 30)).collect();
+                assert!(got(r, 1, n)[..n * 4] == le(&want), "GPU {r}: scatter of {n} int32 from rank 0 wrong");
+            }
+            // Scatter from rank 1, in place: its receive buffer is its own part of its input.
+            fill(salt + 40, n);
+            group(&|r, send, recv, s| {
+                let recv = if r == 1 { send + (n * 4) as u64 } else { recv };
+                unsafe { ncclScatter(send as *const c_void, recv as *mut c_void, n, UINT32, 1, comms[r], s) }
+            });
+            let want: Vec<u32> = (0..n).map(|i| val(1, i, salt + 40)).collect();
+            assert!(got(0, 1, n)[..n * 4] == le(&want), "in-place scatter of {n} int32 to rank 0 wrong");
+            let want: Vec<u32> = (0..2 * n).map(|i| val(1, i, salt + 40)).collect();
+            assert!(got(1, 0, n) == le(&want), "in-place scatter from rank 1 changed its own part");
+            eprintln!("{n} int32 per part: all-to-all, gather and scatter (in place and not) exact on both GPUs");
+        }
+        // A root out of range is refused before anything is issued.
+        let (send, recv, stream) = &gpus[0];
+        let rc = unsafe {
+            ncclGather(send.ptr() as *const c_void, recv.ptr() as *mut c_void, 1, UINT32, 2, comms[0], stream.raw() as *mut c_void)
+        };
+        assert_eq!(rc, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("root 2 of a communicator of 2 ranks"), "{}", last());
+        for c in comms {
+            assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
+        }
+    }
+
     #[test]
     fn premul_operators_are_looked_up_by_type_and_destroyed_once() {
         let (comm, c) = new_handle(Comm::new());
@@ -1571,6 +1856,81 @@ mod tests {
             assert!(freed.upgrade().is_none(), "round {round}: the communicator outlived every call");
             eprintln!("round {round}: {launched} all-reduces enqueued before the abort; the stream drained in {drained:?}");
         }
+    }
+
+    /// The sends and receives each rank of an all-to-all, gather and scatter makes: parts at
+    /// their offsets, the root's own part skipped in place, and bad roots and parts past the
+    /// end of the address space named.
+    #[test]
+    fn all_to_all_gather_and_scatter_parts() {
+        let list = |g: Vec<PeerTransfer>| -> Vec<(char, u64, usize, usize)> {
+            g.into_iter().map(|t| (if t.op == PeerOp::Send { 's' } else { 'r' }, t.buf, t.bytes, t.peer)).collect()
+        };
+        let (send, recv) = (0x1000 as *const c_void, 0x9000 as *mut c_void);
+        assert_eq!(
+            list(alltoall_parts(send, recv, 3, 16).unwrap()),
+            [
+                ('s', 0x1000, 16, 0),
+                ('r', 0x9000, 16, 0),
+                ('s', 0x1010, 16, 1),
+                ('r', 0x9010, 16, 1),
+                ('s', 0x1020, 16, 2),
+                ('r', 0x9020, 16, 2)
+            ]
+        );
+        // Gather to root 1 of 3: everyone sends; the root receives part i from rank i.
+        assert_eq!(list(gather_parts(send, recv, 1, 0, 3, 16).unwrap()), [('s', 0x1000, 16, 1)]);
+        assert_eq!(
+            list(gather_parts(send, recv, 1, 1, 3, 16).unwrap()),
+            [('s', 0x1000, 16, 1), ('r', 0x9000, 16, 0), ('r', 0x9010, 16, 1), ('r', 0x9020, 16, 2)]
+        );
+        // In place at the root (its input is its own part): nothing to itself.
+        let own = 0x9010 as *const c_void;
+        assert_eq!(list(gather_parts(own, recv, 1, 1, 3, 16).unwrap()), [('r', 0x9000, 16, 0), ('r', 0x9020, 16, 2)]);
+        // Scatter from root 2 of 3, out of place and in place.
+        assert_eq!(list(scatter_parts(send, recv, 2, 0, 3, 16).unwrap()), [('r', 0x9000, 16, 2)]);
+        assert_eq!(
+            list(scatter_parts(send, recv, 2, 2, 3, 16).unwrap()),
+            [('s', 0x1000, 16, 0), ('s', 0x1010, 16, 1), ('s', 0x1020, 16, 2), ('r', 0x9000, 16, 2)]
+        );
+        let own = 0x1020 as *mut c_void;
+        assert_eq!(list(scatter_parts(send, own, 2, 2, 3, 16).unwrap()), [('s', 0x1000, 16, 0), ('s', 0x1010, 16, 1)]);
+        assert!(root_rank(3, 3).unwrap_err().1.contains("root 3 of a communicator of 3 ranks"));
+        assert!(root_rank(-1, 3).is_err());
+        let high = (u64::MAX - 8) as *const c_void;
+        assert!(alltoall_parts(high, recv, 2, 16).unwrap_err().1.contains("past the end of the address space"));
+    }
+
+    #[test]
+    fn new_entry_points_refuse_bad_arguments_and_say_what_is_not_supported() {
+        assert_eq!(
+            unsafe { ncclAlltoAll(std::ptr::null(), std::ptr::null_mut(), 1, 7, std::ptr::null_mut(), std::ptr::null_mut()) },
+            NCCL_INVALID_ARGUMENT
+        );
+        assert!(last().contains("ncclAlltoAll: comm is NULL"), "{}", last());
+        assert_eq!(
+            unsafe { ncclGather(std::ptr::null(), std::ptr::null_mut(), 1, 7, 0, std::ptr::null_mut(), std::ptr::null_mut()) },
+            NCCL_INVALID_ARGUMENT
+        );
+        assert!(last().contains("ncclGather: comm is NULL"), "{}", last());
+        let mut ids = [ncclUniqueId { internal: [0; 128] }; 2];
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        let r = unsafe { ncclCommInitRankScalable(&mut comm, 2, 0, 0, ids.as_mut_ptr(), std::ptr::null_mut()) };
+        assert_eq!(r, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("nId 0 (from 1 to nranks, 2)"), "{}", last());
+        let r = unsafe { ncclCommInitRankScalable(&mut comm, 2, 0, 3, ids.as_mut_ptr(), std::ptr::null_mut()) };
+        assert_eq!(r, NCCL_INVALID_ARGUMENT);
+        let r = unsafe { ncclCommInitRankScalable(&mut comm, 2, 0, 1, std::ptr::null_mut(), std::ptr::null_mut()) };
+        assert_eq!(r, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("commIds is NULL"), "{}", last());
+        assert!(comm.is_null());
+        let mut newcomm: ncclComm_t = std::ptr::null_mut();
+        let r = unsafe { ncclCommShrink(std::ptr::null_mut(), std::ptr::null_mut(), 0, &mut newcomm, std::ptr::null_mut(), 0) };
+        assert_eq!(r, NCCL_INVALID_USAGE);
+        assert!(last().contains("ncclCommShrink is not supported"), "{}", last());
+        assert!(newcomm.is_null());
+        assert_eq!(unsafe { ncclGroupSimulateEnd(std::ptr::null_mut()) }, NCCL_INVALID_USAGE);
+        assert_eq!(unsafe { ncclDevCommCreate(std::ptr::null_mut(), std::ptr::null(), std::ptr::null_mut()) }, NCCL_INVALID_USAGE);
     }
 
     #[test]
