@@ -784,27 +784,16 @@ pub(crate) struct Workspace {
     /// Every rank's workspace as we address it (ours at our rank).
     peers: Vec<u64>,
     abort: AbortWord,
-    /// How `error` reads the error word (made at its first call).
-    error_reader: Mutex<Option<ErrorReader>>,
+    /// The error word as `error` last read it, and when (at most every `ERROR_READ_INTERVAL`).
+    error_read: Mutex<Option<(std::time::Instant, u64)>>,
 }
 
-/// `Workspace::error` reads the error word from the device at most this often; calls in
-/// between answer what it read last. So a program polling an async error after every call
-/// (PyTorch does, ncclCommGetAsyncError after each collective of a non-blocking communicator)
-/// costs a device read per interval, not per call, and an error a kernel records is reported
-/// at most this late.
+/// `Workspace::error` reads the error word from the device (`read_word`: never behind other
+/// work) at most this often; calls in between answer what it read last. So a program polling
+/// an async error after every call (PyTorch polls ncclCommGetAsyncError after each collective
+/// of a non-blocking communicator) costs a device read per interval, not per call, and an
+/// error a kernel records is reported at most this late.
 const ERROR_READ_INTERVAL: std::time::Duration = std::time::Duration::from_micros(100);
-
-/// The error word's reader: a copy into a page-locked word on a stream of its own. Not a
-/// synchronous `cuMemcpyDtoH`: that goes on the legacy default stream, which waits for all
-/// work of the context's blocking streams (a program's compute, collectives spinning for a
-/// peer included), and a thread asking for an async error must never wait for those.
-struct ErrorReader {
-    stream: super::api::Stream,
-    word: super::api::PinnedBuf,
-    read_at: std::time::Instant,
-    value: u64,
-}
 
 /// A loaded direct kernel (`Workspace::direct_kernel`).
 #[derive(Copy, Clone, Debug)]
@@ -858,7 +847,7 @@ impl Workspace {
         let key = ipc::export(base as usize, ptr)?.encode();
         // Never freed either, for the same reason (a kernel still running reads it).
         let abort = AbortWord(std::mem::ManuallyDrop::new(super::api::PinnedBuf::new(8)?));
-        Ok((Workspace { device, base, peers: Vec::new(), abort, error_reader: Mutex::new(None) }, key))
+        Ok((Workspace { device, base, peers: Vec::new(), abort, error_read: Mutex::new(None) }, key))
     }
 
     /// Map every rank's workspace (`keys[r]`, `bases[r]`; ours at `rank`).
@@ -902,33 +891,15 @@ impl Workspace {
     /// Read at most every `ERROR_READ_INTERVAL` (an error, once read, is kept: it is never
     /// cleared).
     pub(crate) fn error(&self) -> Result<u64> {
-        let mut reader = self.error_reader.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(r) = reader.as_ref()
-            && (r.value != 0 || r.read_at.elapsed() < ERROR_READ_INTERVAL)
+        let mut last = self.error_read.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, value)) = *last
+            && (value != 0 || at.elapsed() < ERROR_READ_INTERVAL)
         {
-            return Ok(r.value);
+            return Ok(value);
         }
-        let _scope = CtxScope::enter(primary_context(self.device)?)?;
-        let r = match reader.as_mut() {
-            Some(r) => r,
-            None => reader.insert(ErrorReader {
-                stream: super::api::Stream::new()?,
-                word: super::api::PinnedBuf::new(8)?,
-                read_at: std::time::Instant::now(),
-                value: 0,
-            }),
-        };
-        // SAFETY: word 2 of our live workspace into our page-locked word (unified addressing),
-        // on our own stream, waited for before the word is read.
-        check(
-            unsafe { cu::cuMemcpyAsync(r.word.host_ptr() as u64, self.base + 16, 8, super::raw(r.stream.raw())) },
-            "cuMemcpyAsync (collective error word)",
-        )?;
-        r.stream.synchronize()?;
-        // SAFETY: the page-locked word, 8-aligned; the copy into it has completed.
-        r.value = unsafe { std::ptr::read_volatile(r.word.host_ptr() as *const u64) };
-        r.read_at = std::time::Instant::now();
-        Ok(r.value)
+        let value = super::read_word(self.device, self.base + 16)?;
+        *last = Some((std::time::Instant::now(), value));
+        Ok(value)
     }
 
     /// Add one round to a graph (`graph`: the CUgraph and the context its nodes are built in),

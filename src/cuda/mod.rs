@@ -48,6 +48,7 @@ pub(crate) mod prep_ctl;
 mod replay;
 mod stage;
 pub(crate) mod vmm;
+mod word_read;
 
 pub(crate) use device_handle::DeviceHandleSlot;
 pub(crate) use kernels::{
@@ -56,6 +57,7 @@ pub(crate) use kernels::{
 };
 pub(crate) use pinned::PinnedSlot;
 pub(crate) use stage::{LL_MAX, StageSlot, ll_area, ll_flag};
+pub(crate) use word_read::read_word;
 
 use crate::error::{Error, Result, Status};
 use cudarc::driver::sys as cu;

@@ -101,15 +101,8 @@ impl CtlBlock {
 
     /// The error word: 0, or the round a kernel of this side gave up on.
     pub(crate) fn error(&self) -> Result<u64> {
-        let _scope = CtxScope::enter(primary_context(self.device)?)?;
-        let mut v = 0u64;
-        // SAFETY: a live 8-byte word of our block (slabs are never freed); `v` is written by
-        // the synchronous copy.
-        check(
-            unsafe { cu::cuMemcpyDtoH_v2((&mut v as *mut u64).cast(), self.addr + ERROR_WORD * 8, 8) },
-            "cuMemcpyDtoH (prepared control block)",
-        )?;
-        Ok(v)
+        // A live word of our block (slabs are never freed), read beside other work.
+        super::read_word(self.device, self.addr + ERROR_WORD * 8)
     }
 }
 
