@@ -3,16 +3,20 @@
 //! gscomm when this library comes first on its library path.
 //!
 //! What is implemented: unique ids, communicator init (by rank; with a config, blocking or not;
-//! all local GPUs from one thread), split, destroy / finalize / abort, count, device, rank,
+//! scalable, from several ids; all local GPUs from one thread), split, destroy / finalize /
+//! abort, count, device, rank,
 //! async errors, last-error strings, group start/end (inits and splits inside a group are
 //! completed together at its end, as NCCL does; sends and receives in a group go on each
 //! stream together at its end; collectives are launched as they are called), all-reduce,
 //! broadcast (and the legacy in-place bcast), reduce, all-gather, reduce-scatter, send/recv
-//! (and so all-to-all and the rest of what groups build on them), buffer registration (checked,
-//! no zero-copy path yet), pre-multiplied sums (host and device scalars), mem alloc/free (CUDA
-//! VMM memory with POSIX-descriptor handles, `gscomm::mem_alloc`). The
-//! rest of nccl.h (windows, device communicators) returns `ncclInvalidUsage` and says so in
-//! `ncclGetLastError`.
+//! (and what groups build on them), nccl.h 2.28's all-to-all, gather and scatter (made of
+//! sends and receives), buffer registration (checked; registered buffers take the zero-copy
+//! paths as any buffer does), pre-multiplied sums (host and device scalars), mem alloc/free
+//! (CUDA VMM memory with POSIX-descriptor handles, `gscomm::mem_alloc`). The rest of nccl.h
+//! (windows, shrink, revoke, group simulation) and nccl_device.h's device communicators return
+//! `ncclInvalidUsage` and say so in `ncclGetLastError`: every function is defined, so a program
+//! that preloads this library (PyTorch: scripts/torch-nccl.sh) never calls NVIDIA's with one of
+//! our handles.
 //!
 //! Every exported function goes through `gate`: no panic crosses the C boundary, and a failure
 //! leaves its message for `ncclGetLastError`.
