@@ -194,7 +194,8 @@ fn self_messages(r: &Rank, bad: &mut Vec<String>) {
 
 /// A group captured from a stream, and one built on a graph condition: an all-to-all of 65,537
 /// bytes and 6 MiB to the next rank (96 chunks: past the end of the pair's 64-slot FIFO),
-/// replayed with new data.
+/// replayed with new data. The captured one also copies a message to itself past the kernel's
+/// limit (a copy on a side stream, forked and joined by events the capture takes in).
 fn replays(r: &Rank, bad: &mut Vec<String>) {
     let (me, n) = (r.me(), r.n());
     let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
@@ -204,10 +205,15 @@ fn replays(r: &Rank, bad: &mut Vec<String>) {
     let mut g = a.group_for(r);
     g.push(send(&big_out, 0, big_len, next));
     g.push(recv(&big_in, 0, big_len, prev));
+    let self_len = kernel_max() + 3;
+    let (self_out, self_in) = (zeroed(self_len), zeroed(self_len));
+    let mut captured_group = g.clone();
+    captured_group.push(recv(&self_in, 0, self_len, me));
+    captured_group.push(send(&self_out, 0, self_len, me));
     let cap = Stream::new().unwrap();
     let cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
     cap.begin_capture().unwrap();
-    issue(r, &g, &cond);
+    issue(r, &captured_group, &cond);
     let captured = cap.end_capture().unwrap().instantiate().unwrap();
     let graph = Graph::new().unwrap();
     let gc = Condition::cuda(Category::Graph, graph.raw(), None).unwrap();
@@ -222,11 +228,15 @@ fn replays(r: &Rank, bad: &mut Vec<String>) {
     for round in 100..100 + REPLAYS {
         a.fill(r, round);
         big_out.upload(&message(me, next, round, 1, big_len)).unwrap();
+        self_out.upload(&message(me, me, round, 2, self_len)).unwrap();
         if round % 2 == 0 { captured.launch(&r.stream) } else { built.launch(&r.stream) }.unwrap();
         r.sync();
         a.check(r, round, "replayed all-to-all", bad);
         if big_in.download().unwrap() != message(prev, me, round, 1, big_len) {
             bad.push(format!("rank {me}: replay {round}: 6 MiB from rank {prev} wrong"));
+        }
+        if round % 2 == 0 && self_in.download().unwrap() != message(me, me, round, 2, self_len) {
+            bad.push(format!("rank {me}: replay {round}: {self_len} B to itself (a side-stream copy) wrong"));
         }
         if !bad.is_empty() {
             break;

@@ -20,7 +20,7 @@ use super::direct::{self, Direct, Placement};
 use super::host_board::HostBoard;
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
-use super::p2p_kernel::{self, PeerTransfer};
+use super::p2p_kernel::{self, KernelOp, PeerTransfer};
 use super::peer_buffers::{DirectCall, DirectContext};
 use super::select::{self, Collective};
 use super::settings;
@@ -30,8 +30,9 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::{Config, Tristate};
 use crate::cuda::Grid;
-use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max, one_shot_grid};
+use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max, one_shot_grid, stream_copy};
 use crate::cuda::coll_p2p::{P2P_FAILED, P2P_SIZE_MISMATCH, P2P_THREADS, P2pArgs};
+use crate::cuda::lanes::Lanes;
 use crate::error::{Error, Result, Status};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -88,6 +89,13 @@ pub struct Communicator {
     /// Whether messages to this rank have gone through its own FIFO (`p2p_kernel::fuse_self`);
     /// groups are issued one at a time, so the lock is never contended.
     p2p_self_fifo: std::sync::Mutex<bool>,
+    /// The same for the point-to-point engine: whether messages to this rank have gone through
+    /// its matching (an unbalanced group, `send`/`recv` to itself, or a condition that is not a
+    /// CUDA stream); until then a group's balanced pairs larger than `GSC_COLL_P2P_MAX` are
+    /// copies on `p2p_lane`, beside the engine's transfers to the peers.
+    p2p_self_engine: std::sync::Mutex<bool>,
+    /// The side stream those copies run on (made at the first).
+    p2p_lane: std::sync::Mutex<Option<Lanes>>,
 }
 
 /// The collectives a pre-multiplied sum exists for (`Communicator::premul_sum`).
@@ -233,6 +241,8 @@ impl Communicator {
             p2p_blocks: config.coll_p2p_blocks,
             p2p_grid_max,
             p2p_self_fifo: std::sync::Mutex::new(false),
+            p2p_self_engine: std::sync::Mutex::new(false),
+            p2p_lane: std::sync::Mutex::new(None),
         })
     }
 
@@ -325,6 +335,7 @@ impl Communicator {
     pub unsafe fn send(&self, buf: u64, count: usize, dtype: DataType, peer: usize, on: &Condition) -> Result<()> {
         self.check_aborted()?;
         let bytes = self.bytes(count, dtype)?;
+        self.note_engine_self(peer);
         // SAFETY: the caller's contract.
         unsafe { self.peers.transfer(PeerOp::Send, buf, bytes, peer, on) }
     }
@@ -336,8 +347,17 @@ impl Communicator {
     pub unsafe fn recv(&self, buf: u64, count: usize, dtype: DataType, peer: usize, on: &Condition) -> Result<()> {
         self.check_aborted()?;
         let bytes = self.bytes(count, dtype)?;
+        self.note_engine_self(peer);
         // SAFETY: the caller's contract.
         unsafe { self.peers.transfer(PeerOp::Recv, buf, bytes, peer, on) }
+    }
+
+    /// A message to or from this rank itself went through the engine's matching: from now on
+    /// its groups' pairs to itself do too (`p2p_self_engine`).
+    fn note_engine_self(&self, peer: usize) {
+        if peer == self.rank {
+            *self.p2p_self_engine.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        }
     }
 
     /// A group of sends and receives (NCCL's ncclSend/ncclRecv between ncclGroupStart and
@@ -357,6 +377,7 @@ impl Communicator {
     pub unsafe fn transfers(&self, group: &[PeerTransfer], on: &Condition) -> Result<ArmedOutputs> {
         self.check_aborted()?;
         let on_kernel = |t: &PeerTransfer| t.bytes > 0 && t.bytes <= self.p2p_max;
+        let on_engine = |t: &PeerTransfer| t.bytes > self.p2p_max;
         for (i, t) in group.iter().enumerate() {
             let what = if t.op == PeerOp::Send { "send" } else { "receive" };
             if t.peer >= self.nranks {
@@ -369,65 +390,130 @@ impl Communicator {
                 self.check_device_buffer(t.buf, what).map_err(|e| Error::new(e.status(), format!("transfer {i}: {}", e.message())))?;
             }
         }
-        let (kernel, engine): (Vec<PeerTransfer>, Vec<PeerTransfer>) = group.iter().partition(|t| on_kernel(t));
-        let mut outputs = ArmedOutputs::default();
-        if !kernel.is_empty() {
-            let graph = match on.category() {
-                Category::Stream => None,
-                Category::Graph => Some(on.cuda_graph()?),
-                _ => {
-                    return Err(Error::unsupported(format!(
-                        "a group's sends and receives of up to GSC_COLL_P2P_MAX ({} bytes) run on CUDA stream and graph \
-                         conditions (use send/recv on others)",
-                        self.p2p_max
-                    )));
-                }
-            };
-            let cache = self.kernel_cache.as_deref();
-            let kernel_ops = {
+        let has_kernel_part = group.iter().any(on_kernel);
+        let graph = match (has_kernel_part, on.category()) {
+            (false, _) | (true, Category::Stream) => None,
+            (true, Category::Graph) => Some(on.cuda_graph()?),
+            (true, _) => {
+                return Err(Error::unsupported(format!(
+                    "a group's sends and receives of up to GSC_COLL_P2P_MAX ({} bytes) run on CUDA stream and graph \
+                     conditions (use send/recv on others)",
+                    self.p2p_max
+                )));
+            }
+        };
+        // Both parts are planned (and so checked) before anything is issued.
+        let kernel_ops = match has_kernel_part {
+            true => {
                 let mut self_fifo = self.p2p_self_fifo.lock().unwrap_or_else(|e| e.into_inner());
                 p2p_kernel::fuse_self(group, on_kernel, self.rank, &mut self_fifo)?
-            };
-            for launch in p2p_kernel::plan(&kernel_ops, self.rank, self.p2p_blocks, self.p2p_grid_max) {
-                let mut args = P2pArgs {
-                    coll: CollArgs {
-                        nranks: self.nranks as u64,
-                        rank: self.rank as u64,
-                        timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-                        ..Default::default()
-                    },
-                    nops: launch.ops.len() as u64,
-                    ..Default::default()
-                };
-                args.ops[..launch.ops.len()].copy_from_slice(&launch.ops);
-                let grid = Grid { blocks: launch.blocks as u32, threads: P2P_THREADS };
-                match graph {
-                    Some(g) => {
-                        let after = (outputs.done_node != 0).then_some(outputs.done_node);
-                        let node = self.workspace.add_p2p_node(g, cache, args, grid, after)?;
-                        if outputs.start_node == 0 {
-                            outputs.start_node = node;
-                        }
-                        outputs.done_node = node;
-                    }
-                    None => self.workspace.launch_p2p(on.cuda_stream()?, cache, args, grid)?,
+            }
+            false => Vec::new(),
+        };
+        let (engine, self_copies) = self.engine_part(group, on_engine, on)?;
+        // The copies to itself start first, beside everything else of the group; the stream
+        // waits for them after the engine's part (`Lanes`: events, so a capture takes them in).
+        let lane = match self_copies.is_empty() {
+            true => None,
+            false => {
+                let stream = on.cuda_stream()?;
+                let mut lane = self.p2p_lane.lock().unwrap_or_else(|e| e.into_inner());
+                if lane.is_none() {
+                    *lane = Some(crate::cuda::with_relaxed_capture(|| Lanes::new(self.device, 1))?);
                 }
+                let side = lane.as_ref().expect("made above");
+                side.fork(stream)?;
+                for &(src, dst, bytes) in &self_copies {
+                    // SAFETY: the caller's contract: both buffers valid until the group
+                    // completed on `on`, which waits for this side stream (`join` below).
+                    unsafe { stream_copy(self.device, side.stream(0), dst, src, bytes) }?;
+                }
+                Some((lane, stream))
+            }
+        };
+        let issued = self.issue_kernel_part(&kernel_ops, graph, on).and_then(|outputs| {
+            if !engine.is_empty() {
+                on.group_start()?;
+                let mut first = Ok(());
+                for t in &engine {
+                    // SAFETY: the caller's contract.
+                    if let Err(e) = unsafe { self.peers.transfer(t.op, t.buf, t.bytes, t.peer, on) } {
+                        first = Err(e);
+                        break;
+                    }
+                }
+                let ended = on.group_end();
+                first?;
+                ended?;
+            }
+            Ok(outputs)
+        });
+        // Joined whatever happened: the stream must not run past copies still reading and
+        // writing the caller's buffers.
+        let joined = match &lane {
+            Some((side, stream)) => side.as_ref().expect("made above").join(*stream),
+            None => Ok(()),
+        };
+        let outputs = issued?;
+        joined?;
+        Ok(outputs)
+    }
+
+    /// The group's transfers for the point-to-point engine (larger than `GSC_COLL_P2P_MAX`),
+    /// and, on a CUDA stream, its balanced pairs to this rank itself taken out of them as
+    /// copies (source, destination, bytes) while no message to itself ever went through the
+    /// engine (`p2p_self_engine`; the pairing rule is `fuse_self`'s).
+    fn engine_part(
+        &self,
+        group: &[PeerTransfer],
+        on_engine: impl Fn(&PeerTransfer) -> bool,
+        on: &Condition,
+    ) -> Result<(Vec<PeerTransfer>, Vec<(u64, u64, usize)>)> {
+        let mut self_engine = self.p2p_self_engine.lock().unwrap_or_else(|e| e.into_inner());
+        if on.category() != Category::Stream {
+            *self_engine |= group.iter().any(|t| on_engine(t) && t.peer == self.rank);
+            return Ok((group.iter().filter(|t| on_engine(t)).copied().collect(), Vec::new()));
+        }
+        let (mut engine, mut copies) = (Vec::new(), Vec::new());
+        // `fuse_self` on the engine's entries: its FIFO transfers are the engine's here.
+        for op in p2p_kernel::fuse_self(group, on_engine, self.rank, &mut self_engine)? {
+            match op {
+                KernelOp::Fifo(t) => engine.push(t),
+                KernelOp::SelfCopy { src, dst, bytes } => copies.push((src, dst, bytes)),
             }
         }
-        let engine: Vec<&PeerTransfer> = engine.iter().filter(|t| t.bytes > 0).collect();
-        if !engine.is_empty() {
-            on.group_start()?;
-            let mut first = Ok(());
-            for t in engine {
-                // SAFETY: the caller's contract.
-                if let Err(e) = unsafe { self.peers.transfer(t.op, t.buf, t.bytes, t.peer, on) } {
-                    first = Err(e);
-                    break;
+        Ok((engine, copies))
+    }
+
+    /// Launch (stream) or add (graph: `Some`) the send/recv kernel for `kernel_ops`; returns the
+    /// graph nodes.
+    fn issue_kernel_part(&self, kernel_ops: &[KernelOp], graph: Option<(usize, usize)>, on: &Condition) -> Result<ArmedOutputs> {
+        let mut outputs = ArmedOutputs::default();
+        let cache = self.kernel_cache.as_deref();
+        for launch in p2p_kernel::plan(kernel_ops, self.rank, self.p2p_blocks, self.p2p_grid_max) {
+            let mut args = P2pArgs {
+                coll: CollArgs {
+                    nranks: self.nranks as u64,
+                    rank: self.rank as u64,
+                    timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                    ..Default::default()
+                },
+                nops: launch.ops.len() as u64,
+                ..Default::default()
+            };
+            args.ops[..launch.ops.len()].copy_from_slice(&launch.ops);
+            let grid = Grid { blocks: launch.blocks as u32, threads: P2P_THREADS };
+            match graph {
+                Some(g) => {
+                    let after = (outputs.done_node != 0).then_some(outputs.done_node);
+                    let node = self.workspace.add_p2p_node(g, cache, args, grid, after)?;
+                    if outputs.start_node == 0 {
+                        outputs.start_node = node;
+                    }
+                    outputs.done_node = node;
                 }
+                None => self.workspace.launch_p2p(on.cuda_stream()?, cache, args, grid)?,
             }
-            let ended = on.group_end();
-            first?;
-            ended?;
         }
         Ok(outputs)
     }

@@ -29,6 +29,13 @@ static READERS: Mutex<Vec<Reader>> = Mutex::new(Vec::new());
 /// The 8-byte word at `addr`, device memory of `device` (or memory it can address), as it is
 /// now.
 pub(crate) fn read_word(device: i32, addr: u64) -> Result<u64> {
+    // A stream synchronize is one of the calls a capture in the global mode forbids anywhere
+    // in the process; this one waits only for our own copy, so it is safe under any capture
+    // (PyTorch polls async errors from the capturing thread).
+    super::with_relaxed_capture(|| read_now(device, addr))
+}
+
+fn read_now(device: i32, addr: u64) -> Result<u64> {
     let mut readers = READERS.lock().unwrap_or_else(|e| e.into_inner());
     let _scope = CtxScope::enter(primary_context(device)?)?;
     let i = match readers.iter().position(|r| r.device == device) {
