@@ -968,8 +968,8 @@ fn peer_pattern(
 }
 
 /// Part `i` (of `bytes` each) of the buffer at `base`.
-fn part(base: *const c_void, i: usize, bytes: usize) -> Result<u64, Fail> {
-    (base as u64).checked_add((i * bytes) as u64).ok_or_else(|| invalid("a buffer's parts run past the end of the address space"))
+fn part(base: u64, i: usize, bytes: usize) -> Result<u64, Fail> {
+    base.checked_add((i * bytes) as u64).ok_or_else(|| invalid("a buffer's parts run past the end of the address space"))
 }
 
 /// `root` as a rank of a communicator of `nranks`.
@@ -988,10 +988,12 @@ pub unsafe extern "C" fn ncclAlltoAll(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
-    peer_pattern("ncclAlltoAll", comm, stream, count, datatype, |_, nranks, bytes| alltoall_parts(sendbuff, recvbuff, nranks, bytes))
+    peer_pattern("ncclAlltoAll", comm, stream, count, datatype, |_, nranks, bytes| {
+        alltoall_parts(sendbuff as u64, recvbuff as u64, nranks, bytes)
+    })
 }
 
-fn alltoall_parts(sendbuff: *const c_void, recvbuff: *mut c_void, nranks: usize, bytes: usize) -> Result<Vec<PeerTransfer>, Fail> {
+fn alltoall_parts(sendbuff: u64, recvbuff: u64, nranks: usize, bytes: usize) -> Result<Vec<PeerTransfer>, Fail> {
     let mut group = Vec::with_capacity(2 * nranks);
     for peer in 0..nranks {
         group.push(PeerTransfer { op: PeerOp::Send, buf: part(sendbuff, peer, bytes)?, bytes, peer });
@@ -1014,29 +1016,8 @@ pub unsafe extern "C" fn ncclGather(
     stream: *mut c_void,
 ) -> ncclResult_t {
     peer_pattern("ncclGather", comm, stream, count, datatype, |rank, nranks, bytes| {
-        gather_parts(sendbuff, recvbuff, root_rank(root, nranks)?, rank, nranks, bytes)
+        rooted_parts(sendbuff as u64, recvbuff as u64, true, root_rank(root, nranks)?, rank, nranks, bytes)
     })
-}
-
-fn gather_parts(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    root: usize,
-    rank: usize,
-    nranks: usize,
-    bytes: usize,
-) -> Result<Vec<PeerTransfer>, Fail> {
-    let in_place = rank == root && sendbuff as u64 == part(recvbuff, root, bytes)?;
-    let mut group = Vec::new();
-    if !in_place {
-        group.push(PeerTransfer { op: PeerOp::Send, buf: sendbuff as u64, bytes, peer: root });
-    }
-    if rank == root {
-        for peer in (0..nranks).filter(|&p| !(in_place && p == root)) {
-            group.push(PeerTransfer { op: PeerOp::Recv, buf: part(recvbuff, peer, bytes)?, bytes, peer });
-        }
-    }
-    Ok(group)
 }
 
 /// Part i of the root's `sendbuff` goes to rank i's `recvbuff`. In place (the root's
@@ -1053,29 +1034,36 @@ pub unsafe extern "C" fn ncclScatter(
     stream: *mut c_void,
 ) -> ncclResult_t {
     peer_pattern("ncclScatter", comm, stream, count, datatype, |rank, nranks, bytes| {
-        scatter_parts(sendbuff, recvbuff, root_rank(root, nranks)?, rank, nranks, bytes)
+        rooted_parts(recvbuff as u64, sendbuff as u64, false, root_rank(root, nranks)?, rank, nranks, bytes)
     })
 }
 
-fn scatter_parts(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
+/// A rooted pattern (gather: `to_root`; scatter): each rank's `own` buffer pairs with part i
+/// of the root's `parts` buffer, i being the rank. In place (the root's `own` is its own part
+/// of `parts`) the root moves nothing to itself.
+fn rooted_parts(
+    own: u64,
+    parts: u64,
+    to_root: bool,
     root: usize,
     rank: usize,
     nranks: usize,
     bytes: usize,
 ) -> Result<Vec<PeerTransfer>, Fail> {
-    let in_place = rank == root && recvbuff as u64 == part(sendbuff, root, bytes)?;
-    let mut group = Vec::new();
+    let (own_op, root_op) = if to_root { (PeerOp::Send, PeerOp::Recv) } else { (PeerOp::Recv, PeerOp::Send) };
+    let in_place = rank == root && own == part(parts, root, bytes)?;
+    let own = (!in_place).then_some(PeerTransfer { op: own_op, buf: own, bytes, peer: root });
+    let mut at_root = Vec::new();
     if rank == root {
         for peer in (0..nranks).filter(|&p| !(in_place && p == root)) {
-            group.push(PeerTransfer { op: PeerOp::Send, buf: part(sendbuff, peer, bytes)?, bytes, peer });
+            at_root.push(PeerTransfer { op: root_op, buf: part(parts, peer, bytes)?, bytes, peer });
         }
     }
-    if !in_place {
-        group.push(PeerTransfer { op: PeerOp::Recv, buf: recvbuff as u64, bytes, peer: root });
-    }
-    Ok(group)
+    // The order within a group does not matter (pairs are per peer); this one reads naturally.
+    Ok(match to_root {
+        true => own.into_iter().chain(at_root).collect(),
+        false => at_root.into_iter().chain(own).collect(),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1870,7 +1858,10 @@ mod tests {
         let list = |g: Vec<PeerTransfer>| -> Vec<(char, u64, usize, usize)> {
             g.into_iter().map(|t| (if t.op == PeerOp::Send { 's' } else { 'r' }, t.buf, t.bytes, t.peer)).collect()
         };
-        let (send, recv) = (0x1000 as *const c_void, 0x9000 as *mut c_void);
+        // As ncclGather and ncclScatter call it (send and receive buffers, root, rank, ranks, bytes).
+        let gather = |send, recv, root, rank, n, b| rooted_parts(send, recv, true, root, rank, n, b);
+        let scatter = |send, recv, root, rank, n, b| rooted_parts(recv, send, false, root, rank, n, b);
+        let (send, recv) = (0x1000u64, 0x9000u64);
         assert_eq!(
             list(alltoall_parts(send, recv, 3, 16).unwrap()),
             [
@@ -1883,25 +1874,25 @@ mod tests {
             ]
         );
         // Gather to root 1 of 3: everyone sends; the root receives part i from rank i.
-        assert_eq!(list(gather_parts(send, recv, 1, 0, 3, 16).unwrap()), [('s', 0x1000, 16, 1)]);
+        assert_eq!(list(gather(send, recv, 1, 0, 3, 16).unwrap()), [('s', 0x1000, 16, 1)]);
         assert_eq!(
-            list(gather_parts(send, recv, 1, 1, 3, 16).unwrap()),
+            list(gather(send, recv, 1, 1, 3, 16).unwrap()),
             [('s', 0x1000, 16, 1), ('r', 0x9000, 16, 0), ('r', 0x9010, 16, 1), ('r', 0x9020, 16, 2)]
         );
         // In place at the root (its input is its own part): nothing to itself.
-        let own = 0x9010 as *const c_void;
-        assert_eq!(list(gather_parts(own, recv, 1, 1, 3, 16).unwrap()), [('r', 0x9000, 16, 0), ('r', 0x9020, 16, 2)]);
+        let own = 0x9010u64;
+        assert_eq!(list(gather(own, recv, 1, 1, 3, 16).unwrap()), [('r', 0x9000, 16, 0), ('r', 0x9020, 16, 2)]);
         // Scatter from root 2 of 3, out of place and in place.
-        assert_eq!(list(scatter_parts(send, recv, 2, 0, 3, 16).unwrap()), [('r', 0x9000, 16, 2)]);
+        assert_eq!(list(scatter(send, recv, 2, 0, 3, 16).unwrap()), [('r', 0x9000, 16, 2)]);
         assert_eq!(
-            list(scatter_parts(send, recv, 2, 2, 3, 16).unwrap()),
+            list(scatter(send, recv, 2, 2, 3, 16).unwrap()),
             [('s', 0x1000, 16, 0), ('s', 0x1010, 16, 1), ('s', 0x1020, 16, 2), ('r', 0x9000, 16, 2)]
         );
-        let own = 0x1020 as *mut c_void;
-        assert_eq!(list(scatter_parts(send, own, 2, 2, 3, 16).unwrap()), [('s', 0x1000, 16, 0), ('s', 0x1010, 16, 1)]);
+        let own = 0x1020u64;
+        assert_eq!(list(scatter(send, own, 2, 2, 3, 16).unwrap()), [('s', 0x1000, 16, 0), ('s', 0x1010, 16, 1)]);
         assert!(root_rank(3, 3).unwrap_err().1.contains("root 3 of a communicator of 3 ranks"));
         assert!(root_rank(-1, 3).is_err());
-        let high = (u64::MAX - 8) as *const c_void;
+        let high = u64::MAX - 8;
         assert!(alltoall_parts(high, recv, 2, 16).unwrap_err().1.contains("past the end of the address space"));
     }
 
