@@ -479,6 +479,9 @@ impl Communicator {
         for op in p2p_kernel::fuse_self(group, on_engine, self.rank, &mut self_engine)? {
             match op {
                 KernelOp::Fifo(t) => engine.push(t),
+                KernelOp::SelfCopy { src, dst, bytes } if src == 0 || dst == 0 => {
+                    return Err(Error::invalid_param(format!("a NULL buffer for {bytes} bytes sent to this rank itself")));
+                }
                 KernelOp::SelfCopy { src, dst, bytes } => copies.push((src, dst, bytes)),
             }
         }

@@ -887,9 +887,8 @@ impl Workspace {
     }
 
     /// 0, or the round a kernel of this rank gave up on (a peer did not answer in time, or the
-    /// communicator was aborted).
-    /// Read at most every `ERROR_READ_INTERVAL` (an error, once read, is kept: it is never
-    /// cleared).
+    /// communicator was aborted). Read from the device at most every `ERROR_READ_INTERVAL` (an
+    /// error, once read, is kept: it is never cleared).
     pub(crate) fn error(&self) -> Result<u64> {
         let mut last = self.error_read.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((at, value)) = *last
