@@ -30,7 +30,7 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::{Config, Tristate};
 use crate::cuda::Grid;
-use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max, one_shot_grid, stream_copy};
+use crate::cuda::coll::{CollArgs, CollKind, MAX_RANKS, SLOT_PAYLOAD, Workspace, big_round_max, one_shot_grid};
 use crate::cuda::coll_p2p::{P2P_FAILED, P2P_SIZE_MISMATCH, P2P_THREADS, P2pArgs};
 use crate::cuda::lanes::Lanes;
 use crate::error::{Error, Result, Status};
@@ -423,10 +423,12 @@ impl Communicator {
                 }
                 let side = lane.as_ref().expect("made above");
                 side.fork(stream)?;
+                // By SMs: the copy engines then carry only the peers' data.
+                let cache = self.kernel_cache.as_deref();
                 for &(src, dst, bytes) in &self_copies {
                     // SAFETY: the caller's contract: both buffers valid until the group
                     // completed on `on`, which waits for this side stream (`join` below).
-                    unsafe { stream_copy(self.device, side.stream(0), dst, src, bytes) }?;
+                    unsafe { self.workspace.launch_self_copy(side.stream(0), cache, (dst, src, bytes), self.p2p_grid_max) }?;
                 }
                 Some((lane, stream))
             }

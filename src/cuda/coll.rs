@@ -1024,6 +1024,30 @@ impl Workspace {
         replay::launch_uncached(f, stream, grid, &self.fill_p2p(args))
     }
 
+    /// Copy `bytes` from `src` to `dst` (a message to this rank itself) on `stream` by
+    /// `gsc_p2p_self_copy`, with at most `max_blocks` blocks. Touches nothing of the
+    /// communicator, so it may run beside a send/recv launch (`launch_p2p`).
+    ///
+    /// # Safety
+    /// Both ranges are valid GPU memory for `bytes` until the copy ran on the stream, and do
+    /// not overlap (as for `stream_copy`).
+    pub(crate) unsafe fn launch_self_copy(
+        &self,
+        stream: usize,
+        cache_dir: Option<&Path>,
+        (dst, src, bytes): (u64, u64, usize),
+        max_blocks: usize,
+    ) -> Result<()> {
+        use super::coll_p2p::{P2P_THREADS, SELF_COPY_CHUNK, SelfCopyArgs};
+        if bytes == 0 || dst == src {
+            return Ok(());
+        }
+        let f = kernel(primary_context(self.device)?, "gsc_p2p_self_copy", cache_dir)?;
+        let blocks = (bytes as u64).div_ceil(SELF_COPY_CHUNK).min(max_blocks.max(1) as u64) as u32;
+        let args = SelfCopyArgs { dst, src, bytes: bytes as u64, chunk: SELF_COPY_CHUNK };
+        replay::launch_uncached(f, stream, Grid { blocks, threads: P2P_THREADS }, &args)
+    }
+
     /// Add one group's sends and receives to a graph (`graph`: the CUgraph and the context
     /// its nodes are built in), after `after` when given; returns the node.
     pub(crate) fn add_p2p_node(

@@ -145,6 +145,22 @@ const _: () = assert!(std::mem::size_of::<P2pArgs>() == std::mem::size_of::<Coll
 // A kernel's parameters: 4 KiB (the limit before CUDA 12.1).
 const _: () = assert!(std::mem::size_of::<P2pArgs>() <= 4096);
 
+/// `gsc_p2p_self_copy_args_t`: a message to the rank itself copied by a kernel of its own
+/// (`Workspace::launch_self_copy`).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct SelfCopyArgs {
+    pub(crate) dst: u64,
+    pub(crate) src: u64,
+    pub(crate) bytes: u64,
+    /// What one block copies at a time (block b: chunks b, b + blocks, ...).
+    pub(crate) chunk: u64,
+}
+impl ArgBlock for SelfCopyArgs {}
+
+/// `SelfCopyArgs::chunk`: the FIFO slot's size, as the send/recv kernel's copies use.
+pub(crate) const SELF_COPY_CHUNK: u64 = 64 << 10;
+
 impl Default for P2pArgs {
     fn default() -> P2pArgs {
         P2pArgs { coll: CollArgs::default(), area: 0, nops: 0, ops: [P2pOp::default(); P2P_MAX_OPS] }
@@ -299,4 +315,24 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
 }
 #undef GSC_P2P_AT
 #undef GSC_P2P_QUIET
+
+/* A message to the rank itself larger than GSC_COLL_P2P_MAX, copied by SMs on a side stream
+ * beside the point-to-point engine's copies (collectives/comm.rs), so that the copy engines
+ * carry only the peers' data. It touches nothing of the communicator (gsc_p2p's counters allow
+ * one launch at a time; this may run beside one). */
+typedef struct {
+    unsigned long long dst, src, bytes, chunk;
+} gsc_p2p_self_copy_args_t;
+
+extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p_self_copy(gsc_p2p_self_copy_args_t a)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    for (unsigned long long off = blockIdx.x * a.chunk; off < a.bytes; off += gridDim.x * a.chunk) {
+        const unsigned long long len = a.bytes - off < a.chunk ? a.bytes - off : a.chunk;
+        gsc_p2p_copy((unsigned char *)a.dst + off, (const unsigned char *)a.src + off, len, false);
+    }
+}
 "#;
