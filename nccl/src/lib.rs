@@ -182,7 +182,8 @@ impl From<Error> for Fail {
     fn from(e: Error) -> Fail {
         let code = match e.status() {
             Status::InvalidParam | Status::InvalidHandle | Status::OutOfRange | Status::InvalidAddress => NCCL_INVALID_ARGUMENT,
-            Status::Unsupported | Status::Busy | Status::InvalidConfig => NCCL_INVALID_USAGE,
+            // Canceled: a call on a revoked communicator (NCCL answers ncclInvalidUsage).
+            Status::Unsupported | Status::Busy | Status::InvalidConfig | Status::Canceled => NCCL_INVALID_USAGE,
             Status::TimedOut | Status::PeerFailed | Status::Unreachable | Status::NotConnected | Status::ConnectionReset => {
                 NCCL_REMOTE_ERROR
             }
@@ -312,6 +313,8 @@ enum InitJob {
     Rank { nranks: c_int, id: ncclUniqueId, rank: c_int, device: i32 },
     /// ncclCommSplit of `parent`.
     Split { parent: Arc<Comm>, color: Option<u32>, key: i32 },
+    /// ncclCommShrink of `parent` without the ranks of `exclude`.
+    Shrink { parent: Arc<Comm>, exclude: Vec<usize> },
 }
 
 /// An init or split to run; its communicator (or NULL, for a split without a color) goes to
@@ -342,6 +345,11 @@ fn run_job(job: &InitJob) -> Result<Option<Communicator>, Fail> {
             let parent = parent.ready()?;
             gscomm::cuda::api::set_device(parent.device())?;
             Ok(parent.split(color, key, &config()?)?)
+        }
+        InitJob::Shrink { ref parent, ref exclude } => {
+            let parent = parent.ready()?;
+            gscomm::cuda::api::set_device(parent.device())?;
+            Ok(Some(parent.shrink(exclude, &config()?)?))
         }
     }
 }
@@ -546,6 +554,63 @@ pub unsafe extern "C" fn ncclCommSplit(
     })
 }
 
+/// `NCCL_SHRINK_ABORT`: stop what is in flight on the parent first.
+const NCCL_SHRINK_ABORT: c_int = 1;
+
+/// Called by the ranks that stay (an excluded rank does not call it: it may be dead), each with
+/// the same ranks in any order. With `NCCL_SHRINK_ABORT` the parent is revoked first, so a
+/// collective or send/recv waiting for an excluded rank gives up; the parent is then good for
+/// destroy, split and shrink only (`ncclCommRevoke`). Non-blocking where the config says so.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: ncclComm_t,
+    exclude_ranks: *mut c_int,
+    exclude_count: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut c_void,
+    shrink_flags: c_int,
+) -> ncclResult_t {
+    gate("ncclCommShrink", || {
+        let parent = comm_ref(comm)?;
+        out(newcomm, "newcomm")?;
+        if shrink_flags & !NCCL_SHRINK_ABORT != 0 {
+            return Err(invalid(format!("shrinkFlags {shrink_flags:#x} (NCCL_SHRINK_DEFAULT or NCCL_SHRINK_ABORT)")));
+        }
+        let count = usize::try_from(exclude_count).ok().filter(|&n| n > 0);
+        let count = count.ok_or_else(|| invalid(format!("excludeRanksCount {exclude_count} (at least one rank to exclude)")))?;
+        if exclude_ranks.is_null() {
+            return Err(invalid("excludeRanksList is NULL"));
+        }
+        // SAFETY: nccl.h: the list holds `excludeRanksCount` ranks (checked for NULL above).
+        let list = unsafe { std::slice::from_raw_parts(exclude_ranks, count) };
+        let exclude = list
+            .iter()
+            .map(|&r| usize::try_from(r).map_err(|_| invalid(format!("rank {r} in excludeRanksList"))))
+            .collect::<Result<Vec<usize>, Fail>>()?;
+        let blocking = blocking(config)?;
+        let communicator = parent.ready()?;
+        if shrink_flags & NCCL_SHRINK_ABORT != 0 && !communicator.revoked() {
+            communicator.revoke()?;
+        }
+        init_or_defer(PendingInit { slot: newcomm as usize, job: InitJob::Shrink { parent, exclude }, blocking })
+    })
+}
+
+/// Stops what is in flight (as abort does) and keeps the communicator for destroy, split and
+/// shrink; collectives and send/recv on it then fail with `ncclInvalidUsage`. Returns once
+/// this rank's transfers are failed and its kernels told to give up; its async error reads
+/// ncclSuccess from then on (NCCL's state once quiescent). Local: each rank revokes its own.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revoke_flags: c_int) -> ncclResult_t {
+    gate("ncclCommRevoke", || {
+        let c = comm_ref(comm)?;
+        if revoke_flags != 0 {
+            return Err(invalid(format!("revokeFlags {revoke_flags} (NCCL_REVOKE_DEFAULT, 0)")));
+        }
+        Ok(c.ready()?.revoke()?)
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
     gate("ncclGroupStart", || {
@@ -637,6 +702,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: ncclComm_t, async_error: *m
         let slot = out(async_error, "asyncError")?;
         *slot = match c.ready() {
             Err(f) => f.0,
+            Ok(communicator) if communicator.revoked() => NCCL_SUCCESS,
             Ok(communicator) => {
                 let conditions = c.conditions.lock().unwrap_or_else(|e| e.into_inner());
                 let p2p = conditions.values().map(|cond| cond.query()).find(|r| r.is_err()).unwrap_or(Ok(()));
@@ -1207,8 +1273,6 @@ macro_rules! not_yet {
 not_yet! {
     ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut *mut c_void, flags: c_int);
     ncclCommWindowDeregister(comm: ncclComm_t, win: *mut c_void);
-    ncclCommShrink(comm: ncclComm_t, exclude: *mut c_int, n_exclude: c_int, newcomm: *mut ncclComm_t, config: *mut c_void, flags: c_int);
-    ncclCommRevoke(comm: ncclComm_t, flags: c_int);
     ncclGroupSimulateEnd(sim_info: *mut c_void);
     // nccl_device.h (installed with nccl.h 2.28): device communicators.
     ncclDevCommCreate(comm: ncclComm_t, requirements: *const c_void, dev_comm: *mut c_void);
@@ -1682,6 +1746,100 @@ mod tests {
         }
     }
 
+    /// Fault tolerance on two GPUs, as PyTorch's shrink_group uses it. Rank 1 is gone (aborted)
+    /// while rank 0 has an all-reduce waiting for it: rank 0's shrink with NCCL_SHRINK_ABORT
+    /// stops that all-reduce (its stream completes, well inside the 1 h timeout) and makes a
+    /// one-rank communicator that works, while the parent refuses collectives as revoked. Then
+    /// two fresh ranks revoke: a second revoke is an error, their async errors read success,
+    /// and a split of the revoked pair (ranks reversed) all-reduces right. Skips without GPUs.
+    #[test]
+    fn shrink_after_a_rank_dies_and_revoke_on_two_gpus() {
+        use gscomm::cuda::api::{DeviceBuf, Stream, set_device};
+        if !gpus_or_skip(2) {
+            return;
+        }
+        const FLOAT: c_int = 7;
+        let count = 1024;
+        let init_two = || {
+            let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+            assert_eq!(unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 1].as_ptr()) }, NCCL_SUCCESS, "{}", last());
+            comms
+        };
+        let floats = |v: f32| (0..count).flat_map(|_| v.to_le_bytes()).collect::<Vec<u8>>();
+        let buffers = |r: i32, v: f32| {
+            set_device(r).unwrap();
+            let send = DeviceBuf::new(count * 4).unwrap();
+            send.upload(&floats(v)).unwrap();
+            let recv = DeviceBuf::new(count * 4).unwrap();
+            recv.fill(0).unwrap();
+            (send, recv, Stream::new().unwrap())
+        };
+        let all_reduce = |comm, (send, recv, stream): &(DeviceBuf, DeviceBuf, Stream)| unsafe {
+            ncclAllReduce(send.ptr() as *const c_void, recv.ptr() as *mut c_void, count, FLOAT, 0, comm, stream.raw() as *mut c_void)
+        };
+        let comms = init_two();
+        let b0 = buffers(0, 1.5);
+        assert_eq!(unsafe { ncclCommAbort(comms[1]) }, NCCL_SUCCESS);
+        assert_eq!(all_reduce(comms[0], &b0), NCCL_SUCCESS, "{}", last());
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!b0.2.query().unwrap(), "the all-reduce did not wait for the aborted rank");
+        let mut small: ncclComm_t = std::ptr::null_mut();
+        let mut exclude = [1 as c_int];
+        let rc = unsafe { ncclCommShrink(comms[0], exclude.as_mut_ptr(), 1, &mut small, std::ptr::null_mut(), NCCL_SHRINK_ABORT) };
+        assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+        let t0 = std::time::Instant::now();
+        while !b0.2.query().unwrap() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "the shrink did not stop the all-reduce waiting for rank 1");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (mut n, mut rank) = (0, -1);
+        assert_eq!(unsafe { ncclCommCount(small, &mut n) }, NCCL_SUCCESS);
+        assert_eq!(unsafe { ncclCommUserRank(small, &mut rank) }, NCCL_SUCCESS);
+        assert_eq!((n, rank), (1, 0));
+        assert_eq!(all_reduce(small, &b0), NCCL_SUCCESS, "{}", last());
+        b0.2.synchronize().unwrap();
+        assert!(b0.1.download().unwrap() == floats(1.5), "a one-rank all-reduce is a copy");
+        assert_eq!(all_reduce(comms[0], &b0), NCCL_INVALID_USAGE);
+        assert!(last().contains("revoked"), "{}", last());
+        let mut e = -1;
+        assert_eq!(unsafe { ncclCommGetAsyncError(comms[0], &mut e) }, NCCL_SUCCESS);
+        assert_eq!(e, NCCL_SUCCESS, "a revoked communicator's async error");
+        for c in [small, comms[0]] {
+            assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
+        }
+
+        let comms = init_two();
+        for c in comms {
+            assert_eq!(unsafe { ncclCommRevoke(c, 0) }, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclCommRevoke(comms[0], 0) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("revoke: the communicator was revoked"), "{}", last());
+        let bufs = [buffers(0, 1.0), buffers(1, 2.0)];
+        assert_eq!(all_reduce(comms[1], &bufs[1]), NCCL_INVALID_USAGE);
+        let mut subs: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, sub) in subs.iter_mut().enumerate() {
+            let rc = unsafe { ncclCommSplit(comms[r], 0, 1 - r as c_int, sub, std::ptr::null_mut()) };
+            assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, sub) in subs.iter().enumerate() {
+            let mut rank = -1;
+            assert_eq!(unsafe { ncclCommUserRank(*sub, &mut rank) }, NCCL_SUCCESS);
+            assert_eq!(rank, 1 - r as c_int, "split by reversed keys");
+            assert_eq!(all_reduce(*sub, &bufs[r]), NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS);
+        for (_, recv, stream) in &bufs {
+            stream.synchronize().unwrap();
+            assert!(recv.download().unwrap() == floats(3.0), "all-reduce on the split of revoked communicators");
+        }
+        for c in subs.into_iter().chain(comms) {
+            assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
+        }
+    }
+
     #[test]
     fn premul_operators_are_looked_up_by_type_and_destroyed_once() {
         let (comm, c) = new_handle(Comm::new());
@@ -1919,11 +2077,33 @@ mod tests {
         assert_eq!(r, NCCL_INVALID_ARGUMENT);
         assert!(last().contains("commIds is NULL"), "{}", last());
         assert!(comm.is_null());
+        // Shrink and revoke name each bad argument before they look at the communicator (here
+        // one whose init failed), and change nothing.
+        let (failed, c) = new_handle(Comm::new());
+        let _ = c.state.set(Err(Fail(NCCL_REMOTE_ERROR, "rank 1 went away".into())));
         let mut newcomm: ncclComm_t = std::ptr::null_mut();
-        let r = unsafe { ncclCommShrink(std::ptr::null_mut(), std::ptr::null_mut(), 0, &mut newcomm, std::ptr::null_mut(), 0) };
-        assert_eq!(r, NCCL_INVALID_USAGE);
-        assert!(last().contains("ncclCommShrink is not supported"), "{}", last());
+        let list = [1 as c_int, -2];
+        let null = std::ptr::null_mut();
+        let shrink = |list: *mut c_int, n, newcomm, flags| unsafe { ncclCommShrink(failed, list, n, newcomm, null, flags) };
+        let nc: *mut ncclComm_t = &mut newcomm;
+        let calls: [(&dyn Fn() -> ncclResult_t, &str); 7] = [
+            (&|| unsafe { ncclCommShrink(null as ncclComm_t, list.as_ptr() as *mut c_int, 1, nc, null, 0) }, "comm is NULL"),
+            (&|| shrink(list.as_ptr() as *mut c_int, 1, null as *mut ncclComm_t, 0), "newcomm is NULL"),
+            (&|| shrink(list.as_ptr() as *mut c_int, 1, nc, 4), "shrinkFlags 0x4"),
+            (&|| shrink(list.as_ptr() as *mut c_int, 0, nc, 0), "excludeRanksCount 0"),
+            (&|| shrink(null as *mut c_int, 1, nc, 0), "excludeRanksList is NULL"),
+            (&|| shrink(list.as_ptr() as *mut c_int, 2, nc, 1), "rank -2 in excludeRanksList"),
+            (&|| unsafe { ncclCommRevoke(failed, 1) }, "revokeFlags 1"),
+        ];
+        for (call, says) in calls {
+            assert_eq!(call(), NCCL_INVALID_ARGUMENT, "{says}: {}", last());
+            assert!(last().contains(says), "{says}: {}", last());
+        }
+        assert_eq!(shrink(list.as_ptr() as *mut c_int, 1, nc, 1), NCCL_REMOTE_ERROR);
+        assert!(last().contains("ncclCommShrink: the communicator's init failed"), "{}", last());
+        assert_eq!(unsafe { ncclCommRevoke(failed, 0) }, NCCL_REMOTE_ERROR);
         assert!(newcomm.is_null());
+        assert_eq!(unsafe { ncclCommDestroy(failed) }, NCCL_SUCCESS);
         assert_eq!(unsafe { ncclGroupSimulateEnd(std::ptr::null_mut()) }, NCCL_INVALID_USAGE);
         assert_eq!(unsafe { ncclDevCommCreate(std::ptr::null_mut(), std::ptr::null(), std::ptr::null_mut()) }, NCCL_INVALID_USAGE);
     }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::root::ACCEPT_POLL;
-use super::uid::UniqueId;
+use super::uid::{UNIQUE_ID_BYTES, UniqueId};
 use super::wire::{self, ADDR_BYTES, ROOT_TARGET, Role, SECRET_BYTES, ft};
 use crate::error::{Error, Result, Status};
 
@@ -30,6 +30,9 @@ const DATA_HDR: usize = 5;
 /// Tag spaces keep user tags and collective sequence numbers from ever matching each other.
 const SPACE_USER: u8 = 1;
 const SPACE_COLL: u8 = 2;
+/// `shrink`'s hand-over of the new group's id: apart from `SPACE_COLL`, whose sequence numbers
+/// count collectives of every rank, which a shrink (excluded ranks take no part) is not.
+const SPACE_SHRINK: u8 = 3;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere while holding the lock leaves plain data behind; keep going with it
@@ -290,6 +293,44 @@ impl Bootstrap {
         self.recv_raw(peer, SPACE_USER, tag, deadline, "recv")
     }
 
+    /// A new group of this group's ranks except `exclude`, numbered in their order here, made
+    /// by those ranks alone (NCCL's ncclCommShrink): an excluded rank takes no part, so it may
+    /// be dead. Every remaining rank gives the same ranks, in any order; the lowest remaining
+    /// rank hosts the new rendezvous and hands its id to the others, with its list, so a rank
+    /// whose list differs fails naming both (the others then time out in the rendezvous).
+    pub fn shrink(&self, exclude: &[u32]) -> Result<Bootstrap> {
+        let excluded = shrink_list(exclude, self.rank, self.nranks)?;
+        let members: Vec<u32> = (0..self.nranks).filter(|r| excluded.binary_search(r).is_err()).collect();
+        let lead = members[0]; // not empty: this rank is a member
+        let deadline = wire::deadline_after(self.timeout);
+        let mine: Vec<u8> = excluded.iter().flat_map(|r| r.to_le_bytes()).collect();
+        let uid = if lead == self.rank {
+            let uid = UniqueId::create(Some(self.peers[self.rank as usize].ip()))?;
+            let id = uid.to_bytes();
+            for &m in &members[1..] {
+                self.send_raw(m, SPACE_SHRINK, 0, &[&id, &mine], deadline, "shrink")?;
+            }
+            uid
+        } else {
+            let msg = self.recv_raw(lead, SPACE_SHRINK, 0, deadline, "shrink")?;
+            if msg.len() < UNIQUE_ID_BYTES || (msg.len() - UNIQUE_ID_BYTES) % 4 != 0 {
+                return Err(Error::new(Status::Internal, format!("shrink: a message of {} bytes from rank {lead}", msg.len())));
+            }
+            let (id, theirs) = msg.split_at(UNIQUE_ID_BYTES);
+            if theirs != mine.as_slice() {
+                let theirs: Vec<u32> = theirs.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                return Err(Error::invalid_param(format!(
+                    "shrink: rank {lead} excludes ranks {theirs:?}, rank {} excludes {excluded:?}: every remaining rank must \
+                     exclude the same ranks",
+                    self.rank
+                )));
+            }
+            UniqueId::from_bytes(id)?
+        };
+        let new_rank = members.iter().position(|&r| r == self.rank).expect("this rank is a member");
+        Bootstrap::init(&uid, new_rank as u32, members.len() as u32, self.timeout)
+    }
+
     fn check_peer(&self, peer: u32, op: &str) -> Result<()> {
         if peer >= self.nranks {
             return Err(Error::invalid_param(format!("{op}: peer {peer} is not below nranks {}", self.nranks)));
@@ -402,6 +443,28 @@ fn check_size(len: usize, op: &str) -> Result<()> {
         return Err(Error::invalid_param(format!("{op}: {len} bytes exceed the bootstrap message limit of {MAX_MESSAGE_BYTES}")));
     }
     Ok(())
+}
+
+/// `exclude` sorted, once it is checked: not empty, every rank below `nranks`, none twice, and
+/// not `me` (an excluded rank does not call shrink).
+fn shrink_list(exclude: &[u32], me: u32, nranks: u32) -> Result<Vec<u32>> {
+    if exclude.is_empty() {
+        return Err(Error::invalid_param("shrink: the list of ranks to exclude is empty"));
+    }
+    let mut sorted = exclude.to_vec();
+    sorted.sort_unstable();
+    if let Some(&r) = sorted.iter().find(|&&r| r >= nranks) {
+        return Err(Error::invalid_param(format!("shrink: rank {r} to exclude is not below nranks {nranks}")));
+    }
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::invalid_param(format!("shrink: rank {} is listed twice to exclude", w[0])));
+    }
+    if sorted.binary_search(&me).is_ok() {
+        return Err(Error::invalid_param(format!(
+            "shrink: this rank ({me}) is in the list to exclude: an excluded rank does not call shrink"
+        )));
+    }
+    Ok(sorted)
 }
 
 fn split_u32<'a>(msg: &'a [u8], op: &str, from: u32) -> Result<(u32, &'a [u8])> {

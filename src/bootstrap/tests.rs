@@ -341,6 +341,73 @@ fn operation_timeouts_and_peer_failure_name_the_rank() {
 }
 
 #[test]
+fn shrink_leaves_out_the_excluded_ranks_which_take_no_part() {
+    within(Duration::from_secs(20), || {
+        let uid = UniqueId::create(Some(LO)).unwrap();
+        // Ranks 0 and 3 of five leave at once (as dead ones would); the other three shrink
+        // without them (the list in any order), then shrink again without their new rank 1.
+        let res = run_ranks(job(&uid, 5), Duration::from_secs(5), |b| {
+            if [0, 3].contains(&b.rank()) {
+                return Ok(None);
+            }
+            let small = b.shrink(&[3, 0])?;
+            assert_eq!(small.nranks(), 3);
+            let want = [(1, 0), (2, 1), (4, 2)].into_iter().find(|p| p.0 == b.rank()).unwrap().1;
+            assert_eq!(small.rank(), want, "old rank {} renumbered", b.rank());
+            assert_eq!(small.allgather(&[b.rank() as u8])?, vec![vec![1], vec![2], vec![4]]);
+            if small.rank() == 1 {
+                return Ok(Some(small.rank()));
+            }
+            let smaller = small.shrink(&[1])?;
+            assert_eq!((smaller.rank(), smaller.nranks()), (small.rank() / 2, 2));
+            exercise(smaller)?;
+            Ok(Some(small.rank()))
+        });
+        let ranks: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
+        assert_eq!(ranks, [None, Some(0), Some(1), None, Some(2)]);
+    });
+}
+
+#[test]
+fn shrink_names_bad_lists_and_a_rank_whose_list_differs() {
+    within(Duration::from_secs(20), || {
+        let uid = UniqueId::create(Some(LO)).unwrap();
+        let res = run_ranks(job(&uid, 2), Duration::from_secs(5), |b| {
+            let me = b.rank();
+            for (list, says) in [
+                (vec![], "is empty".to_string()),
+                (vec![2], "rank 2 to exclude is not below nranks 2".to_string()),
+                (vec![1 - me, 1 - me], format!("rank {} is listed twice", 1 - me)),
+                (vec![me], format!("this rank ({me}) is in the list to exclude")),
+            ] {
+                let e = b.shrink(&list).unwrap_err();
+                assert_eq!(e.status(), Status::InvalidParam, "{e}");
+                assert!(e.message().contains(&says), "{list:?}: {e}");
+            }
+            // Nothing was sent: the group still works.
+            b.barrier()
+        });
+        for r in res {
+            r.unwrap();
+        }
+        // Rank 3 is gone; rank 2 also leaves out rank 1, which the others keep. Rank 2 learns
+        // it from the lead's list; ranks 0 and 1 wait for it in the rendezvous until the timeout.
+        let uid = UniqueId::create(Some(LO)).unwrap();
+        let timeout = Duration::from_millis(800);
+        let res = run_ranks(job(&uid, 4), timeout, |b| match b.rank() {
+            3 => Ok(None),
+            2 => Ok(Some(b.shrink(&[3, 1]).unwrap_err())),
+            _ => Ok(Some(b.shrink(&[3]).unwrap_err())),
+        });
+        let errors: Vec<Error> = res.into_iter().filter_map(|r| r.unwrap()).collect();
+        assert!(errors[2].message().contains("rank 0 excludes ranks [3], rank 2 excludes [1, 3]"), "{}", errors[2]);
+        for e in &errors[..2] {
+            assert_eq!(e.status(), Status::TimedOut, "{e}");
+        }
+    });
+}
+
+#[test]
 fn unique_id_round_trips_and_rejects_corruption() {
     let uid = UniqueId::with_root("10.0.0.7:29500".parse().unwrap(), b"s3cret").unwrap();
     let bytes = uid.to_bytes();

@@ -62,8 +62,9 @@ pub struct Communicator {
     board: Option<HostBoard>,
     /// Send/recv between the ranks (`p2p`).
     peers: PeerLinks,
-    /// Set once by `abort`: every later call fails with it.
-    aborted: std::sync::OnceLock<Error>,
+    /// Set once by `abort` or `revoke`: every later call fails with its error. `true`: by
+    /// `revoke`, after which `split` and `shrink` still work.
+    aborted: std::sync::OnceLock<(Error, bool)>,
     /// `GSC_COLL_CE` and `GSC_COLL_CE_MIN`, and the copy engines' side streams and scratch.
     ce_mode: Tristate,
     ce_min: usize,
@@ -256,22 +257,50 @@ impl Communicator {
     /// for this rank until `GSC_TIMEOUT`, or until they abort too.
     pub fn abort(&self, reason: &str) -> Result<()> {
         let error = Error::new(Status::Aborted, format!("the communicator was aborted: {reason}"));
-        if self.aborted.set(error).is_ok() {
+        if self.aborted.set((error, false)).is_ok() {
             self.workspace.abort();
             self.peers.worker().abort(reason)?;
         }
         Ok(())
     }
 
+    /// NCCL's revoke: what is in flight stops as with `abort` (send/recv fail and release their
+    /// streams, this rank's kernels give up at their next wait), every later collective and
+    /// send/recv fails naming the revoke, and the communicator stays good for `split` and
+    /// `shrink` — over its bootstrap, which a revoke leaves alone — and for its destroy. Once
+    /// only: a second revoke, or a revoke after `abort`, is an error.
+    pub fn revoke(&self) -> Result<()> {
+        let error = Error::new(Status::Canceled, "the communicator was revoked: only split, shrink and destroy remain");
+        if let Err((e, _)) = self.aborted.set((error, true)) {
+            let (was, _) = self.aborted.get().cloned().unwrap_or((e, false));
+            return Err(Error::new(Status::InvalidParam, format!("revoke: {}", was.message())));
+        }
+        self.workspace.abort();
+        self.peers.worker().abort("revoked")
+    }
+
+    /// Whether `revoke` was called.
+    pub fn revoked(&self) -> bool {
+        self.aborted.get().is_some_and(|(_, revoked)| *revoked)
+    }
+
     fn check_aborted(&self) -> Result<()> {
-        self.aborted.get().map_or(Ok(()), |e| Err(e.clone()))
+        self.aborted.get().map_or(Ok(()), |(e, _)| Err(e.clone()))
+    }
+
+    /// For `split` and `shrink`: an aborted communicator is refused, a revoked one is not.
+    fn check_not_aborted(&self) -> Result<()> {
+        match self.aborted.get() {
+            Some((e, false)) => Err(e.clone()),
+            _ => Ok(()),
+        }
     }
 
     /// NCCL's split: the ranks that give the same `color` form a new communicator, ranked by
     /// (`key`, rank here); `None` (NCCL_SPLIT_NOCOLOR) takes part in the call and gets none.
     /// Collective over this communicator; the new one is on the same device, with `config`.
     pub fn split(&self, color: Option<u32>, key: i32, config: &Config) -> Result<Option<Communicator>> {
-        self.check_aborted()?;
+        self.check_not_aborted()?;
         let mut mine = vec![u8::from(color.is_some())];
         mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
         mine.extend_from_slice(&key.to_le_bytes());
@@ -307,6 +336,24 @@ impl Communicator {
         let new_rank = members.iter().position(|&r| r == self.rank).expect("a rank with a color is among its members");
         let boot = Bootstrap::init(&uid, new_rank as u32, members.len() as u32, self.bootstrap.timeout())?;
         Communicator::new(boot, self.device, config).map(Some)
+    }
+
+    /// NCCL's shrink: the ranks not in `exclude` form a new communicator, numbered in their
+    /// order here, on the same devices, with `config`. Collective over those ranks only: an
+    /// excluded rank takes no part (it may be dead), and each remaining rank gives the same
+    /// list, in any order (`Bootstrap::shrink` names a rank whose list differs). Works on a
+    /// revoked communicator — revoke first to stop what waits for an excluded rank.
+    pub fn shrink(&self, exclude: &[usize], config: &Config) -> Result<Communicator> {
+        self.check_not_aborted()?;
+        let exclude: Vec<u32> = exclude
+            .iter()
+            .map(|&r| {
+                u32::try_from(r)
+                    .map_err(|_| Error::invalid_param(format!("shrink: rank {r} to exclude is not below nranks {}", self.nranks)))
+            })
+            .collect::<Result<_>>()?;
+        let boot = self.bootstrap.shrink(&exclude)?;
+        Communicator::new(boot, self.device, config)
     }
 
     /// NCCL's buffer registration: `bytes` at `addr` are checked to be memory of this rank's
@@ -562,8 +609,13 @@ impl Communicator {
     }
 
     /// Ok, or `TimedOut` when a kernel of this rank gave up waiting for a peer (its results
-    /// are then undefined; the communicator should be destroyed).
+    /// are then undefined; the communicator should be destroyed). Ok after `revoke`.
     pub fn async_error(&self) -> Result<()> {
+        if self.revoked() {
+            // NCCL's state after a revoke once nothing is in flight: kernels given up by the
+            // revoke leave their error behind, which is not the communicator's.
+            return Ok(());
+        }
         self.check_aborted()?;
         match self.workspace.error()? {
             0 => Ok(()),
