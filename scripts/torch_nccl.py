@@ -242,6 +242,22 @@ def run_checks(rank, world, quick):
         want = torch.cat([pattern(j, world * 1001, f32, 200 + rep, dev)[rank * 1001:(rank + 1) * 1001] for j in range(world)])
         good &= torch.equal(t_out, want)
     ck.ok("CUDA graph: all_reduce + all_gather + all_to_all replayed 20x with new inputs", good)
+    # shrink_group (ncclCommShrink), on a copy of the world group so the default one stays: the
+    # last rank is left out and does not call it (PyTorch's rule), the others all-reduce on the
+    # new group. Both flags; SHRINK_ABORT revokes the parent first.
+    if world > 1 and hasattr(dist, "shrink_group"):
+        for flag in ("SHRINK_DEFAULT", "SHRINK_ABORT"):
+            parent = dist.new_group(list(range(world)))
+            dist.barrier()
+            if rank != world - 1:
+                small = dist.shrink_group([world - 1], group=parent, shrink_flags=getattr(dist, flag, 0))
+                x = pattern(rank, 4099, f32, 9, dev)
+                dist.all_reduce(x, group=small)
+                want = expect_reduce("sum", [pattern(r, 4099, f32, 9, dev) for r in range(world - 1)], f32)
+                ck.ok(f"shrink_group {flag}: size {small.size()} all_reduce", small.size() == world - 1 and same(x, want, False))
+            else:
+                ck.ok(f"shrink_group {flag}: size {world - 1} all_reduce", True)
+            dist.barrier()
     return ck
 
 

@@ -313,7 +313,7 @@ impl Bootstrap {
             uid
         } else {
             let msg = self.recv_raw(lead, SPACE_SHRINK, 0, deadline, "shrink")?;
-            if msg.len() < UNIQUE_ID_BYTES || (msg.len() - UNIQUE_ID_BYTES) % 4 != 0 {
+            if msg.len() < UNIQUE_ID_BYTES || !(msg.len() - UNIQUE_ID_BYTES).is_multiple_of(4) {
                 return Err(Error::new(Status::Internal, format!("shrink: a message of {} bytes from rank {lead}", msg.len())));
             }
             let (id, theirs) = msg.split_at(UNIQUE_ID_BYTES);
