@@ -181,7 +181,7 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
                 (load.config.coll_ring, load.config.coll_ring_min),
                 (load.config.coll_ce, load.config.coll_ce_min),
                 load.config.coll_trigger_max,
-                (load.config.coll_p2p_max, load.config.coll_p2p_blocks),
+                (load.config.coll_p2p_max, load.config.coll_p2p_blocks, load.config.coll_p2p_head),
             ),
             Err(e) => format!("# collectives: {e}\n"),
         };

@@ -87,6 +87,10 @@ pub struct Communicator {
     p2p_max: usize,
     p2p_blocks: usize,
     p2p_grid_max: usize,
+    /// `GSC_COLL_P2P_HEAD` (at most `p2p_max`; 0 where ranks share a process): the start of an
+    /// engine-sized message to a peer that the kernel moves while the engine starts on the rest
+    /// (`split_heads`).
+    p2p_head: usize,
     /// Whether messages to this rank have gone through its own FIFO (`p2p_kernel::fuse_self`);
     /// groups are issued one at a time, so the lock is never contended.
     p2p_self_fifo: std::sync::Mutex<bool>,
@@ -95,7 +99,8 @@ pub struct Communicator {
     /// CUDA stream); until then a group's balanced pairs larger than `GSC_COLL_P2P_MAX` are
     /// copies on `p2p_lane`, beside the engine's transfers to the peers.
     p2p_self_engine: std::sync::Mutex<bool>,
-    /// The side stream those copies run on (made at the first).
+    /// The side streams those copies (stream 0) and a group's kernel beside the engine (stream
+    /// 1, `split_heads`) run on, made at the first use.
     p2p_lane: std::sync::Mutex<Option<Lanes>>,
 }
 
@@ -241,6 +246,10 @@ impl Communicator {
             p2p_max: config.coll_p2p_max,
             p2p_blocks: config.coll_p2p_blocks,
             p2p_grid_max,
+            // Off where ranks share a process: there a group whose kernel part was split off
+            // beside the engine came out wrong (the kernels waited out their timeout) in
+            // nccl-tests and nccl-cdylib's all-to-all (docs/PERF.md, session 27).
+            p2p_head: if shares_process { 0 } else { config.coll_p2p_head.min(config.coll_p2p_max) },
             p2p_self_fifo: std::sync::Mutex::new(false),
             p2p_self_engine: std::sync::Mutex::new(false),
             p2p_lane: std::sync::Mutex::new(None),
@@ -423,6 +432,11 @@ impl Communicator {
     /// buffer is not read or written by anything else until then.
     pub unsafe fn transfers(&self, group: &[PeerTransfer], on: &Condition) -> Result<ArmedOutputs> {
         self.check_aborted()?;
+        let headed = match on.category() {
+            Category::Stream => split_heads(group, self.rank, self.p2p_max, self.p2p_head),
+            _ => None,
+        };
+        let group = headed.as_deref().unwrap_or(group);
         let on_kernel = |t: &PeerTransfer| t.bytes > 0 && t.bytes <= self.p2p_max;
         let on_engine = |t: &PeerTransfer| t.bytes > self.p2p_max;
         for (i, t) in group.iter().enumerate() {
@@ -458,15 +472,17 @@ impl Communicator {
             false => Vec::new(),
         };
         let (engine, self_copies) = self.engine_part(group, on_engine, on)?;
-        // The copies to itself start first, beside everything else of the group; the stream
-        // waits for them after the engine's part (`Lanes`: events, so a capture takes them in).
-        let lane = match self_copies.is_empty() {
+        // The copies to itself start first, beside everything else of the group, and so does
+        // the kernel when heads were split off (else the engine would start only after it);
+        // the stream waits for them after the engine's part (`Lanes`: events, so a capture
+        // takes them in).
+        let lane = match self_copies.is_empty() && headed.is_none() {
             true => None,
             false => {
                 let stream = on.cuda_stream()?;
                 let mut lane = self.p2p_lane.lock().unwrap_or_else(|e| e.into_inner());
                 if lane.is_none() {
-                    *lane = Some(crate::cuda::with_relaxed_capture(|| Lanes::new(self.device, 1))?);
+                    *lane = Some(crate::cuda::with_relaxed_capture(|| Lanes::new(self.device, 2))?);
                 }
                 let side = lane.as_ref().expect("made above");
                 side.fork(stream)?;
@@ -480,7 +496,11 @@ impl Communicator {
                 Some((lane, stream))
             }
         };
-        let issued = self.issue_kernel_part(&kernel_ops, graph, on).and_then(|outputs| {
+        let kernel_stream = match (&lane, &headed) {
+            (Some((side, _)), Some(_)) => Some(side.as_ref().expect("made above").stream(1)),
+            _ => None,
+        };
+        let issued = self.issue_kernel_part(&kernel_ops, graph, kernel_stream, on).and_then(|outputs| {
             if !engine.is_empty() {
                 on.group_start()?;
                 let mut first = Ok(());
@@ -537,9 +557,15 @@ impl Communicator {
         Ok((engine, copies))
     }
 
-    /// Launch (stream) or add (graph: `Some`) the send/recv kernel for `kernel_ops`; returns the
-    /// graph nodes.
-    fn issue_kernel_part(&self, kernel_ops: &[KernelOp], graph: Option<(usize, usize)>, on: &Condition) -> Result<ArmedOutputs> {
+    /// Launch (on `on`'s stream, or `stream` where given) or add (graph: `Some`) the send/recv
+    /// kernel for `kernel_ops`; returns the graph nodes.
+    fn issue_kernel_part(
+        &self,
+        kernel_ops: &[KernelOp],
+        graph: Option<(usize, usize)>,
+        stream: Option<usize>,
+        on: &Condition,
+    ) -> Result<ArmedOutputs> {
         let mut outputs = ArmedOutputs::default();
         let cache = self.kernel_cache.as_deref();
         for launch in p2p_kernel::plan(kernel_ops, self.rank, self.p2p_blocks, self.p2p_grid_max) {
@@ -564,7 +590,7 @@ impl Communicator {
                     }
                     outputs.done_node = node;
                 }
-                None => self.workspace.launch_p2p(on.cuda_stream()?, cache, args, grid)?,
+                None => self.workspace.launch_p2p(stream.map_or_else(|| on.cuda_stream(), Ok)?, cache, args, grid)?,
             }
         }
         Ok(outputs)
@@ -1051,6 +1077,27 @@ impl Communicator {
     }
 }
 
+/// `group` with each message to a peer longer than `p2p_max + head` cut in two: its first
+/// `head` bytes, which the kernel moves, and the rest, which stays the engine's; `None` when
+/// none is (or `head` is 0). Both sides cut a message alike, from its length, so the k-th
+/// send to a peer still pairs with the k-th receive there, in the kernel and in the engine.
+fn split_heads(group: &[PeerTransfer], rank: usize, p2p_max: usize, head: usize) -> Option<Vec<PeerTransfer>> {
+    let cut = |t: &PeerTransfer| head > 0 && t.peer != rank && t.bytes > p2p_max.saturating_add(head);
+    if !group.iter().any(cut) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(group.len() * 2);
+    for t in group {
+        if cut(t) {
+            out.push(PeerTransfer { bytes: head, ..*t });
+            out.push(PeerTransfer { buf: t.buf + head as u64, bytes: t.bytes - head, ..*t });
+        } else {
+            out.push(*t);
+        }
+    }
+    Some(out)
+}
+
 fn too_large() -> Error {
     Error::invalid_param("a collective's size in bytes overflows")
 }
@@ -1067,7 +1114,33 @@ fn split_members(entries: &[(Option<u32>, i32)], color: Option<u32>) -> Vec<usiz
 
 #[cfg(test)]
 mod tests {
-    use super::split_members;
+    use super::{PeerOp, PeerTransfer, split_heads, split_members};
+
+    #[test]
+    fn heads_are_cut_from_messages_to_peers_past_the_kernels_limit() {
+        let t = |op, buf, bytes, peer| PeerTransfer { op, buf, bytes, peer };
+        let (max, head) = (32 << 20, 4 << 20);
+        let group = [
+            t(PeerOp::Send, 0x1000_0000, 64 << 20, 1),
+            t(PeerOp::Recv, 0x2000_0000, max + head, 1), // not longer than max + head: whole
+            t(PeerOp::Send, 0x3000_0000, 64 << 20, 0),   // to itself: whole
+            t(PeerOp::Recv, 0x4000_0000, max + head + 1, 2),
+        ];
+        let got = split_heads(&group, 0, max, head).unwrap();
+        assert_eq!(
+            got,
+            [
+                t(PeerOp::Send, 0x1000_0000, head, 1),
+                t(PeerOp::Send, 0x1000_0000 + head as u64, (64 << 20) - head, 1),
+                group[1],
+                group[2],
+                t(PeerOp::Recv, 0x4000_0000, head, 2),
+                t(PeerOp::Recv, 0x4000_0000 + head as u64, max + 1, 2),
+            ]
+        );
+        assert_eq!(split_heads(&group, 0, max, 0), None, "0: off");
+        assert_eq!(split_heads(&group[1..3], 0, max, head), None, "nothing to cut");
+    }
 
     #[test]
     fn split_orders_members_by_key_then_rank() {

@@ -88,7 +88,8 @@ pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, a
 /// `sm`, `ring` and `ce`: `GSC_COLL_SM`/`GSC_COLL_SM_MIN` (`direct`), `GSC_COLL_RING`/
 /// `GSC_COLL_RING_MIN` (`ce_ring`) and `GSC_COLL_CE`/`GSC_COLL_CE_MIN` (`copy_engine`), which
 /// come before the table, in that order; `trigger_max`: `GSC_COLL_TRIGGER_MAX`; `p2p`:
-/// `GSC_COLL_P2P_MAX` and `GSC_COLL_P2P_BLOCKS` (`p2p_kernel`), a line after the table.
+/// `GSC_COLL_P2P_MAX`, `GSC_COLL_P2P_BLOCKS` (`p2p_kernel`) and `GSC_COLL_P2P_HEAD`, a line
+/// after the table.
 pub fn describe(
     large_min: usize,
     shape: &LargeShape,
@@ -96,7 +97,7 @@ pub fn describe(
     ring: (crate::config::Tristate, usize),
     ce: (crate::config::Tristate, usize),
     trigger_max: usize,
-    p2p: (usize, usize),
+    p2p: (usize, usize, usize),
 ) -> String {
     use crate::config::Tristate;
     let mut out = String::new();
@@ -178,10 +179,17 @@ pub fn describe(
         0 => writeln!(out, "# send/recv groups (GSC_COLL_P2P_MAX=0): every message through the point-to-point engine"),
         max => writeln!(
             out,
-            "# send/recv groups (GSC_COLL_P2P_MAX={}): messages of up to {} by the send/recv kernel, {} blocks each (GSC_COLL_P2P_BLOCKS), one launch per group; larger ones through the point-to-point engine",
+            "# send/recv groups (GSC_COLL_P2P_MAX={}): messages of up to {} by the send/recv kernel, {} blocks each (GSC_COLL_P2P_BLOCKS), one launch per group; larger ones through the point-to-point engine{}",
             crate::config::format_size(max as u64),
             crate::config::format_size(max as u64),
-            p2p.1
+            p2p.1,
+            match p2p.2.min(max) {
+                0 => String::new(),
+                head => format!(
+                    ", the first {} of those to a peer by the kernel beside it, between processes (GSC_COLL_P2P_HEAD)",
+                    crate::config::format_size(head as u64)
+                ),
+            }
         ),
     };
     out
@@ -221,7 +229,7 @@ mod tests {
             (crate::config::Tristate::Auto, 32 << 20),
             (crate::config::Tristate::Auto, 4 << 20),
             64,
-            (8 << 20, 32),
+            (8 << 20, 32, 4 << 20),
         );
         for coll in Collective::ALL {
             assert!(t.contains(&format!("[{}]", coll.name())), "{t}");
@@ -234,6 +242,10 @@ mod tests {
         assert!(t.contains("# kernel-triggered conditions (GSC_COLL_TRIGGER_MAX=64): all_reduce of 1 to 64 bytes"), "{t}");
         assert!(
             t.contains("# send/recv groups (GSC_COLL_P2P_MAX=8M): messages of up to 8M by the send/recv kernel, 32 blocks each"),
+            "{t}"
+        );
+        assert!(
+            t.contains("engine, the first 4M of those to a peer by the kernel beside it, between processes (GSC_COLL_P2P_HEAD)"),
             "{t}"
         );
         assert!(

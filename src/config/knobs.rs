@@ -696,6 +696,24 @@ pub(super) static KNOBS: &[Knob] = &[
         show: |c| format_size(c.coll_p2p_max as u64),
     },
     Knob {
+        name: "GSC_COLL_P2P_HEAD",
+        default: "4M",
+        doc: "Of a send/recv longer than GSC_COLL_P2P_MAX plus this between two ranks (not to \
+              itself), on a CUDA stream (captured or not): the first this many bytes go by the \
+              send/recv kernel on a side stream, which starts at once, while the point-to-point \
+              engine matches and moves the rest, so the links carry data while the engine \
+              starts. Decided from the message's length, so every rank must share it; the \
+              buffer must be GPU memory, as for the kernel. At most GSC_COLL_P2P_MAX; 0: off. \
+              Off where ranks share a process. Between two H200s, all-to-all of 128 MiB in \
+              graphs: 0: 209 us, 3M: 206, 4M: 199-200, 6M: 205 (docs/PERF.md, session 27)",
+        kind: KnobKind::Size,
+        parse: |c, v| {
+            c.coll_p2p_head = parse_usize(v)?;
+            Ok(())
+        },
+        show: |c| format_size(c.coll_p2p_head as u64),
+    },
+    Knob {
         name: "GSC_COLL_P2P_BLOCKS",
         default: "64",
         doc: "Blocks the send/recv kernel (GSC_COLL_P2P_MAX) gives one send or receive, 1 to \

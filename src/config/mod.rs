@@ -364,6 +364,9 @@ pub struct Config {
     /// (`collectives::p2p_kernel`); 0: none.
     pub coll_p2p_max: usize,
     /// `GSC_COLL_P2P_BLOCKS`: blocks per send or receive of that kernel, 1..=64.
+    /// `GSC_COLL_P2P_HEAD`: bytes at the start of an engine-sized send/recv that the kernel
+    /// moves while the engine starts on the rest.
+    pub coll_p2p_head: usize,
     pub coll_p2p_blocks: usize,
     /// `GSC_FAKE_HOST`: a label mixed into this process's host identity (testing: makes
     /// processes of one machine count as different hosts). `None`: the real host only.
@@ -469,6 +472,7 @@ impl Default for Config {
             coll_trigger_max: 64,
             coll_ring_pieces: 2,
             coll_p2p_max: 32 << 20,
+            coll_p2p_head: 4 << 20,
             coll_p2p_blocks: 64,
             fake_host: None,
             cuda_copy_streams: 1,
