@@ -87,7 +87,7 @@ pub struct Communicator {
     p2p_max: usize,
     p2p_blocks: usize,
     p2p_grid_max: usize,
-    /// `GSC_COLL_P2P_HEAD` (at most `p2p_max`; 0 where ranks share a process): the start of an
+    /// `GSC_COLL_P2P_HEAD` (at most `p2p_max`): the start of an
     /// engine-sized message to a peer that the kernel moves while the engine starts on the rest
     /// (`split_heads`).
     p2p_head: usize,
@@ -246,10 +246,7 @@ impl Communicator {
             p2p_max: config.coll_p2p_max,
             p2p_blocks: config.coll_p2p_blocks,
             p2p_grid_max,
-            // Off where ranks share a process: there a group whose kernel part was split off
-            // beside the engine came out wrong (the kernels waited out their timeout) in
-            // nccl-tests and nccl-cdylib's all-to-all (docs/PERF.md, session 27).
-            p2p_head: if shares_process { 0 } else { config.coll_p2p_head.min(config.coll_p2p_max) },
+            p2p_head: config.coll_p2p_head.min(config.coll_p2p_max),
             p2p_self_fifo: std::sync::Mutex::new(false),
             p2p_self_engine: std::sync::Mutex::new(false),
             p2p_lane: std::sync::Mutex::new(None),
@@ -500,23 +497,31 @@ impl Communicator {
             (Some((side, _)), Some(_)) => Some(side.as_ref().expect("made above").stream(1)),
             _ => None,
         };
-        let issued = self.issue_kernel_part(&kernel_ops, graph, kernel_stream, on).and_then(|outputs| {
-            if !engine.is_empty() {
-                on.group_start()?;
-                let mut first = Ok(());
-                for t in &engine {
-                    // SAFETY: the caller's contract.
-                    if let Err(e) = unsafe { self.peers.transfer(t.op, t.buf, t.bytes, t.peer, on) } {
-                        first = Err(e);
-                        break;
-                    }
-                }
-                let ended = on.group_end();
-                first?;
-                ended?;
+        let issue_engine = || -> Result<()> {
+            if engine.is_empty() {
+                return Ok(());
             }
-            Ok(outputs)
-        });
+            on.group_start()?;
+            let mut first = Ok(());
+            for t in &engine {
+                // SAFETY: the caller's contract.
+                if let Err(e) = unsafe { self.peers.transfer(t.op, t.buf, t.bytes, t.peer, on) } {
+                    first = Err(e);
+                    break;
+                }
+            }
+            let ended = on.group_end();
+            first?;
+            ended
+        };
+        // On the caller's stream the kernel goes first: after the engine's part it would wait
+        // there for the engine's completion. On a side stream it goes last: nothing the
+        // engine's part does on the host then runs while this rank's kernel spins for a peer
+        // whose kernel the same thread may have yet to launch (ranks sharing a process).
+        let issued = match kernel_stream {
+            None => self.issue_kernel_part(&kernel_ops, graph, None, on).and_then(|outputs| issue_engine().map(|()| outputs)),
+            Some(side) => issue_engine().and_then(|()| self.issue_kernel_part(&kernel_ops, graph, Some(side), on)),
+        };
         // Joined whatever happened: the stream must not run past copies still reading and
         // writing the caller's buffers.
         let joined = match &lane {

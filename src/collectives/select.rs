@@ -186,7 +186,7 @@ pub fn describe(
             match p2p.2.min(max) {
                 0 => String::new(),
                 head => format!(
-                    ", the first {} of those to a peer by the kernel beside it, between processes (GSC_COLL_P2P_HEAD)",
+                    ", the first {} of those to a peer by the kernel beside it (GSC_COLL_P2P_HEAD)",
                     crate::config::format_size(head as u64)
                 ),
             }
@@ -244,10 +244,7 @@ mod tests {
             t.contains("# send/recv groups (GSC_COLL_P2P_MAX=8M): messages of up to 8M by the send/recv kernel, 32 blocks each"),
             "{t}"
         );
-        assert!(
-            t.contains("engine, the first 4M of those to a peer by the kernel beside it, between processes (GSC_COLL_P2P_HEAD)"),
-            "{t}"
-        );
+        assert!(t.contains("engine, the first 4M of those to a peer by the kernel beside it (GSC_COLL_P2P_HEAD)"), "{t}");
         assert!(
             t.contains(
                 "# copy-engine ring (GSC_COLL_RING=auto): reduce_scatter from max(32M, 32M) per rank and all_reduce from max(32M, 64M)"

@@ -704,8 +704,8 @@ pub(super) static KNOBS: &[Knob] = &[
               engine matches and moves the rest, so the links carry data while the engine \
               starts. Decided from the message's length, so every rank must share it; the \
               buffer must be GPU memory, as for the kernel. At most GSC_COLL_P2P_MAX; 0: off. \
-              Off where ranks share a process. Between two H200s, all-to-all of 128 MiB in \
-              graphs: 0: 209 us, 3M: 206, 4M: 199-200, 6M: 205 (docs/PERF.md, session 27)",
+              Between two H200s, all-to-all of 128 MiB in graphs: 0: 209 us, 3M: 206, 4M: \
+              199-200, 6M: 205 (docs/PERF.md, session 27)",
         kind: KnobKind::Size,
         parse: |c, v| {
             c.coll_p2p_head = parse_usize(v)?;

@@ -1104,14 +1104,29 @@ pub(crate) struct NetReduceArgs {
 }
 impl ArgBlock for NetReduceArgs {}
 
+/// Load (compile if need be) the collective kernels on `device` now, with every kernel in them
+/// (`kernels::load_module`): at communicator creation, never behind a stream wait. The stream
+/// conditions' trigger and wait kernels too (`Kernels`, as `GSC_CUDA_WAIT_KERNEL` asks): a
+/// communicator's first send/recv through the engine would load them otherwise, and where ranks
+/// share a process that load waited for the group's send/recv kernel, spinning for a peer whose
+/// kernel the same thread had yet to launch (session 27).
+pub(crate) fn preload(device: i32, cache_dir: Option<&Path>) -> Result<()> {
+    let ctx = primary_context(device)?;
+    kernel(ctx, "gsc_net_reduce_f32_sum", cache_dir)?;
+    match super::wait_kernel_mode() {
+        crate::config::Tristate::Off => Ok(()),
+        crate::config::Tristate::On => super::Kernels::of(ctx, cache_dir).map(|_| ()),
+        // As the conditions do: without the kernels (no NVRTC) their waits are memops.
+        crate::config::Tristate::Auto => {
+            let _ = super::Kernels::of(ctx, cache_dir);
+            Ok(())
+        }
+    }
+}
+
 /// Launch `gsc_net_reduce_<type>_<op>` (`op_tag`: sum, prod, max or min) on `stream` of
 /// `device`'s primary context: a thread per element, at most 1024 blocks (a grid-stride loop
 /// covers the rest).
-/// Load (compile if need be) the collective kernels on `device` now, with every kernel in them
-/// (`kernels::load_module`): at communicator creation, never behind a stream wait.
-pub(crate) fn preload(device: i32, cache_dir: Option<&Path>) -> Result<()> {
-    kernel(primary_context(device)?, "gsc_net_reduce_f32_sum", cache_dir).map(|_| ())
-}
 
 pub(crate) fn launch_net_reduce(
     device: i32,
