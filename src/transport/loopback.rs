@@ -197,7 +197,13 @@ impl Link for LoopbackLink {
     }
 
     fn check_peer(&mut self) -> Result<()> {
-        if self.ch.closed[1 - self.side].load(Ordering::Acquire) {
+        // Frames the peer queued before it closed are still delivered (`poll_recv`, which fails
+        // only on an empty queue): a close seen here before they were read would drop them
+        // and fail a receive the peer saw complete (a flush close). The peer queues before it
+        // closes, so an empty queue after the Acquire load is empty for good.
+        if self.ch.closed[1 - self.side].load(Ordering::Acquire)
+            && self.ch.queues[1 - self.side].lock().unwrap_or_else(|e| e.into_inner()).frames.is_empty()
+        {
             Err(Error::new(Status::ConnectionReset, "loopback peer closed the link"))
         } else {
             Ok(())
@@ -236,6 +242,21 @@ mod tests {
         drop(l);
         assert!(!is_local(0xA));
         assert_eq!(connect(0xA, 0xB).err().map(|e| e.status()), Some(Status::Unreachable));
+    }
+
+    #[test]
+    fn a_closed_peers_queued_frames_come_before_its_close() {
+        let mut l = LoopbackListener::new(0xE);
+        let mut a = connect(0xE, 0xF).unwrap();
+        let (_, mut b) = l.accept().unwrap().unwrap();
+        assert!(a.try_send(&[b"last words"]).unwrap());
+        drop(a);
+        b.check_peer().expect("a frame is still queued: the close is not news yet");
+        let mut got = Vec::new();
+        assert_eq!(b.poll_recv(10, &mut |f| got.push(f.to_vec())).unwrap(), 1);
+        assert_eq!(got, vec![b"last words".to_vec()]);
+        assert_eq!(b.check_peer().unwrap_err().status(), Status::ConnectionReset);
+        assert_eq!(b.poll_recv(10, &mut |_| {}).unwrap_err().status(), Status::ConnectionReset);
     }
 
     #[test]

@@ -249,6 +249,12 @@ impl Link for ShmLink {
 
     fn check_peer(&mut self) -> Result<()> {
         if let Some(e) = self.dead_reason() {
+            // A peer that closed after publishing frames: `poll_recv` delivers them, then
+            // fails (see there). Failing here first would drop them, and with them a receive
+            // the peer saw complete (a flush close).
+            if self.failure.is_none() && !self.rx.is_empty() {
+                return Ok(());
+            }
             return Err(e);
         }
         if !proc_identity::is_alive(&self.peer) {
