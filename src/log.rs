@@ -44,6 +44,7 @@ pub const PROXY: &str = "gsc::proxy";
 pub const CUDA: &str = "gsc::cuda";
 pub const GDA: &str = "gsc::gda";
 pub const UCX: &str = "gsc::ucx";
+pub const COLL: &str = "gsc::coll";
 
 /// Events logged under the crate's module paths, i.e. without an explicit `target:`. They
 /// belong to no subsystem, so they are shown only when every subsystem is selected rather than
@@ -240,12 +241,43 @@ mod tests {
 
     #[test]
     fn constants_match_subsystems() {
-        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH, PROXY, CUDA, GDA, UCX];
+        let consts = [CORE, PROTO, SHM, LOOPBACK, BOOTSTRAP, CONFIG, CAPI, BENCH, PROXY, CUDA, GDA, UCX, COLL];
         assert_eq!(consts.len(), Subsys::ALL.len());
         for (c, s) in consts.iter().zip(Subsys::ALL) {
             assert_eq!(*c, s.target());
             assert_eq!(*c, format!("gsc::{}", s.name()));
         }
+    }
+
+    /// Every `target: "gsc::..."` written in the sources is a subsystem's: the filter passes
+    /// only subsystems' targets, so an event under any other was never printed (collectives
+    /// logged under `gsc::coll` before it was one).
+    #[test]
+    fn every_target_in_the_sources_is_a_subsystems() {
+        fn walk(dir: &std::path::Path, found: &mut Vec<(PathBuf, String)>) {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    walk(&path, found);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    for piece in text.split("target: \"gsc::").skip(1) {
+                        let name: String = piece.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                        if !name.is_empty() {
+                            found.push((path.clone(), format!("gsc::{name}")));
+                        }
+                    }
+                }
+            }
+        }
+        let mut found = Vec::new();
+        for tree in ["src", "nccl/src"] {
+            walk(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(tree), &mut found);
+        }
+        assert!(found.len() > 100, "only {} targets found: did the sources move?", found.len());
+        let targets: Vec<&str> = Subsys::ALL.iter().map(|s| s.target()).collect();
+        let stray: Vec<_> = found.iter().filter(|(_, t)| !targets.contains(&t.as_str())).collect();
+        assert!(stray.is_empty(), "targets that no GSC_LOG_SUBSYS selects, so never printed: {stray:?}");
     }
 
     #[test]

@@ -91,6 +91,8 @@ pub enum Subsys {
     Gda,
     /// The UCX lane (src/transport/ucx).
     Ucx,
+    /// Communicators and collectives (src/collectives).
+    Coll,
 }
 
 impl Subsys {
@@ -107,6 +109,7 @@ impl Subsys {
         Subsys::Cuda,
         Subsys::Gda,
         Subsys::Ucx,
+        Subsys::Coll,
     ];
 
     pub fn name(self) -> &'static str {
@@ -123,6 +126,7 @@ impl Subsys {
             Subsys::Cuda => "cuda",
             Subsys::Gda => "gda",
             Subsys::Ucx => "ucx",
+            Subsys::Coll => "coll",
         }
     }
 
@@ -142,6 +146,7 @@ impl Subsys {
             Subsys::Cuda => log::CUDA,
             Subsys::Gda => log::GDA,
             Subsys::Ucx => log::UCX,
+            Subsys::Coll => log::COLL,
         }
     }
 }

@@ -236,6 +236,8 @@ fn subsystem_selection() {
     assert_eq!(Subsys::Gda.target(), "gsc::gda");
     assert_eq!(with(&[("GSC_LOG_SUBSYS", "ucx")]).log_subsys, vec![Subsys::Ucx]);
     assert_eq!(Subsys::Ucx.target(), "gsc::ucx");
+    assert_eq!(with(&[("GSC_LOG_SUBSYS", "coll")]).log_subsys, vec![Subsys::Coll]);
+    assert_eq!(Subsys::Coll.target(), "gsc::coll");
     rejects("GSC_LOG_SUBSYS", "shm,nvlink", "unknown subsystem \"nvlink\"");
 }
 
