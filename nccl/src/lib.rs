@@ -12,17 +12,21 @@
 //! (and what groups build on them), nccl.h 2.28's all-to-all, gather and scatter (made of
 //! sends and receives), buffer registration (checked; registered buffers take the zero-copy
 //! paths as any buffer does), pre-multiplied sums (host and device scalars), mem alloc/free
-//! (CUDA VMM memory with POSIX-descriptor handles, `gscomm::mem_alloc`). The rest of nccl.h
-//! (windows, shrink, revoke, group simulation) and nccl_device.h's device communicators return
-//! `ncclInvalidUsage` and say so in `ncclGetLastError`: every function is defined, so a program
-//! that preloads this library (PyTorch: scripts/torch-nccl.sh) never calls NVIDIA's with one of
-//! our handles.
+//! (CUDA VMM memory with POSIX-descriptor handles, `gscomm::mem_alloc`), shrink and revoke,
+//! the profiling names (`pncclX`, profiling.rs), and log output from `GSC_LOG_*` or
+//! `NCCL_DEBUG` (debug.rs). The rest of nccl.h (windows, group simulation, the deprecated
+//! `ncclResetDebugInit`) and nccl_device.h's device communicators return `ncclInvalidUsage` and
+//! say so in `ncclGetLastError`: every function is defined, so a program that preloads this
+//! library (PyTorch: scripts/torch-nccl.sh) never calls NVIDIA's with one of our handles.
 //!
 //! Every exported function goes through `gate`: no panic crosses the C boundary, and a failure
 //! leaves its message for `ncclGetLastError`.
 
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // the safety contract of each function is nccl.h's
+
+mod debug;
+mod profiling;
 
 use gscomm::bootstrap::{Bootstrap, UniqueId};
 use gscomm::collectives::PeerTransfer;
@@ -254,8 +258,12 @@ fn comm_ref(comm: ncclComm_t) -> Result<Arc<Comm>, Fail> {
     live().get(&(comm as usize)).cloned().ok_or_else(stale)
 }
 
+/// gscomm's configuration from the environment. The first call also sets up logging from it
+/// (`debug`), so an init is what starts the log, as NVIDIA's library's does.
 fn config() -> Result<Config, Fail> {
-    Ok(Config::from_env()?)
+    let load = Config::load_env()?;
+    debug::install_once(&load);
+    Ok(load.config)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -295,6 +303,7 @@ pub extern "C" fn ncclGetLastError(_comm: ncclComm_t) -> *const c_char {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
     gate("ncclGetUniqueId", || {
+        debug::start();
         let id = out(unique_id, "uniqueId")?;
         let uid = UniqueId::create(None)?;
         for (d, s) in id.internal.iter_mut().zip(uid.to_bytes()) {
@@ -328,6 +337,19 @@ struct PendingInit {
 }
 
 fn run_job(job: &InitJob) -> Result<Option<Communicator>, Fail> {
+    let made = make(job)?;
+    if let Some(c) = &made {
+        let how = match job {
+            InitJob::Rank { .. } => "init",
+            InitJob::Split { .. } => "split",
+            InitJob::Shrink { .. } => "shrink",
+        };
+        tracing::info!(target: "gsc::capi", "{how}: rank {} of {} on CUDA device {} ready", c.rank(), c.nranks(), c.device());
+    }
+    Ok(made)
+}
+
+fn make(job: &InitJob) -> Result<Option<Communicator>, Fail> {
     match *job {
         InitJob::Rank { nranks, ref id, rank, device } => {
             if nranks < 1 || rank < 0 || rank >= nranks {
@@ -458,6 +480,7 @@ fn blocking(config: *const c_void) -> Result<bool, Fail> {
 }
 
 fn init_rank(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int, config: *const c_void) -> Result<(), Fail> {
+    debug::start();
     out(comm, "comm")?;
     let blocking = blocking(config)?;
     let device = gscomm::cuda::api::current_device()?;
@@ -1268,6 +1291,18 @@ macro_rules! not_yet {
             gate(stringify!($name), || Err(unsupported(stringify!($name))))
         }
     )*};
+}
+
+/// Deprecated in nccl.h 2.28, and there "not supported as part of the NCCL API": NVIDIA's
+/// re-reads `NCCL_DEBUG` at its next message. gscomm's log subscriber is the process's and is
+/// installed once (`debug`), so this changes nothing; it says so in the log and in
+/// `ncclGetLastError`.
+#[unsafe(no_mangle)]
+pub extern "C" fn ncclResetDebugInit() {
+    let _ = gate("ncclResetDebugInit", || {
+        tracing::warn!(target: "gsc::capi", "ncclResetDebugInit is not supported: the log settings were read at the first init");
+        Err(unsupported("ncclResetDebugInit"))
+    });
 }
 
 not_yet! {
