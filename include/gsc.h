@@ -855,6 +855,62 @@ gsc_status_t gsc_comm_destroy(gsc_comm_h comm);
 gsc_status_t gsc_comm_rank(gsc_comm_h comm, int *rank);
 /** The number of ranks. */
 gsc_status_t gsc_comm_size(gsc_comm_h comm, int *size);
+/** The CUDA device the rank runs on. */
+gsc_status_t gsc_comm_device(gsc_comm_h comm, int *device);
+
+/** gsc_comm_split()'s color for a rank that takes part in the split but joins no communicator. */
+#define GSC_SPLIT_NOCOLOR (-1)
+
+/** Split the communicator (MPI_Comm_split, ncclCommSplit): collective over every rank of `comm`.
+ *  Ranks of the same `color` (>= 0) form a new communicator, ordered by `key`, then by their rank
+ *  in `comm`; each gets its handle in *newcomm_p. A rank with GSC_SPLIT_NOCOLOR gets NULL. The
+ *  new communicators work beside `comm`, which stays usable (also after gsc_comm_revoke()). */
+gsc_status_t gsc_comm_split(gsc_comm_h comm, int color, int key, gsc_comm_h *newcomm_p);
+
+/** Stop the communicator's work now, for good (ncclCommAbort), without waiting for any peer:
+ *  kernels waiting for a peer give up, transfers in flight fail, and every later call on it
+ *  fails with GSC_ERR_ABORTED (gsc_comm_query() too). Only gsc_comm_destroy() remains. Safe to
+ *  call from another thread than the one issuing work, e.g. a watchdog. */
+gsc_status_t gsc_comm_abort(gsc_comm_h comm);
+
+/** Stop the communicator's work as gsc_comm_abort() does, but keep it for rebuilding
+ *  (ncclCommRevoke, ULFM's MPI_Comm_revoke): later collectives and transfers fail with
+ *  GSC_ERR_CANCELED, gsc_comm_query() returns GSC_OK, and gsc_comm_split(), gsc_comm_shrink()
+ *  and gsc_comm_destroy() still work. Revoking an aborted or revoked communicator fails. */
+gsc_status_t gsc_comm_revoke(gsc_comm_h comm);
+
+/** gsc_comm_shrink() flags: revoke `comm` first (gsc_comm_revoke()), so that work waiting for an
+ *  excluded rank that died ends instead of holding the GPU. */
+#define GSC_SHRINK_ABORT 1
+
+/** A new communicator of `comm`'s ranks without the `nexclude` ranks of `exclude` (ncclCommShrink,
+ *  ULFM's MPI_Comm_shrink), in the same order. Called by the ranks that stay only, all with the
+ *  same list (in any order): an excluded rank may be dead. A rank whose list differs from the
+ *  others' fails, the message naming both lists. An empty list, a rank listed twice, one out of
+ *  range or the caller itself is GSC_ERR_INVALID_PARAM and changes nothing. `flags`: 0 or
+ *  GSC_SHRINK_ABORT. */
+gsc_status_t gsc_comm_shrink(gsc_comm_h comm, const int *exclude, int nexclude, int flags, gsc_comm_h *newcomm_p);
+
+/** A buffer registered with a communicator. */
+typedef struct gsc_comm_reg *gsc_comm_reg_h;
+
+/** Register `size` bytes at `buf` with the communicator (ncclCommRegister): GPU memory of the
+ *  communicator's device, both ends checked. Registered buffers take the zero-copy paths, as
+ *  every GPU buffer does. Released by gsc_comm_deregister() or with the communicator. */
+gsc_status_t gsc_comm_register(gsc_comm_h comm, void *buf, size_t size, gsc_comm_reg_h *reg_p);
+/** Release a registration; one of another communicator, or released already, is refused. */
+gsc_status_t gsc_comm_deregister(gsc_comm_h comm, gsc_comm_reg_h reg);
+
+/** Allocate `size` bytes of GPU memory on the calling thread's current CUDA device (ncclMemAlloc):
+ *  CUDA VMM memory with a POSIX file-descriptor handle, readable and writable by every GPU of the
+ *  process that reaches it, and shared with a peer process by one export of the whole
+ *  allocation; so one allocation per rank can be carved into send and receive buffers. Falls
+ *  back to cuMemAlloc, with a warning, on a device without VMM. */
+gsc_status_t gsc_gpu_mem_alloc(void **ptr_p, size_t size);
+/** Free memory from gsc_gpu_mem_alloc() (NULL: nothing to do). Any other pointer, one inside an
+ *  allocation, or one freed already is GSC_ERR_INVALID_PARAM, and nothing is freed. */
+gsc_status_t gsc_gpu_mem_free(void *ptr);
+
 /** GSC_OK, or why the communicator's work cannot be trusted: GSC_ERR_TIMED_OUT when a collective
  *  or gsc_comm_transfers() kernel gave up waiting for a peer (GSC_TIMEOUT), GSC_ERR_INVALID_PARAM
  *  when a gsc_comm_transfers() message's length differed from its peer's (the message names the

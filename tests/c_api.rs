@@ -687,6 +687,7 @@ static void stale_handles(gsc_context_h ctx)
     gsc_host_stream_h s;
     gsc_request_param_t p;
     gsc_comm_h comm = NULL;
+    gsc_comm_reg_h reg = NULL;
     gsc_unique_id_t uid;
     char buf[8];
     int x = -1, local = 0;
@@ -765,9 +766,57 @@ static void stale_handles(gsc_context_h ctx)
                   GSC_ERR_INVALID_HANDLE, "");
     EXPECT_STATUS(gsc_comm_send(NULL, buf, 1, GSC_UINT8, 0, NULL), GSC_ERR_INVALID_HANDLE, "");
     EXPECT_STATUS(gsc_comm_collective((gsc_comm_h)(void *)wa, NULL, NULL, NULL), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT_STATUS(gsc_comm_device((gsc_comm_h)(void *)wa, &x), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT_STATUS(gsc_comm_split(NULL, 0, 0, &comm), GSC_ERR_INVALID_HANDLE, "gsc_comm_h is NULL");
+    EXPECT_STATUS(gsc_comm_abort((gsc_comm_h)(void *)&local), GSC_ERR_INVALID_HANDLE, "not a live");
+    EXPECT_STATUS(gsc_comm_revoke(NULL), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_shrink(NULL, &local, 1, 0, &comm), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_register(NULL, buf, 8, &reg), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_deregister((gsc_comm_h)(void *)wa, reg), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
+    EXPECT(comm == NULL && reg == NULL);
+    /* Memory the allocator did not hand out is refused before any driver call, GPU or not. */
+    EXPECT_STATUS(gsc_gpu_mem_free(buf), GSC_ERR_INVALID_PARAM, "");
+    EXPECT(gsc_gpu_mem_free(NULL) == GSC_OK);
+    EXPECT_STATUS(gsc_gpu_mem_alloc(NULL, 64), GSC_ERR_INVALID_PARAM, "ptr_p is NULL");
     EXPECT(gsc_get_unique_id(&uid) == GSC_OK);
     if (gsc_comm_init_rank(&comm, 1, &uid, 0, 0) == GSC_OK) {
+        gsc_comm_h sub = NULL, again = NULL;
+        void *dev = NULL;
         EXPECT(gsc_comm_rank(comm, &x) == GSC_OK && x == 0);
+        EXPECT(gsc_comm_device(comm, &x) == GSC_OK && x == 0);
+        /* Split: no color gives no communicator; a color, one of this rank alone. */
+        EXPECT(gsc_comm_split(comm, GSC_SPLIT_NOCOLOR, 0, &sub) == GSC_OK && sub == NULL);
+        EXPECT_STATUS(gsc_comm_split(comm, -2, 0, &sub), GSC_ERR_INVALID_PARAM, "color -2");
+        EXPECT_STATUS(gsc_comm_split(comm, 0, 0, NULL), GSC_ERR_INVALID_PARAM, "newcomm_p is NULL");
+        EXPECT(gsc_comm_split(comm, 5, 0, &sub) == GSC_OK && sub != NULL);
+        EXPECT(gsc_comm_size(sub, &x) == GSC_OK && x == 1);
+        /* Registration: GPU memory of the device only; a registration belongs to its communicator. */
+        EXPECT(gsc_gpu_mem_alloc(&dev, 1 << 20) == GSC_OK && dev != NULL);
+        EXPECT_STATUS(gsc_gpu_mem_free((char *)dev + 64), GSC_ERR_INVALID_PARAM, "");
+        EXPECT_STATUS(gsc_comm_register(comm, buf, sizeof(buf), &reg), GSC_ERR_INVALID_PARAM, "");
+        EXPECT(reg == NULL);
+        EXPECT(gsc_comm_register(comm, (char *)dev + 4096, 65536, &reg) == GSC_OK && reg != NULL);
+        EXPECT_STATUS(gsc_comm_deregister(sub, reg), GSC_ERR_INVALID_PARAM, "is not of communicator");
+        EXPECT(gsc_comm_deregister(comm, reg) == GSC_OK);
+        EXPECT_STATUS(gsc_comm_deregister(comm, reg), GSC_ERR_INVALID_HANDLE, "gsc_comm_reg_h");
+        EXPECT(gsc_gpu_mem_free(dev) == GSC_OK);
+        EXPECT_STATUS(gsc_gpu_mem_free(dev), GSC_ERR_INVALID_PARAM, "");
+        /* Shrink: a bad list changes nothing, the revoke GSC_SHRINK_ABORT asks for included. */
+        local = 0;
+        EXPECT_STATUS(gsc_comm_shrink(comm, &local, 1, GSC_SHRINK_ABORT, &again), GSC_ERR_INVALID_PARAM, "this rank (0)");
+        EXPECT_STATUS(gsc_comm_shrink(comm, NULL, 0, 0, &again), GSC_ERR_INVALID_PARAM, "empty");
+        EXPECT_STATUS(gsc_comm_shrink(comm, &local, 1, 4, &again), GSC_ERR_INVALID_PARAM, "flags");
+        EXPECT(again == NULL && gsc_comm_query(comm) == GSC_OK);
+        /* Revoke: collectives refused, the query clean, split still there; then abort. */
+        EXPECT(gsc_comm_revoke(sub) == GSC_OK);
+        EXPECT_STATUS(gsc_comm_revoke(sub), GSC_ERR_INVALID_PARAM, "revoke");
+        EXPECT(gsc_comm_query(sub) == GSC_OK);
+        EXPECT(gsc_comm_split(sub, 0, 0, &again) == GSC_OK && again != NULL);
+        EXPECT(gsc_comm_destroy(again) == GSC_OK);
+        EXPECT(gsc_comm_abort(comm) == GSC_OK && gsc_comm_abort(comm) == GSC_OK);
+        EXPECT_STATUS(gsc_comm_query(comm), GSC_ERR_ABORTED, "gsc_comm_abort");
+        EXPECT_STATUS(gsc_comm_split(comm, 0, 0, &again), GSC_ERR_ABORTED, "");
+        EXPECT(gsc_comm_destroy(sub) == GSC_OK);
         EXPECT(gsc_comm_destroy(comm) == GSC_OK);
         EXPECT_STATUS(gsc_comm_destroy(comm), GSC_ERR_INVALID_HANDLE, "gsc_comm_h");
         EXPECT_STATUS(gsc_comm_query(comm), GSC_ERR_INVALID_HANDLE, "gsc_comm_h");

@@ -99,9 +99,12 @@ fn installed_library_builds_and_runs_the_c_examples_through_pkg_config() {
             "02_prepared_halo" => run_halo_alone(&exe),
             "03_graph_sendrecv" => run_graph_sendrecv_on_host_streams(&exe),
             // GPU only: they must skip cleanly here; examples/c/run_gpu.sh runs them on GPUs.
-            "04_partitioned_pready" | "05_allreduce" | "06_graph_broadcast" | "07_triggered_allreduce" | "08_alltoall" => {
-                run_gpu_example_alone(&exe)
-            }
+            "04_partitioned_pready"
+            | "05_allreduce"
+            | "06_graph_broadcast"
+            | "07_triggered_allreduce"
+            | "08_alltoall"
+            | "09_split_shrink" => run_gpu_example_alone(&exe),
             other => panic!("example {other}: say here how CI runs it (or that it needs a GPU and must skip)"),
         }
     }

@@ -177,5 +177,9 @@ run "08_alltoall 2 ranks, stream and graph" 2 "all checks passed" 08_alltoall
 run "08_alltoall 3 ranks, stream and graph" 3 "all checks passed" 08_alltoall
 [ "$ngpus" -ge 4 ] && run "08_alltoall 4 ranks, stream and graph" 4 "all checks passed" 08_alltoall
 
+run "09_split_shrink 2 ranks" 2 "all checks passed" 09_split_shrink
+run "09_split_shrink 3 ranks" 3 "all checks passed" 09_split_shrink
+[ "$ngpus" -ge 4 ] && run "09_split_shrink 4 ranks" 4 "all checks passed" 09_split_shrink
+
 echo "run_gpu.sh: $passed passed, $failed failed"
 [ $failed -eq 0 ]

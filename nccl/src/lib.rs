@@ -612,6 +612,8 @@ pub unsafe extern "C" fn ncclCommShrink(
             .collect::<Result<Vec<usize>, Fail>>()?;
         let blocking = blocking(config)?;
         let communicator = parent.ready()?;
+        // A bad list changes nothing, the revoke included.
+        communicator.check_shrink(&exclude)?;
         if shrink_flags & NCCL_SHRINK_ABORT != 0 && !communicator.revoked() {
             communicator.revoke()?;
         }

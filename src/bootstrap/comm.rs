@@ -293,13 +293,19 @@ impl Bootstrap {
         self.recv_raw(peer, SPACE_USER, tag, deadline, "recv")
     }
 
+    /// `exclude` sorted, if `shrink` would take it from this rank: not empty, every rank below
+    /// nranks, none twice, and not this rank (an excluded rank does not call shrink).
+    pub fn check_shrink(&self, exclude: &[u32]) -> Result<Vec<u32>> {
+        shrink_list(exclude, self.rank, self.nranks)
+    }
+
     /// A new group of this group's ranks except `exclude`, numbered in their order here, made
     /// by those ranks alone (NCCL's ncclCommShrink): an excluded rank takes no part, so it may
     /// be dead. Every remaining rank gives the same ranks, in any order; the lowest remaining
     /// rank hosts the new rendezvous and hands its id to the others, with its list, so a rank
     /// whose list differs fails naming both (the others then time out in the rendezvous).
     pub fn shrink(&self, exclude: &[u32]) -> Result<Bootstrap> {
-        let excluded = shrink_list(exclude, self.rank, self.nranks)?;
+        let excluded = self.check_shrink(exclude)?;
         let members: Vec<u32> = (0..self.nranks).filter(|r| excluded.binary_search(r).is_err()).collect();
         let lead = members[0]; // not empty: this rank is a member
         let deadline = wire::deadline_after(self.timeout);

@@ -8,7 +8,7 @@ use super::panic::ffi_guard;
 use super::params::ConditionOut;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::collectives::p2p::PeerOp;
-use crate::collectives::{Communicator, DataType, PeerTransfer, RedOp};
+use crate::collectives::{Communicator, DataType, PeerTransfer, RedOp, Registration};
 use crate::condition::{Category, Condition};
 use crate::error::{Error, Result, Status};
 use std::ffi::{c_int, c_void};
@@ -169,6 +169,182 @@ pub unsafe extern "C" fn gsc_comm_rank(comm: *mut c_void, rank: *mut c_int) -> i
 pub unsafe extern "C" fn gsc_comm_size(comm: *mut c_void, size: *mut c_int) -> i32 {
     // SAFETY: forwarded caller contract.
     unsafe { comm_int("gsc_comm_size", comm, size, Communicator::nranks) }
+}
+
+/// `gsc_comm_device`
+///
+/// # Safety
+/// `device` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_device(comm: *mut c_void, device: *mut c_int) -> i32 {
+    // SAFETY: forwarded caller contract.
+    unsafe { comm_int("gsc_comm_device", comm, device, |c| c.device() as usize) }
+}
+
+/// `GSC_SPLIT_NOCOLOR`
+const SPLIT_NOCOLOR: c_int = -1;
+/// `GSC_SHRINK_ABORT`
+const SHRINK_ABORT: c_int = 1;
+
+/// A new communicator made from `comm` goes to `newcomm_p` (NULL for none): a handle of its own,
+/// not a child of `comm`'s (each is destroyed on its own, as NCCL's are).
+///
+/// # Safety
+/// `newcomm_p` is writable (checked for NULL by the caller).
+unsafe fn hand_out(newcomm_p: *mut *mut c_void, made: Option<Communicator>) {
+    let h = made.map_or(std::ptr::null_mut(), |c| handles::register(Arc::new(c), std::ptr::null()));
+    // SAFETY: the caller's contract.
+    unsafe { newcomm_p.write(h) };
+}
+
+/// `gsc_comm_split`
+///
+/// # Safety
+/// `newcomm_p` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_split(comm: *mut c_void, color: c_int, key: c_int, newcomm_p: *mut *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_split", || {
+        let c = handles::get::<Arc<Communicator>>(comm)?;
+        if newcomm_p.is_null() {
+            return Err(Error::invalid_param("newcomm_p is NULL"));
+        }
+        let color = match color {
+            SPLIT_NOCOLOR => None,
+            c if c >= 0 => Some(c as u32),
+            c => return Err(Error::invalid_param(format!("color {c} (a color is >= 0, or GSC_SPLIT_NOCOLOR)"))),
+        };
+        let config = crate::Config::from_env()?;
+        crate::cuda::api::set_device(c.device())?;
+        let made = c.split(color, key, &config)?;
+        // SAFETY: non-NULL (checked), writable by the caller's contract.
+        unsafe { hand_out(newcomm_p, made) };
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_abort`
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_comm_abort(comm: *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_abort", || {
+        handles::get::<Arc<Communicator>>(comm)?.abort("gsc_comm_abort")?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_revoke`
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_comm_revoke(comm: *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_revoke", || {
+        handles::get::<Arc<Communicator>>(comm)?.revoke()?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_shrink`: every argument, the list's rules included, is checked before the revoke
+/// that `GSC_SHRINK_ABORT` asks for, so bad input changes nothing.
+///
+/// # Safety
+/// `exclude` is NULL or readable for `nexclude` ranks; `newcomm_p` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_shrink(
+    comm: *mut c_void,
+    exclude: *const c_int,
+    nexclude: c_int,
+    flags: c_int,
+    newcomm_p: *mut *mut c_void,
+) -> i32 {
+    ffi_guard("gsc_comm_shrink", || {
+        let c = handles::get::<Arc<Communicator>>(comm)?;
+        if newcomm_p.is_null() {
+            return Err(Error::invalid_param("newcomm_p is NULL"));
+        }
+        if flags & !SHRINK_ABORT != 0 {
+            return Err(Error::invalid_param(format!("flags {flags:#x} (0 or GSC_SHRINK_ABORT)")));
+        }
+        let n = usize::try_from(nexclude).map_err(|_| Error::invalid_param(format!("nexclude is negative ({nexclude})")))?;
+        if exclude.is_null() && n > 0 {
+            return Err(Error::invalid_param(format!("exclude is NULL and nexclude is {n}")));
+        }
+        let list = match n {
+            0 => &[][..],
+            // SAFETY: the caller's contract: readable for n ranks (not NULL: checked above).
+            _ => unsafe { std::slice::from_raw_parts(exclude, n) },
+        };
+        let ranks = list.iter().map(|&r| rank_arg(r, "a rank to exclude")).collect::<Result<Vec<usize>>>()?;
+        c.check_shrink(&ranks)?;
+        let config = crate::Config::from_env()?;
+        if flags & SHRINK_ABORT != 0 && !c.revoked() {
+            c.revoke()?;
+        }
+        crate::cuda::api::set_device(c.device())?;
+        let made = c.shrink(&ranks, &config)?;
+        // SAFETY: non-NULL (checked), writable by the caller's contract.
+        unsafe { hand_out(newcomm_p, Some(made)) };
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_register`: the registration is a child of the communicator's handle, so it goes
+/// with the communicator.
+///
+/// # Safety
+/// `reg_p` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_register(comm: *mut c_void, buf: *mut c_void, size: usize, reg_p: *mut *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_register", || {
+        let c = handles::get::<Arc<Communicator>>(comm)?;
+        if reg_p.is_null() {
+            return Err(Error::invalid_param("reg_p is NULL"));
+        }
+        let reg = c.register(buf as u64, size)?;
+        let h = handles::register(reg, comm);
+        // SAFETY: non-NULL (checked), writable by the caller's contract.
+        unsafe { reg_p.write(h) };
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_deregister`
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_comm_deregister(comm: *mut c_void, reg: *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_deregister", || {
+        handles::get::<Arc<Communicator>>(comm)?;
+        if handles::parent_of::<Registration>(reg)? != comm as *const c_void {
+            return Err(Error::invalid_param(format!("registration {reg:p} is not of communicator {comm:p}")));
+        }
+        handles::unregister::<Registration>(reg)?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_gpu_mem_alloc`
+///
+/// # Safety
+/// `ptr_p` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_gpu_mem_alloc(ptr_p: *mut *mut c_void, size: usize) -> i32 {
+    ffi_guard("gsc_gpu_mem_alloc", || {
+        if ptr_p.is_null() {
+            return Err(Error::invalid_param("ptr_p is NULL"));
+        }
+        let ptr = crate::cuda::api::mem_alloc(size)?;
+        // SAFETY: non-NULL (checked), writable by the caller's contract.
+        unsafe { ptr_p.write(ptr as *mut c_void) };
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_gpu_mem_free`
+///
+/// # Safety
+/// Nothing uses the memory any more (a pointer the allocator did not hand out is refused).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_gpu_mem_free(ptr: *mut c_void) -> i32 {
+    ffi_guard("gsc_gpu_mem_free", || {
+        // SAFETY: the caller's contract.
+        unsafe { crate::cuda::api::mem_free(ptr as u64) }?;
+        Ok(Status::Ok.code())
+    })
 }
 
 /// `gsc_comm_query`: GSC_OK, or why the communicator's collectives cannot be trusted (a kernel

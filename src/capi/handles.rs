@@ -81,6 +81,12 @@ impl Kind for Arc<Communicator> {
     const NAME: &'static str = "gsc_comm_h";
 }
 
+/// A buffer registered with a communicator (`gsc_comm_reg_h`), a child of its handle.
+impl Kind for crate::collectives::Registration {
+    const MAGIC: u64 = u64::from_le_bytes(*b"gscCREG1");
+    const NAME: &'static str = "gsc_comm_reg_h";
+}
+
 impl Kind for Condition {
     const MAGIC: u64 = u64::from_le_bytes(*b"gscCOND1");
     const NAME: &'static str = "gsc_condition_h";
@@ -162,6 +168,7 @@ fn name_of(magic: u64) -> &'static str {
         m if m == <Arc<Communicator>>::MAGIC => <Arc<Communicator>>::NAME,
         m if m == HostStream::MAGIC => HostStream::NAME,
         m if m == <Arc<Prepared>>::MAGIC => <Arc<Prepared>>::NAME,
+        m if m == crate::collectives::Registration::MAGIC => crate::collectives::Registration::NAME,
         _ => "unknown handle",
     }
 }
@@ -235,6 +242,9 @@ fn release(addr: usize, magic: u64) {
         m if m == Rkey::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Rkey>) }),
         m if m == <Arc<Bootstrap>>::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Arc<Bootstrap>>) }),
         m if m == <Arc<Communicator>>::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<Arc<Communicator>>) }),
+        m if m == crate::collectives::Registration::MAGIC => {
+            drop(unsafe { Box::from_raw(addr as *mut Handle<crate::collectives::Registration>) })
+        }
         _ => {
             // Unreachable: only `register` inserts, with one of the magics above. Leaking is
             // the only safe reaction to not knowing the type.

@@ -351,15 +351,25 @@ impl Communicator {
     /// revoked communicator — revoke first to stop what waits for an excluded rank.
     pub fn shrink(&self, exclude: &[usize], config: &Config) -> Result<Communicator> {
         self.check_not_aborted()?;
-        let exclude: Vec<u32> = exclude
+        let boot = self.bootstrap.shrink(&self.shrink_ranks(exclude)?)?;
+        Communicator::new(boot, self.device, config)
+    }
+
+    /// Whether `shrink` would take `exclude` from this rank (the list's own rules: see
+    /// `Bootstrap::check_shrink`), so a caller that revokes before shrinking can refuse a bad
+    /// list first and change nothing.
+    pub fn check_shrink(&self, exclude: &[usize]) -> Result<()> {
+        self.bootstrap.check_shrink(&self.shrink_ranks(exclude)?).map(|_| ())
+    }
+
+    fn shrink_ranks(&self, exclude: &[usize]) -> Result<Vec<u32>> {
+        exclude
             .iter()
             .map(|&r| {
                 u32::try_from(r)
                     .map_err(|_| Error::invalid_param(format!("shrink: rank {r} to exclude is not below nranks {}", self.nranks)))
             })
-            .collect::<Result<_>>()?;
-        let boot = self.bootstrap.shrink(&exclude)?;
-        Communicator::new(boot, self.device, config)
+            .collect()
     }
 
     /// NCCL's buffer registration: `bytes` at `addr` are checked to be memory of this rank's

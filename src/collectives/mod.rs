@@ -38,7 +38,7 @@ pub use p2p_kernel::PeerTransfer;
 pub use types::{DataType, PreMulScalar, RedOp};
 
 /// Compile the collective kernels for `device` (or find them in the kernel cache,
-/// `GSC_KERNEL_CACHE`) and load them. A communicator does this when it is made; a program that
+/// `GSC_KERNEL_CACHE_DIR`) and load them. A communicator does this when it is made; a program that
 /// starts several ranks at once on a machine whose cache is cold can call it once first, so the
 /// ranks find the kernels compiled instead of each compiling them (NVRTC takes tens of seconds
 /// for the whole set).
