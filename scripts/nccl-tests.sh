@@ -15,6 +15,8 @@
 ng=${1:-2}; tests=${2:-"sendrecv alltoall"}; shift 2; extra=("$@")
 ntdir=${NCCLTESTS:-.nccltests}
 ourlib=${GSC_NCCL_LIB:-.gpu/lib/libnccl.so.2}
+# The script's own input, not a knob: gscomm's library would warn about it as an unknown GSC_*.
+unset GSC_NCCL_LIB
 OUT=${OUT:-/tmp/nccltests-out}; mkdir -p "$OUT"
 nv=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl | head -1)
 mkdir -p /tmp/nh/include /tmp/nh/lib

@@ -11,11 +11,13 @@
 # Results: $OUT/torch-{nvidia,gscomm}.{json,err}, $OUT/torch-imports.txt; a summary on stdout.
 set -u
 ourlib=$(realpath "${GSC_NCCL_LIB:-.gpu/lib/libnccl.so.2}")
+# The script's own input, not a knob: gscomm's library would warn about it as an unknown GSC_*.
+unset GSC_NCCL_LIB
 PY=${PY:-/opt/torch/.venv/bin/python3}
 OUT=${OUT:-/tmp/torch-nccl-out}
 mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 GSC_KERNEL_CACHE=${GSC_KERNEL_CACHE:-/tmp/gsc-kc}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 GSC_KERNEL_CACHE_DIR=${GSC_KERNEL_CACHE_DIR:-/tmp/gsc-kc}
 
 tlib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
 {
