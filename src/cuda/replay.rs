@@ -8,9 +8,16 @@
 //! A stream being captured gets the kernel itself: it becomes a node of the user's graph (with
 //! a programmatic edge from the node before it, `GSC_CUDA_PDL`).
 //!
-//! The cache maps (kernel, grid, argument bytes) to an executable graph. It is bounded: when
-//! full it is emptied (an executable graph destroyed while a launch of it is in flight is freed
-//! by the driver when that launch completes).
+//! The cache maps (kernel, grid, argument bytes) to an executable graph. It is bounded
+//! (`CACHE_MAX`), and a full cache does not instantiate on every miss: a miss then launches the
+//! kernel itself, and only every `REPLACE_EVERY`-th such miss replaces the least recently used
+//! graph. An instantiation costs ~25 µs of host time against a launch's 4.4, so a program whose
+//! launches cycle through more argument blocks than the cache holds (nccl-tests moves its
+//! buffers on every call, through up to 1024 offsets) once paid an instantiation per launch:
+//! an eager 8-byte all-reduce took 31 µs instead of 4 (2026-11-23, PERF.md). Now such a miss
+//! costs a launch plus at most 1/`REPLACE_EVERY` of an instantiation, and a program whose set of
+//! launches moves on still gets its new ones cached. (An executable graph destroyed while a
+//! launch of it is in flight is freed by the driver when that launch completes.)
 //!
 //! A miss is instantiated only while no proxy of this process holds a stream-ordered operation
 //! and none is being issued (`proxy::outstanding::quiet`); otherwise the kernel is launched as
@@ -29,6 +36,16 @@ use std::sync::{Arc, Mutex};
 
 /// Graphs kept at most (each is one kernel node: a few KiB of driver memory).
 const CACHE_MAX: usize = 256;
+
+/// With the cache full, one miss in this many replaces the least recently used graph; the
+/// others launch the kernel itself.
+const REPLACE_EVERY: u64 = 64;
+
+/// A launch that missed before, at most this many launches ago, belongs to a set that fits in
+/// the cache: it replaces the least recently used graph at once. So a program that moves on to
+/// another set of launches gets it cached in two passes, while a cycle through more launches
+/// than the cache holds (each missing again only a cycle later) replaces at the budget above.
+const MISSED_AGAIN_WITHIN: u64 = CACHE_MAX as u64;
 
 /// A kernel's by-value argument block whose bytes can key the cache: a `repr(C)` struct of
 /// `u64` fields only (no padding), which its implementations below are.
@@ -49,6 +66,70 @@ struct Entry {
     exec: usize,
 }
 
+/// What to do about a launch the cache does not hold.
+#[derive(Debug, PartialEq, Eq)]
+enum Miss {
+    /// Instantiate it and keep it.
+    Insert,
+    /// Instantiate it and keep it in place of the entry with this key.
+    Replace(u64),
+    /// Launch the kernel itself.
+    Launch,
+}
+
+/// The cache's bookkeeping, apart from what it holds (so the policy is testable without a
+/// GPU): entries by key, with the tick (launch count) of their last use, and the recent misses
+/// of a full cache, with their ticks (at most `4 * CACHE_MAX`, then forgotten).
+struct Slots<V> {
+    map: HashMap<u64, (V, u64)>,
+    tick: u64,
+    misses_when_full: u64,
+    recent_misses: HashMap<u64, u64>,
+}
+
+impl<V: Clone> Slots<V> {
+    fn new() -> Slots<V> {
+        Slots { map: HashMap::new(), tick: 0, misses_when_full: 0, recent_misses: HashMap::new() }
+    }
+
+    /// The entry for `key`, if `same` says it is the one (keys are hashes), marked used.
+    fn hit(&mut self, key: u64, same: impl Fn(&V) -> bool) -> Option<V> {
+        self.tick += 1;
+        let tick = self.tick;
+        match self.map.get_mut(&key) {
+            Some((v, used)) if same(v) => {
+                *used = tick;
+                Some(v.clone())
+            }
+            _ => None,
+        }
+    }
+
+    /// The policy for a miss of `key` (see the module's comment).
+    fn on_miss(&mut self, key: u64) -> Miss {
+        if self.map.len() < CACHE_MAX {
+            return Miss::Insert;
+        }
+        self.misses_when_full += 1;
+        let again = self.recent_misses.insert(key, self.tick).is_some_and(|t| self.tick - t <= MISSED_AGAIN_WITHIN);
+        if self.recent_misses.len() > 4 * CACHE_MAX {
+            self.recent_misses.clear();
+        }
+        if !again && !self.misses_when_full.is_multiple_of(REPLACE_EVERY) {
+            return Miss::Launch;
+        }
+        self.map.iter().min_by_key(|(_, (_, used))| *used).map_or(Miss::Insert, |(&oldest, _)| Miss::Replace(oldest))
+    }
+
+    /// Keep `value` under `key`, in place of `replaced` (from `on_miss`) if given; returns what
+    /// was dropped from the cache, for the caller to release.
+    fn keep(&mut self, key: u64, value: V, replaced: Option<u64>) -> Vec<V> {
+        let mut gone: Vec<V> = replaced.and_then(|k| self.map.remove(&k)).map(|(v, _)| v).into_iter().collect();
+        gone.extend(self.map.insert(key, (value, self.tick)).map(|(v, _)| v));
+        gone
+    }
+}
+
 impl Drop for Entry {
     fn drop(&mut self) {
         // SAFETY: our executable graph, destroyed once (in flight: freed when it completes).
@@ -56,7 +137,7 @@ impl Drop for Entry {
     }
 }
 
-static CACHE: Mutex<Option<HashMap<u64, Arc<Entry>>>> = Mutex::new(None);
+static CACHE: std::sync::LazyLock<Mutex<Slots<Arc<Entry>>>> = std::sync::LazyLock::new(|| Mutex::new(Slots::new()));
 
 /// Launch `f` (one of our kernels in context `ctx`, one parameter: `args`) as `grid` on
 /// `stream`: a replay of a cached one-node graph, or the kernel itself when the stream is being
@@ -71,20 +152,25 @@ pub(crate) fn launch<T: ArgBlock>(ctx: usize, f: cu::CUfunction, stream: usize, 
     let key = h.finish();
     let entry = {
         let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        let map = cache.get_or_insert_with(HashMap::new);
-        match map.get(&key) {
-            Some(e) if e.func == f as usize && e.grid == grid && *e.args == *bytes => e.clone(),
-            _ => {
+        match cache.hit(key, |e| e.func == f as usize && e.grid == grid && *e.args == *bytes) {
+            Some(e) => e,
+            None => {
+                let replaced = match cache.on_miss(key) {
+                    Miss::Insert => None,
+                    Miss::Replace(k) => Some(k),
+                    Miss::Launch => {
+                        drop(cache);
+                        return super::launch_struct_grid(f, stream, grid, args);
+                    }
+                };
                 let Some(_quiet) = crate::proxy::outstanding::quiet() else {
                     drop(cache);
                     return super::launch_struct_grid(f, stream, grid, args);
                 };
                 let exec = instantiate(ctx, f, grid, args)?;
-                if map.len() >= CACHE_MAX {
-                    map.clear();
-                }
                 let e = Arc::new(Entry { func: f as usize, grid, args: bytes.into(), exec });
-                map.insert(key, e.clone());
+                // Dropped here, under the lock, as the cache's clear did: each is destroyed once.
+                drop(cache.keep(key, e.clone(), replaced));
                 e
             }
         }
@@ -162,4 +248,71 @@ pub(crate) unsafe fn add_kernel_node<T: ArgBlock>(
     // the call.
     check(unsafe { cu::cuGraphAddKernelNode_v2(&mut node, graph, deps.as_ptr(), deps.len(), &p) }, "cuGraphAddKernelNode")?;
     Ok(node)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Launches of `keys`, in order, through the policy; how many instantiations they cost.
+    fn instantiations(slots: &mut Slots<u64>, keys: impl Iterator<Item = u64>) -> usize {
+        let mut made = 0;
+        for k in keys {
+            if slots.hit(k, |v| *v == k).is_some() {
+                continue;
+            }
+            match slots.on_miss(k) {
+                Miss::Launch => {}
+                Miss::Insert => {
+                    made += 1;
+                    slots.keep(k, k, None);
+                }
+                Miss::Replace(old) => {
+                    made += 1;
+                    assert_eq!(slots.keep(k, k, Some(old)), vec![old]);
+                }
+            }
+        }
+        made
+    }
+
+    #[test]
+    fn a_working_set_that_fits_is_instantiated_once() {
+        let mut slots = Slots::new();
+        let keys = (0..100u64).cycle().take(100 * 50);
+        assert_eq!(instantiations(&mut slots, keys), 100);
+        assert_eq!(slots.map.len(), 100);
+    }
+
+    /// nccl-tests' moving buffers: 2 ranks × 1024 offsets, in a cycle. Emptying the cache when
+    /// full instantiated on every launch; now one miss in REPLACE_EVERY does.
+    #[test]
+    fn a_cycle_longer_than_the_cache_instantiates_a_bounded_share() {
+        let mut slots = Slots::new();
+        let launches = 2048 * 20;
+        let made = instantiations(&mut slots, (0..2048u64).cycle().take(launches));
+        let bound = CACHE_MAX + launches / REPLACE_EVERY as usize + 1;
+        assert!(made <= bound, "{made} instantiations for {launches} launches (bound {bound})");
+        assert_eq!(slots.map.len(), CACHE_MAX);
+    }
+
+    /// A program whose launches move on to a new set that fits gets it cached in two passes,
+    /// and the entries still in use are not the ones replaced (nccl-tests' next size: as many
+    /// launches as the cache holds, in a cycle).
+    #[test]
+    fn a_new_working_set_replaces_the_old_one_and_keeps_the_hot_entries() {
+        let mut slots = Slots::new();
+        instantiations(&mut slots, 0..CACHE_MAX as u64);
+        // From now on: key 0 stays hot, and 100 new keys take over.
+        let round = || std::iter::once(0).chain(1000..1100u64);
+        // (The first pass may replace one at the budget.)
+        assert_eq!(instantiations(&mut slots, round()) + instantiations(&mut slots, round()), 100);
+        assert!(slots.map.contains_key(&0), "the hot entry was replaced");
+        assert_eq!(instantiations(&mut slots, round()), 0);
+        // A whole new set as large as the cache, likewise.
+        let full = || 5000..5000 + CACHE_MAX as u64;
+        let made = instantiations(&mut slots, full()) + instantiations(&mut slots, full());
+        assert_eq!(made, CACHE_MAX);
+        assert_eq!(instantiations(&mut slots, full()), 0);
+    }
 }
