@@ -222,22 +222,24 @@ pub unsafe extern "C" fn gsc_comm_split(comm: *mut c_void, color: c_int, key: c_
     })
 }
 
+/// An export that is one call on the communicator: its status.
+fn on_comm(name: &'static str, comm: *mut c_void, f: impl FnOnce(&Communicator) -> Result<()>) -> i32 {
+    ffi_guard(name, || {
+        f(handles::get::<Arc<Communicator>>(comm)?.as_ref())?;
+        Ok(Status::Ok.code())
+    })
+}
+
 /// `gsc_comm_abort`
 #[unsafe(no_mangle)]
 pub extern "C" fn gsc_comm_abort(comm: *mut c_void) -> i32 {
-    ffi_guard("gsc_comm_abort", || {
-        handles::get::<Arc<Communicator>>(comm)?.abort("gsc_comm_abort")?;
-        Ok(Status::Ok.code())
-    })
+    on_comm("gsc_comm_abort", comm, |c| c.abort("gsc_comm_abort"))
 }
 
 /// `gsc_comm_revoke`
 #[unsafe(no_mangle)]
 pub extern "C" fn gsc_comm_revoke(comm: *mut c_void) -> i32 {
-    ffi_guard("gsc_comm_revoke", || {
-        handles::get::<Arc<Communicator>>(comm)?.revoke()?;
-        Ok(Status::Ok.code())
-    })
+    on_comm("gsc_comm_revoke", comm, Communicator::revoke)
 }
 
 /// `gsc_comm_shrink`: every argument, the list's rules included, is checked before the revoke
@@ -309,7 +311,7 @@ pub unsafe extern "C" fn gsc_comm_register(comm: *mut c_void, buf: *mut c_void, 
 pub extern "C" fn gsc_comm_deregister(comm: *mut c_void, reg: *mut c_void) -> i32 {
     ffi_guard("gsc_comm_deregister", || {
         handles::get::<Arc<Communicator>>(comm)?;
-        if handles::parent_of::<Registration>(reg)? != comm as *const c_void {
+        if !std::ptr::eq(handles::parent_of::<Registration>(reg)?, comm) {
             return Err(Error::invalid_param(format!("registration {reg:p} is not of communicator {comm:p}")));
         }
         handles::unregister::<Registration>(reg)?;
@@ -351,10 +353,7 @@ pub unsafe extern "C" fn gsc_gpu_mem_free(ptr: *mut c_void) -> i32 {
 /// gave up waiting for a peer).
 #[unsafe(no_mangle)]
 pub extern "C" fn gsc_comm_query(comm: *mut c_void) -> i32 {
-    ffi_guard("gsc_comm_query", || {
-        handles::get::<Arc<Communicator>>(comm)?.async_error()?;
-        Ok(Status::Ok.code())
-    })
+    on_comm("gsc_comm_query", comm, Communicator::async_error)
 }
 
 /// `gsc_comm_all_reduce`
