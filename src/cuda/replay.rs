@@ -10,13 +10,15 @@
 //!
 //! The cache maps (kernel, grid, argument bytes) to an executable graph. It is bounded
 //! (`CACHE_MAX`), and a full cache does not instantiate on every miss: a miss then launches the
-//! kernel itself, and only every `REPLACE_EVERY`-th such miss replaces the least recently used
-//! graph. An instantiation costs ~25 µs of host time against a launch's 4.4, so a program whose
-//! launches cycle through more argument blocks than the cache holds (nccl-tests moves its
-//! buffers on every call, through up to 1024 offsets) once paid an instantiation per launch:
-//! an eager 8-byte all-reduce took 31 µs instead of 4 (2026-11-23, PERF.md). Now such a miss
-//! costs a launch plus at most 1/`REPLACE_EVERY` of an instantiation, and a program whose set of
-//! launches moves on still gets its new ones cached. (An executable graph destroyed while a
+//! kernel itself, and replaces the least recently used graph only when the same launch missed
+//! within the last `MISSED_AGAIN_WITHIN` launches (it belongs to a set that fits) or on every
+//! `REPLACE_EVERY`-th miss. An instantiation costs ~25 µs of host time against a launch's 4.4,
+//! and the cache used to empty itself when full: a program whose launches cycle through more
+//! argument blocks than it holds (nccl-tests moves its buffers on every call, through up to
+//! `maxbytes / size` offsets) paid an instantiation per launch, and an eager 8-byte all-reduce
+//! took 31 µs (11 now, a launch per rank; 2026-11-23, PERF.md). Such a cycle now costs a launch
+//! plus at most 1/`REPLACE_EVERY` of an instantiation, and a program whose set of launches
+//! moves on gets the new set cached in two passes. (An executable graph destroyed while a
 //! launch of it is in flight is freed by the driver when that launch completes.)
 //!
 //! A miss is instantiated only while no proxy of this process holds a stream-ordered operation
