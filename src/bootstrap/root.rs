@@ -61,15 +61,24 @@ pub(crate) fn spawn(listener: TcpListener, secret: [u8; SECRET_BYTES], opts: Roo
 
     let stop_a = Arc::clone(&stop);
     let opts_a = opts.clone();
-    std::thread::Builder::new()
+    let accept = std::thread::Builder::new()
         .name("gsc-boot-root-accept".into())
         .spawn(move || accept_loop(listener, secret, opts_a, tx, stop_a))
         .map_err(|e| Error::new(Status::NoResource, format!("bootstrap root: spawn thread: {e}")))?;
 
     let stop_c = Arc::clone(&stop);
     let spawned = std::thread::Builder::new().name("gsc-boot-root".into()).spawn(move || {
-        coordinate(addr, &opts, deadline, rx);
-        // The accept thread sees this within ACCEPT_POLL and closes the listening socket.
+        // Once every rank registered, the listening socket is closed before any rank gets the
+        // table: the ranks may start their next rendezvous at this same address at once
+        // (launcher mode, NCCL_COMM_ID), and must find it free to bind, and no finished root
+        // to connect to.
+        let close_listener = || {
+            stop_c.store(true, Ordering::Release);
+            wake(addr);
+            let _ = accept.join();
+        };
+        coordinate(addr, &opts, deadline, rx, close_listener);
+        // Other endings: the accept thread sees this within ACCEPT_POLL and closes the socket.
         stop_c.store(true, Ordering::Release);
     });
     if let Err(e) = spawned {
@@ -79,6 +88,16 @@ pub(crate) fn spawn(listener: TcpListener, secret: [u8; SECRET_BYTES], opts: Roo
     Ok(())
 }
 
+/// Make the accept loop's wait return now (a connection it will not accept: `stop` is up).
+fn wake(addr: SocketAddr) {
+    let to = match addr.ip().is_unspecified() {
+        true => SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port()),
+        false => addr,
+    };
+    // A failure only leaves the loop to notice `stop` at its next poll.
+    let _ = TcpStream::connect_timeout(&to, ACCEPT_POLL);
+}
+
 fn accept_loop(listener: TcpListener, secret: [u8; SECRET_BYTES], opts: RootOptions, tx: Sender<Registration>, stop: Arc<AtomicBool>) {
     let pending = Arc::new(AtomicUsize::new(0));
     // Runs until the coordinator raises `stop` (it always does, on success, failure or its
@@ -86,6 +105,8 @@ fn accept_loop(listener: TcpListener, secret: [u8; SECRET_BYTES], opts: RootOpti
     while !stop.load(Ordering::Acquire) {
         match wire::wait_readable(&listener, ACCEPT_POLL) {
             Ok(false) => continue,
+            // The coordinator's wake-up (or a connection after the job was complete): not taken.
+            Ok(true) if stop.load(Ordering::Acquire) => break,
             Ok(true) => {}
             Err(e) => {
                 tracing::error!(target: "gsc::bootstrap", err = %e, "root: poll on listener failed");
@@ -188,7 +209,15 @@ fn missing_ranks(regs: &BTreeMap<u32, Registration>, nranks: u32) -> String {
     s.join(", ")
 }
 
-fn coordinate(addr: SocketAddr, opts: &RootOptions, deadline: Instant, rx: crossbeam_channel::Receiver<Registration>) {
+/// Collect the job's registrations and answer them; `close_listener` runs once every rank is in,
+/// before the table goes out.
+fn coordinate(
+    addr: SocketAddr,
+    opts: &RootOptions,
+    deadline: Instant,
+    rx: crossbeam_channel::Receiver<Registration>,
+    close_listener: impl FnOnce(),
+) {
     let mut regs: BTreeMap<u32, Registration> = BTreeMap::new();
     // After a validation failure we keep answering latecomers with the same error until the
     // deadline, so every rank of the job learns why instead of timing out.
@@ -216,6 +245,7 @@ fn coordinate(addr: SocketAddr, opts: &RootOptions, deadline: Instant, rx: cross
                 let nranks = reg.nranks;
                 regs.insert(reg.rank, reg);
                 if regs.len() as u64 == u64::from(nranks) {
+                    close_listener();
                     send_table(&regs, nranks, opts);
                     tracing::debug!(target: "gsc::bootstrap", %addr, nranks,
                         "root: table sent; service done");

@@ -407,6 +407,34 @@ fn shrink_names_bad_lists_and_a_rank_whose_list_differs() {
     });
 }
 
+/// Jobs one after the other at one fixed address, as launcher mode (and NCCL_COMM_ID) make
+/// them: rank 0 starts each job's root as soon as the last one answered. The root closes its
+/// listening socket before it sends the table; when it closed it only up to ACCEPT_POLL later,
+/// every second job failed (rank 0: "Address already in use"; the others: connection closed by
+/// the finished root).
+#[test]
+fn jobs_one_after_another_at_one_address() {
+    within(Duration::from_secs(60), || {
+        let addr = std::net::SocketAddr::new(LO, free_port());
+        for job in 0..20 {
+            let root = std::thread::spawn(move || -> Result<()> {
+                UniqueId::create_at(addr, b"one address", &RootOptions::default())?;
+                Bootstrap::init(&UniqueId::with_root(addr, b"one address")?, 0, 3, Duration::from_secs(10))?.barrier()
+            });
+            let others: Vec<_> = (1..3)
+                .map(|rank| {
+                    std::thread::spawn(move || -> Result<()> {
+                        Bootstrap::init(&UniqueId::with_root(addr, b"one address")?, rank, 3, Duration::from_secs(10))?.barrier()
+                    })
+                })
+                .collect();
+            let mut results = vec![root.join().unwrap()];
+            results.extend(others.into_iter().map(|h| h.join().unwrap()));
+            assert!(results.iter().all(|r| r.is_ok()), "job {job}: {results:?}");
+        }
+    });
+}
+
 #[test]
 fn unique_id_round_trips_and_rejects_corruption() {
     let uid = UniqueId::with_root("10.0.0.7:29500".parse().unwrap(), b"s3cret").unwrap();
