@@ -28,7 +28,7 @@
 mod debug;
 mod profiling;
 
-use gscomm::bootstrap::{Bootstrap, UniqueId};
+use gscomm::bootstrap::{Bootstrap, RootOptions, UniqueId};
 use gscomm::collectives::PeerTransfer;
 use gscomm::collectives::p2p::PeerOp;
 use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp, Registration};
@@ -305,7 +305,10 @@ pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclRe
     gate("ncclGetUniqueId", || {
         debug::start();
         let id = out(unique_id, "uniqueId")?;
-        let uid = UniqueId::create(None)?;
+        let uid = match comm_id() {
+            Some(value) => comm_id_uid(&value, &config()?)?,
+            None => UniqueId::create(None)?,
+        };
         for (d, s) in id.internal.iter_mut().zip(uid.to_bytes()) {
             *d = s as c_char;
         }
@@ -313,13 +316,30 @@ pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclRe
     })
 }
 
+/// `NCCL_COMM_ID` (`host:port`), when set: every process's ncclGetUniqueId gives the same id,
+/// whose root rank 0's init starts at that address (NVIDIA's rule), so a launcher need not hand
+/// an id around.
+fn comm_id() -> Option<String> {
+    std::env::var("NCCL_COMM_ID").ok().filter(|v| !v.trim().is_empty())
+}
+
+/// The id `NCCL_COMM_ID=value` names. Its secret is `GSC_BOOTSTRAP_SECRET` where set, else
+/// derived from the value: like NVIDIA's root, which has none, it then only keeps different
+/// jobs apart, not a local attacker out.
+fn comm_id_uid(value: &str, config: &Config) -> Result<UniqueId, Fail> {
+    let seed = config.bootstrap_secret.clone().unwrap_or_else(|| format!("NCCL_COMM_ID={}", value.trim()));
+    UniqueId::with_root_at(value.trim(), seed.as_bytes(), "NCCL_COMM_ID")
+        .map_err(|e| invalid(format!("{} (NCCL_COMM_ID is <ipv4>:<port>, [<ipv6>]:<port> or <hostname>:<port>)", e.message())))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Communicators
 
 /// What an init makes a communicator from.
 enum InitJob {
-    /// ncclCommInitRank(Config) / ncclCommInitAll: join the rendezvous of `id` on `device`.
-    Rank { nranks: c_int, id: ncclUniqueId, rank: c_int, device: i32 },
+    /// ncclCommInitRank(Config) / ncclCommInitAll: join the rendezvous of `id` on `device`;
+    /// `serve_root`: start its root first (rank 0 under `NCCL_COMM_ID`).
+    Rank { nranks: c_int, id: ncclUniqueId, rank: c_int, device: i32, serve_root: bool },
     /// ncclCommSplit of `parent`.
     Split { parent: Arc<Comm>, color: Option<u32>, key: i32 },
     /// ncclCommShrink of `parent` without the ranks of `exclude`.
@@ -351,7 +371,7 @@ fn run_job(job: &InitJob) -> Result<Option<Communicator>, Fail> {
 
 fn make(job: &InitJob) -> Result<Option<Communicator>, Fail> {
     match *job {
-        InitJob::Rank { nranks, ref id, rank, device } => {
+        InitJob::Rank { nranks, ref id, rank, device, serve_root } => {
             if nranks < 1 || rank < 0 || rank >= nranks {
                 return Err(invalid(format!("rank {rank} of {nranks} ranks")));
             }
@@ -360,6 +380,10 @@ fn make(job: &InitJob) -> Result<Option<Communicator>, Fail> {
             let config = config()?;
             gscomm::cuda::api::set_device(device)?;
             let timeout = config.bootstrap_timeout.max(Duration::from_secs(1));
+            if serve_root {
+                let opts = RootOptions { timeout, ..RootOptions::default() };
+                uid.serve(&opts).map_err(|e| e.context("NCCL_COMM_ID: rank 0 starts the rendezvous there"))?;
+            }
             let boot = Bootstrap::init(&uid, rank as u32, nranks as u32, timeout)?;
             Ok(Some(Communicator::new(boot, device, &config)?))
         }
@@ -484,7 +508,9 @@ fn init_rank(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int
     out(comm, "comm")?;
     let blocking = blocking(config)?;
     let device = gscomm::cuda::api::current_device()?;
-    init_or_defer(PendingInit { slot: comm as usize, job: InitJob::Rank { nranks, id, rank, device }, blocking })
+    // As NVIDIA's: under NCCL_COMM_ID no root was started by ncclGetUniqueId; rank 0 starts it.
+    let serve_root = rank == 0 && comm_id().is_some();
+    init_or_defer(PendingInit { slot: comm as usize, job: InitJob::Rank { nranks, id, rank, device, serve_root }, blocking })
 }
 
 #[unsafe(no_mangle)]
@@ -547,7 +573,7 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut ncclComm_t, ndev: c_int, de
                 // SAFETY: nccl.h: `devlist` (when not NULL) and `comms` hold `ndev` entries.
                 let device = if devlist.is_null() { r } else { unsafe { *devlist.add(r as usize) } };
                 let slot = unsafe { comms.add(r as usize) } as usize;
-                PendingInit { slot, job: InitJob::Rank { nranks: ndev, id, rank: r, device }, blocking: true }
+                PendingInit { slot, job: InitJob::Rank { nranks: ndev, id, rank: r, device, serve_root: false }, blocking: true }
             })
             .collect();
         start_inits(inits)
@@ -1351,6 +1377,57 @@ mod tests {
             // SAFETY: static NUL-terminated strings.
             let s = unsafe { CStr::from_ptr(ncclGetErrorString(code)) };
             assert!(!s.to_bytes().is_empty());
+        }
+    }
+
+    /// NCCL_COMM_ID's id: the same from every call (so every process makes it alone), at the
+    /// address given; GSC_BOOTSTRAP_SECRET, where set, is its secret; bad values are named.
+    #[test]
+    fn nccl_comm_id_names_one_id_at_its_address() {
+        let config = Config::default();
+        let a = comm_id_uid("127.0.0.1:29511", &config).unwrap();
+        assert_eq!(a.to_bytes(), comm_id_uid(" 127.0.0.1:29511 ", &config).unwrap().to_bytes());
+        assert_eq!(a.root_addr(), "127.0.0.1:29511".parse().unwrap());
+        assert_eq!(comm_id_uid("[::1]:29511", &config).unwrap().root_addr(), "[::1]:29511".parse().unwrap());
+        assert_ne!(a.to_bytes(), comm_id_uid("127.0.0.1:29512", &config).unwrap().to_bytes());
+        let mut secret = Config::default();
+        secret.set("GSC_BOOTSTRAP_SECRET", "s3cret").unwrap();
+        assert_ne!(a.to_bytes(), comm_id_uid("127.0.0.1:29511", &secret).unwrap().to_bytes());
+        for bad in ["127.0.0.1", "127.0.0.1:port", "[::1]"] {
+            let e = comm_id_uid(bad, &config).unwrap_err();
+            assert_eq!(e.0, NCCL_INVALID_ARGUMENT, "{bad}");
+            assert!(e.1.contains("NCCL_COMM_ID") && e.1.contains("<hostname>:<port>"), "{bad}: {}", e.1);
+        }
+    }
+
+    /// Two communicators in a row made under one NCCL_COMM_ID address, as NVIDIA's library makes
+    /// them: both ranks take the same id, rank 0's init starts its root, and the second job finds
+    /// the address free again.
+    #[test]
+    fn nccl_comm_id_jobs_one_after_another_on_two_gpus() {
+        if !gpus_or_skip(2) {
+            return;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let value = format!("127.0.0.1:{port}");
+        for job in 0..3 {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let value = value.clone();
+                    std::thread::spawn(move || {
+                        let uid = comm_id_uid(&value, &Config::default()).map_err(|f| f.1)?;
+                        let mut id = ncclUniqueId { internal: [0; 128] };
+                        for (d, s) in id.internal.iter_mut().zip(uid.to_bytes()) {
+                            *d = s as c_char;
+                        }
+                        let job = InitJob::Rank { nranks: 2, id, rank, device: rank, serve_root: rank == 0 };
+                        let c = run_job(&job).map_err(|f| f.1)?.expect("a communicator");
+                        Ok::<_, String>((c.rank(), c.nranks()))
+                    })
+                })
+                .collect();
+            let got: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            assert_eq!(got, vec![Ok((0, 2)), Ok((1, 2))], "job {job}");
         }
     }
 

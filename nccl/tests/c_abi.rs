@@ -110,6 +110,25 @@ ncclResult_t ncclGetVersion(int *version) { calls++; return pncclGetVersion(vers
 ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) { calls++; return pncclCommCount(comm, count); }
 "#;
 
+/// Two ids from ncclGetUniqueId: "same" or "different" (or the error, named).
+const ID_PROGRAM: &str = r#"
+#include <stdio.h>
+#include <string.h>
+typedef int ncclResult_t;
+typedef struct ncclComm *ncclComm_t;
+typedef struct { char internal[128]; } ncclUniqueId;
+ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId);
+const char *ncclGetLastError(ncclComm_t comm);
+int main(void) {
+    ncclUniqueId a, b;
+    ncclResult_t r = ncclGetUniqueId(&a);
+    if (r != 0) { printf("error %d: %s\n", r, ncclGetLastError(NULL)); return 0; }
+    if (ncclGetUniqueId(&b) != 0) return 1;
+    printf(memcmp(&a, &b, sizeof a) == 0 ? "same\n" : "different\n");
+    return 0;
+}
+"#;
+
 /// A program the tool is linked into ahead of the library.
 const TOOL_PROGRAM: &str = r#"
 #include <stdio.h>
@@ -201,6 +220,23 @@ fn a_profiling_tool_interposes_nccl_names_and_calls_the_profiling_ones() {
     install.cc(TOOL, "lib/libtool.so", &["-shared", "-fPIC"], &["nccl"]);
     let exe = install.cc(TOOL_PROGRAM, "profiled", &[], &["tool", "nccl"]);
     install.run_ok(&exe, &[]);
+}
+
+/// NCCL_COMM_ID: every call (so every process) gives the same id, the address's; a bad value
+/// is ncclInvalidArgument, named. Without it each id is new (a root of its own).
+#[test]
+fn nccl_comm_id_gives_every_process_the_same_id() {
+    let install = Install::new("commid");
+    let exe = install.cc(ID_PROGRAM, "ids", &[], &["nccl"]);
+    let out = |env: &[(&str, &str)]| {
+        let run = Command::new(&exe).envs(env.iter().copied()).env_remove("GSC_BOOTSTRAP_SECRET").output().unwrap();
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        String::from_utf8_lossy(&run.stdout).trim().to_string()
+    };
+    assert_eq!(out(&[("NCCL_COMM_ID", "127.0.0.1:29533")]), "same");
+    assert_eq!(out(&[]), "different");
+    let bad = out(&[("NCCL_COMM_ID", "127.0.0.1")]);
+    assert!(bad.starts_with("error 4:") && bad.contains("NCCL_COMM_ID"), "{bad}");
 }
 
 /// NCCL_DEBUG and NCCL_DEBUG_FILE start the log (at ncclGetUniqueId, as NVIDIA's do), unless

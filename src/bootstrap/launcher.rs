@@ -260,7 +260,7 @@ fn job_identifier(lookup: &dyn Fn(&str) -> Option<String>) -> Option<(String, &'
 }
 
 /// Resolve `host:port`, IPv4 first so every rank picks the same address from a mixed answer.
-fn resolve(addr: &str, origin: &str) -> Result<SocketAddr> {
+pub(super) fn resolve(addr: &str, origin: &str) -> Result<SocketAddr> {
     let mut all: Vec<SocketAddr> =
         addr.to_socket_addrs().map_err(|e| Error::invalid_param(format!("{origin}={addr:?} does not resolve: {e}")))?.collect();
     all.sort_by_key(|a| !a.is_ipv4());

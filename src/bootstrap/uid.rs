@@ -76,6 +76,20 @@ impl UniqueId {
         Ok(UniqueId { root: addr, secret: derive_secret(secret)? })
     }
 
+    /// [`with_root`](UniqueId::with_root) at `host_port` (`host:port`, `[ipv6]:port`; a name
+    /// resolves IPv4 first, so every rank picks the same address). `origin` names where the
+    /// address came from, for errors. Starts nothing: one rank then [`serve`](UniqueId::serve)s it.
+    pub fn with_root_at(host_port: &str, secret: &[u8], origin: &str) -> Result<UniqueId> {
+        UniqueId::with_root(super::launcher::resolve(host_port, origin)?, secret)
+    }
+
+    /// Start the root service of this id, at its address: the rank that serves an id made by
+    /// [`with_root`](UniqueId::with_root) (NCCL's rank 0 under `NCCL_COMM_ID`). The other ranks
+    /// may already be connecting; they retry until it is up.
+    pub fn serve(&self, opts: &RootOptions) -> Result<()> {
+        UniqueId::start(self.root, self.secret, opts).map(|_| ())
+    }
+
     fn start(addr: SocketAddr, secret: [u8; SECRET_BYTES], opts: &RootOptions) -> Result<UniqueId> {
         let listener = TcpListener::bind(addr).map_err(|e| Error::io(&format!("bootstrap root: cannot listen on {addr}"), e))?;
         let root = listener.local_addr().map_err(|e| Error::io("bootstrap root: local_addr of the listener", e))?;
