@@ -417,9 +417,18 @@ fn jobs_one_after_another_at_one_address() {
     within(Duration::from_secs(60), || {
         let addr = std::net::SocketAddr::new(LO, free_port());
         for job in 0..20 {
+            // Launcher mode's way (create_at), and NCCL_COMM_ID's (an id made from the address,
+            // served by rank 0), in turn.
             let root = std::thread::spawn(move || -> Result<()> {
-                UniqueId::create_at(addr, b"one address", &RootOptions::default())?;
-                Bootstrap::init(&UniqueId::with_root(addr, b"one address")?, 0, 3, Duration::from_secs(10))?.barrier()
+                let uid = match job % 2 {
+                    0 => UniqueId::create_at(addr, b"one address", &RootOptions::default())?,
+                    _ => {
+                        let uid = UniqueId::with_root_at(&addr.to_string(), b"one address", "the test's address")?;
+                        uid.serve(&RootOptions::default())?;
+                        uid
+                    }
+                };
+                Bootstrap::init(&uid, 0, 3, Duration::from_secs(10))?.barrier()
             });
             let others: Vec<_> = (1..3)
                 .map(|rank| {
