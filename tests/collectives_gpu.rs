@@ -744,6 +744,28 @@ fn carved_buffers(r: &Rank, name: &str, calls: fn(&Communicator) -> u64) -> Vec<
         bad.push(format!("rank {me}: the all-reduces of carved, registered buffers did not take the {name} path"));
     }
     drop(captured);
+    // The same region as a symmetric window (registered by every rank together): an eager
+    // all-reduce then finds the peers' buffers in it, without an exchange, when it runs on the
+    // direct kernel; the other paths do not use windows. With the copy engines on, the direct
+    // kernel is `auto`, which takes a windowed all-reduce between two ranks.
+    let win = r.comm.register_window(base, region, true).unwrap();
+    let before = r.comm.window_calls();
+    let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 7100, count)).collect();
+    unsafe { gscomm::cuda::api::copy_to_device(send, &ins[me]) }.unwrap();
+    unsafe { r.comm.all_reduce(send, recv, count, dtype, op, &r.cond) }.unwrap();
+    r.sync();
+    let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+    if unsafe { gscomm::cuda::api::copy_from_device(recv, bytes) }.unwrap() != reduce_reference(dtype, op, &refs) {
+        bad.push(format!("rank {me}: the all-reduce on a symmetric window is wrong"));
+    }
+    let want = u64::from(name == "direct-kernel" || (name == "copy-engine" && n == 2));
+    if r.comm.window_calls() != before + want {
+        bad.push(format!("rank {me}: {} calls found their buffers in windows, not {want}", r.comm.window_calls() - before));
+    }
+    r.comm.deregister_window(&win).unwrap();
+    if r.comm.deregister_window(&win).is_ok() || r.comm.windows() != 0 {
+        bad.push(format!("rank {me}: a window deregistered twice was not refused"));
+    }
     unsafe { gscomm::mem_free(base) }.unwrap();
     bad
 }

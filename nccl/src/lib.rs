@@ -31,7 +31,7 @@ mod profiling;
 use gscomm::bootstrap::{Bootstrap, RootOptions, UniqueId};
 use gscomm::collectives::PeerTransfer;
 use gscomm::collectives::p2p::PeerOp;
-use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp, Registration};
+use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp, Registration, Window};
 use gscomm::condition::{Category, Condition};
 use gscomm::{Config, Error, Status};
 use std::cell::RefCell;
@@ -89,6 +89,8 @@ pub struct Comm {
     /// Live `ncclCommRegister` handles (addresses of boxed `Registration`s), so a stale or
     /// foreign handle given to deregister is an error, not a double free.
     registrations: Mutex<Vec<usize>>,
+    /// Live `ncclCommWindowRegister` handles (addresses of boxed `Window`s), likewise.
+    windows: Mutex<Vec<usize>>,
     /// `ncclRedOpCreatePreMulSum` operators: op `NCCL_NUM_OPS + i` is entry i (None once
     /// destroyed), with the datatype it was made for.
     premul_ops: Mutex<Vec<Option<(DataType, PreMulScalar)>>>,
@@ -101,6 +103,10 @@ impl Drop for Comm {
             // deregistered one left this list); the communicator is gone, so are its handles.
             drop(unsafe { Box::from_raw(r as *mut Registration) });
         }
+        for w in std::mem::take(&mut *self.windows.get_mut().unwrap_or_else(|e| e.into_inner())) {
+            // SAFETY: made by Box::into_raw in `register_windows`, likewise.
+            drop(unsafe { Box::from_raw(w as *mut Window) });
+        }
     }
 }
 
@@ -112,6 +118,7 @@ impl Comm {
             aborted: Mutex::new(false),
             conditions: Mutex::new(HashMap::new()),
             registrations: Mutex::new(Vec::new()),
+            windows: Mutex::new(Vec::new()),
             premul_ops: Mutex::new(Vec::new()),
         }
     }
@@ -209,7 +216,7 @@ fn unsupported(function: &str) -> Fail {
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-    static GROUP: RefCell<Group> = const { RefCell::new(Group { depth: 0, inits: Vec::new(), transfers: Vec::new() }) };
+    static GROUP: RefCell<Group> = const { RefCell::new(Group { depth: 0, inits: Vec::new(), transfers: Vec::new(), windows: Vec::new() }) };
 }
 
 /// This thread's ncclGroupStart nesting and what its outermost ncclGroupEnd completes.
@@ -220,6 +227,19 @@ struct Group {
     /// The sends and receives issued in the group, by (communicator, stream) in the order
     /// each pair first appeared: issued together at the end.
     transfers: Vec<GroupTransfers>,
+    /// Window registrations, in the order they were called: at the end, each communicator's
+    /// in that order, the communicators side by side (each is collective).
+    windows: Vec<PendingWindow>,
+}
+
+/// An `ncclCommWindowRegister` in a group.
+struct PendingWindow {
+    comm: Arc<Comm>,
+    addr: u64,
+    bytes: usize,
+    symmetric: bool,
+    /// The program's `ncclWindow_t*`.
+    slot: usize,
 }
 
 /// A group's sends and receives on one communicator and stream.
@@ -670,20 +690,24 @@ pub unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
     })
 }
 
-/// The outermost end issues its sends and receives (per communicator and stream, together:
-/// `Communicator::transfers`), then runs its inits and splits.
+/// The outermost end registers its windows (`ncclCommWindowRegister`), issues its sends and
+/// receives (per communicator and stream, together: `Communicator::transfers`), then runs its
+/// inits and splits.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
     gate("ncclGroupEnd", || {
-        let (inits, transfers) = GROUP.with(|g| {
+        let (inits, transfers, windows) = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.depth == 0 {
                 return Err(Fail(NCCL_INVALID_USAGE, "ncclGroupEnd without ncclGroupStart".into()));
             }
             g.depth -= 1;
-            Ok(if g.depth == 0 { (std::mem::take(&mut g.inits), std::mem::take(&mut g.transfers)) } else { Default::default() })
+            Ok(match g.depth {
+                0 => (std::mem::take(&mut g.inits), std::mem::take(&mut g.transfers), std::mem::take(&mut g.windows)),
+                _ => Default::default(),
+            })
         })?;
-        let mut first = None;
+        let mut first = register_windows(windows).err();
         for t in transfers {
             if let Err(f) = issue_transfers(&t) {
                 first = first.or(Some(f));
@@ -1309,6 +1333,132 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Memory windows
+
+/// `NCCL_WIN_DEFAULT` and `NCCL_WIN_COLL_SYMMETRIC`, the flags nccl.h 2.28 defines.
+const NCCL_WIN_DEFAULT: c_int = 0x00;
+const NCCL_WIN_COLL_SYMMETRIC: c_int = 0x01;
+
+/// Collective (`Communicator::register_window`): every rank registers its buffer, inside a
+/// group when one thread drives several ranks (nccl-tests' `-R 2`). A NULL buffer or size 0
+/// registers nothing and succeeds with a NULL window, as NVIDIA's returns without one.
+/// `NCCL_WIN_COLL_SYMMETRIC` windows let collectives on them skip the per-call exchange.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommWindowRegister(
+    comm: ncclComm_t,
+    buff: *mut c_void,
+    size: usize,
+    win: *mut *mut c_void,
+    win_flags: c_int,
+) -> ncclResult_t {
+    gate("ncclCommWindowRegister", || {
+        let c = comm_ref(comm)?;
+        let slot = out(win, "win")?;
+        let symmetric = match win_flags {
+            NCCL_WIN_DEFAULT => false,
+            NCCL_WIN_COLL_SYMMETRIC => true,
+            f => return Err(invalid(format!("winFlags {f:#x} (NCCL_WIN_DEFAULT 0x0 or NCCL_WIN_COLL_SYMMETRIC 0x1)"))),
+        };
+        c.ready()?;
+        *slot = std::ptr::null_mut();
+        if buff.is_null() || size == 0 {
+            return Ok(());
+        }
+        let pending = PendingWindow { comm: c, addr: buff as u64, bytes: size, symmetric, slot: win as usize };
+        let alone = GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            if g.depth == 0 {
+                return Some(pending);
+            }
+            g.windows.push(pending);
+            None
+        });
+        alone.map_or(Ok(()), |p| register_windows(vec![p]))
+    })
+}
+
+/// A NULL window is a no-op, as in NCCL; one this communicator did not give out (or took back
+/// already) is refused, unchanged. Local to the rank (`Communicator::deregister_window`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommWindowDeregister(comm: ncclComm_t, win: *mut c_void) -> ncclResult_t {
+    gate("ncclCommWindowDeregister", || {
+        let c = comm_ref(comm)?;
+        if win.is_null() {
+            return Ok(());
+        }
+        let mut wins = c.windows.lock().unwrap_or_else(|e| e.into_inner());
+        let i = wins
+            .iter()
+            .position(|&w| w == win as usize)
+            .ok_or_else(|| invalid("the window is not a live window of this communicator (deregistered already?)"))?;
+        // SAFETY: a live handle of this communicator's (just found in its list): a boxed Window.
+        let window = unsafe { *(win as *const Window) };
+        c.ready()?.deregister_window(&window)?;
+        wins.swap_remove(i);
+        // SAFETY: made by Box::into_raw in `register_windows`, and just taken off the live list.
+        drop(unsafe { Box::from_raw(win as *mut Window) });
+        Ok(())
+    })
+}
+
+/// Run window registrations: each communicator's in the order they were called, the
+/// communicators on threads side by side (a registration waits for every rank's, and one
+/// thread may be driving all of them). Each slot gets its window, or stays NULL; the first
+/// failure is returned after all ran.
+fn register_windows(pending: Vec<PendingWindow>) -> Result<(), Fail> {
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let mut by_comm: Vec<Vec<&PendingWindow>> = Vec::new();
+    for p in &pending {
+        match by_comm.iter_mut().find(|l| Arc::ptr_eq(&l[0].comm, &p.comm)) {
+            Some(l) => l.push(p),
+            None => by_comm.push(vec![p]),
+        }
+    }
+    let register = |list: &[&PendingWindow]| -> Vec<Result<Window, Fail>> {
+        list.iter()
+            .map(|p| {
+                let communicator = p.comm.ready()?;
+                communicator.register_window(p.addr, p.bytes, p.symmetric).map_err(Fail::from)
+            })
+            .collect()
+    };
+    let results: Vec<Vec<Result<Window, Fail>>> = match by_comm.len() {
+        1 => vec![register(&by_comm[0])],
+        _ => std::thread::scope(|s| {
+            let threads: Vec<_> = by_comm.iter().map(|l| s.spawn(|| register(l))).collect();
+            threads
+                .into_iter()
+                .zip(&by_comm)
+                .map(|(t, l)| {
+                    t.join().unwrap_or_else(|_| {
+                        l.iter()
+                            .map(|_| Err(Fail(NCCL_INTERNAL_ERROR, "window registration: internal error (a panic was caught)".into())))
+                            .collect()
+                    })
+                })
+                .collect()
+        }),
+    };
+    let mut first = None;
+    for (list, results) in by_comm.iter().zip(results) {
+        for (p, r) in list.iter().zip(results) {
+            match r {
+                Ok(w) => {
+                    let boxed = Box::into_raw(Box::new(w));
+                    p.comm.windows.lock().unwrap_or_else(|e| e.into_inner()).push(boxed as usize);
+                    // SAFETY: the program's ncclWindow_t*, valid until its group ended (nccl.h).
+                    unsafe { *(p.slot as *mut *mut c_void) = boxed as *mut c_void };
+                }
+                Err(f) => first = first.or(Some(f)),
+            }
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Not supported yet: each says so (ncclInvalidUsage and the last-error message).
 
 macro_rules! not_yet {
@@ -1334,8 +1484,6 @@ pub extern "C" fn ncclResetDebugInit() {
 }
 
 not_yet! {
-    ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut *mut c_void, flags: c_int);
-    ncclCommWindowDeregister(comm: ncclComm_t, win: *mut c_void);
     ncclGroupSimulateEnd(sim_info: *mut c_void);
     // nccl_device.h (installed with nccl.h 2.28): device communicators.
     ncclDevCommCreate(comm: ncclComm_t, requirements: *const c_void, dev_comm: *mut c_void);
@@ -1493,6 +1641,20 @@ mod tests {
         assert_eq!(unsafe { ncclCommDeregister(comm, &mut bogus as *mut u64 as *mut c_void) }, NCCL_INVALID_ARGUMENT);
         assert!(last().contains("not a live registration"), "{}", last());
         assert_eq!(bogus, 5);
+        // Windows: bad flags and a NULL out-pointer are named; a window never given out is
+        // refused untouched; a NULL one is a no-op; a communicator still initializing answers
+        // ncclInProgress and leaves the slot NULL.
+        let mut win = &mut bogus as *mut u64 as *mut c_void;
+        let buf = 0x1000 as *mut c_void;
+        assert_eq!(unsafe { ncclCommWindowRegister(comm, buf, 64, &mut win, 2) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("winFlags 0x2"), "{}", last());
+        assert_eq!(unsafe { ncclCommWindowRegister(comm, buf, 64, std::ptr::null_mut(), 1) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("win is NULL"), "{}", last());
+        assert_eq!(unsafe { ncclCommWindowRegister(comm, buf, 64, &mut win, NCCL_WIN_COLL_SYMMETRIC) }, NCCL_IN_PROGRESS);
+        assert_eq!(unsafe { ncclCommWindowDeregister(comm, &mut bogus as *mut u64 as *mut c_void) }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("not a live window"), "{}", last());
+        assert_eq!(bogus, 5);
+        assert_eq!(unsafe { ncclCommWindowDeregister(comm, std::ptr::null_mut()) }, NCCL_SUCCESS);
         let _ = c.state.set(Err(Fail(NCCL_REMOTE_ERROR, "rank 1 went away".into())));
         assert_eq!(unsafe { ncclCommCount(comm, &mut n) }, NCCL_REMOTE_ERROR);
         assert!(last().contains("init failed: rank 1 went away"), "{}", last());
@@ -1632,6 +1794,170 @@ mod tests {
         assert!(last().contains("ncclMemFree") && last().contains("not allocated by mem_alloc"), "{}", last());
         assert_eq!(unsafe { ncclMemAlloc(std::ptr::null_mut(), 64) }, NCCL_INVALID_ARGUMENT);
         assert!(last().contains("ptr is NULL"), "{}", last());
+    }
+
+    /// Symmetric windows on two GPUs from one thread, as nccl-tests' `-R 2` runs: both ranks
+    /// register a send and a receive window (ncclMemAlloc memory) in one group, so each
+    /// communicator's two registrations pair in order. Eager all-reduce (out of place and in
+    /// place, at an offset), all-gather and reduce-scatter on them then take the direct kernel
+    /// with no exchange — which ranks sharing a thread could not do before (their exchange would
+    /// wait for the other rank's call) — and are exact; an unaligned offset falls back to the
+    /// workspace kernels on both ranks, still exact; after deregistration the direct kernel is
+    /// off again. A bad buffer on one rank and disagreeing flags fail on both ranks, naming the
+    /// rank, and leave no window. Skips without `GSC_TEST_GPU=1` and 2 GPUs.
+    #[test]
+    fn symmetric_windows_take_the_direct_kernel_from_one_thread_on_two_gpus() {
+        use gscomm::cuda::api::{Stream, copy_from_device, copy_to_device, set_device};
+        if !gpus_or_skip(2) {
+            return;
+        }
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NCCL_SUCCESS);
+        let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, c) in comms.iter_mut().enumerate() {
+            set_device(r as i32).unwrap();
+            assert_eq!(unsafe { ncclCommInitRank(c, 2, id, r as c_int) }, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        const WIN: usize = 8 << 20;
+        // Per rank: (send window, recv window, stream).
+        let mut ranks = Vec::new();
+        for r in 0..2 {
+            set_device(r).unwrap();
+            let (mut a, mut b): (*mut c_void, *mut c_void) = (std::ptr::null_mut(), std::ptr::null_mut());
+            assert_eq!(unsafe { ncclMemAlloc(&mut a, WIN) }, NCCL_SUCCESS, "{}", last());
+            assert_eq!(unsafe { ncclMemAlloc(&mut b, WIN) }, NCCL_SUCCESS, "{}", last());
+            ranks.push((a as u64, b as u64, Stream::new().unwrap()));
+        }
+        let communicator = |r: usize| comm_ref(comms[r]).unwrap();
+        let calls = |r: usize| {
+            let c = communicator(r);
+            let c = c.ready().unwrap();
+            (c.direct_calls(), c.window_calls())
+        };
+        let mut wins = [[std::ptr::null_mut::<c_void>(); 2]; 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, (a, b, _)) in ranks.iter().enumerate() {
+            for (i, at) in [*a, *b].into_iter().enumerate() {
+                let rc = unsafe { ncclCommWindowRegister(comms[r], at as *mut c_void, WIN, &mut wins[r][i], NCCL_WIN_COLL_SYMMETRIC) };
+                assert_eq!(rc, NCCL_SUCCESS, "{}", last());
+            }
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        assert!(wins.iter().flatten().all(|w| !w.is_null()));
+        let val = |r: usize, i: usize| ((i * 2_654_435_761 + r * 97) as u32 as i32) >> 2;
+        let bytes = |v: Vec<i32>| v.into_iter().flat_map(i32::to_le_bytes).collect::<Vec<u8>>();
+        // (what, send offset in A or, in place, in B, recv offset in B, count, kind, direct expected)
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        enum Kind {
+            AllReduce,
+            AllReduceInPlace,
+            AllGather,
+            ReduceScatter,
+        }
+        let cases = [
+            (Kind::AllReduce, 0u64, 0u64, 1usize << 20, true),
+            (Kind::AllReduceInPlace, 0, 4 << 20, 1 << 20, true),
+            (Kind::AllGather, 1 << 20, 0, 256 << 10, true),
+            (Kind::ReduceScatter, 0, 2 << 20, 256 << 10, true),
+            // 4 bytes off 16: unaligned on both ranks alike, the workspace kernels.
+            (Kind::AllReduce, 4, 4, 1 << 20, false),
+        ];
+        let run = |kind: Kind, send_off: u64, recv_off: u64, count: usize, expect_direct: bool, salt: usize| {
+            let before = [calls(0), calls(1)];
+            let in_len = match kind {
+                Kind::ReduceScatter => 2 * count,
+                _ => count,
+            };
+            for (r, (a, b, _)) in ranks.iter().enumerate() {
+                set_device(r as i32).unwrap();
+                let src = if kind == Kind::AllReduceInPlace { b + recv_off } else { a + send_off };
+                unsafe {
+                    if kind != Kind::AllReduceInPlace {
+                        copy_to_device(b + recv_off, &vec![0xEE; 4 * if kind == Kind::AllGather { 2 * count } else { count }]).unwrap();
+                    }
+                    copy_to_device(src, &bytes((0..in_len).map(|i| val(r, i + salt)).collect())).unwrap();
+                }
+            }
+            assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+            for (r, (a, b, s)) in ranks.iter().enumerate() {
+                let recv = (b + recv_off) as *mut c_void;
+                let send = if kind == Kind::AllReduceInPlace { recv as *const c_void } else { (a + send_off) as *const c_void };
+                let (c, st) = (comms[r], s.raw() as *mut c_void);
+                let rc = unsafe {
+                    match kind {
+                        Kind::AllReduce | Kind::AllReduceInPlace => ncclAllReduce(send, recv, count, 2, 0, c, st),
+                        Kind::AllGather => ncclAllGather(send, recv, count, 2, c, st),
+                        Kind::ReduceScatter => ncclReduceScatter(send, recv, count, 2, 0, c, st),
+                    }
+                };
+                assert_eq!(rc, NCCL_SUCCESS, "{kind:?}: {}", last());
+            }
+            assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+            let out_len = if kind == Kind::AllGather { 2 * count } else { count };
+            for (r, (_, b, s)) in ranks.iter().enumerate() {
+                set_device(r as i32).unwrap();
+                s.synchronize().unwrap();
+                let want: Vec<i32> = (0..out_len)
+                    .map(|i| match kind {
+                        Kind::AllGather => val(i / count, i % count + salt),
+                        Kind::ReduceScatter => val(0, r * count + i + salt).wrapping_add(val(1, r * count + i + salt)),
+                        _ => val(0, i + salt).wrapping_add(val(1, i + salt)),
+                    })
+                    .collect();
+                let got = unsafe { copy_from_device(b + recv_off, out_len * 4) }.unwrap();
+                assert!(got == bytes(want), "GPU {r}: {kind:?} of {count} int32 at +{send_off}/+{recv_off} wrong");
+                let (d0, w0) = before[r];
+                let (d1, w1) = calls(r);
+                let took = (d1 - d0, w1 - w0);
+                assert_eq!(took, if expect_direct { (1, 1) } else { (0, 0) }, "GPU {r}: {kind:?} +{send_off}: (direct, window) calls");
+            }
+            eprintln!("{kind:?} of {count} int32 at +{send_off}/+{recv_off}: exact on both GPUs, direct kernel: {expect_direct}");
+        };
+        for (salt, &(kind, so, ro, count, direct)) in cases.iter().enumerate() {
+            run(kind, so, ro, count, direct, salt);
+        }
+        // Bad input on one rank: host memory on rank 1. Both ranks fail naming rank 1, and no
+        // window is kept on either.
+        let host = vec![0u8; 4096];
+        let mut bad = [std::ptr::null_mut::<c_void>(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, (a, _, _)) in ranks.iter().enumerate() {
+            let at = if r == 1 { host.as_ptr() as u64 } else { *a };
+            let rc = unsafe { ncclCommWindowRegister(comms[r], at as *mut c_void, 4096, &mut bad[r], NCCL_WIN_COLL_SYMMETRIC) };
+            assert_eq!(rc, NCCL_SUCCESS, "deferred to the group's end");
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("rank 1 could not register its window") && last().contains("not GPU memory"), "{}", last());
+        assert!(bad.iter().all(|w| w.is_null()));
+        // Disagreeing flags.
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, (a, _, _)) in ranks.iter().enumerate() {
+            let flags = if r == 0 { NCCL_WIN_COLL_SYMMETRIC } else { NCCL_WIN_DEFAULT };
+            assert_eq!(unsafe { ncclCommWindowRegister(comms[r], *a as *mut c_void, 4096, &mut bad[r], flags) }, NCCL_SUCCESS);
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_INVALID_ARGUMENT);
+        assert!(last().contains("rank 1 registered its window as not symmetric, rank 0 as symmetric"), "{}", last());
+        for r in 0..2 {
+            assert_eq!(communicator(r).ready().unwrap().windows(), 2, "rank {r}: only the two good windows");
+        }
+        // Deregistered: the ranks share a thread, so no direct kernel any more.
+        for (r, w) in wins.iter().enumerate() {
+            for &w in w {
+                assert_eq!(unsafe { ncclCommWindowDeregister(comms[r], w) }, NCCL_SUCCESS, "{}", last());
+                assert_eq!(unsafe { ncclCommWindowDeregister(comms[r], w) }, NCCL_INVALID_ARGUMENT, "twice");
+            }
+        }
+        run(Kind::AllReduce, 0, 0, 1 << 20, false, 9);
+        for (r, (a, b, _)) in ranks.into_iter().enumerate() {
+            set_device(r as i32).unwrap();
+            assert_eq!(unsafe { ncclMemFree(a as *mut c_void) }, NCCL_SUCCESS, "{}", last());
+            assert_eq!(unsafe { ncclMemFree(b as *mut c_void) }, NCCL_SUCCESS, "{}", last());
+        }
+        for c in comms {
+            assert_eq!(unsafe { ncclCommDestroy(c) }, NCCL_SUCCESS);
+        }
     }
 
     /// Issue #6's registration rule on two GPUs from one thread: each rank makes one

@@ -25,7 +25,9 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId);
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank);
 ncclResult_t ncclCommCount(const ncclComm_t comm, int *count);
 ncclResult_t ncclSend(const void *sendbuff, size_t count, int datatype, int peer, ncclComm_t comm, void *stream);
+ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size, void **win, int winFlags);
 ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, void *win);
+ncclResult_t ncclGroupSimulateEnd(void *simInfo);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 ncclResult_t pncclGetVersion(int *version);
@@ -67,8 +69,12 @@ int main(void) {
     CHECK(ncclCommInitRank(&comm, 2, id, 7) != ncclSuccess && comm == NULL);
     CHECK(ncclSend(NULL, 1, 7, 0, NULL, NULL) == ncclInvalidArgument);
     CHECK(strstr(ncclGetLastError(NULL), "ncclSend: comm is NULL") != NULL);
-    CHECK(ncclCommWindowDeregister(NULL, NULL) == ncclInvalidUsage);
-    CHECK(strstr(ncclGetLastError(NULL), "ncclCommWindowDeregister is not supported") != NULL);
+    CHECK(ncclGroupSimulateEnd(NULL) == ncclInvalidUsage);
+    CHECK(strstr(ncclGetLastError(NULL), "ncclGroupSimulateEnd is not supported") != NULL);
+    void *win = &n;
+    CHECK(ncclCommWindowRegister(NULL, NULL, 0, &win, 1) == ncclInvalidArgument && win == &n);
+    CHECK(strstr(ncclGetLastError(NULL), "ncclCommWindowRegister: comm is NULL") != NULL);
+    CHECK(ncclCommWindowDeregister(NULL, NULL) == ncclInvalidArgument);
     CHECK(ncclGroupStart() == ncclSuccess && ncclGroupEnd() == ncclSuccess);
     CHECK(ncclGroupEnd() == ncclInvalidUsage);
     /* The profiling names are the functions. */

@@ -21,11 +21,12 @@ use super::host_board::HostBoard;
 use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
 use super::p2p_kernel::{self, KernelOp, PeerTransfer};
-use super::peer_buffers::{DirectCall, DirectContext};
+use super::peer_buffers::{DirectCall, DirectContext, DirectKind};
 use super::select::{self, Collective};
 use super::settings;
 use super::triggered::{self, DeviceCall, Triggered};
 use super::types::{DataType, PreMulScalar, RedOp};
+use super::windows::{self, Offer, Window, Windows};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
 use crate::config::{Config, Tristate};
@@ -69,7 +70,8 @@ pub struct Communicator {
     ce_mode: Tristate,
     ce_min: usize,
     ce: CopyEngine,
-    /// `GSC_COLL_SM` and `GSC_COLL_SM_MIN`, and the direct kernel's state.
+    /// `GSC_COLL_SM` and `GSC_COLL_SM_MIN`, and the direct kernel's state. Where ranks share
+    /// a process (`shares_process`) the kernel takes only calls on symmetric windows.
     sm_mode: Tristate,
     sm_min: usize,
     direct: Direct,
@@ -78,6 +80,12 @@ pub struct Communicator {
     ring_mode: Tristate,
     ring_min: usize,
     ring: Ring,
+    /// Several ranks of this communicator live in this process (ncclCommInitAll, one thread
+    /// driving several GPUs): no exchange may happen inside a call (see `new`).
+    shares_process: bool,
+    /// Buffers registered by every rank together (`register_window`): calls on symmetric ones
+    /// take the peers' buffers from here instead of exchanging them.
+    windows: Windows,
     /// `GSC_COLL_TRIGGER_MAX`: the largest kernel-triggered all-reduce the triggering thread
     /// runs itself (`triggered::on_device`).
     trigger_max: usize,
@@ -233,14 +241,16 @@ impl Communicator {
             ce_mode: if shares_process { Tristate::Off } else { config.coll_ce },
             ce_min: config.coll_ce_min,
             ce: CopyEngine::new(device),
-            // Off where ranks share a process, as the copy engines are: the buffers are
-            // exchanged during the call.
-            sm_mode: if shares_process { Tristate::Off } else { config.coll_sm },
+            // Where ranks share a process, as the copy engines are, except for calls on
+            // symmetric windows, which exchange nothing (`on_peer_buffers`).
+            sm_mode: config.coll_sm,
             sm_min: config.coll_sm_min,
             direct: Direct::new(config.coll_sm_blocks),
             ring_mode: if shares_process { Tristate::Off } else { config.coll_ring },
             ring_min: config.coll_ring_min,
             ring: Ring::new(device, config.coll_ring_pieces),
+            shares_process,
+            windows: Windows::default(),
             // Off where ranks share a process: the mailboxes are exchanged while arming.
             trigger_max: if shares_process { 0 } else { config.coll_trigger_max },
             p2p_max: config.coll_p2p_max,
@@ -386,6 +396,66 @@ impl Communicator {
         self.check_device_buffer(addr, "registered")?;
         self.check_device_buffer(last, "registered (at its last byte)")?;
         Ok(Registration { addr, bytes, mem_alloc: crate::cuda::api::mem_alloc_info(addr) })
+    }
+
+    /// NCCL's window registration (`ncclCommWindowRegister`; `windows` explains it):
+    /// collective — every rank registers a buffer of its GPU, and windows in the same order on
+    /// every rank. Each rank offers its buffer's address and key, maps every peer's, and all
+    /// learn whether everyone managed: a rank that refused (bad buffer) or could not map is
+    /// named in every rank's error, and no rank keeps the window. `symmetric`
+    /// (`NCCL_WIN_COLL_SYMMETRIC`): the program promises that a collective's buffers lie at the
+    /// same offset in every rank's window; such calls then exchange nothing, on a stream as in
+    /// a graph, and take the direct kernel from the sizes graphs take it.
+    pub fn register_window(&self, addr: u64, bytes: usize, symmetric: bool) -> Result<Window> {
+        self.check_aborted()?;
+        let key = (|| -> Result<Vec<u8>> {
+            if bytes == 0 {
+                return Err(Error::invalid_param("a window of 0 bytes"));
+            }
+            let last = addr.checked_add(bytes as u64 - 1).ok_or_else(|| Error::invalid_param("the window's range wraps around"))?;
+            self.check_device_buffer(addr, "window")?;
+            self.check_device_buffer(last, "window (at its last byte)")?;
+            let ptr =
+                crate::cuda::memory::device_ptr(addr as usize)?.ok_or_else(|| Error::invalid_param("the window is not GPU memory"))?;
+            Ok(crate::cuda::ipc::export(addr as usize, ptr)?.encode())
+        })();
+        // A rank that refuses still takes part, so the others learn why instead of waiting.
+        let mine = Offer { addr, bytes, symmetric, key: key.map_err(|e| e.to_string()) };
+        let all = self.bootstrap.allgather(&mine.encode()).map_err(|e| e.context("exchanging window registrations"))?;
+        let offers = all.iter().enumerate().map(|(r, b)| Offer::decode(r, b)).collect::<Result<Vec<_>>>()?;
+        let agreed = windows::agree(&offers)?;
+        let mapped = offers
+            .iter()
+            .enumerate()
+            .map(|(q, o)| match (q == self.rank, &o.key) {
+                (true, _) => Ok(addr),
+                (false, Ok(key)) => crate::cuda::ipc::map_peer(&crate::cuda::ipc::DeviceKey::decode(key)?, o.addr, o.bytes, self.device),
+                (false, Err(_)) => unreachable!("agree refuses offers without a key"),
+            })
+            .collect::<Result<Vec<u64>>>();
+        let verdicts = self.bootstrap.allgather(&windows::encode_verdict(&mapped)).map_err(|e| e.context("agreeing on a window"))?;
+        windows::check_verdicts(&verdicts)?;
+        let window = self.windows.insert(&mine, mapped?, &agreed);
+        tracing::debug!(target: "gsc::coll", id = window.id, addr = format_args!("{addr:#x}"), bytes, symmetric, span = agreed.span, "window registered");
+        Ok(window)
+    }
+
+    /// Forget a window of this communicator's (`register_window`); this rank alone. Peers'
+    /// memory stays mapped (`cuda::ipc` caches it), so work already issued on it is not
+    /// affected. A window it does not hold is refused, and nothing changes.
+    pub fn deregister_window(&self, window: &Window) -> Result<()> {
+        self.windows.remove(window)
+    }
+
+    /// Collectives this rank ran on the peers' buffers found in symmetric windows, without an
+    /// exchange, so far.
+    pub fn window_calls(&self) -> u64 {
+        self.windows.hits()
+    }
+
+    /// Windows this rank holds.
+    pub fn windows(&self) -> usize {
+        self.windows.len()
     }
 
     /// Send `count` elements of `buf` to rank `peer` (NCCL's ncclSend): the k-th send to a peer
@@ -910,10 +980,19 @@ impl Communicator {
             }
         };
         let premul = call.premul.is_some();
-        if let Some(kind) = direct::wanted(self.sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, premul, replayed) {
+        // Buffers in symmetric windows: the peers' are known without an exchange, as for a
+        // replayed call, and every rank knows it alike (`windows`).
+        let windowed = DirectKind::of(call.kind)
+            .and_then(|k| self.windows.symmetric_buffers(k, call.send, call.recv, self.nranks, call.part_bytes, self.rank));
+        let sm_mode = if self.shares_process && windowed.is_none() { Tristate::Off } else { self.sm_mode };
+        let known = replayed || windowed.is_some();
+        if let Some(kind) = direct::wanted(sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, premul, known) {
             // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked
             // to be GPU memory of this device by `run`.
-            if let Some(node) = unsafe { self.direct.try_run(&cx, &direct_call(kind), at) }? {
+            if let Some(node) = unsafe { self.direct.try_run(&cx, &direct_call(kind), at, windowed.as_deref()) }? {
+                if windowed.is_some() {
+                    self.windows.note_hit();
+                }
                 return Ok(Some(ArmedOutputs { start_node: node, done_node: node, device_handle: 0 }));
             }
         }

@@ -28,8 +28,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Whether a call goes to the direct kernel: a function of the configuration and the call, so
 /// every rank decides alike. `part_bytes`: as `Call::part_bytes` (an all-reduce's whole buffer);
-/// `replayed`: the call is captured into a graph or added to one (its buffers are exchanged
-/// once, when the graph is built, instead of at every call).
+/// `replayed`: the call's buffers need no exchange per call — it is captured into a graph or
+/// added to one (exchanged once, when the graph is built), or its buffers lie in symmetric
+/// windows (`windows`: exchanged once, at registration).
 pub(crate) fn wanted(
     mode: Tristate,
     min: usize,
@@ -69,7 +70,8 @@ const AUTO_MAX_GATHER_RANKS: usize = 4;
 /// replayed from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a
 /// stream, from 8 MiB (16 MiB). A stream call exchanges its buffers twice; on the shared-memory
 /// board (`host_board`) that costs about as much as the workspace kernels' own start, so below
-/// these sizes the two paths tie and above them the direct kernel wins. On four ranks the
+/// these sizes the two paths tie and above them the direct kernel wins. A call on symmetric
+/// windows exchanges nothing and takes the replayed floors. On four ranks the
 /// all-gather, replayed, led from 256 KiB parts (session 22): the same floors serve.
 pub(crate) fn auto_floor(kind: CollKind, replayed: bool) -> usize {
     let part = if replayed { 512 << 10 } else { 8 << 20 };
@@ -135,12 +137,19 @@ impl Direct {
     /// Run `call` by the direct kernel, at `at`. `Ok(None)`: some rank cannot share, map or use
     /// its buffers here, every rank learnt it, nothing was issued — run the workspace kernels
     /// instead. `Ok(Some(node))`: issued; for a graph, its node (0 for a stream). Collective:
-    /// every rank whose `wanted` said yes calls it.
+    /// every rank whose `wanted` said yes calls it. `windowed`: every rank's buffers, found in
+    /// symmetric windows (`windows`) — nothing is exchanged, and every rank decides alone.
     ///
     /// # Safety
     /// The call's buffers are GPU memory of this rank's device, valid for the call's sizes until
     /// the work completed (for a graph: while it can be launched).
-    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, at: Placement) -> Result<Option<usize>> {
+    pub(crate) unsafe fn try_run(
+        &self,
+        cx: &DirectContext,
+        call: &DirectCall,
+        at: Placement,
+        windowed: Option<&[(u64, u64)]>,
+    ) -> Result<Option<usize>> {
         let (n, me) = (cx.nranks, cx.rank);
         // Everything that can fail on this rank alone comes before the ranks agree: after it,
         // every peer launches and would wait for this rank until the timeout.
@@ -163,10 +172,21 @@ impl Direct {
         if let Err(e) = &ready {
             tracing::debug!(target: "gsc::coll", error = %e, "the direct kernel cannot run here; every rank runs the workspace kernels");
         }
-        let Some(bufs) = peer_buffers::exchange(cx, call, aligned && ready.is_ok(), "the direct kernel")? else {
-            return Ok(None);
+        let (bufs, (kernel, per_gpu)) = match windowed {
+            // The windows' bases are on 16 bytes on every rank and the offsets the same, so
+            // an unaligned call is unaligned everywhere: every rank falls back alike.
+            Some(_) if !aligned => return Ok(None),
+            // No rank can tell the others this one failed: like a failed launch below.
+            Some(bufs) => {
+                (bufs.to_vec(), ready.map_err(|e| Self::give_up(cx, e, "loading the direct kernel for a call on symmetric windows"))?)
+            }
+            None => {
+                let Some(bufs) = peer_buffers::exchange(cx, call, aligned && ready.is_ok(), "the direct kernel")? else {
+                    return Ok(None);
+                };
+                (bufs, ready?)
+            }
         };
-        let (kernel, per_gpu) = ready?;
         let job = job(call.kind, me, n, call.part_bytes, call.in_place(me), &bufs);
         let mut args = DirectArgs {
             coll: CollArgs {
@@ -191,14 +211,17 @@ impl Direct {
             Placement::Stream(stream) => cx.workspace.launch_direct(stream, kernel, args, grid).map(|()| 0),
             Placement::Graph(graph) => cx.workspace.add_direct_node(graph, kernel, args, grid),
         };
-        let node = issued.map_err(|e| {
-            // The peers issued theirs and will time out; this rank's round counter would now be
-            // behind theirs, so its kernels must not wait on flags again: give up for good.
-            cx.workspace.abort();
-            e.context("issuing the direct kernel after every rank agreed to (this rank's collectives are now aborted)")
-        })?;
+        let node = issued.map_err(|e| Self::give_up(cx, e, "issuing the direct kernel after every rank agreed to"))?;
         self.runs.fetch_add(1, Ordering::Relaxed);
         Ok(Some(node))
+    }
+
+    /// This rank cannot run a call every peer runs: the peers issued theirs and will time out,
+    /// and this rank's round counter would now be behind theirs, so its kernels must not wait
+    /// on flags again — its collectives give up for good.
+    fn give_up(cx: &DirectContext, e: crate::error::Error, doing: &str) -> crate::error::Error {
+        cx.workspace.abort();
+        e.context(format!("{doing} (this rank's collectives are now aborted)"))
     }
 }
 

@@ -29,6 +29,7 @@ pub mod select;
 pub(crate) mod settings;
 mod triggered;
 pub mod types;
+pub mod windows;
 
 pub use comm::{Communicator, PremulKind, Registration};
 pub use host::HostComm;
@@ -36,6 +37,7 @@ pub use net::{GroupPlan, NetComm};
 pub use p2p::PeerOp;
 pub use p2p_kernel::PeerTransfer;
 pub use types::{DataType, PreMulScalar, RedOp};
+pub use windows::Window;
 
 /// Compile the collective kernels for `device` (or find them in the kernel cache,
 /// `GSC_KERNEL_CACHE_DIR`) and load them. A communicator does this when it is made; a program that

@@ -12,7 +12,7 @@
 use super::host_board::HostBoard;
 use super::types::{DataType, RedOp};
 use crate::bootstrap::Bootstrap;
-use crate::cuda::coll::{MAX_RANKS, Workspace};
+use crate::cuda::coll::{CollKind, MAX_RANKS, Workspace};
 use crate::cuda::{ipc, memory};
 use crate::error::{Error, Result, Status};
 use std::path::Path;
@@ -26,6 +26,16 @@ pub(crate) enum DirectKind {
 }
 
 impl DirectKind {
+    /// The kind a collective of `kind` would be on the peers' buffers, if it has one.
+    pub(crate) fn of(kind: CollKind) -> Option<DirectKind> {
+        match kind {
+            CollKind::AllGather => Some(DirectKind::AllGather),
+            CollKind::ReduceScatter => Some(DirectKind::ReduceScatter),
+            CollKind::AllReduce => Some(DirectKind::AllReduce),
+            _ => None,
+        }
+    }
+
     /// (send, recv) bytes of a call with `part` bytes per part on `n` ranks.
     pub(crate) fn buffer_bytes(self, n: usize, part: usize) -> (usize, usize) {
         match self {
