@@ -901,6 +901,26 @@ gsc_status_t gsc_comm_register(gsc_comm_h comm, void *buf, size_t size, gsc_comm
 /** Release a registration; one of another communicator, or released already, is refused. */
 gsc_status_t gsc_comm_deregister(gsc_comm_h comm, gsc_comm_reg_h reg);
 
+/** A memory window of a communicator. */
+typedef struct gsc_comm_win *gsc_comm_win_h;
+
+/** gsc_comm_window_register() flag: collectives promise their buffers lie at the same offset in
+ *  every rank's window (NCCL_WIN_COLL_SYMMETRIC). */
+#define GSC_WIN_SYMMETRIC 1
+
+/** Register `size` bytes at `buf` (GPU memory of the communicator's device) as a window
+ *  (ncclCommWindowRegister). Collective: every rank calls it, for its windows in the same
+ *  order. Each rank maps every peer's window once, here; a rank whose buffer is refused, or that
+ *  cannot map a peer's, is named in every rank's error, and no rank keeps the window. With
+ *  GSC_WIN_SYMMETRIC (0: none), a collective whose buffers lie in windows takes the peers'
+ *  buffers at the same offsets without exchanging anything, so the direct kernel serves it as
+ *  it serves a graph-captured call (also where ranks share a process). Released by
+ *  gsc_comm_window_deregister() or with the communicator. */
+gsc_status_t gsc_comm_window_register(gsc_comm_h comm, void *buf, size_t size, int flags, gsc_comm_win_h *win_p);
+/** Release a window (this rank alone); one of another communicator, or released already, is
+ *  refused. */
+gsc_status_t gsc_comm_window_deregister(gsc_comm_h comm, gsc_comm_win_h win);
+
 /** Allocate `size` bytes of GPU memory on the calling thread's current CUDA device (ncclMemAlloc):
  *  CUDA VMM memory with a POSIX file-descriptor handle, readable and writable by every GPU of the
  *  process that reaches it, and shared with a peer process by one export of the whole

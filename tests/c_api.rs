@@ -688,6 +688,7 @@ static void stale_handles(gsc_context_h ctx)
     gsc_request_param_t p;
     gsc_comm_h comm = NULL;
     gsc_comm_reg_h reg = NULL;
+    gsc_comm_win_h win = NULL;
     gsc_unique_id_t uid;
     char buf[8];
     int x = -1, local = 0;
@@ -773,7 +774,9 @@ static void stale_handles(gsc_context_h ctx)
     EXPECT_STATUS(gsc_comm_shrink(NULL, &local, 1, 0, &comm), GSC_ERR_INVALID_HANDLE, "");
     EXPECT_STATUS(gsc_comm_register(NULL, buf, 8, &reg), GSC_ERR_INVALID_HANDLE, "");
     EXPECT_STATUS(gsc_comm_deregister((gsc_comm_h)(void *)wa, reg), GSC_ERR_INVALID_HANDLE, "gsc_worker_h");
-    EXPECT(comm == NULL && reg == NULL);
+    EXPECT_STATUS(gsc_comm_window_register(NULL, buf, 8, GSC_WIN_SYMMETRIC, &win), GSC_ERR_INVALID_HANDLE, "");
+    EXPECT_STATUS(gsc_comm_window_deregister(NULL, win), GSC_ERR_INVALID_HANDLE, "gsc_comm_h is NULL");
+    EXPECT(comm == NULL && reg == NULL && win == NULL);
     /* Memory the allocator did not hand out is refused before any driver call, GPU or not. */
     EXPECT_STATUS(gsc_gpu_mem_free(buf), GSC_ERR_INVALID_PARAM, "");
     EXPECT(gsc_gpu_mem_free(NULL) == GSC_OK);
@@ -799,6 +802,18 @@ static void stale_handles(gsc_context_h ctx)
         EXPECT_STATUS(gsc_comm_deregister(sub, reg), GSC_ERR_INVALID_PARAM, "is not of communicator");
         EXPECT(gsc_comm_deregister(comm, reg) == GSC_OK);
         EXPECT_STATUS(gsc_comm_deregister(comm, reg), GSC_ERR_INVALID_HANDLE, "gsc_comm_reg_h");
+        /* Windows: bad flags and host memory refused; one of the communicator's, deregistered
+         * there only, once; a live one goes with its communicator (sub, destroyed below). */
+        EXPECT_STATUS(gsc_comm_window_register(comm, dev, 65536, 2, &win), GSC_ERR_INVALID_PARAM, "flags 2");
+        EXPECT_STATUS(gsc_comm_window_register(comm, buf, sizeof(buf), GSC_WIN_SYMMETRIC, &win), GSC_ERR_INVALID_PARAM,
+                      "rank 0 could not register its window");
+        EXPECT(win == NULL);
+        EXPECT(gsc_comm_window_register(comm, dev, 1 << 20, GSC_WIN_SYMMETRIC, &win) == GSC_OK && win != NULL);
+        EXPECT_STATUS(gsc_comm_window_deregister(sub, win), GSC_ERR_INVALID_PARAM, "is not of communicator");
+        EXPECT_STATUS(gsc_comm_window_deregister(comm, (gsc_comm_win_h)(void *)reg), GSC_ERR_INVALID_HANDLE, "");
+        EXPECT(gsc_comm_window_deregister(comm, win) == GSC_OK);
+        EXPECT_STATUS(gsc_comm_window_deregister(comm, win), GSC_ERR_INVALID_HANDLE, "gsc_comm_win_h");
+        EXPECT(gsc_comm_window_register(sub, dev, 4096, 0, &win) == GSC_OK && win != NULL);
         EXPECT(gsc_gpu_mem_free(dev) == GSC_OK);
         EXPECT_STATUS(gsc_gpu_mem_free(dev), GSC_ERR_INVALID_PARAM, "");
         /* Shrink: a bad list changes nothing, the revoke GSC_SHRINK_ABORT asks for included. */

@@ -8,7 +8,7 @@ use super::panic::ffi_guard;
 use super::params::ConditionOut;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::collectives::p2p::PeerOp;
-use crate::collectives::{Communicator, DataType, PeerTransfer, RedOp, Registration};
+use crate::collectives::{Communicator, DataType, PeerTransfer, RedOp, Registration, Window};
 use crate::condition::{Category, Condition};
 use crate::error::{Error, Result, Status};
 use std::ffi::{c_int, c_void};
@@ -315,6 +315,50 @@ pub extern "C" fn gsc_comm_deregister(comm: *mut c_void, reg: *mut c_void) -> i3
             return Err(Error::invalid_param(format!("registration {reg:p} is not of communicator {comm:p}")));
         }
         handles::unregister::<Registration>(reg)?;
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_window_register`: collective; the window is a child of the communicator's handle.
+///
+/// # Safety
+/// `win_p` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_comm_window_register(
+    comm: *mut c_void,
+    buf: *mut c_void,
+    size: usize,
+    flags: i32,
+    win_p: *mut *mut c_void,
+) -> i32 {
+    ffi_guard("gsc_comm_window_register", || {
+        let c = handles::get::<Arc<Communicator>>(comm)?;
+        if win_p.is_null() {
+            return Err(Error::invalid_param("win_p is NULL"));
+        }
+        let symmetric = match flags {
+            0 => false,
+            1 => true,
+            f => return Err(Error::invalid_param(format!("flags {f} (0 or GSC_WIN_SYMMETRIC)"))),
+        };
+        let window = c.register_window(buf as u64, size, symmetric)?;
+        let h = handles::register(window, comm);
+        // SAFETY: non-NULL (checked), writable by the caller's contract.
+        unsafe { win_p.write(h) };
+        Ok(Status::Ok.code())
+    })
+}
+
+/// `gsc_comm_window_deregister`
+#[unsafe(no_mangle)]
+pub extern "C" fn gsc_comm_window_deregister(comm: *mut c_void, win: *mut c_void) -> i32 {
+    ffi_guard("gsc_comm_window_deregister", || {
+        let c = handles::get::<Arc<Communicator>>(comm)?;
+        if !std::ptr::eq(handles::parent_of::<Window>(win)?, comm) {
+            return Err(Error::invalid_param(format!("window {win:p} is not of communicator {comm:p}")));
+        }
+        c.deregister_window(&handles::get::<Window>(win)?)?;
+        handles::unregister::<Window>(win)?;
         Ok(Status::Ok.code())
     })
 }

@@ -81,6 +81,12 @@ impl Kind for Arc<Communicator> {
     const NAME: &'static str = "gsc_comm_h";
 }
 
+/// A memory window of a communicator (`gsc_comm_win_h`), a child of its handle.
+impl Kind for crate::collectives::Window {
+    const MAGIC: u64 = u64::from_le_bytes(*b"gscCWIN1");
+    const NAME: &'static str = "gsc_comm_win_h";
+}
+
 /// A buffer registered with a communicator (`gsc_comm_reg_h`), a child of its handle.
 impl Kind for crate::collectives::Registration {
     const MAGIC: u64 = u64::from_le_bytes(*b"gscCREG1");
@@ -169,6 +175,7 @@ fn name_of(magic: u64) -> &'static str {
         m if m == HostStream::MAGIC => HostStream::NAME,
         m if m == <Arc<Prepared>>::MAGIC => <Arc<Prepared>>::NAME,
         m if m == crate::collectives::Registration::MAGIC => crate::collectives::Registration::NAME,
+        m if m == crate::collectives::Window::MAGIC => crate::collectives::Window::NAME,
         _ => "unknown handle",
     }
 }
@@ -245,6 +252,8 @@ fn release(addr: usize, magic: u64) {
         m if m == crate::collectives::Registration::MAGIC => {
             drop(unsafe { Box::from_raw(addr as *mut Handle<crate::collectives::Registration>) })
         }
+        // Released with its communicator, which takes its windows along.
+        m if m == crate::collectives::Window::MAGIC => drop(unsafe { Box::from_raw(addr as *mut Handle<crate::collectives::Window>) }),
         _ => {
             // Unreachable: only `register` inserts, with one of the magics above. Leaking is
             // the only safe reaction to not knowing the type.
