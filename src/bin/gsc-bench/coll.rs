@@ -168,6 +168,9 @@ pub(crate) struct Opts {
     /// gscomm's modes, then NCCL's with `--nccl`.
     modes: Vec<Mode>,
     nccl: bool,
+    /// `-R 2`: the buffers are VMM memory registered as symmetric windows, with gscomm and
+    /// with NCCL (nccl-tests' `-R 2`).
+    windows: bool,
 }
 
 /// The options after the subcommand (`args` does not hold it).
@@ -182,6 +185,7 @@ pub(crate) fn parse_args(coll: Coll, args: &[String]) -> Option<Opts> {
         root: 0,
         modes: vec![Mode::Stream, Mode::Graph],
         nccl: false,
+        windows: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -221,6 +225,18 @@ pub(crate) fn parse_args(coll: Coll, args: &[String]) -> Option<Opts> {
                     .collect::<Option<Vec<_>>>()?
             }
             "--nccl" => o.nccl = true,
+            "-R" => {
+                o.windows = match val()?.as_str() {
+                    "0" => false,
+                    "2" => true,
+                    v => {
+                        eprintln!(
+                            "gsc-bench: -R {v}: 0 (no registration) or 2 (symmetric windows); local registration (1) changes no path in gscomm"
+                        );
+                        return None;
+                    }
+                }
+            }
             _ => return None,
         }
     }
@@ -673,7 +689,7 @@ impl Row {
 fn print_header(o: &Opts, nccl_version: Option<String>) {
     let what = if o.coll.reduces() { format!("type {} op {}", o.dtype.name(), o.op.name()) } else { format!("type {}", o.dtype.name()) };
     println!(
-        "# gsc-bench {} | gscomm {} | {} ranks on GPUs 0..{}, one process each | {what}{} | -n {} -w {} -G {}{}",
+        "# gsc-bench {} | gscomm {} | {} ranks on GPUs 0..{}, one process each | {what}{} | -n {} -w {} -G {}{}{}",
         o.coll.name(),
         gscomm::VERSION,
         o.nranks,
@@ -682,7 +698,8 @@ fn print_header(o: &Opts, nccl_version: Option<String>) {
         o.sweep.iters,
         o.sweep.warmup,
         o.graph_iters,
-        nccl_version.map(|v| format!(" | NCCL {v}")).unwrap_or_default()
+        nccl_version.map(|v| format!(" | NCCL {v}")).unwrap_or_default(),
+        if o.windows { " | buffers in symmetric windows (-R 2)" } else { "" }
     );
     println!(
         "# out of place; time per call (us), the largest over the ranks; algbw = size / time (GB/s); busbw = algbw x {:.3}",
@@ -722,14 +739,25 @@ fn rank_main(o: &Opts, rank: usize, link: &mut Link, uid: &UniqueId, nccl: Optio
     let boot = Bootstrap::init(uid, rank as u32, o.nranks as u32, cfg.bootstrap_timeout).unwrap_or_else(|e| die("bootstrap", e));
     let comm = Communicator::new(boot, rank as i32, cfg).unwrap_or_else(|e| die("communicator", e));
     // After gscomm's on every rank, so the two collective set-ups come in the same order.
-    let nccl = nccl.map(|(lib, id)| lib.comm(id, rank as i32, o.nranks as i32).unwrap_or_else(|e| die("nccl", e)));
+    let mut nccl = nccl.map(|(lib, id)| lib.comm(id, rank as i32, o.nranks as i32).unwrap_or_else(|e| die("nccl", e)));
     let shapes = shapes(o);
     let max = shapes.iter().map(|s| s.bytes).max().unwrap_or(1);
-    let buf = |what| DeviceBuf::new(max).unwrap_or_else(|e| die(what, e));
+    // Windows need memory the peers can map as a whole: VMM, as ncclMemAlloc makes.
+    let buf = |what| if o.windows { DeviceBuf::new_vmm(max) } else { DeviceBuf::new(max) }.unwrap_or_else(|e| die(what, e));
+    let (send, recv) = (buf("send buffer"), buf("receive buffer"));
+    if o.windows {
+        // Collective, in the same order on every rank: gscomm's, then NCCL's.
+        for b in [&send, &recv] {
+            comm.register_window(b.ptr(), max, true).unwrap_or_else(|e| die("window", e));
+        }
+        if let Some(n) = nccl.as_mut() {
+            n.register_windows(&[(send.ptr(), max), (recv.ptr(), max)]).unwrap_or_else(|e| die("nccl window", e));
+        }
+    }
     let stream = Stream::new().unwrap_or_else(|e| die("stream", e));
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap_or_else(|e| die("condition", e));
     let triggered = o.modes.contains(&Mode::Kernel).then(Triggering::new);
-    let r = Rank { o, rank, comm, nccl, cond, stream, send: buf("send buffer"), recv: buf("receive buffer"), triggered };
+    let r = Rank { o, rank, comm, nccl, cond, stream, send, recv, triggered };
     // The checked inputs, once: calls are out of place, so the send buffer keeps them, and
     // every size reads a prefix of them (reduce-scatter: all nranks parts).
     r.send.upload(&input(o.dtype, rank, 0..max / o.dtype.size())).unwrap_or_else(|e| die("upload", e));
@@ -754,8 +782,9 @@ fn rank_main(o: &Opts, rank: usize, link: &mut Link, uid: &UniqueId, nccl: Optio
         // Which path the large calls took (`GSC_COLL_SM`, `GSC_COLL_RING`, `GSC_COLL_CE`): a
         // knob that did not apply shows here, not as a puzzling number.
         println!(
-            "# rank 0 ran {} calls by the direct kernel, {} by the copy-engine ring, {} by the copy engines (the rest: workspace kernels)",
+            "# rank 0 ran {} calls by the direct kernel ({} on windows, without an exchange), {} by the copy-engine ring, {} by the copy engines (the rest: workspace kernels)",
             r.comm.direct_calls(),
+            r.comm.window_calls(),
             r.comm.ring_calls(),
             r.comm.copy_engine_calls()
         );
@@ -839,6 +868,9 @@ mod tests {
         );
         assert!(opts("all-reduce", &["-d", "float8"]).is_none(), "an unknown datatype is a usage error");
         assert!(opts("all-reduce", &["-o", "xor"]).is_none(), "an unknown operator is a usage error");
+        assert!(opts("all-reduce", &["-R", "2"]).unwrap().windows, "nccl-tests' symmetric registration");
+        assert!(!opts("all-reduce", &["-R", "0"]).unwrap().windows);
+        assert!(opts("all-reduce", &["-R", "1"]).is_none(), "local registration changes no path: refused, not ignored");
         assert!(opts("all-reduce", &["-g", "0"]).is_none());
         assert!(opts("broadcast", &["-g", "2", "-r", "2"]).is_none(), "the root is one of the ranks");
         assert!(opts("all-reduce", &["-r", "2"]).is_some(), "no root to check");

@@ -50,9 +50,10 @@ fn usage() -> ! {
          \x20                             [-m stream,graph,kernel,pstream,pgraph,gstream,ggraph,gkernel,gping] [-d DEV0,DEV1] [--nccl]\n\
          \x20      gsc-bench staged-bw [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W WINDOW] [--gpus SEND,RECV] [--mem cuda,host] [--no-pin]\n\
          \x20      gsc-bench all-reduce|all-gather|reduce-scatter|broadcast|reduce|sendrecv|all-to-all [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n\
-         \x20                             [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT] [-m stream,graph,kernel] [--nccl]\n\
+         \x20                             [-g NGPUS] [-G GRAPH_ITERS] [-d TYPE] [-o OP] [-r ROOT] [-m stream,graph,kernel] [-R 0|2] [--nccl]\n\
          \x20        TYPE: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)\n\
          \x20        OP: sum prod max min avg (default sum); NGPUS: ranks, one GPU each (default 2); ROOT default 0\n\
+         \x20        -R 2: VMM buffers registered as symmetric windows with both libraries (nccl-tests' -R 2); 0: none (default)\n\
          sizes accept K/M/G suffixes"
     );
     std::process::exit(2)

@@ -30,6 +30,12 @@ type ReduceScatterFn = AllReduceFn;
 type BroadcastFn = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> Res;
 /// ncclReduce(sendbuff, recvbuff, count, datatype, op, root, comm, stream)
 type ReduceFn = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, c_int, NcclComm, *mut c_void) -> Res;
+/// ncclCommWindowRegister(comm, buff, size, win, winFlags) (nccl.h 2.27 on)
+type WindowRegisterFn = unsafe extern "C" fn(NcclComm, *mut c_void, usize, *mut *mut c_void, c_int) -> Res;
+/// ncclCommWindowDeregister(comm, win)
+type WindowDeregisterFn = unsafe extern "C" fn(NcclComm, *mut c_void) -> Res;
+/// `NCCL_WIN_COLL_SYMMETRIC`.
+const NCCL_WIN_COLL_SYMMETRIC: c_int = 1;
 
 struct Api {
     get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Res,
@@ -46,6 +52,8 @@ struct Api {
     reduce_scatter: ReduceScatterFn,
     broadcast: BroadcastFn,
     reduce: ReduceFn,
+    /// Absent before NCCL 2.27.
+    windows: Option<(WindowRegisterFn, WindowDeregisterFn)>,
 }
 
 /// A loaded NCCL.
@@ -57,6 +65,8 @@ pub(crate) struct Nccl {
 pub(crate) struct Comm<'a> {
     nccl: &'a Nccl,
     comm: NcclComm,
+    /// Windows registered on it (`register_windows`), deregistered before it is destroyed.
+    windows: Vec<*mut c_void>,
 }
 
 impl Nccl {
@@ -95,6 +105,13 @@ impl Nccl {
                 reduce_scatter: std::mem::transmute::<*mut c_void, ReduceScatterFn>(sym("ncclReduceScatter")?),
                 broadcast: std::mem::transmute::<*mut c_void, BroadcastFn>(sym("ncclBroadcast")?),
                 reduce: std::mem::transmute::<*mut c_void, ReduceFn>(sym("ncclReduce")?),
+                windows: match (sym("ncclCommWindowRegister"), sym("ncclCommWindowDeregister")) {
+                    (Ok(r), Ok(d)) => Some((
+                        std::mem::transmute::<*mut c_void, WindowRegisterFn>(r),
+                        std::mem::transmute::<*mut c_void, WindowDeregisterFn>(d),
+                    )),
+                    _ => None,
+                },
             }
         };
         Ok(Nccl { api })
@@ -130,11 +147,33 @@ impl Nccl {
         let mut comm: NcclComm = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; `id` came from ncclGetUniqueId (on one of the ranks).
         self.check(unsafe { (self.api.comm_init_rank)(&mut comm, nranks, id, rank) }, "ncclCommInitRank")?;
-        Ok(Comm { nccl: self, comm })
+        Ok(Comm { nccl: self, comm, windows: Vec::new() })
     }
 }
 
 impl Comm<'_> {
+    /// Register each (address, bytes) as a symmetric window (collective: every rank, the same
+    /// order), as nccl-tests' `-R 2` does; they stay until the communicator goes.
+    pub(crate) fn register_windows(&mut self, bufs: &[(u64, usize)]) -> Result<(), String> {
+        let (register, _) = self.nccl.api.windows.ok_or("this NCCL has no ncclCommWindowRegister (NCCL 2.27 on)")?;
+        let mut wins = vec![std::ptr::null_mut(); bufs.len()];
+        // SAFETY: a group of registrations (NCCL's pattern) of live device buffers of this
+        // rank's GPU, with valid out-pointers.
+        let r = unsafe {
+            (self.nccl.api.group_start)();
+            let rs: Vec<Res> = bufs
+                .iter()
+                .zip(wins.iter_mut())
+                .map(|(&(at, len), w)| register(self.comm, at as *mut c_void, len, w, NCCL_WIN_COLL_SYMMETRIC))
+                .collect();
+            let end = (self.nccl.api.group_end)();
+            rs.into_iter().find(|&r| r != 0).unwrap_or(end)
+        };
+        self.nccl.check(r, "ncclCommWindowRegister")?;
+        self.windows.extend(wins.into_iter().filter(|w| !w.is_null()));
+        Ok(())
+    }
+
     /// Enqueue on `stream` one grouped send of `n` bytes from `send` to `peer` and receive of
     /// `n` bytes from `peer` into `recv` (nccl-tests' sendrecv step).
     ///
@@ -264,6 +303,12 @@ impl Comm<'_> {
 
 impl Drop for Comm<'_> {
     fn drop(&mut self) {
+        if let Some((_, deregister)) = self.nccl.api.windows {
+            for w in self.windows.drain(..) {
+                // SAFETY: a window of this communicator, deregistered once.
+                unsafe { deregister(self.comm, w) };
+            }
+        }
         // SAFETY: our communicator, destroyed once.
         unsafe { (self.nccl.api.comm_destroy)(self.comm) };
     }
