@@ -913,8 +913,8 @@ typedef struct gsc_comm_win *gsc_comm_win_h;
  *  order. Each rank maps every peer's window once, here; a rank whose buffer is refused, or that
  *  cannot map a peer's, is named in every rank's error, and no rank keeps the window. With
  *  GSC_WIN_SYMMETRIC (0: none), a collective whose buffers lie in windows takes the peers'
- *  buffers at the same offsets without exchanging anything, so the direct kernel serves it as
- *  it serves a graph-captured call (also where ranks share a process). Released by
+ *  buffers at the same offsets without exchanging anything (no host round trip per call; where
+ *  ranks share a process, the direct kernel can then serve it at all). Released by
  *  gsc_comm_window_deregister() or with the communicator. */
 gsc_status_t gsc_comm_window_register(gsc_comm_h comm, void *buf, size_t size, int flags, gsc_comm_win_h *win_p);
 /** Release a window (this rank alone); one of another communicator, or released already, is

@@ -1801,8 +1801,9 @@ mod tests {
     /// communicator's two registrations pair in order. Eager all-reduce (out of place and in
     /// place, at an offset), all-gather and reduce-scatter on them then take the direct kernel
     /// with no exchange — which ranks sharing a thread could not do before (their exchange would
-    /// wait for the other rank's call) — and are exact; an unaligned offset falls back to the
-    /// workspace kernels on both ranks, still exact; after deregistration the direct kernel is
+    /// wait for the other rank's call) — and are exact; an unaligned offset, and a call below
+    /// `auto`'s stream floor, run the workspace kernels on both ranks, still exact; after
+    /// deregistration the direct kernel is
     /// off again. A bad buffer on one rank and disagreeing flags fail on both ranks, naming the
     /// rank, and leave no window. Skips without `GSC_TEST_GPU=1` and 2 GPUs.
     #[test]
@@ -1820,7 +1821,7 @@ mod tests {
             assert_eq!(unsafe { ncclCommInitRank(c, 2, id, r as c_int) }, NCCL_SUCCESS, "{}", last());
         }
         assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
-        const WIN: usize = 8 << 20;
+        const WIN: usize = 48 << 20;
         // Per rank: (send window, recv window, stream).
         let mut ranks = Vec::new();
         for r in 0..2 {
@@ -1856,13 +1857,16 @@ mod tests {
             AllGather,
             ReduceScatter,
         }
+        // At `auto`'s stream floors (16 MiB all-reduces, 8 MiB parts), and one below them.
         let cases = [
-            (Kind::AllReduce, 0u64, 0u64, 1usize << 20, true),
-            (Kind::AllReduceInPlace, 0, 4 << 20, 1 << 20, true),
-            (Kind::AllGather, 1 << 20, 0, 256 << 10, true),
-            (Kind::ReduceScatter, 0, 2 << 20, 256 << 10, true),
+            (Kind::AllReduce, 0u64, 0u64, 4usize << 20, true),
+            (Kind::AllReduceInPlace, 0, 16 << 20, 4 << 20, true),
+            (Kind::AllGather, 16 << 20, 0, 2 << 20, true),
+            (Kind::ReduceScatter, 0, 32 << 20, 2 << 20, true),
             // 4 bytes off 16: unaligned on both ranks alike, the workspace kernels.
-            (Kind::AllReduce, 4, 4, 1 << 20, false),
+            (Kind::AllReduce, 4, 4, 4 << 20, false),
+            // Below the floor: the workspace kernels.
+            (Kind::AllReduce, 0, 0, 1 << 20, false),
         ];
         let run = |kind: Kind, send_off: u64, recv_off: u64, count: usize, expect_direct: bool, salt: usize| {
             let before = [calls(0), calls(1)];
@@ -1949,7 +1953,7 @@ mod tests {
                 assert_eq!(unsafe { ncclCommWindowDeregister(comms[r], w) }, NCCL_INVALID_ARGUMENT, "twice");
             }
         }
-        run(Kind::AllReduce, 0, 0, 1 << 20, false, 9);
+        run(Kind::AllReduce, 0, 0, 4 << 20, false, 9);
         for (r, (a, b, _)) in ranks.into_iter().enumerate() {
             set_device(r as i32).unwrap();
             assert_eq!(unsafe { ncclMemFree(a as *mut c_void) }, NCCL_SUCCESS, "{}", last());

@@ -405,7 +405,8 @@ impl Communicator {
     /// named in every rank's error, and no rank keeps the window. `symmetric`
     /// (`NCCL_WIN_COLL_SYMMETRIC`): the program promises that a collective's buffers lie at the
     /// same offset in every rank's window; such calls then exchange nothing, on a stream as in
-    /// a graph, and take the direct kernel from the sizes graphs take it.
+    /// a graph — and where ranks share a process, the direct kernel serves them, which it
+    /// cannot do for calls that exchange.
     pub fn register_window(&self, addr: u64, bytes: usize, symmetric: bool) -> Result<Window> {
         self.check_aborted()?;
         let key = (|| -> Result<Vec<u8>> {
@@ -985,8 +986,9 @@ impl Communicator {
         let windowed = DirectKind::of(call.kind)
             .and_then(|k| self.windows.symmetric_buffers(k, call.send, call.recv, self.nranks, call.part_bytes, self.rank));
         let sm_mode = if self.shares_process && windowed.is_none() { Tristate::Off } else { self.sm_mode };
-        let known = replayed || windowed.is_some();
-        if let Some(kind) = direct::wanted(sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, premul, known) {
+        // The floors stay a stream call's: on a stream the workspace kernels tie or win below
+        // them with or without the exchange (`direct::auto_floor`).
+        if let Some(kind) = direct::wanted(sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, premul, replayed) {
             // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked
             // to be GPU memory of this device by `run`.
             if let Some(node) = unsafe { self.direct.try_run(&cx, &direct_call(kind), at, windowed.as_deref()) }? {

@@ -28,9 +28,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Whether a call goes to the direct kernel: a function of the configuration and the call, so
 /// every rank decides alike. `part_bytes`: as `Call::part_bytes` (an all-reduce's whole buffer);
-/// `replayed`: the call's buffers need no exchange per call — it is captured into a graph or
-/// added to one (exchanged once, when the graph is built), or its buffers lie in symmetric
-/// windows (`windows`: exchanged once, at registration).
+/// `replayed`: the call is captured into a graph or added to one (its buffers are exchanged
+/// once, when the graph is built, instead of at every call).
 pub(crate) fn wanted(
     mode: Tristate,
     min: usize,
@@ -70,8 +69,10 @@ const AUTO_MAX_GATHER_RANKS: usize = 4;
 /// replayed from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a
 /// stream, from 8 MiB (16 MiB). A stream call exchanges its buffers twice; on the shared-memory
 /// board (`host_board`) that costs about as much as the workspace kernels' own start, so below
-/// these sizes the two paths tie and above them the direct kernel wins. A call on symmetric
-/// windows exchanges nothing and takes the replayed floors. On four ranks the
+/// these sizes the two paths tie and above them the direct kernel wins. A stream call on
+/// symmetric windows (`windows`) exchanges nothing, and still the workspace kernels tied or won
+/// below these floors (1–4 MiB, two processes; docs/PERF.md session 29): the floors hold for it
+/// too. On four ranks the
 /// all-gather, replayed, led from 256 KiB parts (session 22): the same floors serve.
 pub(crate) fn auto_floor(kind: CollKind, replayed: bool) -> usize {
     let part = if replayed { 512 << 10 } else { 8 << 20 };
