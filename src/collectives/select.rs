@@ -121,6 +121,12 @@ pub fn describe(
         }
         Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM=off): never"),
     };
+    if sm.0 != Tristate::Off {
+        let _ = writeln!(
+            out,
+            "#   calls on symmetric windows (ncclCommWindowRegister) take the peers' buffers from the windows instead of exchanging them; where ranks share a process, only those calls take it"
+        );
+    }
     let ring_min = crate::config::format_size(ring.1 as u64);
     let _ = match ring.0 {
         Tristate::Off => writeln!(out, "# copy-engine ring (GSC_COLL_RING=off): never"),
