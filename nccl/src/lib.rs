@@ -1509,6 +1509,21 @@ mod tests {
         true
     }
 
+    /// A communicator of two ranks on GPUs 0 and 1, both made from this thread in one group.
+    fn two_comms_from_one_thread() -> [ncclComm_t; 2] {
+        use gscomm::cuda::api::set_device;
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NCCL_SUCCESS);
+        let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
+        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
+        for (r, c) in comms.iter_mut().enumerate() {
+            set_device(r as i32).unwrap();
+            assert_eq!(unsafe { ncclCommInitRank(c, 2, id, r as c_int) }, NCCL_SUCCESS, "{}", last());
+        }
+        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        comms
+    }
+
     fn last() -> String {
         // SAFETY: a NUL-terminated string owned by this thread.
         unsafe { CStr::from_ptr(ncclGetLastError(std::ptr::null_mut())) }.to_string_lossy().into_owned()
@@ -1812,15 +1827,7 @@ mod tests {
         if !gpus_or_skip(2) {
             return;
         }
-        let mut id = ncclUniqueId { internal: [0; 128] };
-        assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NCCL_SUCCESS);
-        let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
-        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
-        for (r, c) in comms.iter_mut().enumerate() {
-            set_device(r as i32).unwrap();
-            assert_eq!(unsafe { ncclCommInitRank(c, 2, id, r as c_int) }, NCCL_SUCCESS, "{}", last());
-        }
-        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        let comms = two_comms_from_one_thread();
         const WIN: usize = 48 << 20;
         // Per rank: (send window, recv window, stream).
         let mut ranks = Vec::new();
@@ -1976,15 +1983,7 @@ mod tests {
         if !gpus_or_skip(2) {
             return;
         }
-        let mut id = ncclUniqueId { internal: [0; 128] };
-        assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NCCL_SUCCESS);
-        let mut comms: [ncclComm_t; 2] = [std::ptr::null_mut(); 2];
-        assert_eq!(unsafe { ncclGroupStart() }, NCCL_SUCCESS);
-        for (r, c) in comms.iter_mut().enumerate() {
-            set_device(r as i32).unwrap();
-            assert_eq!(unsafe { ncclCommInitRank(c, 2, id, r as c_int) }, NCCL_SUCCESS, "{}", last());
-        }
-        assert_eq!(unsafe { ncclGroupEnd() }, NCCL_SUCCESS, "{}", last());
+        let comms = two_comms_from_one_thread();
         // int32 elements: 1001 (one-shot LL) and 2^20 + 3 (the large kernel, with a tail).
         const COUNTS: [usize; 2] = [1001, (1 << 20) + 3];
         let part = ((COUNTS[1] * 4) as u64).next_multiple_of(4096);
