@@ -431,7 +431,8 @@ impl Communicator {
             .map(|(q, o)| match (q == self.rank, &o.key) {
                 (true, _) => Ok(addr),
                 (false, Ok(key)) => crate::cuda::ipc::map_peer(&crate::cuda::ipc::DeviceKey::decode(key)?, o.addr, o.bytes, self.device),
-                (false, Err(_)) => unreachable!("agree refuses offers without a key"),
+                // `agree` refused offers without a key already.
+                (false, Err(why)) => Err(Error::invalid_param(format!("rank {q} could not register its window: {why}"))),
             })
             .collect::<Result<Vec<u64>>>();
         let verdicts = self.bootstrap.allgather(&windows::encode_verdict(&mapped)).map_err(|e| e.context("agreeing on a window"))?;
