@@ -31,7 +31,7 @@ mod profiling;
 use gscomm::bootstrap::{Bootstrap, RootOptions, UniqueId};
 use gscomm::collectives::PeerTransfer;
 use gscomm::collectives::p2p::PeerOp;
-use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp, Registration, Window};
+use gscomm::collectives::{Coll, Communicator, DataType, PreMulScalar, PremulKind, RankCall, RedOp, Registration, Window};
 use gscomm::condition::{Category, Condition};
 use gscomm::{Config, Error, Status};
 use std::cell::RefCell;
@@ -216,7 +216,8 @@ fn unsupported(function: &str) -> Fail {
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-    static GROUP: RefCell<Group> = const { RefCell::new(Group { depth: 0, inits: Vec::new(), transfers: Vec::new(), windows: Vec::new() }) };
+    static GROUP: RefCell<Group> =
+        const { RefCell::new(Group { depth: 0, inits: Vec::new(), collectives: Vec::new(), transfers: Vec::new(), windows: Vec::new() }) };
 }
 
 /// This thread's ncclGroupStart nesting and what its outermost ncclGroupEnd completes.
@@ -224,6 +225,11 @@ struct Group {
     depth: u32,
     /// Inits and splits, run together at the end.
     inits: Vec<PendingInit>,
+    /// Collectives on communicators whose ranks all live in this process, in the order they
+    /// were called: issued at the end, where every rank's call of one communicator is known
+    /// (`gscomm::collectives::issue_group`), so they take the paths on the peers' buffers as
+    /// ranks in separate processes do. Other communicators' collectives are issued at once.
+    collectives: Vec<PendingCollective>,
     /// The sends and receives issued in the group, by (communicator, stream) in the order
     /// each pair first appeared: issued together at the end.
     transfers: Vec<GroupTransfers>,
@@ -240,6 +246,13 @@ struct PendingWindow {
     symmetric: bool,
     /// The program's `ncclWindow_t*`.
     slot: usize,
+}
+
+/// A collective in a group, checked, to issue at its end.
+struct PendingCollective {
+    comm: Arc<Comm>,
+    on: Condition,
+    call: Coll,
 }
 
 /// A group's sends and receives on one communicator and stream.
@@ -696,18 +709,26 @@ pub unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
     gate("ncclGroupEnd", || {
-        let (inits, transfers, windows) = GROUP.with(|g| {
+        let (inits, collectives, transfers, windows) = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.depth == 0 {
                 return Err(Fail(NCCL_INVALID_USAGE, "ncclGroupEnd without ncclGroupStart".into()));
             }
             g.depth -= 1;
             Ok(match g.depth {
-                0 => (std::mem::take(&mut g.inits), std::mem::take(&mut g.transfers), std::mem::take(&mut g.windows)),
+                0 => (
+                    std::mem::take(&mut g.inits),
+                    std::mem::take(&mut g.collectives),
+                    std::mem::take(&mut g.transfers),
+                    std::mem::take(&mut g.windows),
+                ),
                 _ => Default::default(),
             })
         })?;
         let mut first = register_windows(windows).err();
+        if let Err(f) = issue_collectives(&collectives) {
+            first = first.or(Some(f));
+        }
         for t in transfers {
             if let Err(f) = issue_transfers(&t) {
                 first = first.or(Some(f));
@@ -842,23 +863,65 @@ fn root_of(root: c_int) -> Result<usize, Fail> {
     usize::try_from(root).map_err(|_| invalid(format!("root {root}")))
 }
 
-/// A collective entry point: `run` gets the communicator, the stream's condition and the
-/// datatype and operator (`op`: None for those without one).
+/// A collective entry point: `make` describes the call from the datatype and operator (`op`:
+/// None for those without one).
 fn collective(
     name: &str,
     comm: ncclComm_t,
     stream: *mut c_void,
     datatype: c_int,
     op: Option<c_int>,
-    run: impl FnOnce(&Communicator, &Condition, DataType, RedOp) -> gscomm::Result<gscomm::condition::ArmedOutputs>,
+    make: impl FnOnce(DataType, RedOp) -> Coll,
 ) -> ncclResult_t {
     gate(name, || {
         let c = comm_ref(comm)?;
         let (dtype, op) = types(datatype, op)?;
         let on = on_stream(&c, stream)?;
-        run(c.ready()?, &on, dtype, op)?;
-        Ok(())
+        enqueue_collective(&c, on, make(dtype, op))
     })
+}
+
+/// Inside a group, on a communicator whose ranks all live in this process, keep `call` for
+/// the group's end; otherwise issue it now.
+fn enqueue_collective(c: &Arc<Comm>, on: Condition, call: Coll) -> Result<(), Fail> {
+    let communicator = c.ready()?;
+    let now = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 || communicator.family_here().is_none() {
+            return Some(Ok((on, call)));
+        }
+        // Bad arguments fail the call itself, as NCCL's checks at enqueue do.
+        if let Err(e) = communicator.check_collective(&call) {
+            return Some(Err(e));
+        }
+        g.collectives.push(PendingCollective { comm: c.clone(), on, call });
+        None
+    });
+    if let Some(now) = now {
+        let (on, call) = now?;
+        // SAFETY: nccl.h's contract on the buffers and the stream.
+        unsafe { communicator.collective(&call, &on) }?;
+    }
+    Ok(())
+}
+
+/// A group's collectives, issued together (`enqueue_collective`): the first failure, after
+/// every call was tried.
+fn issue_collectives(pending: &[PendingCollective]) -> Result<(), Fail> {
+    let mut calls = Vec::with_capacity(pending.len());
+    let mut first = None;
+    for p in pending {
+        match p.comm.ready() {
+            Ok(comm) => calls.push(RankCall { comm, call: p.call, on: &p.on }),
+            Err(f) => first = first.or(Some(f)),
+        }
+    }
+    // SAFETY: nccl.h's contract on the buffers and the streams, for every call of the group.
+    let results = unsafe { gscomm::collectives::issue_group(&calls) };
+    match results.into_iter().find_map(Result::err) {
+        Some(e) => Err(first.unwrap_or_else(|| Fail::from(e))),
+        None => first.map_or(Ok(()), Err),
+    }
 }
 
 /// A reduction with an `ncclRedOpCreatePreMulSum` operator.
@@ -877,13 +940,11 @@ fn premul(
 ) -> ncclResult_t {
     gate(name, || {
         let c = comm_ref(comm)?;
-        let communicator = c.ready()?;
+        c.ready()?;
         let dtype = DataType::from_nccl(datatype)?;
         let scalar = c.premul(op, dtype)?.ok_or_else(|| invalid(format!("operator {op}")))?;
         let on = on_stream(&c, stream)?;
-        // SAFETY: nccl.h's contract on the buffers, the stream and a device scalar.
-        unsafe { communicator.premul_sum(kind, send as u64, recv as u64, count, dtype, scalar, root, &on) }?;
-        Ok(())
+        enqueue_collective(&c, on, Coll::PremulSum { kind, send: send as u64, recv: recv as u64, count, dtype, scalar, root })
     })
 }
 
@@ -900,9 +961,12 @@ pub unsafe extern "C" fn ncclAllReduce(
     if op >= NCCL_NUM_OPS {
         return premul("ncclAllReduce", PremulKind::AllReduce, sendbuff, recvbuff, count, datatype, op, 0, comm, stream);
     }
-    // SAFETY (each entry point): nccl.h's contract on the buffers and the stream.
-    collective("ncclAllReduce", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
-        c.all_reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, on)
+    collective("ncclAllReduce", comm, stream, datatype, Some(op), |dtype, op| Coll::AllReduce {
+        send: sendbuff as u64,
+        recv: recvbuff as u64,
+        count,
+        dtype,
+        op,
     })
 }
 
@@ -917,9 +981,12 @@ pub unsafe extern "C" fn ncclBroadcast(
     stream: *mut c_void,
 ) -> ncclResult_t {
     let Ok(root) = root_of(root) else { return gate("ncclBroadcast", || Err(invalid(format!("root {root}")))) };
-    // SAFETY: as ncclAllReduce.
-    collective("ncclBroadcast", comm, stream, datatype, None, |c, on, dtype, _| unsafe {
-        c.broadcast(sendbuff as u64, recvbuff as u64, count, dtype, root, on)
+    collective("ncclBroadcast", comm, stream, datatype, None, |dtype, _| Coll::Broadcast {
+        send: sendbuff as u64,
+        recv: recvbuff as u64,
+        count,
+        dtype,
+        root,
     })
 }
 
@@ -952,9 +1019,13 @@ pub unsafe extern "C" fn ncclReduce(
     if op >= NCCL_NUM_OPS {
         return premul("ncclReduce", PremulKind::Reduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
     }
-    // SAFETY: as ncclAllReduce.
-    collective("ncclReduce", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
-        c.reduce(sendbuff as u64, recvbuff as u64, count, dtype, op, root, on)
+    collective("ncclReduce", comm, stream, datatype, Some(op), |dtype, op| Coll::Reduce {
+        send: sendbuff as u64,
+        recv: recvbuff as u64,
+        count,
+        dtype,
+        op,
+        root,
     })
 }
 
@@ -967,9 +1038,11 @@ pub unsafe extern "C" fn ncclAllGather(
     comm: ncclComm_t,
     stream: *mut c_void,
 ) -> ncclResult_t {
-    // SAFETY: as ncclAllReduce.
-    collective("ncclAllGather", comm, stream, datatype, None, |c, on, dtype, _| unsafe {
-        c.all_gather(sendbuff as u64, recvbuff as u64, sendcount, dtype, on)
+    collective("ncclAllGather", comm, stream, datatype, None, |dtype, _| Coll::AllGather {
+        send: sendbuff as u64,
+        recv: recvbuff as u64,
+        count: sendcount,
+        dtype,
     })
 }
 
@@ -986,9 +1059,12 @@ pub unsafe extern "C" fn ncclReduceScatter(
     if op >= NCCL_NUM_OPS {
         return premul("ncclReduceScatter", PremulKind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, 0, comm, stream);
     }
-    // SAFETY: as ncclAllReduce.
-    collective("ncclReduceScatter", comm, stream, datatype, Some(op), |c, on, dtype, op| unsafe {
-        c.reduce_scatter(sendbuff as u64, recvbuff as u64, recvcount, dtype, op, on)
+    collective("ncclReduceScatter", comm, stream, datatype, Some(op), |dtype, op| Coll::ReduceScatter {
+        send: sendbuff as u64,
+        recv: recvbuff as u64,
+        recv_count: recvcount,
+        dtype,
+        op,
     })
 }
 
@@ -1875,7 +1951,8 @@ mod tests {
             // Below the floor: the workspace kernels.
             (Kind::AllReduce, 0, 0, 1 << 20, false),
         ];
-        let run = |kind: Kind, send_off: u64, recv_off: u64, count: usize, expect_direct: bool, salt: usize| {
+        // `expect`: (direct kernel, window) calls each rank makes.
+        let run = |kind: Kind, send_off: u64, recv_off: u64, count: usize, expect: (u64, u64), salt: usize| {
             let before = [calls(0), calls(1)];
             let in_len = match kind {
                 Kind::ReduceScatter => 2 * count,
@@ -1922,12 +1999,12 @@ mod tests {
                 let (d0, w0) = before[r];
                 let (d1, w1) = calls(r);
                 let took = (d1 - d0, w1 - w0);
-                assert_eq!(took, if expect_direct { (1, 1) } else { (0, 0) }, "GPU {r}: {kind:?} +{send_off}: (direct, window) calls");
+                assert_eq!(took, expect, "GPU {r}: {kind:?} +{send_off}: (direct, window) calls");
             }
-            eprintln!("{kind:?} of {count} int32 at +{send_off}/+{recv_off}: exact on both GPUs, direct kernel: {expect_direct}");
+            eprintln!("{kind:?} of {count} int32 at +{send_off}/+{recv_off}: exact on both GPUs, (direct, window) calls: {expect:?}");
         };
         for (salt, &(kind, so, ro, count, direct)) in cases.iter().enumerate() {
-            run(kind, so, ro, count, direct, salt);
+            run(kind, so, ro, count, if direct { (1, 1) } else { (0, 0) }, salt);
         }
         // Bad input on one rank: host memory on rank 1. Both ranks fail naming rank 1, and no
         // window is kept on either.
@@ -1953,14 +2030,15 @@ mod tests {
         for r in 0..2 {
             assert_eq!(communicator(r).ready().unwrap().windows(), 2, "rank {r}: only the two good windows");
         }
-        // Deregistered: the ranks share a thread, so no direct kernel any more.
+        // Deregistered: the group's calls still take the direct kernel, every rank's buffers
+        // known at the group's end (`issue_group`), but no window.
         for (r, w) in wins.iter().enumerate() {
             for &w in w {
                 assert_eq!(unsafe { ncclCommWindowDeregister(comms[r], w) }, NCCL_SUCCESS, "{}", last());
                 assert_eq!(unsafe { ncclCommWindowDeregister(comms[r], w) }, NCCL_INVALID_ARGUMENT, "twice");
             }
         }
-        run(Kind::AllReduce, 0, 0, 4 << 20, false, 9);
+        run(Kind::AllReduce, 0, 0, 4 << 20, (1, 0), 9);
         for (r, (a, b, _)) in ranks.into_iter().enumerate() {
             set_device(r as i32).unwrap();
             assert_eq!(unsafe { ncclMemFree(a as *mut c_void) }, NCCL_SUCCESS, "{}", last());

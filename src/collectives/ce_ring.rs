@@ -98,6 +98,9 @@ pub(crate) fn wanted(
     }
 }
 
+/// Every rank's (send, recv) and ring scratch, known without an exchange (`try_run`).
+pub(crate) type RingKnown<'a> = (&'a [(u64, u64)], &'a [u64]);
+
 /// Which of a rank's buffers, and where in it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Buf {
@@ -258,14 +261,23 @@ impl Ring {
         self.runs.load(Ordering::Relaxed)
     }
 
+    /// The scratch a call of `kind` with `part` bytes (as `DirectCall`) uses, made now: what
+    /// `try_run`'s `known` gives for this rank when every rank's call is issued together.
+    pub(crate) fn scratch_for(&self, kind: DirectKind, n: usize, part: usize) -> Result<u64> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.scratch.at_least(scratch_bytes(kind, n, part))
+    }
+
     /// Run `call` on `stream` around the ring. `Ok(false)`: some rank cannot share or map its
-    /// buffers or scratch, or load the kernels; every rank learnt it and nothing was issued.
-    /// Collective: every rank whose `wanted` said yes calls it.
+    /// buffers or scratch, or load the kernels, or has buffers off 16 bytes (the reductions'
+    /// loads); every rank learnt it and nothing was issued. Collective: every rank whose
+    /// `wanted` said yes calls it. `known`: every rank's (send, recv) and scratch (made by
+    /// `scratch_for`), known without an exchange (every rank's call issued together).
     ///
     /// # Safety
     /// The call's buffers are GPU memory of this rank's device, valid for the call's sizes until
     /// the work completed on `stream`.
-    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, stream: usize) -> Result<bool> {
+    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, stream: usize, known: Option<RingKnown>) -> Result<bool> {
         let (n, me, k) = (cx.nranks, cx.rank, self.pieces);
         let ws = cx.workspace;
         let op_tag = if call.op == RedOp::Avg { RedOp::Sum.kernel_tag() } else { call.op.kernel_tag() };
@@ -283,13 +295,36 @@ impl Ring {
         if st.events.as_ref().is_none_or(|e| e.len() < (n - 1) * k) {
             st.events = relaxed(|| Events::new(cx.device, (n - 1) * k)).ok();
         }
+        let on_16 = |bufs: &[(u64, u64)]| bufs.iter().all(|&(send, recv)| send.is_multiple_of(16) && recv.is_multiple_of(16));
         let usable = kernels.is_ok() && scratch.is_ok() && st.lanes.is_some() && st.events.is_some();
-        let Some(bufs) = peer_buffers::exchange(cx, call, usable, "the copy-engine ring")? else {
-            return Ok(false);
-        };
-        let (scratch, (reduce_k, wait_k)) = (scratch?, kernels?);
-        let Some(scratches) = peer_buffers::exchange_buffer(cx, scratch, scratch_len, true, "the copy-engine ring's scratch")? else {
-            return Ok(false);
+        let (bufs, scratches, (reduce_k, wait_k)) = match known {
+            // Every rank sees the same buffers, so every rank falls back alike.
+            Some((bufs, _)) if !on_16(bufs) => return Ok(false),
+            Some((bufs, scratches)) => {
+                // No rank can tell the others this one cannot: its collectives give up.
+                let ready = match (scratch, kernels) {
+                    (Ok(at), Ok(k)) if usable && scratches.get(me) == Some(&at) => Ok(k),
+                    (_, Err(e)) | (Err(e), _) => Err(e),
+                    _ => Err(crate::error::Error::invalid_param("the ring's side stream, events or scratch are not ready")),
+                };
+                let k = ready.map_err(|e| {
+                    cx.workspace.abort();
+                    e.context("preparing the copy-engine ring for calls issued together (this rank's collectives are now aborted)")
+                })?;
+                (bufs.to_vec(), scratches.to_vec(), k)
+            }
+            None => {
+                let usable = usable && on_16(&[(call.send, call.recv)]);
+                let Some(bufs) = peer_buffers::exchange(cx, call, usable, "the copy-engine ring")? else {
+                    return Ok(false);
+                };
+                let (scratch, kernels) = (scratch?, kernels?);
+                let Some(scratches) = peer_buffers::exchange_buffer(cx, scratch, scratch_len, true, "the copy-engine ring's scratch")?
+                else {
+                    return Ok(false);
+                };
+                (bufs, scratches, kernels)
+            }
         };
         let (lanes, events) = (st.lanes.as_ref().expect("usable"), st.events.as_ref().expect("usable"));
         let lane = lanes.stream(0);

@@ -24,6 +24,7 @@ use super::p2p_kernel::{self, KernelOp, PeerTransfer};
 use super::peer_buffers::{DirectCall, DirectContext, DirectKind};
 use super::select::{self, Collective};
 use super::settings;
+use super::together::{Coll, Known, Shape};
 use super::triggered::{self, DeviceCall, Triggered};
 use super::types::{DataType, PreMulScalar, RedOp};
 use super::windows::{self, Offer, Window, Windows};
@@ -81,8 +82,14 @@ pub struct Communicator {
     ring_min: usize,
     ring: Ring,
     /// Several ranks of this communicator live in this process (ncclCommInitAll, one thread
-    /// driving several GPUs): no exchange may happen inside a call (see `new`).
+    /// driving several GPUs): no exchange may happen inside a call (see `new`), so the paths on
+    /// the peers' buffers take only calls whose buffers are known without one (symmetric
+    /// windows; every rank's call issued together: `together`).
     shares_process: bool,
+    /// Every rank lives in this process, and what tells this communicator's ranks from any
+    /// other's here (rank 0's pid and workspace address): `issue_together`'s check.
+    all_here: bool,
+    family: (u32, u64),
     /// Buffers registered by every rank together (`register_window`): calls on symmetric ones
     /// take the peers' buffers from here instead of exchanging them.
     windows: Windows,
@@ -133,10 +140,10 @@ pub struct Registration {
 
 /// What one collective call asks for, before it is cut into rounds.
 #[derive(Copy, Clone)]
-struct Call {
+pub(crate) struct Call {
     kind: CollKind,
-    send: u64,
-    recv: u64,
+    pub(crate) send: u64,
+    pub(crate) recv: u64,
     /// Bytes each rank contributes per part (all-gather: its part; reduce-scatter: each
     /// rank's part of the input; the others: the whole buffer).
     part_bytes: usize,
@@ -148,6 +155,11 @@ struct Call {
 }
 
 impl Call {
+    /// (send, recv) bytes on `n` ranks of a call that can run on the peers' buffers.
+    pub(crate) fn buffer_bytes(&self, n: usize) -> Option<(usize, usize)> {
+        DirectKind::of(self.kind).map(|k| k.buffer_bytes(n, self.part_bytes))
+    }
+
     /// The operator's name in kernel symbols (`gsc_coll_<type>_<op>`).
     fn op_tag(&self) -> &'static str {
         if self.premul.is_some() { "premul" } else { self.op.kernel_tag() }
@@ -209,6 +221,8 @@ impl Communicator {
         // and 2 and 3 in their own must not disagree).
         let pids: Vec<Option<u32>> = keys.iter().map(|k| crate::cuda::ipc::DeviceKey::decode(k).ok().map(|k| k.pid)).collect();
         let shares_process = pids.iter().enumerate().any(|(r, p)| p.is_some() && pids[..r].contains(p));
+        let all_here = nranks > 1 && pids.iter().all(|p| *p == Some(std::process::id()));
+        let family = (pids[0].unwrap_or(0), bases[0]);
         if shares_process && config.coll_check {
             tracing::warn!(
                 target: "gsc::coll",
@@ -238,18 +252,20 @@ impl Communicator {
             board,
             peers,
             aborted: std::sync::OnceLock::new(),
-            ce_mode: if shares_process { Tristate::Off } else { config.coll_ce },
+            // Where ranks share a process, the paths on the peers' buffers take only calls whose
+            // buffers are known without an exchange (`on_peer_buffers`).
+            ce_mode: config.coll_ce,
             ce_min: config.coll_ce_min,
             ce: CopyEngine::new(device),
-            // Where ranks share a process, as the copy engines are, except for calls on
-            // symmetric windows, which exchange nothing (`on_peer_buffers`).
             sm_mode: config.coll_sm,
             sm_min: config.coll_sm_min,
             direct: Direct::new(config.coll_sm_blocks),
-            ring_mode: if shares_process { Tristate::Off } else { config.coll_ring },
+            ring_mode: config.coll_ring,
             ring_min: config.coll_ring_min,
             ring: Ring::new(device, config.coll_ring_pieces),
             shares_process,
+            all_here,
+            family,
             windows: Windows::default(),
             // Off where ranks share a process: the mailboxes are exchanged while arming.
             trigger_max: if shares_process { 0 } else { config.coll_trigger_max },
@@ -767,8 +783,8 @@ impl Communicator {
         op: RedOp,
         on: &Condition,
     ) -> Result<ArmedOutputs> {
-        let part_bytes = self.bytes(count, dtype)?;
-        self.run(Call { kind: CollKind::AllReduce, send, recv, part_bytes, dtype, op, root: 0, premul: None }, on)
+        // SAFETY: the caller's promise.
+        unsafe { self.collective(&Coll::AllReduce { send, recv, count, dtype, op }, on) }
     }
 
     /// Every rank's `count` elements of `send` into `recv`, rank r's at element r × count
@@ -777,9 +793,8 @@ impl Communicator {
     /// # Safety
     /// As `all_reduce`; `recv` holds `nranks × count` elements.
     pub unsafe fn all_gather(&self, send: u64, recv: u64, count: usize, dtype: DataType, on: &Condition) -> Result<ArmedOutputs> {
-        let part_bytes = self.bytes(count, dtype)?;
-        self.bytes(count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
-        self.run(Call { kind: CollKind::AllGather, send, recv, part_bytes, dtype, op: RedOp::Sum, root: 0, premul: None }, on)
+        // SAFETY: the caller's promise.
+        unsafe { self.collective(&Coll::AllGather { send, recv, count, dtype }, on) }
     }
 
     /// `send` (`nranks × recv_count` elements) reduced across the ranks; rank r gets part r
@@ -796,9 +811,8 @@ impl Communicator {
         op: RedOp,
         on: &Condition,
     ) -> Result<ArmedOutputs> {
-        let part_bytes = self.bytes(recv_count, dtype)?;
-        self.bytes(recv_count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
-        self.run(Call { kind: CollKind::ReduceScatter, send, recv, part_bytes, dtype, op, root: 0, premul: None }, on)
+        // SAFETY: the caller's promise.
+        unsafe { self.collective(&Coll::ReduceScatter { send, recv, recv_count, dtype, op }, on) }
     }
 
     /// Rank `root`'s `count` elements of `send` into `recv` of every rank (`send` is read on
@@ -815,9 +829,8 @@ impl Communicator {
         root: usize,
         on: &Condition,
     ) -> Result<ArmedOutputs> {
-        let part_bytes = self.bytes(count, dtype)?;
-        self.check_root(root)?;
-        self.run(Call { kind: CollKind::Broadcast, send, recv, part_bytes, dtype, op: RedOp::Sum, root, premul: None }, on)
+        // SAFETY: the caller's promise.
+        unsafe { self.collective(&Coll::Broadcast { send, recv, count, dtype, root }, on) }
     }
 
     /// `count` elements of `send` reduced with `op` across the ranks into `recv` of rank
@@ -836,9 +849,8 @@ impl Communicator {
         root: usize,
         on: &Condition,
     ) -> Result<ArmedOutputs> {
-        let part_bytes = self.bytes(count, dtype)?;
-        self.check_root(root)?;
-        self.run(Call { kind: CollKind::Reduce, send, recv, part_bytes, dtype, op, root, premul: None }, on)
+        // SAFETY: the caller's promise.
+        unsafe { self.collective(&Coll::Reduce { send, recv, count, dtype, op, root }, on) }
     }
 
     /// NCCL's pre-multiplied sum (`ncclRedOpCreatePreMulSum`) as an all-reduce (`kind`
@@ -861,22 +873,88 @@ impl Communicator {
         root: usize,
         on: &Condition,
     ) -> Result<ArmedOutputs> {
-        let part_bytes = self.bytes(count, dtype)?;
-        let (kind, root) = match kind {
-            PremulKind::AllReduce => (CollKind::AllReduce, 0),
-            PremulKind::ReduceScatter => {
-                self.bytes(count.checked_mul(self.nranks).ok_or_else(too_large)?, dtype)?;
-                (CollKind::ReduceScatter, 0)
-            }
-            PremulKind::Reduce => {
-                self.check_root(root)?;
-                (CollKind::Reduce, root)
-            }
-        };
-        if let PreMulScalar::Device(addr) = scalar {
-            self.check_device_buffer(addr, "pre-multiplied sum's scalar")?;
+        // SAFETY: the caller's promise.
+        unsafe { self.collective(&Coll::PremulSum { kind, send, recv, count, dtype, scalar, root }, on) }
+    }
+
+    /// Any of the collectives above, described by `call`.
+    ///
+    /// # Safety
+    /// As the collective's own method.
+    pub unsafe fn collective(&self, call: &Coll, on: &Condition) -> Result<ArmedOutputs> {
+        let call = self.checked(call)?;
+        self.run(call, on, None)
+    }
+
+    /// What `collective` would refuse `c` for before issuing anything: its counts, root and
+    /// buffers (GPU memory of this rank's device, where this rank touches them). For a caller
+    /// that issues the call later (the NCCL library's groups).
+    pub fn check_collective(&self, c: &Coll) -> Result<()> {
+        let call = self.checked(c)?;
+        if call.part_bytes != 0 {
+            self.check_buffers(&call)?;
         }
-        self.run(Call { kind, send, recv, part_bytes, dtype, op: RedOp::Sum, root, premul: Some(scalar) }, on)
+        Ok(())
+    }
+
+    /// The buffers this rank touches in `call` (its send buffer, unless a broadcast's root is
+    /// another rank; its receive buffer, unless a reduce's root is) must be GPU memory of its
+    /// device; the call with those it does not touch set to 0.
+    fn check_buffers(&self, call: &Call) -> Result<Call> {
+        let reads_send = call.kind != CollKind::Broadcast || call.root == self.rank;
+        let writes_recv = call.kind != CollKind::Reduce || call.root == self.rank;
+        if reads_send {
+            self.check_device_buffer(call.send, "send")?;
+        }
+        if writes_recv {
+            self.check_device_buffer(call.recv, "receive")?;
+        }
+        Ok(Call { send: if reads_send { call.send } else { 0 }, recv: if writes_recv { call.recv } else { 0 }, ..*call })
+    }
+
+    /// The call `c` describes, its counts and root checked against this communicator.
+    fn checked(&self, c: &Coll) -> Result<Call> {
+        let n = self.nranks;
+        let call = |kind, send, recv, part_bytes, dtype, op, root| Call { kind, send, recv, part_bytes, dtype, op, root, premul: None };
+        Ok(match *c {
+            Coll::AllReduce { send, recv, count, dtype, op } => {
+                call(CollKind::AllReduce, send, recv, self.bytes(count, dtype)?, dtype, op, 0)
+            }
+            Coll::AllGather { send, recv, count, dtype } => {
+                self.bytes(count.checked_mul(n).ok_or_else(too_large)?, dtype)?;
+                call(CollKind::AllGather, send, recv, self.bytes(count, dtype)?, dtype, RedOp::Sum, 0)
+            }
+            Coll::ReduceScatter { send, recv, recv_count, dtype, op } => {
+                self.bytes(recv_count.checked_mul(n).ok_or_else(too_large)?, dtype)?;
+                call(CollKind::ReduceScatter, send, recv, self.bytes(recv_count, dtype)?, dtype, op, 0)
+            }
+            Coll::Broadcast { send, recv, count, dtype, root } => {
+                self.check_root(root)?;
+                call(CollKind::Broadcast, send, recv, self.bytes(count, dtype)?, dtype, RedOp::Sum, root)
+            }
+            Coll::Reduce { send, recv, count, dtype, op, root } => {
+                self.check_root(root)?;
+                call(CollKind::Reduce, send, recv, self.bytes(count, dtype)?, dtype, op, root)
+            }
+            Coll::PremulSum { kind, send, recv, count, dtype, scalar, root } => {
+                let part_bytes = self.bytes(count, dtype)?;
+                let (kind, root) = match kind {
+                    PremulKind::AllReduce => (CollKind::AllReduce, 0),
+                    PremulKind::ReduceScatter => {
+                        self.bytes(count.checked_mul(n).ok_or_else(too_large)?, dtype)?;
+                        (CollKind::ReduceScatter, 0)
+                    }
+                    PremulKind::Reduce => {
+                        self.check_root(root)?;
+                        (CollKind::Reduce, root)
+                    }
+                };
+                if let PreMulScalar::Device(addr) = scalar {
+                    self.check_device_buffer(addr, "pre-multiplied sum's scalar")?;
+                }
+                Call { premul: Some(scalar), ..call(kind, send, recv, part_bytes, dtype, RedOp::Sum, root) }
+            }
+        })
     }
 
     fn bytes(&self, count: usize, dtype: DataType) -> Result<usize> {
@@ -891,8 +969,8 @@ impl Communicator {
     }
 
     /// Check the call, then launch its rounds (or add them to the condition's graph, or arm
-    /// them on its kernel trigger).
-    fn run(&self, call: Call, on: &Condition) -> Result<ArmedOutputs> {
+    /// them on its kernel trigger). `known`: every rank's buffers, from `issue_together`.
+    fn run(&self, call: Call, on: &Condition, known: Option<&Known>) -> Result<ArmedOutputs> {
         self.check_aborted()?;
         // First, before any check of our own that could fail on this rank alone and leave the
         // others waiting in the exchange.
@@ -900,7 +978,7 @@ impl Communicator {
             self.agree(&call)?;
         }
         match on.category() {
-            Category::Stream | Category::Graph => self.issue(&call, on),
+            Category::Stream | Category::Graph => self.issue(&call, on, known),
             Category::KernelTriggered => self.arm_triggered(&call, on),
             Category::HostStream => Err(Error::unsupported(
                 "collectives start on CUDA stream, graph and kernel-triggered conditions, not on host streams (they move GPU buffers)",
@@ -928,26 +1006,18 @@ impl Communicator {
             }
         }
         let cache = self.kernel_cache.as_deref();
-        let handle = self.triggered.arm(on, what, &self.workspace, cache, |captured| self.issue(call, captured).map(drop))?;
+        let handle = self.triggered.arm(on, what, &self.workspace, cache, |captured| self.issue(call, captured, None).map(drop))?;
         Ok(ArmedOutputs { device_handle: handle, ..Default::default() })
     }
 
     /// The checked call on a stream or graph condition: its rounds launched or added.
-    fn issue(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
+    fn issue(&self, call: &Call, on: &Condition, known: Option<&Known>) -> Result<ArmedOutputs> {
         if call.part_bytes == 0 {
             return Ok(ArmedOutputs::default());
         }
-        let reads_send = call.kind != CollKind::Broadcast || call.root == self.rank;
-        let writes_recv = call.kind != CollKind::Reduce || call.root == self.rank;
-        if reads_send {
-            self.check_device_buffer(call.send, "send")?;
-        }
-        if writes_recv {
-            self.check_device_buffer(call.recv, "receive")?;
-        }
         // A buffer this rank does not touch is not passed on (0), checked or not.
-        let call = Call { send: if reads_send { call.send } else { 0 }, recv: if writes_recv { call.recv } else { 0 }, ..*call };
-        if let Some(outputs) = self.on_peer_buffers(&call, on)? {
+        let call = self.check_buffers(call)?;
+        if let Some(outputs) = self.on_peer_buffers(&call, on, known)? {
             return Ok(outputs);
         }
         if self.large(&call) {
@@ -961,7 +1031,7 @@ impl Communicator {
     /// can share its buffers; `None`: nothing was issued. Stream conditions take either; graph
     /// conditions the direct kernel only (one kernel node; the copy engines' copies and side
     /// streams as nodes of the user's graph are not built).
-    fn on_peer_buffers(&self, call: &Call, on: &Condition) -> Result<Option<ArmedOutputs>> {
+    fn on_peer_buffers(&self, call: &Call, on: &Condition, known: Option<&Known>) -> Result<Option<ArmedOutputs>> {
         let at = match on.category() {
             Category::Stream => Placement::Stream(on.cuda_stream()?),
             Category::Graph => Placement::Graph(on.cuda_graph()?),
@@ -970,29 +1040,26 @@ impl Communicator {
         let cx = self.direct_context();
         let direct_call =
             |kind| DirectCall { kind, send: call.send, recv: call.recv, part_bytes: call.part_bytes, dtype: call.dtype, op: call.op };
-        // Below every path's floor (every mode applies its floor): nothing to ask CUDA.
-        if call.part_bytes < self.sm_min.min(self.ce_min).min(self.ring_min) {
+        if call.part_bytes < self.peer_buffers_floor() {
             return Ok(None);
         }
-        // Captured or added to a graph: the buffers are exchanged once, for every replay.
-        let replayed = match at {
-            Placement::Graph(_) => true,
-            Placement::Stream(stream) => {
-                [self.sm_mode, self.ce_mode, self.ring_mode].contains(&Tristate::Auto) && crate::cuda::capture_graph(stream)?.is_some()
-            }
-        };
+        let replayed = self.replayed(at)?;
         let premul = call.premul.is_some();
         // Buffers in symmetric windows: the peers' are known without an exchange, as for a
-        // replayed call, and every rank knows it alike (`windows`).
+        // replayed call, and every rank knows it alike (`windows`); or every rank's call is
+        // issued here together (`together`).
         let windowed = DirectKind::of(call.kind)
             .and_then(|k| self.windows.symmetric_buffers(k, call.send, call.recv, self.nranks, call.part_bytes, self.rank));
-        let sm_mode = if self.shares_process && windowed.is_none() { Tristate::Off } else { self.sm_mode };
+        let bufs = windowed.as_deref().or(known.map(|k| k.bufs.as_slice()));
+        // Where ranks share a process, a path that would exchange buffers inside the call is off.
+        let unless_shared = |mode: Tristate, can: bool| if self.shares_process && !can { Tristate::Off } else { mode };
         // The floors stay a stream call's: on a stream the workspace kernels tie or win below
         // them with or without the exchange (`direct::auto_floor`).
+        let sm_mode = unless_shared(self.sm_mode, bufs.is_some());
         if let Some(kind) = direct::wanted(sm_mode, self.sm_min, call.kind, call.part_bytes, self.nranks, premul, replayed) {
             // SAFETY: the caller's promise on the buffers (`all_reduce` and the others), checked
             // to be GPU memory of this device by `run`.
-            if let Some(node) = unsafe { self.direct.try_run(&cx, &direct_call(kind), at, windowed.as_deref()) }? {
+            if let Some(node) = unsafe { self.direct.try_run(&cx, &direct_call(kind), at, bufs) }? {
                 if windowed.is_some() {
                     self.windows.note_hit();
                 }
@@ -1001,22 +1068,101 @@ impl Communicator {
         }
         let Placement::Stream(stream) = at else { return Ok(None) };
         let pieces = self.ring.pieces();
-        if let Some(kind) =
-            ce_ring::wanted(self.ring_mode, self.ring_min, call.kind, call.part_bytes, self.nranks, pieces, premul, replayed)
-        {
+        // The ring writes into the peers' scratch too: known only where `together` made it.
+        let ring_known = known.and_then(|k| Some((k.bufs.as_slice(), k.ring_scratch.as_deref()?)));
+        let ring_mode = unless_shared(self.ring_mode, ring_known.is_some());
+        if let Some(kind) = ce_ring::wanted(ring_mode, self.ring_min, call.kind, call.part_bytes, self.nranks, pieces, premul, replayed) {
             // SAFETY: as above.
-            if unsafe { self.ring.try_run(&cx, &direct_call(kind), stream) }? {
+            if unsafe { self.ring.try_run(&cx, &direct_call(kind), stream, ring_known) }? {
                 return Ok(Some(ArmedOutputs::default()));
             }
         }
+        let ce_mode = unless_shared(self.ce_mode, bufs.is_some());
         let Some(kind) =
-            copy_engine::wanted(self.ce_mode, self.ce_min, call.kind, call.part_bytes, self.nranks, call.dtype.size(), premul, replayed)
+            copy_engine::wanted(ce_mode, self.ce_min, call.kind, call.part_bytes, self.nranks, call.dtype.size(), premul, replayed)
         else {
             return Ok(None);
         };
         // SAFETY: as above.
-        let ran = unsafe { self.ce.try_run(&cx, &direct_call(kind), stream) }?;
+        let ran = unsafe { self.ce.try_run(&cx, &direct_call(kind), stream, bufs) }?;
         Ok(ran.then(ArmedOutputs::default))
+    }
+
+    /// Below every path's floor (every mode applies its floor) no call goes to the peers'
+    /// buffers: nothing to ask CUDA about.
+    fn peer_buffers_floor(&self) -> usize {
+        self.sm_min.min(self.ce_min).min(self.ring_min)
+    }
+
+    /// Whether a call at `at` is replayed (captured into a graph or added to one): its buffers
+    /// are then exchanged once, for every replay.
+    fn replayed(&self, at: Placement) -> Result<bool> {
+        Ok(match at {
+            Placement::Graph(_) => true,
+            Placement::Stream(stream) => {
+                [self.sm_mode, self.ce_mode, self.ring_mode].contains(&Tristate::Auto) && crate::cuda::capture_graph(stream)?.is_some()
+            }
+        })
+    }
+
+    /// Where every rank of this communicator lives in this process (ncclCommInitAll), what
+    /// tells it from any other communicator here; `None` otherwise (`together::issue_group`).
+    pub fn family_here(&self) -> Option<(u32, u64)> {
+        self.all_here.then_some(self.family)
+    }
+
+    /// The checked call `c` on `on` and what `together::issue_together` compares across the
+    /// ranks, when it could go to the peers' buffers with every rank's buffers known: every
+    /// rank in this process, not aborted, an all-reduce, all-gather or reduce-scatter (not a
+    /// pre-multiplied sum) above the paths' floor, on GPU buffers of this rank's device, on a
+    /// stream or graph condition. `None`: issue it alone.
+    pub(crate) fn together_shape(&self, c: &Coll, on: &Condition) -> Result<Option<(Call, Shape)>> {
+        if !self.all_here || self.check_aborted().is_err() {
+            return Ok(None);
+        }
+        let call = self.checked(c)?;
+        if call.premul.is_some() || DirectKind::of(call.kind).is_none() || call.part_bytes < self.peer_buffers_floor().max(1) {
+            return Ok(None);
+        }
+        if self.check_buffers(&call).is_err() {
+            return Ok(None);
+        }
+        let (graph, at) = match on.category() {
+            Category::Stream => (false, Placement::Stream(on.cuda_stream()?)),
+            Category::Graph => (true, Placement::Graph(on.cuda_graph()?)),
+            _ => return Ok(None),
+        };
+        let shape = Shape {
+            family: self.family,
+            nranks: self.nranks,
+            kind: call.kind,
+            part_bytes: call.part_bytes,
+            dtype: call.dtype,
+            op: call.op,
+            graph,
+            replayed: self.replayed(at)?,
+        };
+        Ok(Some((call, shape)))
+    }
+
+    /// This rank's copy-engine ring scratch for `call`, made now, where the ring may take it
+    /// (`shape` as `together_shape` gave it): `None` where it may not, or the scratch could
+    /// not be made (then no rank's call takes the ring).
+    pub(crate) fn ring_scratch_for(&self, call: &Call, shape: &Shape) -> Option<u64> {
+        if shape.graph {
+            return None;
+        }
+        let pieces = self.ring.pieces();
+        let kind = ce_ring::wanted(self.ring_mode, self.ring_min, call.kind, call.part_bytes, self.nranks, pieces, false, shape.replayed)?;
+        self.ring.scratch_for(kind, self.nranks, call.part_bytes).ok()
+    }
+
+    /// `call` (from `together_shape`) with every rank's buffers known.
+    ///
+    /// # Safety
+    /// As the collective's own method.
+    pub(crate) unsafe fn run_known(&self, call: Call, on: &Condition, known: &Known) -> Result<ArmedOutputs> {
+        self.run(call, on, Some(known))
     }
 
     /// What a call on the peers' buffers (or a kernel-triggered one's mailbox) needs.

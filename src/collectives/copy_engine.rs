@@ -184,16 +184,42 @@ impl CopyEngine {
 
     /// Run `call` on `stream` by the copy engines. `Ok(false)`: some rank cannot share or map
     /// the buffers, every rank learnt it, nothing was issued — run the kernels instead.
-    /// Collective: every rank whose `wanted` said yes calls it.
+    /// Collective: every rank whose `wanted` said yes calls it. `known`: every rank's buffers,
+    /// known without an exchange (symmetric windows, or every rank's call issued together).
     ///
     /// # Safety
     /// The call's buffers are GPU memory of this rank's device, valid for the call's sizes until
     /// the work completed on `stream`.
-    pub(crate) unsafe fn try_run(&self, cx: &DirectContext, call: &DirectCall, stream: usize) -> Result<bool> {
-        let (n, me) = (cx.nranks, cx.rank);
-        let Some(peer_bufs) = peer_buffers::exchange(cx, call, true, "the copy engines")? else {
-            return Ok(false);
+    pub(crate) unsafe fn try_run(
+        &self,
+        cx: &DirectContext,
+        call: &DirectCall,
+        stream: usize,
+        known: Option<&[(u64, u64)]>,
+    ) -> Result<bool> {
+        let peer_bufs = match known {
+            Some(bufs) => bufs.to_vec(),
+            None => match peer_buffers::exchange(cx, call, true, "the copy engines")? {
+                Some(bufs) => bufs,
+                None => return Ok(false),
+            },
         };
+        // SAFETY: the caller's promise; `peer_bufs` every rank's buffers, mapped here.
+        if let Err(e) = unsafe { self.issue(cx, call, stream, &peer_bufs) } {
+            // Every peer issues its part and would wait for ours until the timeout; our round
+            // counter is behind theirs now: this rank's collectives give up for good.
+            cx.workspace.abort();
+            return Err(e.context("issuing the copy engines' steps after every rank agreed to (this rank's collectives are now aborted)"));
+        }
+        Ok(true)
+    }
+
+    /// `try_run`'s steps, on the caller's stream and the side streams.
+    ///
+    /// # Safety
+    /// As `try_run`; `peer_bufs[q]`: rank q's (send, recv) as this rank addresses them.
+    unsafe fn issue(&self, cx: &DirectContext, call: &DirectCall, stream: usize, peer_bufs: &[(u64, u64)]) -> Result<()> {
+        let (n, me) = (cx.nranks, cx.rank);
         use crate::cuda::with_relaxed_capture as relaxed;
         // The steps, on the caller's stream and the side streams.
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -248,7 +274,7 @@ impl CopyEngine {
             }
         }
         self.runs.fetch_add(1, Ordering::Relaxed);
-        Ok(true)
+        Ok(())
     }
 }
 

@@ -138,8 +138,9 @@ impl Direct {
     /// Run `call` by the direct kernel, at `at`. `Ok(None)`: some rank cannot share, map or use
     /// its buffers here, every rank learnt it, nothing was issued — run the workspace kernels
     /// instead. `Ok(Some(node))`: issued; for a graph, its node (0 for a stream). Collective:
-    /// every rank whose `wanted` said yes calls it. `windowed`: every rank's buffers, found in
-    /// symmetric windows (`windows`) — nothing is exchanged, and every rank decides alone.
+    /// every rank whose `wanted` said yes calls it. `known`: every rank's buffers, found in
+    /// symmetric windows (`windows`) or given by every rank's call issued together
+    /// (`together`) — nothing is exchanged, and every rank decides alone, from the same buffers.
     ///
     /// # Safety
     /// The call's buffers are GPU memory of this rank's device, valid for the call's sizes until
@@ -149,7 +150,7 @@ impl Direct {
         cx: &DirectContext,
         call: &DirectCall,
         at: Placement,
-        windowed: Option<&[(u64, u64)]>,
+        known: Option<&[(u64, u64)]>,
     ) -> Result<Option<usize>> {
         let (n, me) = (cx.nranks, cx.rank);
         // Everything that can fail on this rank alone comes before the ranks agree: after it,
@@ -173,14 +174,15 @@ impl Direct {
         if let Err(e) = &ready {
             tracing::debug!(target: "gsc::coll", error = %e, "the direct kernel cannot run here; every rank runs the workspace kernels");
         }
-        let (bufs, (kernel, per_gpu)) = match windowed {
-            // The windows' bases are on 16 bytes on every rank and the offsets the same, so
-            // an unaligned call is unaligned everywhere: every rank falls back alike.
-            Some(_) if !aligned => return Ok(None),
+        let (bufs, (kernel, per_gpu)) = match known {
+            // Every rank sees the same buffers (windows: bases on 16 bytes everywhere and the
+            // same offsets), so every rank falls back alike.
+            Some(bufs) if !bufs.iter().all(|&(send, recv)| send.is_multiple_of(16) && recv.is_multiple_of(16)) => return Ok(None),
             // No rank can tell the others this one failed: like a failed launch below.
-            Some(bufs) => {
-                (bufs.to_vec(), ready.map_err(|e| Self::give_up(cx, e, "loading the direct kernel for a call on symmetric windows"))?)
-            }
+            Some(bufs) => (
+                bufs.to_vec(),
+                ready.map_err(|e| Self::give_up(cx, e, "loading the direct kernel for a call whose buffers every rank knew"))?,
+            ),
             None => {
                 let Some(bufs) = peer_buffers::exchange(cx, call, aligned && ready.is_ok(), "the direct kernel")? else {
                     return Ok(None);

@@ -27,6 +27,7 @@ pub mod p2p_kernel;
 pub(crate) mod peer_buffers;
 pub mod select;
 pub(crate) mod settings;
+pub mod together;
 mod triggered;
 pub mod types;
 pub mod windows;
@@ -36,6 +37,7 @@ pub use host::HostComm;
 pub use net::{GroupPlan, NetComm};
 pub use p2p::PeerOp;
 pub use p2p_kernel::PeerTransfer;
+pub use together::{Coll, RankCall, issue_group, issue_together};
 pub use types::{DataType, PreMulScalar, RedOp};
 pub use windows::Window;
 

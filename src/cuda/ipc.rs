@@ -304,6 +304,50 @@ pub(crate) fn release_retired() -> Result<usize> {
     first_err.map_or(Ok(done), Err)
 }
 
+/// Make sure `device`'s kernels and copies can reach `[addr, addr+len)`, memory of this
+/// process (two ranks of one process, the other on another GPU): an ordinary allocation once
+/// peer access from `device` to its GPU is on; a VMM one only where its owner granted `device`
+/// access (`cuMemSetAccess`; `mem_alloc`'s memory grants every GPU that can reach it, PyTorch's
+/// expandable segments only their own), checked at both ends of the range, since a VMM range
+/// may be several mappings. An error names what is missing: reading such memory would fault
+/// the kernel. Verdicts are cached by (allocation at the start, at the end, device).
+pub(crate) fn reach_own(addr: u64, len: usize, device: i32) -> Result<()> {
+    static REACHED: Mutex<Option<std::collections::HashSet<(u64, u64, i32)>>> = Mutex::new(None);
+    let Some(first) = super::memory::device_ptr(addr as usize)? else { return Ok(()) };
+    if first.device == device {
+        return Ok(());
+    }
+    let last_addr = addr + (len.max(1) - 1) as u64;
+    let last = super::memory::device_ptr(last_addr as usize)?.unwrap_or(first);
+    let slot = (first.buffer_id, last.buffer_id, device);
+    if REACHED.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|r| r.contains(&slot)) {
+        return Ok(());
+    }
+    super::enable_peer_access(device, first.device)?;
+    let scope = CtxScope::enter(primary_context(first.device)?)?;
+    if super::alloc::info(addr).is_some_and(|i| i.vmm) || vmm::is_vmm(addr) {
+        for at in [addr, last_addr] {
+            if !vmm::readwrite_from(at, device)? {
+                return Err(Error::invalid_param(format!(
+                    "a VMM buffer on GPU {} that GPU {device} has no access to (its allocator granted it none: \
+                     cuMemSetAccess), so that GPU's kernels cannot reach it by address; allocate with ncclMemAlloc \
+                     (gsc_mem_alloc), which grants every GPU of the process access",
+                    first.device
+                )));
+            }
+        }
+    }
+    drop(scope);
+    let mut reached = REACHED.lock().unwrap_or_else(|e| e.into_inner());
+    let set = reached.get_or_insert_with(Default::default);
+    // Allocation ids are never reused: entries of freed buffers are only dead weight.
+    if set.len() >= 4096 {
+        set.clear();
+    }
+    set.insert(slot);
+    Ok(())
+}
+
 /// The unified address at which the peer's `[addr, addr+len)` can be read from `device`'s
 /// context, opening (and caching) the peer's allocation when needed.
 pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> Result<u64> {
@@ -314,19 +358,14 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     // Our own allocation (described for a worker of this process, or for a peer in another
     // process): used directly — from `device`'s kernels too, when it lives on another GPU (two
     // ranks of one process).
-    let ours = || -> Result<u64> {
-        if let Some(p) = super::memory::device_ptr(addr as usize)? {
-            super::enable_peer_access(device, p.device)?;
-        }
-        Ok(addr)
-    };
+    let ours = || reach_own(addr, len, device).map(|()| addr);
     let ident = match &key.kind {
         KeyKind::SameProcess if key.pid != own_pid() => return Err(bad_key("a same-process device key from another process")),
         KeyKind::SameProcess => return ours(),
         KeyKind::Legacy(_) if key.pid == own_pid() => return ours(),
         KeyKind::Legacy(h) => Ident::Legacy(*h),
         // Ours when it names our own exporter (the pid alone could be another namespace's).
-        KeyKind::Vmm(r) if vmm::own_socket() == Some(r.socket(key.pid)) => return Ok(addr),
+        KeyKind::Vmm(r) if vmm::own_socket() == Some(r.socket(key.pid)) => return ours(),
         KeyKind::Vmm(r) => Ident::Vmm(*r),
     };
     let is_vmm = matches!(ident, Ident::Vmm(..));

@@ -141,6 +141,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemMap",
     "cuMemUnmap",
     "cuMemSetAccess",
+    "cuMemGetAccess",
 ];
 
 /// Load the driver, check its symbols and initialize it (once per process).

@@ -119,6 +119,20 @@ pub(crate) fn is_vmm(addr: u64) -> bool {
     Handle::retain(addr).is_ok()
 }
 
+/// Whether `device` may read and write the VMM mapping holding `addr` (`cuMemGetAccess`):
+/// VMM memory ignores `cuCtxEnablePeerAccess`, so another GPU of this process reaches it by
+/// address only where its owner granted that GPU access (`cuMemSetAccess`).
+pub(crate) fn readwrite_from(addr: u64, device: i32) -> Result<bool> {
+    // SAFETY: all-zero is a valid location to fill in.
+    let mut location: cu::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    location.id = device;
+    let mut flags: u64 = 0;
+    // SAFETY: a valid out-value and location; the driver only looks the address up.
+    check(unsafe { cu::cuMemGetAccess(&mut flags, &location, addr as cu::CUdeviceptr) }, "cuMemGetAccess")?;
+    Ok(flags == cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64)
+}
+
 /// A pointer attribute read into a zeroed u64 (every attribute read here is at most 8 bytes).
 fn attr_u64(addr: u64, which: cu::CUpointer_attribute) -> Option<u64> {
     let mut v: u64 = 0;
