@@ -124,7 +124,7 @@ pub fn describe(
     if sm.0 != Tristate::Off {
         let _ = writeln!(
             out,
-            "#   calls on symmetric windows (ncclCommWindowRegister) take the peers' buffers from the windows instead of exchanging them; where ranks share a process, only those calls take it"
+            "#   calls on symmetric windows (ncclCommWindowRegister), and the calls of every rank of a one-process communicator issued together (ncclGroupEnd), know the peers' buffers without exchanging them; where ranks share a process, only those calls take the direct kernel, the ring or the copy engines"
         );
     }
     let ring_min = crate::config::format_size(ring.1 as u64);
