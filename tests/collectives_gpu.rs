@@ -171,6 +171,41 @@ fn large_all_reduce_of(r: &Rank, count: usize, dtypes: &[DataType], ops: &[RedOp
     bad
 }
 
+/// Broadcast and reduce on the large kernel (the all-reduce's pattern) over several rounds with
+/// a one-shot tail (odd counts), in place and not, on the datatypes of each size: broadcast
+/// from every root, reduce on every operator to the last rank.
+fn large_rooted(r: &Rank) -> Vec<String> {
+    let (me, n, count) = (r.comm.rank(), r.comm.nranks(), 2_500_001);
+    let mut bad = Vec::new();
+    for dtype in LARGE_TYPES {
+        let cases = (0..n).map(|root| (None, root)).chain(RedOp::ALL.into_iter().map(|op| (Some(op), n - 1)));
+        for (op, root) in cases {
+            let seed = 95_000 + dtype.nccl() as u64 * 10 + op.map_or(9, |o| o.nccl() as u64) + root as u64;
+            let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, count)).collect();
+            let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+            let want = match op {
+                None => ins[root].clone(),
+                Some(op) => reduce_reference(dtype, op, &refs),
+            };
+            for in_place in [false, true] {
+                let send = device_with(&ins[me], count * dtype.size());
+                let recv = if in_place { None } else { Some(device_with(&[], count * dtype.size())) };
+                let rp = recv.as_ref().map_or(send.ptr(), DeviceBuf::ptr);
+                match op {
+                    None => drop(unsafe { r.comm.broadcast(send.ptr(), rp, count, dtype, root, &r.cond) }.unwrap()),
+                    Some(op) => drop(unsafe { r.comm.reduce(send.ptr(), rp, count, dtype, op, root, &r.cond) }.unwrap()),
+                }
+                r.sync();
+                if (op.is_none() || me == root) && recv.as_ref().unwrap_or(&send).download().unwrap() != want {
+                    let what = op.map_or("broadcast".to_string(), |o| format!("reduce {}", o.name()));
+                    bad.push(format!("rank {me}: large {what} {count} x {} root {root} in_place={in_place}", dtype.name()));
+                }
+            }
+        }
+    }
+    bad
+}
+
 /// Rank `q`'s pre-multiplied-sum scalar as an element of `dtype`: q + 2 for integers, 0.5 × (q
 /// + 1) for floats (exact products with the small-integer float inputs).
 fn premul_scalar(dtype: DataType, q: usize) -> u64 {
@@ -557,7 +592,8 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     eprintln!("rank {rank}: exact checks in {:?}", t0.elapsed());
     let t0 = Instant::now();
     bad.extend(large_all_reduce(&r));
-    eprintln!("rank {rank}: large all-reduce checks in {:?}", t0.elapsed());
+    bad.extend(large_rooted(&r));
+    eprintln!("rank {rank}: large all-reduce, broadcast and reduce checks in {:?}", t0.elapsed());
     bad.extend(large_halves(&r));
     bad.extend(premul_sums(&r));
     bad.extend(graph_replays(&r, 20_000));

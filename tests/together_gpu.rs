@@ -2,7 +2,8 @@
 //! ranks of one communicator in this process, on GPUs 0 and 1, the way nccl-tests' `-g 2` and
 //! ncclCommInitAll drive them. Issued together, the calls take the paths on the peers' buffers
 //! (direct kernel, copy engines, copy-engine ring) with exact results; issued alone, or with a
-//! buffer another GPU cannot reach, they take the workspace kernels, exact too. Skips without
+//! buffer another GPU cannot reach, they take the workspace kernels, exact too. Rooted calls of
+//! many rounds, issued rank after rank from the same thread, complete. Skips without
 //! `GSC_TEST_GPU=1` and two GPUs.
 
 mod common;
@@ -183,10 +184,7 @@ fn group_calls_take_the_peer_buffer_paths_from_one_thread_on_two_gpus() {
             // Alone, one rank after the other (no group): the workspace kernels.
             salt += 1;
             fill(kind, &rs, count, salt);
-            for (comm, rank) in comms.iter().zip(&rs) {
-                // SAFETY: as in `issue`.
-                unsafe { comm.collective(&call(kind, rank, count), &rank.on) }.unwrap();
-            }
+            issue_alone(&comms, &rs, kind, count);
             check(kind, &rs, count, salt, path).unwrap();
             assert_eq!(comms.iter().zip(&before).map(|(c, b)| counter(c) - b).collect::<Vec<_>>(), took, "{path}: {kind:?} alone");
             eprintln!("{path}: {kind:?} of {count} int32 exact on both GPUs, together ({want} call each) and alone");
@@ -242,5 +240,115 @@ fn unreachable_buffers_fall_back_and_captured_groups_replay_on_two_gpus() {
             check(kind, &rs, count, salt, "replayed").unwrap();
         }
         eprintln!("{kind:?} of {count} int32 captured together: exact over 3 replays");
+    }
+}
+
+/// Broadcasts and reduces of many rounds from one thread, each rank's call issued after the
+/// other's with no group: one launch per call (large: the all-reduce's pattern; one-shot: the
+/// readers acknowledging rounds inside it).
+/// (Until session 31 these took a launch per round, and a 128 MiB call's 2048 launches on GPU 0
+/// filled CUDA's launch queue before GPU 1's first was issued: a deadlock.) Small all-reduces
+/// between them check that each leaves the workspace as the next call expects; one size is
+/// also captured and replayed.
+#[test]
+fn rooted_calls_of_many_rounds_from_one_thread_on_two_gpus() {
+    if !two_gpus_or_skip() {
+        return;
+    }
+    const LEN: usize = 128 << 20;
+    let rs = ranks(LEN, None);
+    // The large kernel from 256 KiB (aligned), and the one-shot kernel at every size.
+    for (how, large_min) in [("large from 256K", "256K"), ("one-shot", "1G")] {
+        let comms = pair(&[("GSC_TIMEOUT", "20s"), ("GSC_COLL_LARGE_MIN", large_min)]);
+        rooted_cases(&comms, &rs, how);
+    }
+}
+
+fn rooted_cases(comms: &[Communicator], rs: &[Rank], how: &str) {
+    const LEN: usize = 128 << 20;
+    let ints = |b: usize| b / 4;
+    // (bytes, root): one round plus one element, odd rounds, 2^k - 1 elements, 128 MiB.
+    let cases = [((64 << 10) + 4, 0), (3 * (64 << 10) + 12, 1), ((1 << 20) - 4, 1), (LEN, 0)];
+    let rooted = |reduce: bool, rank: &Rank, count: usize, root: usize| {
+        let (send, recv, dtype) = (rank.send.ptr(), rank.recv.ptr(), DataType::Int32);
+        match reduce {
+            false => Coll::Broadcast { send, recv, count, dtype, root },
+            true => Coll::Reduce { send, recv, count, dtype, op: RedOp::Sum, root },
+        }
+    };
+    let mut salt = 100;
+    for reduce in [false, true] {
+        for &(bytes, root) in &cases {
+            let count = ints(bytes);
+            salt += 1;
+            fill(Kind::AllReduce, rs, count, salt);
+            for (comm, rank) in comms.iter().zip(rs) {
+                // SAFETY: as in `issue`.
+                unsafe { comm.collective(&rooted(reduce, rank, count, root), &rank.on) }.unwrap();
+            }
+            let name = if reduce { "reduce" } else { "broadcast" };
+            for (r, rank) in rs.iter().enumerate() {
+                set_device(r as i32).unwrap();
+                rank.stream.synchronize().unwrap_or_else(|e| panic!("{how}: {name} of {bytes} bytes, root {root}: GPU {r}: {e}"));
+                if reduce && r != root {
+                    continue;
+                }
+                let want = bytes_of(count, |i| match reduce {
+                    false => val(root, i + salt),
+                    true => (0..2).fold(0i32, |a, q| a.wrapping_add(val(q, i + salt))),
+                });
+                assert!(
+                    rank.recv.download().unwrap()[..bytes] == want[..],
+                    "{how}: {name} of {bytes} bytes, root {root}: GPU {r} is wrong"
+                );
+            }
+            // A small all-reduce after it: the workspace as the next call expects.
+            salt += 1;
+            fill(Kind::AllReduce, rs, 1000, salt);
+            issue_alone(comms, rs, Kind::AllReduce, 1000);
+            check(Kind::AllReduce, rs, 1000, salt, "all-reduce after a rooted call").unwrap();
+            eprintln!("{how}: {name} of {bytes} bytes, root {root}: exact, and the all-reduce after it");
+        }
+    }
+    // Captured once per GPU, replayed: a broadcast of 40 rounds from root 1.
+    let count = ints(40 << 16);
+    let graphs: Vec<_> = comms
+        .iter()
+        .zip(rs)
+        .enumerate()
+        .map(|(r, (comm, rank))| {
+            set_device(r as i32).unwrap();
+            rank.stream.begin_capture().unwrap();
+            // SAFETY: as in `issue`; the buffers outlive the replays.
+            unsafe { comm.collective(&rooted(false, rank, count, 1), &rank.on) }.unwrap();
+            rank.stream.end_capture().unwrap().instantiate().unwrap()
+        })
+        .collect();
+    for replay in 0..3 {
+        salt += 1;
+        fill(Kind::AllReduce, rs, count, salt);
+        for (r, (g, rank)) in graphs.iter().zip(rs).enumerate() {
+            set_device(r as i32).unwrap();
+            g.launch(&rank.stream).unwrap();
+        }
+        for (r, rank) in rs.iter().enumerate() {
+            set_device(r as i32).unwrap();
+            rank.stream.synchronize().unwrap();
+            let want = bytes_of(count, |i| val(1, i + salt));
+            assert!(rank.recv.download().unwrap()[..4 * count] == want[..], "replay {replay}: GPU {r}'s broadcast is wrong");
+        }
+    }
+    eprintln!("{how}: broadcast of 40 rounds captured on each GPU: exact over 3 replays");
+}
+
+fn bytes_of(count: usize, f: impl Fn(usize) -> i32) -> Vec<u8> {
+    bytes((0..count).map(f))
+}
+
+/// Each rank's call of `kind` issued alone, one after the other from this thread.
+fn issue_alone(comms: &[Communicator], ranks: &[Rank], kind: Kind, count: usize) {
+    for (comm, rank) in comms.iter().zip(ranks) {
+        // SAFETY: as in `issue`.
+        unsafe { comm.collective(&call(kind, rank, count), &rank.on) }.unwrap();
     }
 }

@@ -5,7 +5,7 @@
 //! (`cuda::coll::Workspace`), the ranks exchange the keys that open them, and each maps every
 //! peer's. After that a collective is one kernel launch on the caller's stream — or a node of
 //! the caller's graph — that writes straight into the peers' workspaces over NVLink and reads
-//! its own, in rounds of 64 KiB per rank (rooted collectives: a launch per round): no proxy, no
+//! its own, in rounds of 64 KiB per rank, all in one launch: no proxy, no
 //! host work after the launch.
 //!
 //! As in NCCL, every rank must call the same collectives in the same order with matching
@@ -1199,53 +1199,37 @@ impl Communicator {
         agreement::check(&all)
     }
 
-    /// The one-shot LL exchange (`gsc_coll_<type>_<op>`), after graph node `after` if given.
+    /// The one-shot LL exchange (`gsc_coll_<type>_<op>`), every round in one launch, after
+    /// graph node `after` if given.
     fn launch_one_shot(&self, call: &Call, on: &Condition, after: Option<usize>) -> Result<ArmedOutputs> {
         let (reads_send, writes_recv) = (call.send != 0, call.recv != 0);
         let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op_tag());
-        let mut outputs = ArmedOutputs::default();
-        let mut last_node = after;
-        // All-pairs collectives run every round in one launch; rooted ones a round per launch
-        // (see `cuda::coll`: their data flows one way, so only a kernel boundary keeps a rank
-        // from lapping another).
-        let rooted = matches!(call.kind, CollKind::Broadcast | CollKind::Reduce);
-        let per_launch = if rooted { SLOT_PAYLOAD } else { call.part_bytes };
-        let repeats = call.part_bytes <= per_launch;
-        let mut off = 0;
-        while off < call.part_bytes {
-            let bytes = (call.part_bytes - off).min(per_launch);
-            let args = CollArgs {
-                send: if reads_send { call.send + off as u64 } else { 0 },
-                recv: if writes_recv { call.recv + off as u64 } else { 0 },
-                bytes: bytes as u64,
-                chunk: SLOT_PAYLOAD as u64,
-                rounds: bytes.div_ceil(SLOT_PAYLOAD) as u64,
-                send_stride: if call.kind == CollKind::ReduceScatter { call.part_bytes as u64 } else { 0 },
-                recv_stride: if call.kind == CollKind::AllGather { call.part_bytes as u64 } else { 0 },
-                nranks: self.nranks as u64,
-                rank: self.rank as u64,
-                root: call.root as u64,
-                kind: call.kind as u64,
-                timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-                premul_bits: call.premul_bits(),
-                premul_ptr: call.premul_ptr(),
-                ..Default::default()
-            };
-            let cache = self.kernel_cache.as_deref();
-            match on.category() {
-                Category::Graph => {
-                    let node = self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, one_shot_grid(&args), last_node)?;
-                    if last_node.is_none() {
-                        outputs.start_node = node;
-                    }
-                    outputs.done_node = node;
-                    last_node = Some(node);
-                }
-                _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, one_shot_grid(&args), repeats)?,
+        let args = CollArgs {
+            send: if reads_send { call.send } else { 0 },
+            recv: if writes_recv { call.recv } else { 0 },
+            bytes: call.part_bytes as u64,
+            chunk: SLOT_PAYLOAD as u64,
+            rounds: call.part_bytes.div_ceil(SLOT_PAYLOAD) as u64,
+            send_stride: if call.kind == CollKind::ReduceScatter { call.part_bytes as u64 } else { 0 },
+            recv_stride: if call.kind == CollKind::AllGather { call.part_bytes as u64 } else { 0 },
+            nranks: self.nranks as u64,
+            rank: self.rank as u64,
+            root: call.root as u64,
+            kind: call.kind as u64,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            premul_bits: call.premul_bits(),
+            premul_ptr: call.premul_ptr(),
+            ..Default::default()
+        };
+        let cache = self.kernel_cache.as_deref();
+        let grid = one_shot_grid(&args);
+        match on.category() {
+            Category::Graph => {
+                let node = self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, grid, after)?;
+                Ok(ArmedOutputs { start_node: node, done_node: node, device_handle: 0 })
             }
-            off += bytes;
+            _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, grid).map(|()| ArmedOutputs::default()),
         }
-        Ok(outputs)
     }
 
     /// Whether the call takes a large algorithm (the table in `select`).
@@ -1264,15 +1248,16 @@ impl Communicator {
 
     /// A large collective: one launch of the communicator's large kernel (phased or pipelined,
     /// `large`), each block owning a region of every round. All-gather and reduce-scatter run
-    /// the halves of the all-reduce on parts of whole 16-byte pieces (`select`); the all-reduce
-    /// moves whole 16-byte pieces and a tail of fewer bytes (whole elements: 16 is a multiple
-    /// of every datatype's size) follows as a one-shot exchange.
+    /// the halves of the all-reduce on parts of whole 16-byte pieces (`select`); the all-reduce,
+    /// and broadcast and reduce on its pattern, move whole 16-byte pieces and a tail of fewer
+    /// bytes (whole elements: 16 is a multiple of every datatype's size) follows as a one-shot
+    /// exchange.
     fn launch_large(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
         let (kind, bytes) = match call.kind {
-            CollKind::AllReduce => (LargeKind::AllReduce, call.part_bytes & !15),
+            // Broadcast and reduce take the all-reduce's pattern and geometry.
+            CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (LargeKind::AllReduce, call.part_bytes & !15),
             CollKind::ReduceScatter => (LargeKind::ReduceScatter, call.part_bytes),
             CollKind::AllGather => (LargeKind::AllGather, call.part_bytes),
-            CollKind::Broadcast | CollKind::Reduce => unreachable!("rooted collectives are one-shot (select)"),
         };
         let l = large::launch(&self.large, kind, self.nranks, bytes, big_round_max());
         let args = CollArgs {
@@ -1285,6 +1270,7 @@ impl Communicator {
             recv_stride: if kind == LargeKind::AllGather { bytes as u64 } else { 0 },
             nranks: self.nranks as u64,
             rank: self.rank as u64,
+            root: call.root as u64,
             kind: call.kind as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             premul_bits: call.premul_bits(),
@@ -1304,9 +1290,11 @@ impl Communicator {
         let cache = self.kernel_cache.as_deref();
         let node = match on.category() {
             Category::Graph => self.workspace.add_node(on.cuda_graph()?, &kernel, cache, args, grid, None)?,
-            _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, grid, true).map(|()| 0)?,
+            _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, grid).map(|()| 0)?,
         };
-        let tail = Call { send: call.send + bytes as u64, recv: call.recv + bytes as u64, part_bytes: call.part_bytes - bytes, ..*call };
+        // A buffer this rank does not touch stays 0 (a rooted collective's).
+        let past = |addr: u64| if addr == 0 { 0 } else { addr + bytes as u64 };
+        let tail = Call { send: past(call.send), recv: past(call.recv), part_bytes: call.part_bytes - bytes, ..*call };
         let done = match (tail.part_bytes, on.category()) {
             (0, _) => node,
             (_, Category::Graph) => self.launch_one_shot(&tail, on, Some(node))?.done_node,

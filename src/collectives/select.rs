@@ -40,11 +40,13 @@ impl Collective {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Algorithm {
     /// Every rank writes its part as LL words into every peer's slot and reads its own slots;
-    /// rounds of 64 KiB per rank, all in one launch (rooted collectives: a launch per round).
+    /// rounds of 64 KiB per rank, all in one launch (rooted collectives: the readers
+    /// acknowledge each round to the writers).
     OneShotLl,
     /// Reduce-scatter then all-gather by NVLink writes, `GSC_COLL_LARGE_BLOCKS` channels,
     /// rounds of `GSC_COLL_LARGE_ROUND`, each block's phases one after the other; a tail under
-    /// 16 bytes by `OneShotLl`. All-gather and reduce-scatter run its halves.
+    /// 16 bytes by `OneShotLl`. All-gather and reduce-scatter run its halves; broadcast and
+    /// reduce its pattern (only the root pushes; the sums go to the root only).
     TwoShotPush,
     /// The same data movement with each block's warps in roles (push, reduce, copy out) on
     /// different rounds at once (`GSC_COLL_LARGE_ALGO=pipelined`; `cuda::coll_pipelined`).
@@ -80,6 +82,8 @@ pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, a
     match coll {
         Collective::AllReduce if large => large_algo,
         Collective::AllGather | Collective::ReduceScatter if large && bytes.is_multiple_of(16) => large_algo,
+        // On the all-reduce's pattern in the phased kernel only (`cuda::coll`).
+        Collective::Broadcast | Collective::Reduce if large && algo == LargeAlgo::Phased => Algorithm::TwoShotPush,
         _ => Algorithm::OneShotLl,
     }
 }
@@ -170,13 +174,21 @@ pub fn describe(
     };
     for coll in Collective::ALL {
         let line = match choose(coll, usize::MAX & !15, true, large_min, shape.algo) {
-            Algorithm::OneShotLl if coll.rooted() => format!("{} at every size, a launch per 64 KiB round", Algorithm::OneShotLl.name()),
+            Algorithm::OneShotLl if coll.rooted() => format!(
+                "{} at every size (the pipelined kernel has no rooted collectives), rounds of 64 KiB acknowledged by the readers",
+                Algorithm::OneShotLl.name()
+            ),
             Algorithm::OneShotLl => format!("{} at every size", Algorithm::OneShotLl.name()),
             large => format!(
-                "{} below {}, {} from there (buffers on 16 bytes, and for all-gather and reduce-scatter parts of whole 16 bytes; otherwise one-shot)",
+                "{} below {}, {} from there{} (buffers on 16 bytes, and for all-gather and reduce-scatter parts of whole 16 bytes; otherwise one-shot)",
                 Algorithm::OneShotLl.name(),
                 crate::config::format_size(large_min.max(16) as u64),
-                large.name()
+                large.name(),
+                match coll {
+                    Collective::Broadcast => ", only the root pushing",
+                    Collective::Reduce => ", the sums to the root only",
+                    _ => "",
+                }
             ),
         };
         let _ = writeln!(out, "[{}] {line}", coll.name());
@@ -222,6 +234,9 @@ mod tests {
         }
         for coll in [Collective::Broadcast, Collective::Reduce] {
             assert_eq!(choose(coll, 1 << 30, true, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
+            assert_eq!(choose(coll, min, true, min, p), Algorithm::TwoShotPush, "{}: the all-reduce's pattern", coll.name());
+            assert_eq!(choose(coll, min - 1, true, min, p), Algorithm::OneShotLl, "{}", coll.name());
+            assert_eq!(choose(coll, min, false, min, p), Algorithm::OneShotLl, "{}: unaligned", coll.name());
         }
     }
 
@@ -243,6 +258,26 @@ mod tests {
         assert!(t.contains("256K") || t.contains("256 KiB"), "{t}");
         assert!(t.contains("[all_gather] one-shot LL (all pairs, flags in the data) below 256K"), "the large halves are listed: {t}");
         assert!(t.contains("pipelined, 128 blocks of 512 threads, 4 stages, warps push:reduce:copy 6:6:4 all-reduce"), "{t}");
+        assert!(
+            t.contains("[broadcast] one-shot LL (all pairs, flags in the data) at every size (the pipelined kernel has no rooted"),
+            "{t}"
+        );
+        let phased = describe(
+            256 << 10,
+            &LargeShape::from_config(&Default::default()).unwrap(),
+            (crate::config::Tristate::Auto, 1 << 20),
+            (crate::config::Tristate::Auto, 32 << 20),
+            (crate::config::Tristate::Auto, 4 << 20),
+            64,
+            (8 << 20, 32, 4 << 20),
+        );
+        assert!(
+            phased.contains(
+                "[reduce] one-shot LL (all pairs, flags in the data) below 256K, NVLink writes into every rank's workspace, phased"
+            ),
+            "{phased}"
+        );
+        assert!(phased.contains(", the sums to the root only"), "{phased}");
         assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
         assert!(t.contains("# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter"), "{t}");
         assert!(t.contains("# kernel-triggered conditions (GSC_COLL_TRIGGER_MAX=64): all_reduce of 1 to 64 bytes"), "{t}");

@@ -736,8 +736,9 @@ pub(super) static KNOBS: &[Knob] = &[
     Knob {
         name: "GSC_COLL_LARGE_MIN",
         default: "256K",
-        doc: "Smallest all-reduce (bytes per rank) that takes the large algorithm (reduce-scatter \
-              + all-gather by NVLink writes, GSC_COLL_LARGE_BLOCKS channels) instead of the \
+        doc: "Smallest all-reduce (bytes per rank; also broadcast and reduce, and parts of \
+              all-gather and reduce-scatter) that takes the large algorithm (reduce-scatter + \
+              all-gather by NVLink writes, GSC_COLL_LARGE_BLOCKS channels) instead of the \
               one-shot LL exchange; gsc-info -p prints the collectives' table",
         kind: KnobKind::Size,
         parse: |c, v| {

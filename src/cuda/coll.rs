@@ -15,7 +15,9 @@
 //! (or, for a rooted collective, q's presence word of round e - 1), which q wrote only after
 //! its kernel of round e - 2 had ended — that kernel's reads of the slot included. Rooted
 //! collectives (broadcast, reduce) move data one way only, so every rank also writes a presence
-//! word to every peer each round and waits for everyone's before its kernel ends.
+//! word to every peer each launch and waits for everyone's before its kernel ends; inside a
+//! launch of several rounds their readers acknowledge each round to the writers, warp by warp
+//! (`gsc_rooted_ack` in the source).
 //!
 //! The round counter lives in the workspace and is advanced by the kernel (the last block to
 //! finish), so collectives captured into a CUDA graph replay any number of times. A spin that
@@ -34,15 +36,23 @@ use std::sync::{Mutex, OnceLock};
 /// Ranks one communicator's kernels address directly (one host's GPUs).
 pub(crate) const MAX_RANKS: usize = 8;
 /// Payload bytes of one slot: what one rank contributes to one round. Larger collectives take
-/// several rounds: in one launch, or (rooted ones) one launch each.
+/// several rounds in one launch.
 pub(crate) const SLOT_PAYLOAD: usize = 64 << 10;
 /// A slot holds its payload as LL words: twice the bytes.
 const SLOT_BYTES: usize = 2 * SLOT_PAYLOAD;
 /// Control words (byte 0: round, 8: blocks finished, 16: error), presence words from byte 1024
 /// (one line per rank: the last round it began), slots from here (GSC_SLOTS_WORDS in the source).
 const CTL_BYTES: usize = 4096;
-/// The phased large kernel's flags (per block, "in" and "out", one word per rank), after the
-/// slots of the largest communicator.
+/// The acknowledgement words of rooted collectives of several rounds (one per reader and warp
+/// of the one-shot kernel: `GSC_ACK_WARPS` in the source), after the slots of the largest
+/// communicator.
+const ACK_OFFSET: usize = CTL_BYTES + 2 * MAX_RANKS * SLOT_BYTES;
+/// Blocks of the one-shot kernel's largest grid (`one_shot_grid`).
+const ONE_SHOT_BLOCKS_MAX: u64 = 32;
+/// Warps of that grid: what the acknowledgement words have room for (`GSC_ACK_WARPS`).
+const ACK_WARPS: usize = 256;
+const _: () = assert!(ONE_SHOT_BLOCKS_MAX as usize * THREADS as usize / 32 <= ACK_WARPS);
+/// The phased large kernel's flags (per block, "in" and "out", one word per rank).
 const FLAGS_OFFSET: usize = 3 << 20;
 /// The pipelined large kernel's flags (per block, "in", "out" and "ready", one word per rank,
 /// 32 words: `coll_pipelined`).
@@ -57,7 +67,7 @@ pub(crate) const RING_PIECES_MAX: usize = 16;
 /// Flag words of the ring: two phases (reduce-scatter, all-gather) of up to MAX_RANKS - 1 steps.
 const RING_FLAG_WORDS: usize = 2 * MAX_RANKS * RING_PIECES_MAX;
 const _: () = assert!(
-    CTL_BYTES + 2 * MAX_RANKS * SLOT_BYTES <= FLAGS_OFFSET
+    ACK_OFFSET + MAX_RANKS * ACK_WARPS * 8 <= FLAGS_OFFSET
         && FLAGS_OFFSET + BIG_BLOCKS_MAX * 2 * MAX_RANKS * 8 <= PIPE_FLAGS_OFFSET
         && PIPE_FLAGS_OFFSET + BIG_BLOCKS_MAX * 32 * 8 <= RING_FLAGS_OFFSET
         && RING_FLAGS_OFFSET + 2 * RING_FLAG_WORDS * 8 <= BIG_OFFSET
@@ -110,6 +120,7 @@ const SOURCE: &str = r#"
 #define GSC_COLL_MAX_RANKS 8
 #define GSC_PRESENCE_WORDS 128 /* word offset of the presence words in a workspace (a line per rank) */
 #define GSC_SLOTS_WORDS 512    /* word offset of the slots */
+#define GSC_ACK_WARPS 256      /* warps of the one-shot kernel's largest grid (ACK_WARPS) */
 typedef struct {
     unsigned long long ctl;      /* this rank's workspace (control words, presence, slots) */
     unsigned long long peer[GSC_COLL_MAX_RANKS]; /* every rank's workspace, mapped (ours too) */
@@ -347,18 +358,74 @@ static __device__ int gsc_coll_round(const gsc_coll_args_t *a, unsigned long lon
     return 1;
 }
 
+/* Rooted collectives (broadcast, reduce) move data one way: a rank that only writes a peer's
+ * slot never waits on that peer's data, so nothing in the exchange itself stops it lapping the
+ * peer. Over several rounds in one launch the readers acknowledge instead: after warp w has
+ * read its units of round e, it raises its acknowledgement word (one per reader and warp, in
+ * the writer's workspace) to e, and the writer's warp w writes round e + 2 (the same parity)
+ * only after every reader's warp w acknowledged round e. A warp keeps the same units in every
+ * round and on every rank (the grid depends only on the sizes), so this covers unit by unit
+ * what it must. The launch's second round overwrites the previous launch's last one, for
+ * which there is no acknowledgement here: the writer waits for the readers' presence words of
+ * this launch instead (a reader present has ended its previous kernel). The writer's last wait,
+ * before its kernel ends, is for round e_last - 1: the next launch then finds every round
+ * before its first but one read everywhere, as a launch of one round leaves it. */
+
+/* The ranks that read this rank's slots (not itself) and those whose slots it reads. */
+static __device__ __forceinline__ unsigned gsc_rooted_readers(const gsc_coll_args_t *a)
+{
+    const unsigned others = ((1u << a->nranks) - 1) & ~(1u << a->rank);
+    if (a->kind == GSC_BROADCAST) return a->rank == a->root ? others : 0;
+    return a->rank == a->root ? 0 : 1u << a->root;
+}
+static __device__ __forceinline__ unsigned gsc_rooted_writers(const gsc_coll_args_t *a)
+{
+    const unsigned others = ((1u << a->nranks) - 1) & ~(1u << a->rank);
+    if (a->kind == GSC_BROADCAST) return a->rank == a->root ? 0 : 1u << a->root;
+    return a->rank == a->root ? others : 0;
+}
+
+/* Warp `warp` waits until every reader's word (the presence word where `presence`, else its
+ * acknowledgement of this warp) reached v. Warp-uniform result: 0 on timeout or abort. */
+static __device__ int gsc_rooted_wait(const gsc_coll_args_t *a, unsigned long long warp, unsigned long long v, bool presence)
+{
+    int ok = 1;
+    if ((threadIdx.x & 31) == 0) {
+        unsigned long long *ctl = (unsigned long long *)a->ctl;
+        for (unsigned readers = gsc_rooted_readers(a); ok && readers; readers &= readers - 1) {
+            const unsigned q = __ffs(readers) - 1;
+            ok = gsc_coll_spin(a, presence ? ctl + GSC_PRESENCE_WORDS + q * 8 : ctl + GSC_ACK_WORDS + q * GSC_ACK_WARPS + warp, v, true);
+        }
+    }
+    return __shfl_sync(0xffffffffu, ok, 0);
+}
+
+/* Warp `warp` has read its units of round e: acknowledge it to every writer. */
+static __device__ void gsc_rooted_ack(const gsc_coll_args_t *a, unsigned long long warp, unsigned long long e)
+{
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0)
+        for (unsigned writers = gsc_rooted_writers(a); writers; writers &= writers - 1) {
+            const unsigned q = __ffs(writers) - 1;
+            unsigned long long *at = (unsigned long long *)a->peer[q] + GSC_ACK_WORDS + a->rank * GSC_ACK_WARPS + warp;
+            asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(at), "l"(e) : "memory");
+        }
+}
+
 /* `rounds` rounds of at most `chunk` bytes per part. Inside one launch no barrier separates
  * them: a thread handles the same units in every round and on every rank (the grid depends
  * only on the sizes), so the thread that writes unit u of round e + 2 into a peer's slot has
  * read that peer's unit u of round e + 1, which the peer's thread wrote only after it had read
  * unit u of round e there — the two-parity argument of the workspace, per unit. Rooted
- * collectives break that chain (data flows one way) and come one round per launch. */
+ * collectives break that chain (data flows one way) and acknowledge rounds instead (above). */
 template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const gsc_coll_args_t *a)
 {
     const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank;
     unsigned long long *ctl = (unsigned long long *)a->ctl;
     const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, threads = gridDim.x * (unsigned long long)blockDim.x;
+    const unsigned long long warp = tid / 32;
     const int rooted = a->kind == GSC_BROADCAST || a->kind == GSC_REDUCE;
+    const int acked = rooted && a->rounds > 1;
     unsigned long long t0 = gsc_globaltimer();
 
     /* Presence (rooted collectives): one word to every peer, so nobody runs two rounds ahead. */
@@ -367,9 +434,15 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     int ok = 1;
     for (unsigned long long c = 0; ok && c < a->rounds; c++) {
         unsigned long long off = c * a->chunk, bytes = a->bytes - off < a->chunk ? a->bytes - off : a->chunk;
-        ok = gsc_coll_round<T, OP, AVG>(a, e0 + c, off, bytes, tid, threads, t0);
+        if (acked && c > 0) ok = gsc_rooted_wait(a, warp, c == 1 ? e0 : e0 + c - 2, c == 1);
+        if (ok) ok = gsc_coll_round<T, OP, AVG>(a, e0 + c, off, bytes, tid, threads, t0);
+        if (acked) {
+            ok = __all_sync(0xffffffffu, ok);
+            if (ok) gsc_rooted_ack(a, warp, e0 + c);
+        }
     }
     const unsigned long long e = e0 + a->rounds - 1;
+    if (ok && acked) ok = gsc_rooted_wait(a, warp, e - 1, false);
     /* Rooted: everyone's presence of this round before this kernel may end. */
     if (ok && rooted && tid < n)
         ok = gsc_coll_spin(a, ctl + GSC_PRESENCE_WORDS + tid * 8, e0, false);
@@ -377,8 +450,8 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Large all-reduce (and, as its halves, large reduce-scatter and all-gather, below): reduce-  */
-/* scatter then all-gather, both by NVLink writes, block by block.                             */
+/* Large all-reduce (and, as its halves, large reduce-scatter and all-gather, below; broadcast */
+/* and reduce on its pattern): reduce-scatter then all-gather, by NVLink writes, block by block. */
 /* Block b of every rank owns the same region of each round (`chunk` bytes at b × chunk, a    */
 /* multiple of 16 × nranks), cut into one slice per rank. The block pushes slice q of its      */
 /* input into rank q's "in" area (at its own rank's place), raises "in" at every rank; waits   */
@@ -511,24 +584,35 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             #undef GSC_AG_OUT
             continue;
         }
-        /* All-reduce. Slices of whole 16-byte pieces (the buffers' bytes are whole pieces: see
-         * the host). */
+        /* All-reduce, and the rooted collectives on its pattern: broadcast (only the root
+         * pushes; rank q forwards the root's slice q to every other rank) and reduce (the sums
+         * go to the root only). Every rank raises and waits for every flag as the all-reduce
+         * does, so the parity argument above holds as it is. Slices of whole 16-byte pieces
+         * (the buffers' bytes are whole pieces: see the host). */
+        const bool bcast = a->kind == GSC_BROADCAST, reduce = a->kind == GSC_REDUCE;
         const unsigned long long slice = (len + 16 * n - 1) / (16 * n) * 16;
         #define GSC_SLICE_END(q) ((q + 1) * slice < len ? (q + 1) * slice : len)
         #define GSC_BIG_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * region)
         #define GSC_BIG_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * region)
         const unsigned char *send = (const unsigned char *)a->send + off;
         /* Push slice q of our input to rank q, at our place in its "in" area. */
-        for (unsigned long long q = 0; q < n; q++) {
+        for (unsigned long long q = 0; q < n && (!bcast || me == a->root); q++) {
             const unsigned long long q0 = q * slice, q1 = GSC_SLICE_END(q);
             if (q0 < q1) gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
         }
         if (!(ok = gsc_big_flags(a, 0, e))) break;
-        /* Reduce our slice from the n copies (rank order) and push the sum to every rank. */
+        /* Reduce our slice from the n copies (rank order; broadcast: the root's copy) and push
+         * the result to every rank that needs it. */
         const unsigned long long s1 = GSC_SLICE_END(me) > me * slice ? GSC_SLICE_END(me) - me * slice : 0;
         const unsigned char *in = GSC_BIG_IN(me);
         for (unsigned long long i = threadIdx.x * 16ull; i < s1; i += blockDim.x * 16ull) {
             gsc_vec<T> acc, x;
+            if (bcast) {
+                acc.v = gsc_ld_cg(in + a->root * slice + i);
+                for (unsigned long long q = 0; q < n; q++)
+                    if (q != a->root) *(uint4 *)(GSC_BIG_OUT(q) + me * slice + i) = acc.v;
+                continue;
+            }
             acc.v = gsc_ld_cg(in + i);
             for (unsigned long long q = 1; q < n; q++) {
                 x.v = gsc_ld_cg(in + q * slice + i);
@@ -538,11 +622,18 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             if (AVG)
 #pragma unroll
                 for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_div(acc.e[j], n);
-            for (unsigned long long q = 0; q < n; q++) *(uint4 *)(GSC_BIG_OUT(q) + me * slice + i) = acc.v;
+            for (unsigned long long q = 0; q < n; q++)
+                if (!reduce || q == a->root) *(uint4 *)(GSC_BIG_OUT(q) + me * slice + i) = acc.v;
         }
         if (!(ok = gsc_big_flags(a, 1, e))) break;
-        /* Every slice's sum is in our "out" area: into the receive buffer. */
-        gsc_big_copy((unsigned char *)a->recv + off, GSC_BIG_OUT(me), len, true);
+        /* Every slice's result is in our "out" area: into the receive buffer. A broadcast's
+         * root copies its own input instead (nothing when in place), a reduce's other ranks
+         * receive nothing. */
+        if (bcast && me == a->root) {
+            if (a->send != a->recv) gsc_big_copy((unsigned char *)a->recv + off, send, len, false);
+        } else if (!reduce || me == a->root) {
+            gsc_big_copy((unsigned char *)a->recv + off, GSC_BIG_OUT(me), len, true);
+        }
         #undef GSC_SLICE_END
         #undef GSC_BIG_IN
         #undef GSC_BIG_OUT
@@ -719,8 +810,9 @@ const TYPE_INSTANCES: [(&str, &str); 10] = [
 fn module_source(t: usize) -> String {
     let (ty, tag) = TYPE_INSTANCES[t];
     format!(
-        "{}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n{}\n",
+        "{}\n#define GSC_ACK_WORDS {}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n{}\n",
         super::kernels::DEVICE_HEADER,
+        ACK_OFFSET / 8,
         FLAGS_OFFSET / 8,
         PIPE_FLAGS_OFFSET / 8,
         BIG_OFFSET,
@@ -938,25 +1030,13 @@ impl Workspace {
     }
 
     /// Launch `args.rounds` rounds on `stream` as `grid` (the kernel `kernel_name`): `args`
-    /// gives the buffers and sizes, the workspace fills in the rest. `repeats`: the same
-    /// launch is likely to come again (a call of one launch), so it is replayed from a cached
-    /// one-node graph (`replay`); the launches of a call cut in several differ every time.
-    pub(crate) fn launch(
-        &self,
-        stream: usize,
-        kernel_name: &str,
-        cache_dir: Option<&Path>,
-        args: CollArgs,
-        grid: Grid,
-        repeats: bool,
-    ) -> Result<()> {
+    /// gives the buffers and sizes, the workspace fills in the rest. A call is one launch, and
+    /// the same call is likely to come again, so it is replayed from a cached one-node graph
+    /// (`replay`).
+    pub(crate) fn launch(&self, stream: usize, kernel_name: &str, cache_dir: Option<&Path>, args: CollArgs, grid: Grid) -> Result<()> {
         let ctx = primary_context(self.device)?;
         let f = kernel(ctx, kernel_name, cache_dir)?;
-        let a = self.fill(args);
-        match repeats {
-            true => replay::launch(ctx as usize, f, stream, grid, &a),
-            false => replay::launch_uncached(f, stream, grid, &a),
-        }
+        replay::launch(ctx as usize, f, stream, grid, &self.fill(args))
     }
 }
 
@@ -1074,14 +1154,14 @@ impl Workspace {
         timeout_ns: u64,
     ) -> Result<()> {
         let args = CollArgs { rounds: 1, nranks: nranks as u64, rank: rank as u64, timeout_ns, ..Default::default() };
-        self.launch(stream, "gsc_coll_barrier", cache_dir, args, Grid { blocks: 1, threads: 32 }, true)
+        self.launch(stream, "gsc_coll_barrier", cache_dir, args, Grid { blocks: 1, threads: 32 })
     }
 }
 
 /// The one-shot kernel's grid: a thread per 8-byte unit of a round, at most 32 blocks of
 /// `THREADS`.
 pub(crate) fn one_shot_grid(a: &CollArgs) -> Grid {
-    Grid::of(a.bytes.min(a.chunk).div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, 32) as u32)
+    Grid::of(a.bytes.min(a.chunk).div_ceil(8).div_ceil(u64::from(THREADS)).clamp(1, ONE_SHOT_BLOCKS_MAX) as u32)
 }
 
 /// `gsc_net_reduce_args_t`: the reduction step of collectives between hosts
