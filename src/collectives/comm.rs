@@ -1254,7 +1254,9 @@ impl Communicator {
     /// exchange.
     fn launch_large(&self, call: &Call, on: &Condition) -> Result<ArmedOutputs> {
         let (kind, bytes) = match call.kind {
-            // Broadcast and reduce take the all-reduce's pattern and geometry.
+            // Two ranks' reduce is a reduce-scatter to the root (one flag exchange a round);
+            // otherwise broadcast and reduce take the all-reduce's geometry (`cuda::coll`).
+            CollKind::Reduce if self.nranks == 2 => (LargeKind::ReduceScatter, call.part_bytes & !15),
             CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (LargeKind::AllReduce, call.part_bytes & !15),
             CollKind::ReduceScatter => (LargeKind::ReduceScatter, call.part_bytes),
             CollKind::AllGather => (LargeKind::AllGather, call.part_bytes),
@@ -1266,7 +1268,7 @@ impl Communicator {
             bytes: bytes as u64,
             chunk: l.region as u64,
             rounds: l.rounds as u64,
-            send_stride: if kind == LargeKind::ReduceScatter { bytes as u64 } else { 0 },
+            send_stride: if call.kind == CollKind::ReduceScatter { bytes as u64 } else { 0 },
             recv_stride: if kind == LargeKind::AllGather { bytes as u64 } else { 0 },
             nranks: self.nranks as u64,
             rank: self.rank as u64,

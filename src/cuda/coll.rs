@@ -548,13 +548,32 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
          * part in every round, which the parity argument needs for all-gather and
          * reduce-scatter, whose rounds have one flag each. */
         const unsigned long long len = off >= a->bytes ? 0 : a->bytes - off < region ? a->bytes - off : region;
-        if (a->kind == GSC_REDUCE_SCATTER) {
+        if (n == 2 && a->kind == GSC_BROADCAST) {
+            /* Two ranks: the root pushes the whole region into the other's "out" area, one flag
+             * exchange per round as the all-gather (the host gives the all-reduce's geometry:
+             * one region per block). With more ranks the root would push n - 1 copies: the
+             * all-reduce's pattern below sends fewer bytes from it. */
+            #define GSC_BC_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * region)
+            const unsigned char *send = (const unsigned char *)a->send + off;
+            if (me == a->root) gsc_big_copy(GSC_BC_OUT(1 - me), send, len, false);
+            if (!(ok = gsc_big_flags(a, 1, e))) break;
+            if (me != a->root) gsc_big_copy((unsigned char *)a->recv + off, GSC_BC_OUT(me), len, true);
+            else if (a->send != a->recv) gsc_big_copy((unsigned char *)a->recv + off, send, len, false);
+            #undef GSC_BC_OUT
+            continue;
+        }
+        if (a->kind == GSC_REDUCE_SCATTER || (n == 2 && a->kind == GSC_REDUCE)) {
+            /* Two ranks' reduce is the reduce-scatter with one part, the root's (the host gives
+             * the reduce-scatter's geometry): both regions go to the root, which reduces them. */
+            const bool to_root = a->kind == GSC_REDUCE;
             /* Part q's region goes to rank q, at our place in its "in" area (n regions per
              * channel); the n copies of ours are reduced into the receive buffer. */
             #define GSC_RS_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * n * region)
             for (unsigned long long q = 0; q < n; q++)
-                gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, a);
+                if (!to_root || q == a->root)
+                    gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, a);
             if (!(ok = gsc_big_flags(a, 0, e))) break;
+            if (to_root && me != a->root) continue;
             const unsigned char *in = GSC_RS_IN(me);
             unsigned char *recv = (unsigned char *)a->recv + off;
             for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
@@ -1207,7 +1226,6 @@ pub(crate) fn preload(device: i32, cache_dir: Option<&Path>) -> Result<()> {
 /// Launch `gsc_net_reduce_<type>_<op>` (`op_tag`: sum, prod, max or min) on `stream` of
 /// `device`'s primary context: a thread per element, at most 1024 blocks (a grid-stride loop
 /// covers the rest).
-
 pub(crate) fn launch_net_reduce(
     device: i32,
     stream: usize,
