@@ -536,6 +536,20 @@ static __device__ __forceinline__ void gsc_big_copy_input_by(unsigned tid, unsig
     }
 }
 
+/* 16 bytes of this rank's input, multiplied by its scalar for OP 4 (as gsc_big_copy_input_by
+ * would have written them). */
+template <typename T, int OP> static __device__ __forceinline__ uint4 gsc_big_own(const unsigned char *s, const gsc_coll_args_t *a)
+{
+    gsc_vec<T> x;
+    x.v = *(const uint4 *)s;
+    if (OP == 4) {
+        const T m = gsc_premul_scalar<T>(a);
+#pragma unroll
+        for (int j = 0; j < 16 / sizeof(T); j++) x.e[j] = gsc_apply<1>(x.e[j], m);
+    }
+    return x.v;
+}
+
 template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(const gsc_coll_args_t *a)
 {
     const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank, b = blockIdx.x;
@@ -567,10 +581,12 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
              * the reduce-scatter's geometry): both regions go to the root, which reduces them. */
             const bool to_root = a->kind == GSC_REDUCE;
             /* Part q's region goes to rank q, at our place in its "in" area (n regions per
-             * channel); the n copies of ours are reduced into the receive buffer. */
+             * channel); the n copies of ours are reduced into the receive buffer, ours read
+             * where it is (a copy to our own area would cost a local read and write). */
             #define GSC_RS_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * n * region)
+            const unsigned char *own = (const unsigned char *)a->send + (to_root ? 0 : me * a->send_stride) + off;
             for (unsigned long long q = 0; q < n; q++)
-                if (!to_root || q == a->root)
+                if (q != me && (!to_root || q == a->root))
                     gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, a);
             if (!(ok = gsc_big_flags(a, 0, e))) break;
             if (to_root && me != a->root) continue;
@@ -578,9 +594,9 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             unsigned char *recv = (unsigned char *)a->recv + off;
             for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
                 gsc_vec<T> acc, x;
-                acc.v = gsc_ld_cg(in + i);
+                acc.v = me == 0 ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + i);
                 for (unsigned long long q = 1; q < n; q++) {
-                    x.v = gsc_ld_cg(in + q * region + i);
+                    x.v = q == me ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + q * region + i);
 #pragma unroll
                     for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_apply<OP>(acc.e[j], x.e[j]);
                 }
