@@ -110,9 +110,11 @@ pub(crate) fn launch(shape: &LargeShape, kind: LargeKind, nranks: usize, bytes: 
             let unit = 16 * nranks;
             bytes.div_ceil(blocks).next_multiple_of(unit).min(area / blocks / unit * unit)
         }
-        // n regions per block and round.
+        // n regions per block and round; the phased reduce-scatter n - 1 (its own part is
+        // read where it is, `cuda::coll`).
         LargeKind::ReduceScatter | LargeKind::AllGather => {
-            bytes.div_ceil(blocks).next_multiple_of(16).min(area / (nranks * blocks) / 16 * 16)
+            let parts = if kind == LargeKind::ReduceScatter && shape.algo == LargeAlgo::Phased { nranks - 1 } else { nranks };
+            bytes.div_ceil(blocks).next_multiple_of(16).min(area / (parts.max(1) * blocks) / 16 * 16)
         }
     };
     debug_assert!(region > 0, "knob ranges keep a region at 16 bytes or more");
@@ -175,6 +177,11 @@ mod tests {
         let l = launch(&s, LargeKind::AllGather, 4, 128 << 20, 8 << 20);
         assert_eq!((l.region, l.rounds), (16 << 10, 64));
         assert_eq!((l.stages, l.push_threads), (0, 0));
+        // The reduce-scatter keeps n - 1 regions per block: two ranks take the all-reduce's.
+        let l = launch(&s, LargeKind::ReduceScatter, 4, 128 << 20, 8 << 20);
+        assert_eq!(l.region, 21_840, "8 MiB / (3 × 128), on 16 bytes");
+        let l = launch(&s, LargeKind::ReduceScatter, 2, 128 << 20, 8 << 20);
+        assert_eq!((l.region, l.rounds), (64 << 10, 16));
     }
 
     #[test]

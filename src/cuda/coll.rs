@@ -580,14 +580,17 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             /* Two ranks' reduce is the reduce-scatter with one part, the root's (the host gives
              * the reduce-scatter's geometry): both regions go to the root, which reduces them. */
             const bool to_root = a->kind == GSC_REDUCE;
-            /* Part q's region goes to rank q, at our place in its "in" area (n regions per
-             * channel); the n copies of ours are reduced into the receive buffer, ours read
-             * where it is (a copy to our own area would cost a local read and write). */
-            #define GSC_RS_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * n * region)
+            /* Part q's region goes to rank q, into its "in" area (n - 1 regions per channel: at
+             * our place among q's peers); the n copies of ours are reduced into the receive
+             * buffer, ours read where it is (a copy to our own area would cost a local read
+             * and write, and room). The host's geometry has n - 1 regions per channel. */
+            #define GSC_RS_IN(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + par * GSC_BIG_ROUND_MAX + b * (n - 1) * region)
+            #define GSC_RS_PLACE(p, q) ((p) < (q) ? (p) : (p) - 1) /* rank p's place in rank q's area */
             const unsigned char *own = (const unsigned char *)a->send + (to_root ? 0 : me * a->send_stride) + off;
             for (unsigned long long q = 0; q < n; q++)
                 if (q != me && (!to_root || q == a->root))
-                    gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + me * region, (const unsigned char *)a->send + q * a->send_stride + off, len, a);
+                    gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + GSC_RS_PLACE(me, q) * region,
+                                                 (const unsigned char *)a->send + q * a->send_stride + off, len, a);
             if (!(ok = gsc_big_flags(a, 0, e))) break;
             if (to_root && me != a->root) continue;
             const unsigned char *in = GSC_RS_IN(me);
@@ -596,7 +599,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
                 gsc_vec<T> acc, x;
                 acc.v = me == 0 ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + i);
                 for (unsigned long long q = 1; q < n; q++) {
-                    x.v = q == me ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + q * region + i);
+                    x.v = q == me ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + GSC_RS_PLACE(q, me) * region + i);
 #pragma unroll
                     for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_apply<OP>(acc.e[j], x.e[j]);
                 }
@@ -606,6 +609,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
                 *(uint4 *)(recv + i) = acc.v;
             }
             #undef GSC_RS_IN
+            #undef GSC_RS_PLACE
             continue;
         }
         if (a->kind == GSC_ALL_GATHER) {
