@@ -1,7 +1,8 @@
 //! Logging: `tracing` targets of the subsystems and the subscriber our entry points install.
 //!
-//! Events are logged under one target per subsystem, selected by `GSC_LOG_SUBSYS` and filtered
-//! by `GSC_LOG_LEVEL`. `tracing` macros need the target as a literal, so call sites write it out:
+//! Events are logged under one target per subsystem, selected by `GSC_LOG_SUBSYS` (below
+//! warning level: errors and warnings print from every subsystem) and filtered by
+//! `GSC_LOG_LEVEL`. `tracing` macros need the target as a literal, so call sites write it out:
 //!
 //! ```ignore
 //! tracing::debug!(target: "gsc::shm", ring = name, "mapped ring");
@@ -47,8 +48,8 @@ pub const UCX: &str = "gsc::ucx";
 pub const COLL: &str = "gsc::coll";
 
 /// Events logged under the crate's module paths, i.e. without an explicit `target:`. They
-/// belong to no subsystem, so they are shown only when every subsystem is selected rather than
-/// being lost entirely.
+/// belong to no subsystem, so below warning level they are shown only when every subsystem is
+/// selected rather than being lost entirely.
 const CRATE_TARGET: &str = "gscomm";
 
 pub fn level_filter(level: LogLevel) -> LevelFilter {
@@ -61,18 +62,19 @@ pub fn level_filter(level: LogLevel) -> LevelFilter {
     }
 }
 
-/// The filter `init` installs: each selected subsystem's target at `GSC_LOG_LEVEL`, nothing
-/// from other crates (their logs are not ours to print from inside a C program).
+/// The filter `init` installs: each selected subsystem's target at `GSC_LOG_LEVEL`, the others'
+/// errors and warnings (as NCCL's subsystem mask leaves its warnings: they are rare, and each
+/// names something the user should know; `GSC_LOG_LEVEL=error` silences them), nothing from
+/// other crates (their logs are not ours to print from inside a C program).
 pub fn filter(config: &Config) -> Targets {
     let level = level_filter(config.log_level);
+    let unselected = level.min(LevelFilter::WARN);
+    let at = |selected: bool| if selected { level } else { unselected };
     let mut targets = Targets::new();
-    for subsys in &config.log_subsys {
-        targets = targets.with_target(subsys.target(), level);
+    for subsys in Subsys::ALL {
+        targets = targets.with_target(subsys.target(), at(config.log_subsys.contains(subsys)));
     }
-    if Subsys::ALL.iter().all(|s| config.log_subsys.contains(s)) {
-        targets = targets.with_target(CRATE_TARGET, level);
-    }
-    targets
+    targets.with_target(CRATE_TARGET, at(Subsys::ALL.iter().all(|s| config.log_subsys.contains(s))))
 }
 
 /// Expand `%h` (host name), `%p` (process id) and `%%` in a `GSC_LOG_FILE` pattern. Any other
@@ -173,7 +175,7 @@ fn make_writer(config: &Config) -> Result<(BoxMakeWriter, Option<(PathBuf, bool)
 }
 
 /// Install the global subscriber for `config`: `GSC_LOG_LEVEL` and `GSC_LOG_SUBSYS` select
-/// events, written to stderr or appended to `GSC_LOG_FILE` (`%h`/`%p` expanded now).
+/// events (`filter`), written to stderr or appended to `GSC_LOG_FILE` (`%h`/`%p` expanded now).
 ///
 /// Returns `Ok(false)` and changes nothing when a global subscriber is already installed
 /// (someone else's, or ours from an earlier call): the process's choice wins. An error means
@@ -289,15 +291,25 @@ mod tests {
         assert!(f.would_enable(SHM, &Level::INFO));
         assert!(f.would_enable(PROTO, &Level::ERROR));
         assert!(!f.would_enable(SHM, &Level::DEBUG));
-        assert!(!f.would_enable(CORE, &Level::ERROR));
-        // Module-path targets belong to no subsystem: hidden when only some are selected.
-        assert!(!f.would_enable("gscomm::transport::shm", &Level::ERROR));
+        // The others keep their errors and warnings only.
+        assert!(f.would_enable(CORE, &Level::WARN));
+        assert!(!f.would_enable(CORE, &Level::INFO));
+        // Module-path targets belong to no subsystem: warnings only when some are selected.
+        assert!(f.would_enable("gscomm::transport::shm", &Level::ERROR));
+        assert!(!f.would_enable("gscomm::transport::shm", &Level::INFO));
         assert!(!f.would_enable("other_crate", &Level::ERROR));
 
         config.set("GSC_LOG_SUBSYS", "^shm").unwrap();
         let f = filter(&config);
-        assert!(!f.would_enable(SHM, &Level::ERROR));
-        assert!(f.would_enable(LOOPBACK, &Level::WARN));
+        assert!(!f.would_enable(SHM, &Level::INFO));
+        assert!(f.would_enable(SHM, &Level::WARN));
+        assert!(f.would_enable(LOOPBACK, &Level::INFO));
+
+        // At GSC_LOG_LEVEL=error nothing prints a warning, selected or not.
+        config.set("GSC_LOG_LEVEL", "error").unwrap();
+        let f = filter(&config);
+        assert!(!f.would_enable(SHM, &Level::WARN) && !f.would_enable(LOOPBACK, &Level::WARN));
+        assert!(f.would_enable(SHM, &Level::ERROR));
 
         config.set("GSC_LOG_SUBSYS", "all").unwrap();
         config.set("GSC_LOG_LEVEL", "trace").unwrap();
@@ -321,9 +333,9 @@ mod tests {
         config.set("GSC_LOG_LEVEL", "trace").unwrap();
         let f = filter(&config);
         assert!(f.would_enable(GDA, &Level::TRACE));
-        assert!(!f.would_enable(CUDA, &Level::ERROR));
+        assert!(!f.would_enable(CUDA, &Level::INFO));
         config.set("GSC_LOG_SUBSYS", "^gda").unwrap();
-        assert!(!filter(&config).would_enable(GDA, &Level::ERROR));
+        assert!(!filter(&config).would_enable(GDA, &Level::INFO));
     }
 
     #[test]
@@ -358,7 +370,8 @@ mod tests {
         tracing::subscriber::with_default(sub, || {
             tracing::info!(target: "gsc::shm", "ring mapped");
             tracing::debug!(target: "gsc::shm", "too verbose");
-            tracing::error!(target: "gsc::core", "other subsystem");
+            tracing::info!(target: "gsc::core", "other subsystem");
+            tracing::warn!(target: "gsc::core", "other subsystem's warning");
         });
         let text = std::fs::read_to_string(&path).unwrap();
         let _ = std::fs::remove_file(&path);
@@ -367,7 +380,7 @@ mod tests {
         assert!(text.contains("gsc::shm"), "{text}");
         assert!(text.contains(&format!("testhost:{}", std::process::id())), "{text}");
         assert!(!text.contains("too verbose"), "{text}");
-        assert!(!text.contains("other subsystem"), "{text}");
+        assert!(!text.contains("other subsystem\n") && text.contains("other subsystem's warning"), "{text}");
     }
 
     #[test]

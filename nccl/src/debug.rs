@@ -2,14 +2,15 @@
 //! reads the configuration (a communicator init), so `GSC_LOG_*` work here as they do for the
 //! C API's `gsc_init`. A program run with NVIDIA's switches gets them where gscomm's are not
 //! set: `NCCL_DEBUG` (VERSION and WARN as `warn`, INFO and ABORT as `info`, TRACE as `trace`)
-//! and `NCCL_DEBUG_FILE` (the same `%h`/`%p` patterns). `NCCL_DEBUG_SUBSYS` names NCCL's
-//! subsystems, which are not gscomm's; `GSC_LOG_SUBSYS` selects ours.
+//! `NCCL_DEBUG_FILE` (the same `%h`/`%p` patterns) and `NCCL_DEBUG_SUBSYS` (NCCL's
+//! subsystems, each standing for the gscomm subsystems `gsc_subsystems` names; `^` excludes,
+//! as in NCCL; errors and warnings print from every subsystem either way).
 //!
 //! Without either, gscomm's default holds: warnings are printed (to stderr), where NVIDIA's
 //! library prints nothing. They are rare, and each names something the user should know.
 
 use gscomm::Config;
-use gscomm::config::ConfigLoad;
+use gscomm::config::{ConfigLoad, LogLevel, Subsys};
 use std::sync::OnceLock;
 
 /// `GSC_LOG_LEVEL`'s value for an `NCCL_DEBUG` level; `None` for a value NCCL does not know
@@ -21,6 +22,49 @@ fn level_of(nccl_debug: &str) -> Option<&'static str> {
         "TRACE" => Some("trace"),
         _ => None,
     }
+}
+
+/// NCCL's subsystems (`NCCL_DEBUG_SUBSYS`, 2.28), each with the gscomm subsystems whose
+/// messages are of its kind; those with none select nothing here.
+const NCCL_SUBSYSTEMS: [(&str, &[Subsys]); 16] = [
+    ("INIT", &[Subsys::Core]),
+    ("COLL", &[Subsys::Coll]),
+    ("P2P", &[Subsys::Proto]),
+    ("SHM", &[Subsys::Shm, Subsys::Loopback]),
+    ("NET", &[Subsys::Ucx, Subsys::Gda]),
+    ("GRAPH", &[]),
+    ("TUNING", &[]),
+    ("ENV", &[Subsys::Config]),
+    ("ALLOC", &[Subsys::Cuda]),
+    ("CALL", &[Subsys::Capi]),
+    ("PROXY", &[Subsys::Proxy]),
+    ("NVLS", &[]),
+    ("BOOTSTRAP", &[Subsys::Bootstrap]),
+    ("REG", &[]),
+    ("PROFILE", &[Subsys::Bench]),
+    ("RAS", &[]),
+];
+
+/// The gscomm subsystems an `NCCL_DEBUG_SUBSYS` value selects (NCCL's parse: a comma-separated
+/// list, `^` before it to select every subsystem but those, `ALL` for all), and the names in it
+/// NCCL does not know (NCCL ignores them).
+fn gsc_subsystems(value: &str) -> (Vec<Subsys>, Vec<String>) {
+    let (invert, list) = match value.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, value.trim()),
+    };
+    let mut named: Vec<&str> = Vec::new();
+    let mut unknown = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        match NCCL_SUBSYSTEMS.iter().find(|(n, _)| n.eq_ignore_ascii_case(item)) {
+            Some((n, _)) => named.push(n),
+            None if item.eq_ignore_ascii_case("ALL") => named.extend(NCCL_SUBSYSTEMS.iter().map(|(n, _)| *n)),
+            None => unknown.push(item.to_string()),
+        }
+    }
+    let on = |n: &str| named.contains(&n) != invert;
+    let selected = Subsys::ALL.iter().copied().filter(|s| NCCL_SUBSYSTEMS.iter().any(|(n, subs)| on(n) && subs.contains(s))).collect();
+    (selected, unknown)
 }
 
 /// `config` with NCCL's switches, read by `var`, applied where gscomm's own are not set, and
@@ -44,6 +88,23 @@ pub(crate) fn apply_nccl_switches(config: &mut Config, var: impl Fn(&str) -> Opt
         && let Err(e) = config.set("GSC_LOG_FILE", &pattern)
     {
         problems.push(format!("NCCL_DEBUG_FILE: {e}; logging to stderr"));
+    }
+    if var("GSC_LOG_SUBSYS").is_none()
+        && let Some(value) = var("NCCL_DEBUG_SUBSYS")
+    {
+        let (selected, unknown) = gsc_subsystems(&value);
+        if !unknown.is_empty() {
+            let known: Vec<&str> = NCCL_SUBSYSTEMS.iter().map(|(n, _)| *n).collect();
+            problems.push(format!("NCCL_DEBUG_SUBSYS: {} not NCCL's (known: {}, ALL); ignored", unknown.join(", "), known.join(", ")));
+        }
+        if selected.is_empty() {
+            // Nothing of gscomm's is of those kinds: what prints is what every subsystem
+            // prints anyway, errors and warnings.
+            config.log_level = config.log_level.min(LogLevel::Warn);
+        } else {
+            let names: Vec<&str> = selected.iter().map(|s| s.name()).collect();
+            config.set("GSC_LOG_SUBSYS", &names.join(",")).expect("known subsystem names");
+        }
     }
     problems
 }
@@ -89,6 +150,29 @@ mod tests {
         let mut config = Config::default();
         let problems = apply_nccl_switches(&mut config, |name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string()));
         (config, problems)
+    }
+
+    #[test]
+    fn nccl_debug_subsys_selects_gscomm_subsystems_where_gsc_log_subsys_is_unset() {
+        let subsys = |vars: &[(&str, &str)]| applied(vars).0.log_subsys;
+        let info = ("NCCL_DEBUG", "INFO");
+        assert_eq!(subsys(&[info, ("NCCL_DEBUG_SUBSYS", "INIT,COLL")]), vec![Subsys::Core, Subsys::Coll]);
+        assert_eq!(subsys(&[info, ("NCCL_DEBUG_SUBSYS", "coll, net")]), vec![Subsys::Gda, Subsys::Ucx, Subsys::Coll]);
+        assert_eq!(subsys(&[info, ("NCCL_DEBUG_SUBSYS", "ALL")]), Subsys::ALL.to_vec());
+        // ^ selects every subsystem but those, as in NCCL.
+        let all_but = subsys(&[info, ("NCCL_DEBUG_SUBSYS", "^COLL,SHM")]);
+        assert!(!all_but.contains(&Subsys::Coll) && !all_but.contains(&Subsys::Shm) && !all_but.contains(&Subsys::Loopback));
+        assert!(all_but.contains(&Subsys::Core) && all_but.contains(&Subsys::Proto), "{all_but:?}");
+        // GSC_LOG_SUBSYS wins.
+        assert_eq!(subsys(&[("NCCL_DEBUG_SUBSYS", "COLL"), ("GSC_LOG_SUBSYS", "shm")]), Config::default().log_subsys);
+        // Unknown names are named and ignored.
+        let (config, problems) = applied(&[info, ("NCCL_DEBUG_SUBSYS", "COLL,WIBBLE")]);
+        assert_eq!(config.log_subsys, vec![Subsys::Coll]);
+        assert!(problems.len() == 1 && problems[0].contains("WIBBLE") && problems[0].contains("BOOTSTRAP"), "{problems:?}");
+        // Kinds gscomm has no messages of: errors and warnings only, the subsystems unchanged.
+        let (config, problems) = applied(&[info, ("NCCL_DEBUG_SUBSYS", "GRAPH,TUNING")]);
+        assert_eq!((config.log_level, config.log_subsys), (LogLevel::Warn, Subsys::ALL.to_vec()));
+        assert!(problems.is_empty(), "{problems:?}");
     }
 
     #[test]

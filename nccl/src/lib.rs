@@ -13,9 +13,10 @@
 //! sends and receives), buffer registration (checked; registered buffers take the zero-copy
 //! paths as any buffer does), pre-multiplied sums (host and device scalars), mem alloc/free
 //! (CUDA VMM memory with POSIX-descriptor handles, `gscomm::mem_alloc`), shrink and revoke,
-//! the profiling names (`pncclX`, profiling.rs), and log output from `GSC_LOG_*` or
-//! `NCCL_DEBUG` (debug.rs). The rest of nccl.h (windows, group simulation, the deprecated
-//! `ncclResetDebugInit`) and nccl_device.h's device communicators return `ncclInvalidUsage` and
+//! symmetric windows (`ncclCommWindowRegister`), the profiling names (`pncclX`,
+//! profiling.rs), and log output from `GSC_LOG_*` or `NCCL_DEBUG*` (debug.rs). The rest of
+//! nccl.h (group simulation, the deprecated `ncclResetDebugInit`) and nccl_device.h's device
+//! communicators return `ncclInvalidUsage` and
 //! say so in `ncclGetLastError`: every function is defined, so a program that preloads this
 //! library (PyTorch: scripts/torch-nccl.sh) never calls NVIDIA's with one of our handles.
 //!

@@ -234,7 +234,8 @@ pub(super) static KNOBS: &[Knob] = &[
     Knob {
         name: "GSC_LOG_SUBSYS",
         default: "all",
-        doc: "Subsystems whose log messages are printed",
+        doc: "Subsystems whose log messages below warning level are printed (errors and \
+              warnings print from every subsystem)",
         kind: KnobKind::Subsystems,
         parse: |c, v| {
             c.log_subsys = parse_selection(v, Subsys::ALL, Subsys::name, "subsystem")?;
