@@ -1202,11 +1202,11 @@ impl Communicator {
     /// The one-shot LL exchange (`gsc_coll_<type>_<op>`), every round in one launch, after
     /// graph node `after` if given.
     fn launch_one_shot(&self, call: &Call, on: &Condition, after: Option<usize>) -> Result<ArmedOutputs> {
-        let (reads_send, writes_recv) = (call.send != 0, call.recv != 0);
         let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op_tag());
         let args = CollArgs {
-            send: if reads_send { call.send } else { 0 },
-            recv: if writes_recv { call.recv } else { 0 },
+            // 0 for a buffer this rank does not touch (`check_buffers`).
+            send: call.send,
+            recv: call.recv,
             bytes: call.part_bytes as u64,
             chunk: SLOT_PAYLOAD as u64,
             rounds: call.part_bytes.div_ceil(SLOT_PAYLOAD) as u64,
