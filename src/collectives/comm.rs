@@ -1203,24 +1203,7 @@ impl Communicator {
     /// graph node `after` if given.
     fn launch_one_shot(&self, call: &Call, on: &Condition, after: Option<usize>) -> Result<ArmedOutputs> {
         let kernel = format!("gsc_coll_{}_{}", call.dtype.kernel_tag(), call.op_tag());
-        let args = CollArgs {
-            // 0 for a buffer this rank does not touch (`check_buffers`).
-            send: call.send,
-            recv: call.recv,
-            bytes: call.part_bytes as u64,
-            chunk: SLOT_PAYLOAD as u64,
-            rounds: call.part_bytes.div_ceil(SLOT_PAYLOAD) as u64,
-            send_stride: if call.kind == CollKind::ReduceScatter { call.part_bytes as u64 } else { 0 },
-            recv_stride: if call.kind == CollKind::AllGather { call.part_bytes as u64 } else { 0 },
-            nranks: self.nranks as u64,
-            rank: self.rank as u64,
-            root: call.root as u64,
-            kind: call.kind as u64,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            premul_bits: call.premul_bits(),
-            premul_ptr: call.premul_ptr(),
-            ..Default::default()
-        };
+        let args = self.kernel_args(call, call.part_bytes, SLOT_PAYLOAD, call.part_bytes.div_ceil(SLOT_PAYLOAD));
         let cache = self.kernel_cache.as_deref();
         let grid = one_shot_grid(&args);
         match on.category() {
@@ -1229,6 +1212,29 @@ impl Communicator {
                 Ok(ArmedOutputs { start_node: node, done_node: node, device_handle: 0 })
             }
             _ => self.workspace.launch(on.cuda_stream()?, &kernel, cache, args, grid).map(|()| ArmedOutputs::default()),
+        }
+    }
+
+    /// A workspace kernel's arguments for `bytes` of `call` per part, in `rounds` of `chunk`
+    /// (the workspace fills in its own: `Workspace::fill`). A buffer this rank does not touch
+    /// is 0 (`check_buffers`) and stays so.
+    fn kernel_args(&self, call: &Call, bytes: usize, chunk: usize, rounds: usize) -> CollArgs {
+        CollArgs {
+            send: call.send,
+            recv: call.recv,
+            bytes: bytes as u64,
+            chunk: chunk as u64,
+            rounds: rounds as u64,
+            send_stride: if call.kind == CollKind::ReduceScatter { bytes as u64 } else { 0 },
+            recv_stride: if call.kind == CollKind::AllGather { bytes as u64 } else { 0 },
+            nranks: self.nranks as u64,
+            rank: self.rank as u64,
+            root: call.root as u64,
+            kind: call.kind as u64,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            premul_bits: call.premul_bits(),
+            premul_ptr: call.premul_ptr(),
+            ..Default::default()
         }
     }
 
@@ -1263,25 +1269,11 @@ impl Communicator {
         };
         let l = large::launch(&self.large, kind, self.nranks, bytes, big_round_max());
         let args = CollArgs {
-            send: call.send,
-            recv: call.recv,
-            bytes: bytes as u64,
-            chunk: l.region as u64,
-            rounds: l.rounds as u64,
-            send_stride: if call.kind == CollKind::ReduceScatter { bytes as u64 } else { 0 },
-            recv_stride: if kind == LargeKind::AllGather { bytes as u64 } else { 0 },
-            nranks: self.nranks as u64,
-            rank: self.rank as u64,
-            root: call.root as u64,
-            kind: call.kind as u64,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            premul_bits: call.premul_bits(),
-            premul_ptr: call.premul_ptr(),
             stages: l.stages as u64,
             stage_bytes: l.stage_bytes as u64,
             push_threads: l.push_threads as u64,
             reduce_threads: l.reduce_threads as u64,
-            ..Default::default()
+            ..self.kernel_args(call, bytes, l.region, l.rounds)
         };
         let family = match self.large.algo {
             crate::config::LargeAlgo::Phased => "big",
