@@ -185,8 +185,8 @@ pub fn describe(
                 crate::config::format_size(large_min.max(16) as u64),
                 large.name(),
                 match coll {
-                    Collective::Broadcast => ", only the root pushing",
-                    Collective::Reduce => ", the sums to the root only",
+                    Collective::Broadcast => ", the root pushing slices the others forward (two ranks: the root pushing it whole)",
+                    Collective::Reduce => ", the sums to the root only (two ranks: a reduce-scatter to the root)",
                     _ => "",
                 }
             ),
