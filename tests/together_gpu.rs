@@ -255,8 +255,7 @@ fn rooted_calls_of_many_rounds_from_one_thread_on_two_gpus() {
     if !two_gpus_or_skip() {
         return;
     }
-    const LEN: usize = 128 << 20;
-    let rs = ranks(LEN, None);
+    let rs = ranks(ROOTED_LEN, None);
     // The large kernel from 256 KiB (aligned), and the one-shot kernel at every size.
     for (how, large_min) in [("large from 256K", "256K"), ("one-shot", "1G")] {
         let comms = pair(&[("GSC_TIMEOUT", "20s"), ("GSC_COLL_LARGE_MIN", large_min)]);
@@ -264,11 +263,13 @@ fn rooted_calls_of_many_rounds_from_one_thread_on_two_gpus() {
     }
 }
 
+/// The largest rooted call, and the ranks' buffers for them.
+const ROOTED_LEN: usize = 128 << 20;
+
 fn rooted_cases(comms: &[Communicator], rs: &[Rank], how: &str) {
-    const LEN: usize = 128 << 20;
     let ints = |b: usize| b / 4;
     // (bytes, root): one round plus one element, odd rounds, 2^k - 1 elements, 128 MiB.
-    let cases = [((64 << 10) + 4, 0), (3 * (64 << 10) + 12, 1), ((1 << 20) - 4, 1), (LEN, 0)];
+    let cases = [((64 << 10) + 4, 0), (3 * (64 << 10) + 12, 1), ((1 << 20) - 4, 1), (ROOTED_LEN, 0)];
     let rooted = |reduce: bool, rank: &Rank, count: usize, root: usize| {
         let (send, recv, dtype) = (rank.send.ptr(), rank.recv.ptr(), DataType::Int32);
         match reduce {
