@@ -7,8 +7,10 @@
 use crate::config::{Config, LargeAlgo};
 use crate::error::{Error, Result};
 
-/// Threads per block when `GSC_COLL_LARGE_THREADS` is `auto`.
-const PHASED_THREADS: usize = 256;
+/// Threads per block when `GSC_COLL_LARGE_THREADS` is `auto`. Phased: 512, which moved every
+/// collective it runs faster than 256 from 16–64 MiB on two H200s and tied below (the reduce
+/// 512 MiB 349.4 → 359.5 GB/s, all-reduce 64 MiB 264.8 → 292.4; docs/PERF.md, session 32).
+const PHASED_THREADS: usize = 512;
 const PIPELINED_THREADS: usize = 512;
 /// The most threads each kernel can run per block (the phased kernel's registers, measured
 /// with NVRTC for sm_90: at most 80; the pipelined kernel is compiled for 512,
@@ -241,6 +243,6 @@ mod tests {
         c.coll_large_threads = None;
         assert_eq!(LargeShape::from_config(&c).unwrap().threads, 512);
         c.coll_large_algo = LargeAlgo::Phased;
-        assert_eq!(LargeShape::from_config(&c).unwrap().threads, 256);
+        assert_eq!(LargeShape::from_config(&c).unwrap().threads, 512);
     }
 }

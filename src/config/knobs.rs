@@ -815,8 +815,8 @@ pub(super) static KNOBS: &[Knob] = &[
         name: "GSC_COLL_LARGE_THREADS",
         default: "auto",
         doc: "Threads per block of the large collectives' kernels: whole warps, 64..=1024 \
-              (phased: at most 768, pipelined: at most 512, by their registers); auto: 256 \
-              phased, 512 pipelined",
+              (phased: at most 768, pipelined: at most 512, by their registers); auto: 512 \
+              for both",
         kind: KnobKind::AutoCount,
         parse: |c, v| {
             if v.trim().eq_ignore_ascii_case("auto") {
