@@ -146,8 +146,9 @@ fn group_calls_take_the_peer_buffer_paths_from_one_thread_on_two_gpus() {
         return;
     }
     const LEN: usize = 32 << 20;
-    // All-reduces of 16 MiB (auto's stream floor for the direct kernel), parts of 8 MiB.
-    let cases = [(Kind::AllReduce, 4 << 20), (Kind::AllReduceInPlace, 4 << 20), (Kind::AllGather, 2 << 20), (Kind::ReduceScatter, 2 << 20)];
+    // At auto's stream floors for the direct kernel: all-reduces of 16 MiB, all-gather parts of
+    // 8 MiB, reduce-scatter parts of 16 MiB.
+    let cases = [(Kind::AllReduce, 4 << 20), (Kind::AllReduceInPlace, 4 << 20), (Kind::AllGather, 2 << 20), (Kind::ReduceScatter, 4 << 20)];
     let paths: [(&str, &[(&str, &str)], Counter, &[Kind]); 3] = [
         (
             "direct kernel (auto)",
@@ -210,7 +211,8 @@ fn unreachable_buffers_fall_back_and_captured_groups_replay_on_two_gpus() {
     assert_eq!(comms.iter().map(Communicator::direct_calls).collect::<Vec<_>>(), before, "no direct kernel on an unreachable buffer");
 
     let rs = ranks(32 << 20, None);
-    for (kind, count) in [(Kind::AllReduce, 1 << 18), (Kind::AllGather, 1 << 17)] {
+    // At auto's graph floors: all-reduces of 1 MiB, all-gather parts of 8 MiB.
+    for (kind, count) in [(Kind::AllReduce, 1 << 18), (Kind::AllGather, 2 << 20)] {
         let before: Vec<u64> = comms.iter().map(Communicator::direct_calls).collect();
         for (r, rank) in rs.iter().enumerate() {
             set_device(r as i32).unwrap();

@@ -1941,12 +1941,13 @@ mod tests {
             AllGather,
             ReduceScatter,
         }
-        // At `auto`'s stream floors (16 MiB all-reduces, 8 MiB parts), and one below them.
+        // At `auto`'s stream floors (16 MiB all-reduces, 8 MiB all-gather parts, 16 MiB
+        // reduce-scatter parts), and one below them.
         let cases = [
             (Kind::AllReduce, 0u64, 0u64, 4usize << 20, true),
             (Kind::AllReduceInPlace, 0, 16 << 20, 4 << 20, true),
             (Kind::AllGather, 16 << 20, 0, 2 << 20, true),
-            (Kind::ReduceScatter, 0, 32 << 20, 2 << 20, true),
+            (Kind::ReduceScatter, 0, 32 << 20, 4 << 20, true),
             // 4 bytes off 16: unaligned on both ranks alike, the workspace kernels.
             (Kind::AllReduce, 4, 4, 4 << 20, false),
             // Below the floor: the workspace kernels.

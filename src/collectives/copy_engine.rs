@@ -101,10 +101,12 @@ pub(crate) fn wanted(
     let on = match mode {
         Tristate::Off => false,
         Tristate::On => true,
-        // Where the copy engines measured faster than the kernels (docs/PERF.md, session 17):
-        // all-gather, and all-reduce between two ranks. On four, reduce-scatter and the 128 MiB
-        // all-reduce were slower.
-        Tristate::Auto => capturing && (kind == CollKind::AllGather || (kind == CollKind::AllReduce && nranks == 2)),
+        // Where the copy engines measured faster than the kernels: the all-gather of more than
+        // two ranks (docs/PERF.md, session 17; on four, reduce-scatter and the 128 MiB
+        // all-reduce were slower). Between two they lost to the phased and the direct kernel
+        // at every size from 4 MiB parts, in graphs (session 32: all-gather of 4 MiB parts
+        // 27.6 µs against 19.1, all-reduce of 4 MiB 46.0 against 20.4).
+        Tristate::Auto => capturing && kind == CollKind::AllGather && nranks > 2,
     };
     if !peer_buffers::eligible(on, min, part_bytes, nranks, premul) {
         return None;
@@ -407,12 +409,10 @@ mod tests {
         let w = |mode, kind, bytes, premul, capturing| wanted(mode, 4 << 20, kind, bytes, 4, 4, premul, capturing);
         assert_eq!(w(Tristate::Auto, CollKind::AllGather, 8 << 20, false, true), Some(DirectKind::AllGather));
         assert_eq!(w(Tristate::Auto, CollKind::AllGather, 8 << 20, false, false), None, "auto: captured calls only");
-        assert_eq!(w(Tristate::Auto, CollKind::AllReduce, 8 << 20, false, true), None, "auto: all-reduce between two ranks only");
-        assert_eq!(
-            wanted(Tristate::Auto, 4 << 20, CollKind::AllReduce, 8 << 20, 2, 4, false, true),
-            Some(DirectKind::AllReduce),
-            "auto: all-reduce between two ranks"
-        );
+        assert_eq!(w(Tristate::Auto, CollKind::AllReduce, 8 << 20, false, true), None, "auto: no all-reduce");
+        for kind in [CollKind::AllReduce, CollKind::AllGather] {
+            assert_eq!(wanted(Tristate::Auto, 4 << 20, kind, 8 << 20, 2, 4, false, true), None, "auto: nothing between two ranks");
+        }
         assert_eq!(w(Tristate::Auto, CollKind::ReduceScatter, 8 << 20, false, true), None, "auto: no reduce-scatter");
         assert_eq!(w(Tristate::On, CollKind::AllReduce, 8 << 20, false, true), Some(DirectKind::AllReduce));
         assert_eq!(w(Tristate::On, CollKind::ReduceScatter, 8 << 20, false, false), Some(DirectKind::ReduceScatter));

@@ -46,7 +46,8 @@ pub(crate) fn wanted(
         // path from a 1 MiB call on four H200s (docs/PERF.md, session 22), where the
         // reduce-scatter and all-reduce lose to the copy-engine ring (`ce_ring`).
         Tristate::Auto => {
-            (nranks == 2 || (kind == CollKind::AllGather && nranks <= AUTO_MAX_GATHER_RANKS)) && part_bytes >= auto_floor(kind, replayed)
+            (nranks == 2 || (kind == CollKind::AllGather && nranks <= AUTO_MAX_GATHER_RANKS))
+                && part_bytes >= auto_floor(kind, replayed, nranks)
         }
     };
     if !peer_buffers::eligible(on, min, part_bytes, nranks, premul) {
@@ -65,18 +66,29 @@ pub(crate) fn wanted(
 const AUTO_MAX_GATHER_RANKS: usize = 4;
 
 /// `auto`'s smallest call (as `wanted`'s `part_bytes`) where the direct kernel measured ahead
-/// of NCCL and of the workspace kernels between two H200s (docs/PERF.md, sessions 19–20):
-/// replayed from a graph, from 512 KiB per rank (all-reduce: 1 MiB, the whole buffer); on a
-/// stream, from 8 MiB (16 MiB). A stream call exchanges its buffers twice; on the shared-memory
-/// board (`host_board`) that costs about as much as the workspace kernels' own start, so below
-/// these sizes the two paths tie and above them the direct kernel wins. A stream call on
+/// of NCCL and of every other path, on `nranks` H200s.
+///
+/// Two ranks (docs/PERF.md, session 32, against the phased kernel at 512 threads per block): the
+/// all-reduce from 1 MiB replayed from a graph and from 16 MiB on a stream, the all-gather from
+/// 8 MiB parts and the reduce-scatter from 16 MiB parts either way. Below these the phased
+/// kernel won (all-gather of 4 MiB parts in graphs: 19.1 µs against 20.2; reduce-scatter of
+/// 8 MiB parts: 32.8 against 34.4). A stream call exchanges its buffers twice, on the
+/// shared-memory board (`host_board`), which is why the all-reduce's floors differ; a call on
 /// symmetric windows (`windows`) exchanges nothing, and still the workspace kernels tied or won
-/// below these floors (1–4 MiB, two processes; docs/PERF.md session 29): the floors hold for it
-/// too. On four ranks the
-/// all-gather, replayed, led from 256 KiB parts (session 22): the same floors serve.
-pub(crate) fn auto_floor(kind: CollKind, replayed: bool) -> usize {
-    let part = if replayed { 512 << 10 } else { 8 << 20 };
-    if kind == CollKind::AllReduce { 2 * part } else { part }
+/// below the stream floors (session 29): they hold for it too.
+///
+/// Up to four ranks, the all-gather (session 22, against the phased kernel at 256 threads):
+/// replayed from 512 KiB parts, on a stream from 8 MiB.
+pub(crate) fn auto_floor(kind: CollKind, replayed: bool, nranks: usize) -> usize {
+    const MIB: usize = 1 << 20;
+    match (kind, nranks) {
+        (CollKind::AllReduce, _) if replayed => MIB,
+        (CollKind::AllReduce, _) => 16 * MIB,
+        (CollKind::ReduceScatter, _) => 16 * MIB,
+        (_, 2) => 8 * MIB,
+        _ if replayed => MIB / 2,
+        _ => 8 * MIB,
+    }
 }
 
 /// What one rank's kernel does: reduce `bytes` of every source (in this order) into every
@@ -340,14 +352,19 @@ mod tests {
     #[test]
     fn auto_takes_the_measured_rank_counts_from_the_measured_sizes() {
         let auto = |kind, bytes, n, replayed| wanted(Tristate::Auto, 512 << 10, kind, bytes, n, false, replayed);
-        // Replayed: 512 KiB parts, 1 MiB all-reduces.
-        assert_eq!(auto(CollKind::AllGather, 512 << 10, 2, true), Some(DirectKind::AllGather));
-        assert_eq!(auto(CollKind::ReduceScatter, (512 << 10) - 16, 2, true), None);
+        // Two ranks, replayed: 8 MiB all-gather parts, 16 MiB reduce-scatter parts, 1 MiB
+        // all-reduces.
+        assert_eq!(auto(CollKind::AllGather, 8 << 20, 2, true), Some(DirectKind::AllGather));
+        assert_eq!(auto(CollKind::AllGather, 4 << 20, 2, true), None);
+        assert_eq!(auto(CollKind::ReduceScatter, 16 << 20, 2, true), Some(DirectKind::ReduceScatter));
+        assert_eq!(auto(CollKind::ReduceScatter, (16 << 20) - 16, 2, true), None);
         assert_eq!(auto(CollKind::AllReduce, 1 << 20, 2, true), Some(DirectKind::AllReduce));
         assert_eq!(auto(CollKind::AllReduce, 512 << 10, 2, true), None);
-        // On a stream: 8 MiB parts, 16 MiB all-reduces.
+        // On a stream: the same parts, 16 MiB all-reduces.
         assert_eq!(auto(CollKind::AllGather, 4 << 20, 2, false), None);
-        assert_eq!(auto(CollKind::ReduceScatter, 8 << 20, 2, false), Some(DirectKind::ReduceScatter));
+        assert_eq!(auto(CollKind::AllGather, 8 << 20, 2, false), Some(DirectKind::AllGather));
+        assert_eq!(auto(CollKind::ReduceScatter, 8 << 20, 2, false), None);
+        assert_eq!(auto(CollKind::ReduceScatter, 16 << 20, 2, false), Some(DirectKind::ReduceScatter));
         assert_eq!(auto(CollKind::AllReduce, 8 << 20, 2, false), None);
         assert_eq!(auto(CollKind::AllReduce, 16 << 20, 2, false), Some(DirectKind::AllReduce));
         // Beyond two ranks the all-gather only, up to four.

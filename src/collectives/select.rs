@@ -115,12 +115,15 @@ pub fn describe(
         ),
         Tristate::Auto => {
             use crate::cuda::coll::CollKind;
-            let floor = |kind, replayed| crate::config::format_size(super::direct::auto_floor(kind, replayed) as u64);
-            let (graph, graph_ar) = (floor(CollKind::AllGather, true), floor(CollKind::AllReduce, true));
-            let (stream, stream_ar) = (floor(CollKind::AllGather, false), floor(CollKind::AllReduce, false));
+            let floor = |kind, replayed, n| crate::config::format_size(super::direct::auto_floor(kind, replayed, n) as u64);
+            let at = |kind, n| format!("{} replayed, {} on a stream", floor(kind, true, n), floor(kind, false, n));
             writeln!(
                 out,
-                "# direct kernel (GSC_COLL_SM=auto): as on, between 2 ranks (all_gather: up to 4), from max({sm_min}, {graph}) per rank (all_reduce: {graph_ar}) when replayed from a graph, from max({sm_min}, {stream}) (all_reduce: {stream_ar}) on a stream, first"
+                "# direct kernel (GSC_COLL_SM=auto): as on, from {sm_min} per rank and from these: 2 ranks all_gather {}, reduce_scatter {}, all_reduce {}; 3-4 ranks all_gather {}",
+                at(CollKind::AllGather, 2),
+                at(CollKind::ReduceScatter, 2),
+                at(CollKind::AllReduce, 2),
+                at(CollKind::AllGather, 4),
             )
         }
         Tristate::Off => writeln!(out, "# direct kernel (GSC_COLL_SM=off): never"),
@@ -153,7 +156,7 @@ pub fn describe(
         Tristate::Off => writeln!(out, "# copy engines (GSC_COLL_CE=off): never"),
         Tristate::Auto => writeln!(
             out,
-            "# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from {ce_min} per rank when captured into a graph (stream conditions), before the table"
+            "# copy engines (GSC_COLL_CE=auto): all_gather of 3 and more ranks, from {ce_min} per rank when captured into a graph (stream conditions), before the table"
         ),
         Tristate::On => writeln!(
             out,
@@ -278,7 +281,13 @@ mod tests {
             "{phased}"
         );
         assert!(phased.contains(", the sums to the root only"), "{phased}");
-        assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather, and all_reduce of 2 ranks (whole shards), from 4M"), "{t}");
+        assert!(
+            phased.contains(
+                "# direct kernel (GSC_COLL_SM=auto): as on, from 1M per rank and from these: 2 ranks all_gather 8M replayed, 8M on a stream, reduce_scatter 16M replayed, 16M on a stream, all_reduce 1M replayed, 16M on a stream; 3-4 ranks all_gather 512K replayed, 8M on a stream"
+            ),
+            "{phased}"
+        );
+        assert!(t.contains("# copy engines (GSC_COLL_CE=auto): all_gather of 3 and more ranks, from 4M"), "{t}");
         assert!(t.contains("# direct kernel (GSC_COLL_SM=on): all_gather, reduce_scatter"), "{t}");
         assert!(t.contains("# kernel-triggered conditions (GSC_COLL_TRIGGER_MAX=64): all_reduce of 1 to 64 bytes"), "{t}");
         assert!(

@@ -526,7 +526,7 @@ pub(super) static KNOBS: &[Knob] = &[
               up), between barriers in the communicator's workspace. The ranks exchange and map \
               the buffers through the bootstrap during the call, so auto does it only for calls \
               captured into a graph (paid once, not per replay), and only where the engines \
-              measured faster than the kernels: all-gathers, and all-reduces of two ranks; on: \
+              measured faster than the kernels: all-gathers of three and more ranks; on: \
               all three, every call from \
               GSC_COLL_CE_MIN; off: never. Every rank must capture the same calls (a rank that \
               does not waits for the others until GSC_TIMEOUT). Always off for a communicator \
@@ -562,10 +562,11 @@ pub(super) static KNOBS: &[Knob] = &[
               and mapped through the bootstrap during the call, as for GSC_COLL_CE. on: every \
               such call from GSC_COLL_SM_MIN whose buffers are on 16 bytes and whose parts \
               (all-reduce: shards) are whole 16 bytes, before the copy engines; auto: the same \
-              between two ranks where it measured faster on 2 x H200 (docs/PERF.md): from \
-              512K per rank (all-reduce: 1M) when captured into or added to a graph, from 8M \
-              (16M) on a stream, where each call exchanges the buffers; all-gathers of three \
-              and four ranks from the same sizes (measured ahead on 4 x H200); never the rest \
+              between two ranks where it measured faster on 2 x H200 (docs/PERF.md): \
+              all-gather from 8M per rank, reduce-scatter from 16M, all-reduce from 1M when \
+              captured into or added to a graph and from 16M on a stream (where each call \
+              exchanges the buffers); all-gathers of three and four ranks from 512K in graphs \
+              and 8M on a stream (measured ahead on 4 x H200); never the rest \
               (not measured, or slower than the copy-engine ring); off: never. Always off for a \
               communicator with several ranks in one process",
         kind: KnobKind::Tristate,
