@@ -951,6 +951,190 @@ fn pipelined_large_collectives_exact_on_four_gpus() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Issue #6: every collective at 1 GiB
+
+/// Floats per rank's whole buffer in the 1 GiB checks (the all-reduce, broadcast and reduce take
+/// one more: 16-byte pieces and a one-element tail).
+const GIB_FLOATS: usize = 1 << 28;
+
+/// Element i of rank q's input in case `salt`: a small integer (-8..=7), so float sums of up to
+/// eight ranks are exact; computed, not stored, so no reference arrays of a GiB are built.
+fn gib_val(q: usize, i: usize, salt: u64) -> f32 {
+    let h = (i as u64 ^ ((q as u64 + 1) << 40) ^ (salt << 52)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((h >> 60) as i32 - 8) as f32
+}
+
+/// `count` floats of rank q's input for case `salt`, from element `from`, as bytes.
+fn gib_input(q: usize, from: usize, count: usize, salt: u64) -> Vec<u8> {
+    let mut v = vec![0u8; count * 4];
+    for (k, c) in v.chunks_exact_mut(4).enumerate() {
+        c.copy_from_slice(&gib_val(q, from + k, salt).to_le_bytes());
+    }
+    v
+}
+
+/// The first element of `got` (floats) that differs from `want(i)`, as a problem line.
+fn gib_mismatch(got: &[u8], want: impl Fn(usize) -> f32) -> Option<String> {
+    got.chunks_exact(4).enumerate().find_map(|(i, c)| {
+        let (g, w) = (f32::from_le_bytes(c.try_into().unwrap()), want(i));
+        (g.to_bits() != w.to_bits()).then(|| format!("element {i} is {g}, not {w}"))
+    })
+}
+
+#[derive(Copy, Clone, Debug, PartialEq)]
+enum GibCall {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+}
+
+/// Every collective on 1 GiB buffers (float; all-reduce sum, broadcast from the last rank,
+/// reduce max to rank 0, all-gather, reduce-scatter sum), in place and not, on a stream and
+/// captured into a graph and replayed twice with new inputs, checked element by element. `what`
+/// names the communicator's paths in problem lines.
+fn gib_collectives(r: &Rank, calls: &[GibCall], what: &str) -> Vec<String> {
+    let (me, n) = (r.me(), r.n());
+    let mut bad = Vec::new();
+    let part = GIB_FLOATS / n;
+    // Two buffers of 1 GiB and a piece: inputs and outputs, or one of them in place.
+    let (a, b) = (DeviceBuf::new((GIB_FLOATS + 4) * 4).unwrap(), DeviceBuf::new((GIB_FLOATS + 4) * 4).unwrap());
+    let mut salt = 0u64;
+    for &call in calls {
+        let count = match call {
+            GibCall::AllReduce | GibCall::Broadcast | GibCall::Reduce => GIB_FLOATS + 1,
+            GibCall::AllGather | GibCall::ReduceScatter => part,
+        };
+        let root = match call {
+            GibCall::Broadcast => n - 1,
+            _ => 0,
+        };
+        for in_place in [false, true] {
+            // Where this rank's input goes and where its output is, in bytes from the buffers.
+            let (send, recv) = match (call, in_place) {
+                (_, false) => (a.ptr(), b.ptr()),
+                (GibCall::AllGather, true) => (b.ptr() + (me * part * 4) as u64, b.ptr()),
+                (GibCall::ReduceScatter, true) => (b.ptr(), b.ptr() + (me * part * 4) as u64),
+                (_, true) => (b.ptr(), b.ptr()),
+            };
+            let in_len = if call == GibCall::ReduceScatter { GIB_FLOATS } else { count };
+            let out_len = if call == GibCall::AllGather { GIB_FLOATS } else { count };
+            let issue = |on: &Condition| {
+                let dtype = DataType::Float32;
+                // SAFETY: `a` and `b` are this rank's GPU buffers, large enough for every call
+                // (1 GiB and 16 bytes), kept until the stream is synchronized below.
+                let done = unsafe {
+                    match call {
+                        GibCall::AllReduce => r.comm.all_reduce(send, recv, count, dtype, RedOp::Sum, on),
+                        GibCall::Broadcast => r.comm.broadcast(send, recv, count, dtype, root, on),
+                        GibCall::Reduce => r.comm.reduce(send, recv, count, dtype, RedOp::Max, root, on),
+                        GibCall::AllGather => r.comm.all_gather(send, recv, count, dtype, on),
+                        GibCall::ReduceScatter => r.comm.reduce_scatter(send, recv, count, dtype, RedOp::Sum, on),
+                    }
+                };
+                done.unwrap();
+            };
+            // What rank `me` finds at element i of its output in case `salt`.
+            let want = |i: usize, salt: u64| -> f32 {
+                let all = |j: usize| (0..n).map(move |q| gib_val(q, j, salt));
+                match call {
+                    GibCall::AllReduce => all(i).sum(),
+                    GibCall::Broadcast => gib_val(root, i, salt),
+                    GibCall::Reduce => all(i).fold(f32::MIN, f32::max),
+                    GibCall::AllGather => gib_val(i / part, i % part, salt),
+                    GibCall::ReduceScatter => all(me * part + i).sum(),
+                }
+            };
+            let checks_output = call != GibCall::Reduce || me == root;
+            let mut run_and_check = |how: &str, salt: u64, launch: &dyn Fn()| {
+                // Poison where the output goes, then the input (an all-gather's own part only;
+                // in place, into the output).
+                let (from, len) = if call == GibCall::AllGather { (me * part, part) } else { (0, in_len) };
+                b.fill(0xEE).unwrap();
+                // SAFETY: `send` lies in `a` or `b` with `len` floats after it (see above).
+                unsafe { gscomm::cuda::api::copy_to_device(send, &gib_input(me, from, len, salt)) }.unwrap();
+                launch();
+                r.sync();
+                if checks_output {
+                    // SAFETY: the output lies in `b` (or `a`'s size) with `out_len` floats after it.
+                    let got = unsafe { gscomm::cuda::api::copy_from_device(recv, out_len * 4) }.unwrap();
+                    if let Some(e) = gib_mismatch(&got, |i| want(i, salt)) {
+                        bad.push(format!("rank {me} ({what}): {call:?} of {count} floats, in place {in_place}, {how}: {e}"));
+                    }
+                }
+            };
+            salt += 1;
+            run_and_check("on a stream", salt, &|| issue(&r.cond));
+            let cap = Stream::new().unwrap();
+            let cap_cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
+            cap.begin_capture().unwrap();
+            issue(&cap_cond);
+            let graph = cap.end_capture().unwrap().instantiate().unwrap();
+            for replay in 0..2 {
+                salt += 1;
+                run_and_check(&format!("graph replay {replay}"), salt, &|| graph.launch(&r.stream).unwrap());
+            }
+        }
+    }
+    bad
+}
+
+/// 1 GiB of every collective with the communicator's own paths (`auto`), then, between two
+/// ranks, the all-reduce and its halves on the phased kernel too (which `auto` leaves the
+/// direct kernel there).
+fn run_rank_gib(rank: usize, n: usize, uid: &[u8]) -> String {
+    set_device(gpu_of(rank)).unwrap();
+    let uid = UniqueId::from_bytes(uid).unwrap();
+    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
+    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")]);
+    let comm = Communicator::new(boot, gpu_of(rank), &config).unwrap();
+    let stream = Stream::new().unwrap();
+    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+    let r = Rank { comm, stream, cond };
+    let every = [GibCall::AllReduce, GibCall::Broadcast, GibCall::Reduce, GibCall::AllGather, GibCall::ReduceScatter];
+    let t0 = Instant::now();
+    let mut bad = gib_collectives(&r, &every, "auto");
+    eprintln!("rank {rank}: 1 GiB collectives (auto) in {:?}", t0.elapsed());
+    if n == 2 {
+        let phased = [("GSC_COLL_SM", "off"), ("GSC_COLL_CE", "off"), ("GSC_COLL_RING", "off")];
+        let knobs = config_with(&[&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")], &phased[..]].concat());
+        let split = r.comm.split(Some(0), 0, &knobs).unwrap().expect("every rank has color 0");
+        let stream = Stream::new().unwrap();
+        let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
+        let s = Rank { comm: split, stream, cond };
+        let t0 = Instant::now();
+        bad.extend(gib_collectives(&s, &[GibCall::AllReduce, GibCall::AllGather, GibCall::ReduceScatter], "phased"));
+        eprintln!("rank {rank}: 1 GiB all-reduce, all-gather, reduce-scatter (phased) in {:?}", t0.elapsed());
+    }
+    bad.join("\n")
+}
+
+fn gib_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
+    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
+    let uid = chan.get("uid");
+    let v = run_rank_gib(rank, n, &uid);
+    chan.put("result", v.as_bytes());
+}
+
+#[test]
+fn gib_collectives_exact_on_two_gpus() {
+    if run_child_role(gib_roles) {
+        return;
+    }
+    run_job_with("gib_collectives_exact_on_two_gpus", 2, gib_roles, run_rank_gib);
+}
+
+#[test]
+fn gib_collectives_exact_on_four_gpus() {
+    if run_child_role(gib_roles) {
+        return;
+    }
+    run_job_with("gib_collectives_exact_on_four_gpus", 4, gib_roles, run_rank_gib);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Issue #8: one rank of a collective is SIGKILLed
 
 /// The survivor's GSC_TIMEOUT in the kill test: how long its kernels wait for a dead peer.
