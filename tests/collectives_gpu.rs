@@ -964,21 +964,72 @@ fn gib_val(q: usize, i: usize, salt: u64) -> f32 {
     ((h >> 60) as i32 - 8) as f32
 }
 
+/// Host threads each rank of a job on this machine uses for the 1 GiB inputs and checks (the
+/// children's watchdog gives a rank 60 s for all of it).
+fn gib_threads(n: usize) -> usize {
+    (std::thread::available_parallelism().map_or(2, |p| p.get()) / n.min(device_count().max(1) as usize * 2)).clamp(1, 16)
+}
+
+/// Pieces of whole floats, one per thread, of `len` bytes.
+fn gib_pieces(len: usize, threads: usize) -> usize {
+    len.div_ceil(threads).next_multiple_of(4).max(4)
+}
+
 /// `count` floats of rank q's input for case `salt`, from element `from`, as bytes.
-fn gib_input(q: usize, from: usize, count: usize, salt: u64) -> Vec<u8> {
+fn gib_input(q: usize, from: usize, count: usize, salt: u64, threads: usize) -> Vec<u8> {
     let mut v = vec![0u8; count * 4];
-    for (k, c) in v.chunks_exact_mut(4).enumerate() {
-        c.copy_from_slice(&gib_val(q, from + k, salt).to_le_bytes());
-    }
+    let piece = gib_pieces(v.len(), threads);
+    std::thread::scope(|s| {
+        for (p, chunk) in v.chunks_mut(piece).enumerate() {
+            s.spawn(move || {
+                let first = from + p * piece / 4;
+                for (k, c) in chunk.chunks_exact_mut(4).enumerate() {
+                    c.copy_from_slice(&gib_val(q, first + k, salt).to_le_bytes());
+                }
+            });
+        }
+    });
     v
 }
 
 /// The first element of `got` (floats) that differs from `want(i)`, as a problem line.
-fn gib_mismatch(got: &[u8], want: impl Fn(usize) -> f32) -> Option<String> {
-    got.chunks_exact(4).enumerate().find_map(|(i, c)| {
-        let (g, w) = (f32::from_le_bytes(c.try_into().unwrap()), want(i));
-        (g.to_bits() != w.to_bits()).then(|| format!("element {i} is {g}, not {w}"))
+fn gib_mismatch(got: &[u8], want: impl Fn(usize) -> f32 + Sync, threads: usize) -> Option<String> {
+    let piece = gib_pieces(got.len(), threads);
+    let want = &want;
+    std::thread::scope(|s| {
+        let found: Vec<_> = got
+            .chunks(piece)
+            .enumerate()
+            .map(|(p, chunk)| {
+                s.spawn(move || {
+                    chunk.chunks_exact(4).enumerate().find_map(|(k, c)| {
+                        let i = p * piece / 4 + k;
+                        let (g, w) = (f32::from_le_bytes(c.try_into().unwrap()), want(i));
+                        (g.to_bits() != w.to_bits()).then(|| format!("element {i} is {g}, not {w}"))
+                    })
+                })
+            })
+            .collect();
+        found.into_iter().find_map(|h| h.join().unwrap())
     })
+}
+
+/// The 1 GiB checks' threaded helpers agree with the formula, element by element, and find a
+/// difference wherever it is (no GPU needed).
+#[test]
+fn gib_inputs_and_checks_cover_every_element() {
+    for threads in [1, 3, 8] {
+        let (from, count, salt) = (1000, 70_001, 5);
+        let v = gib_input(1, from, count, salt, threads);
+        assert_eq!(v.len(), count * 4);
+        assert_eq!(gib_mismatch(&v, |i| gib_val(1, from + i, salt), threads), None);
+        for at in [0, 17_500, count - 1] {
+            let mut w = v.clone();
+            w[at * 4 + 3] ^= 0x40;
+            let e = gib_mismatch(&w, |i| gib_val(1, from + i, salt), threads).expect("a difference");
+            assert!(e.starts_with(&format!("element {at} ")), "{e}");
+        }
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -991,11 +1042,13 @@ enum GibCall {
 }
 
 /// Every collective on 1 GiB buffers (float; all-reduce sum, broadcast from the last rank,
-/// reduce max to rank 0, all-gather, reduce-scatter sum), in place and not, on a stream and
-/// captured into a graph and replayed twice with new inputs, checked element by element. `what`
-/// names the communicator's paths in problem lines.
-fn gib_collectives(r: &Rank, calls: &[GibCall], what: &str) -> Vec<String> {
+/// reduce max to rank 0, all-gather, reduce-scatter sum), checked element by element: on a
+/// stream out of place and in place, and captured into a graph (out of place) and replayed
+/// with new inputs; `graphs` false: the first only. `what` names the communicator's paths in
+/// problem lines.
+fn gib_collectives(r: &Rank, calls: &[GibCall], graphs: bool, what: &str) -> Vec<String> {
     let (me, n) = (r.me(), r.n());
+    let threads = gib_threads(n);
     let mut bad = Vec::new();
     let part = GIB_FLOATS / n;
     // Two buffers of 1 GiB and a piece: inputs and outputs, or one of them in place.
@@ -1010,7 +1063,8 @@ fn gib_collectives(r: &Rank, calls: &[GibCall], what: &str) -> Vec<String> {
             GibCall::Broadcast => n - 1,
             _ => 0,
         };
-        for in_place in [false, true] {
+        let placements: &[(bool, bool)] = if graphs { &[(false, false), (true, false), (false, true)] } else { &[(false, false)] };
+        for &(in_place, graph) in placements {
             // Where this rank's input goes and where its output is, in bytes from the buffers.
             let (send, recv) = match (call, in_place) {
                 (_, false) => (a.ptr(), b.ptr()),
@@ -1053,36 +1107,36 @@ fn gib_collectives(r: &Rank, calls: &[GibCall], what: &str) -> Vec<String> {
                 let (from, len) = if call == GibCall::AllGather { (me * part, part) } else { (0, in_len) };
                 b.fill(0xEE).unwrap();
                 // SAFETY: `send` lies in `a` or `b` with `len` floats after it (see above).
-                unsafe { gscomm::cuda::api::copy_to_device(send, &gib_input(me, from, len, salt)) }.unwrap();
+                unsafe { gscomm::cuda::api::copy_to_device(send, &gib_input(me, from, len, salt, threads)) }.unwrap();
                 launch();
                 r.sync();
                 if checks_output {
                     // SAFETY: the output lies in `b` (or `a`'s size) with `out_len` floats after it.
                     let got = unsafe { gscomm::cuda::api::copy_from_device(recv, out_len * 4) }.unwrap();
-                    if let Some(e) = gib_mismatch(&got, |i| want(i, salt)) {
+                    if let Some(e) = gib_mismatch(&got, |i| want(i, salt), threads) {
                         bad.push(format!("rank {me} ({what}): {call:?} of {count} floats, in place {in_place}, {how}: {e}"));
                     }
                 }
             };
             salt += 1;
-            run_and_check("on a stream", salt, &|| issue(&r.cond));
+            if !graph {
+                run_and_check("on a stream", salt, &|| issue(&r.cond));
+                continue;
+            }
             let cap = Stream::new().unwrap();
             let cap_cond = Condition::cuda(Category::Stream, cap.raw(), None).unwrap();
             cap.begin_capture().unwrap();
             issue(&cap_cond);
-            let graph = cap.end_capture().unwrap().instantiate().unwrap();
-            for replay in 0..2 {
-                salt += 1;
-                run_and_check(&format!("graph replay {replay}"), salt, &|| graph.launch(&r.stream).unwrap());
-            }
+            let exec = cap.end_capture().unwrap().instantiate().unwrap();
+            run_and_check("replayed from a graph", salt, &|| exec.launch(&r.stream).unwrap());
         }
     }
     bad
 }
 
 /// 1 GiB of every collective with the communicator's own paths (`auto`), then, between two
-/// ranks, the all-reduce and its halves on the phased kernel too (which `auto` leaves the
-/// direct kernel there).
+/// ranks, the all-reduce and its halves on a stream on the phased kernel too (`auto` gives them
+/// the direct kernel there).
 fn run_rank_gib(rank: usize, n: usize, uid: &[u8]) -> String {
     set_device(gpu_of(rank)).unwrap();
     let uid = UniqueId::from_bytes(uid).unwrap();
@@ -1094,7 +1148,7 @@ fn run_rank_gib(rank: usize, n: usize, uid: &[u8]) -> String {
     let r = Rank { comm, stream, cond };
     let every = [GibCall::AllReduce, GibCall::Broadcast, GibCall::Reduce, GibCall::AllGather, GibCall::ReduceScatter];
     let t0 = Instant::now();
-    let mut bad = gib_collectives(&r, &every, "auto");
+    let mut bad = gib_collectives(&r, &every, true, "auto");
     eprintln!("rank {rank}: 1 GiB collectives (auto) in {:?}", t0.elapsed());
     if n == 2 {
         let phased = [("GSC_COLL_SM", "off"), ("GSC_COLL_CE", "off"), ("GSC_COLL_RING", "off")];
@@ -1104,7 +1158,7 @@ fn run_rank_gib(rank: usize, n: usize, uid: &[u8]) -> String {
         let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
         let s = Rank { comm: split, stream, cond };
         let t0 = Instant::now();
-        bad.extend(gib_collectives(&s, &[GibCall::AllReduce, GibCall::AllGather, GibCall::ReduceScatter], "phased"));
+        bad.extend(gib_collectives(&s, &[GibCall::AllReduce, GibCall::AllGather, GibCall::ReduceScatter], false, "phased"));
         eprintln!("rank {rank}: 1 GiB all-reduce, all-gather, reduce-scatter (phased) in {:?}", t0.elapsed());
     }
     bad.join("\n")
