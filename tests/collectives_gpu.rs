@@ -171,6 +171,76 @@ fn large_all_reduce_of(r: &Rank, count: usize, dtypes: &[DataType], ops: &[RedOp
     bad
 }
 
+/// The large kernels on buffers off 16 bytes (one element past an allocation's start) and on
+/// all-gather and reduce-scatter parts off 16 bytes, which the phased kernel moves in narrower
+/// accesses: all-reduce (and a pre-multiplied sum), broadcast from the last rank and reduce to
+/// rank 0, in place and not, then the halves.
+fn large_off_sixteen(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let count = (1 << 20) + 1;
+    for (dtype, op) in
+        [(DataType::Float32, RedOp::Sum), (DataType::Bfloat16, RedOp::Max), (DataType::Int8, RedOp::Min), (DataType::Float64, RedOp::Prod)]
+    {
+        let sz = dtype.size();
+        let seed = 97_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64;
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, count)).collect();
+        let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+        let sum = reduce_reference(dtype, op, &refs);
+        for in_place in [false, true] {
+            // One element in: on whole elements, off 16 bytes.
+            let a = device_with(&[], (count + 16) * sz);
+            let b = device_with(&[], (count + 16) * sz);
+            let send = a.ptr() + sz as u64;
+            let recv = if in_place { send } else { b.ptr() + sz as u64 };
+            let cases: [(&str, usize, Option<RedOp>); 3] =
+                [("all_reduce", 0, Some(op)), ("broadcast", n - 1, None), ("reduce", 0, Some(op))];
+            for (what, root, reduce_op) in cases {
+                unsafe { gscomm::cuda::api::copy_to_device(send, &ins[me]) }.unwrap();
+                let done = unsafe {
+                    match (what, reduce_op) {
+                        ("all_reduce", Some(op)) => r.comm.all_reduce(send, recv, count, dtype, op, &r.cond),
+                        ("broadcast", _) => r.comm.broadcast(send, recv, count, dtype, root, &r.cond),
+                        (_, Some(op)) => r.comm.reduce(send, recv, count, dtype, op, root, &r.cond),
+                        _ => unreachable!("every case names its call"),
+                    }
+                };
+                done.unwrap();
+                r.sync();
+                let want = if what == "broadcast" { &ins[root] } else { &sum };
+                let checked = what != "reduce" || me == root;
+                if checked && unsafe { gscomm::cuda::api::copy_from_device(recv, count * sz) }.unwrap() != *want {
+                    bad.push(format!("rank {me}: {what} of {count} x {} {} off 16 bytes, in_place={in_place}", dtype.name(), op.name()));
+                }
+            }
+        }
+        bad.extend(large_halves_of(r, count, &[(dtype, op)]));
+    }
+    // A pre-multiplied sum off 16 bytes: all-reduce and reduce-scatter (element by element).
+    let dtype = DataType::Float32;
+    for (kind, count) in [(PremulKind::AllReduce, (1 << 20) + 1), (PremulKind::ReduceScatter, (1 << 19) + 1)] {
+        let total = if kind == PremulKind::ReduceScatter { count * n } else { count };
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 98_000 + total as u64, total)).collect();
+        let scaled: Vec<Vec<u8>> = ins.iter().enumerate().map(|(q, x)| premul_reference(dtype, premul_scalar(dtype, q), x)).collect();
+        let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
+        let sum = reduce_reference(dtype, RedOp::Sum, &refs);
+        let want = match kind {
+            PremulKind::ReduceScatter => sum[me * count * 4..(me + 1) * count * 4].to_vec(),
+            _ => sum,
+        };
+        let (a, b) = (device_with(&[], (total + 4) * 4), device_with(&[], (count + 4) * 4));
+        let (send, recv) = (a.ptr() + 4, b.ptr() + 4);
+        unsafe { gscomm::cuda::api::copy_to_device(send, &ins[me]) }.unwrap();
+        let scalar = PreMulScalar::Value(premul_scalar(dtype, me));
+        unsafe { r.comm.premul_sum(kind, send, recv, count, dtype, scalar, 0, &r.cond) }.unwrap();
+        r.sync();
+        if unsafe { gscomm::cuda::api::copy_from_device(recv, count * 4) }.unwrap() != want {
+            bad.push(format!("rank {me}: premul {kind:?} of {count} floats off 16 bytes"));
+        }
+    }
+    bad
+}
+
 /// Broadcast and reduce on the large kernel (the all-reduce's pattern) over several rounds with
 /// a one-shot tail (odd counts), in place and not, on the datatypes of each size: broadcast
 /// from every root, reduce on every operator to the last rank.
@@ -270,13 +340,12 @@ fn large_halves(r: &Rank) -> Vec<String> {
     large_halves_of(r, 1 << 20, &[(DataType::Float32, RedOp::Sum), (DataType::Bfloat16, RedOp::Max), (DataType::Uint64, RedOp::Prod)])
 }
 
-/// `large_halves` on parts of `count` elements (whole 16-byte pieces) of each (datatype,
-/// operator) of `cases`.
+/// `large_halves` on parts of `count` elements of each (datatype, operator) of `cases` (parts
+/// off 16 bytes: the phased kernel's narrower accesses; the pipelined one's one-shot).
 fn large_halves_of(r: &Rank, count: usize, cases: &[(DataType, RedOp)]) -> Vec<String> {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
     let mut bad = Vec::new();
     for &(dtype, op) in cases {
-        assert_eq!(count * dtype.size() % 16, 0, "the large halves take parts of whole 16-byte pieces");
         let sz = dtype.size();
         let seed = 70_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64 + count as u64;
         for in_place in [false, true] {
@@ -595,6 +664,7 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.extend(large_rooted(&r));
     eprintln!("rank {rank}: large all-reduce, broadcast and reduce checks in {:?}", t0.elapsed());
     bad.extend(large_halves(&r));
+    bad.extend(large_off_sixteen(&r));
     bad.extend(premul_sums(&r));
     bad.extend(graph_replays(&r, 20_000));
     bad.extend(graph_replays(&r, 300_000));

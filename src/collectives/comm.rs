@@ -22,7 +22,7 @@ use super::large::{self, LargeKind, LargeShape};
 use super::p2p::{PeerLinks, PeerOp};
 use super::p2p_kernel::{self, KernelOp, PeerTransfer};
 use super::peer_buffers::{DirectCall, DirectContext, DirectKind};
-use super::select::{self, Collective};
+use super::select::{self, Alignment, Collective};
 use super::settings;
 use super::together::{Coll, Known, Shape};
 use super::triggered::{self, DeviceCall, Triggered};
@@ -1247,9 +1247,7 @@ impl Communicator {
             CollKind::Broadcast => Collective::Broadcast,
             CollKind::Reduce => Collective::Reduce,
         };
-        // A rank that does not touch a buffer passes 0 for it, which is aligned.
-        let aligned = (call.send | call.recv).is_multiple_of(16);
-        select::choose(coll, call.part_bytes, aligned, self.large_min, self.large.algo).is_large()
+        select::choose(coll, call.part_bytes, large_alignment(call), self.large_min, self.large.algo).is_large()
     }
 
     /// A large collective: one launch of the communicator's large kernel (phased or pipelined,
@@ -1275,9 +1273,11 @@ impl Communicator {
             reduce_threads: l.reduce_threads as u64,
             ..self.kernel_args(call, bytes, l.region, l.rounds)
         };
-        let family = match self.large.algo {
-            crate::config::LargeAlgo::Phased => "big",
-            crate::config::LargeAlgo::Pipelined => "pipe",
+        let family = match (self.large.algo, large_alignment(call)) {
+            (crate::config::LargeAlgo::Phased, Alignment::Sixteen) => "big",
+            // Whole elements off 16 bytes (`select::choose` sends nothing narrower here).
+            (crate::config::LargeAlgo::Phased, _) => "bign",
+            (crate::config::LargeAlgo::Pipelined, _) => "pipe",
         };
         let kernel = format!("gsc_coll_{family}_{}_{}", call.dtype.kernel_tag(), call.op_tag());
         let grid = Grid { blocks: self.large.blocks as u32, threads: self.large.threads as u32 };
@@ -1321,6 +1321,17 @@ fn split_heads(group: &[PeerTransfer], rank: usize, p2p_max: usize, head: usize)
         }
     }
     Some(out)
+}
+
+/// Where a call's addresses sit for the large kernels: its buffers and, for all-gather and
+/// reduce-scatter, its parts, which stride the buffers. A rank that does not touch a buffer
+/// passes 0 for it, which is aligned.
+fn large_alignment(call: &Call) -> Alignment {
+    let strides = match call.kind {
+        CollKind::AllGather | CollKind::ReduceScatter => call.part_bytes as u64,
+        _ => 0,
+    };
+    Alignment::of(call.send | call.recv | strides, call.dtype.size())
 }
 
 fn too_large() -> Error {

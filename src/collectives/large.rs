@@ -13,9 +13,10 @@ use crate::error::{Error, Result};
 const PHASED_THREADS: usize = 512;
 const PIPELINED_THREADS: usize = 512;
 /// The most threads each kernel can run per block (the phased kernel's registers, measured
-/// with NVRTC for sm_90: at most 80; the pipelined kernel is compiled for 512,
+/// with NVRTC for sm_90: at most 72 for `gsc_coll_big`; its narrow twin `gsc_coll_bign` and the
+/// pipelined kernel are compiled for these counts, `GSC_BIG_MAX_THREADS` and
 /// `GSC_PIPE_MAX_THREADS`).
-const PHASED_MAX_THREADS: usize = 768;
+pub(crate) const PHASED_MAX_THREADS: usize = 768;
 pub(crate) const PIPELINED_MAX_THREADS: usize = 512;
 
 /// The collectives the large kernels run.
@@ -94,11 +95,13 @@ pub(crate) struct LargeLaunch {
     pub(crate) reduce_threads: usize,
 }
 
-/// The launch of `kind` over `bytes` per part (whole 16-byte pieces; all-reduce: its whole
-/// buffer) on `nranks` ranks; `round_max`: `GSC_COLL_LARGE_ROUND` (the workspace holds four
-/// areas of it, from 1 MiB).
+/// The launch of `kind` over `bytes` per part (all-reduce: its whole buffer, whole 16-byte
+/// pieces; all-gather and reduce-scatter parts on the phased kernel: any whole elements, the
+/// last region shorter) on `nranks` ranks; `round_max`: `GSC_COLL_LARGE_ROUND` (the workspace
+/// holds four areas of it, from 1 MiB).
 pub(crate) fn launch(shape: &LargeShape, kind: LargeKind, nranks: usize, bytes: usize, round_max: usize) -> LargeLaunch {
-    debug_assert!(bytes > 0 && bytes.is_multiple_of(16));
+    debug_assert!(bytes > 0);
+    debug_assert!(bytes.is_multiple_of(16) || (kind != LargeKind::AllReduce && shape.algo == LargeAlgo::Phased));
     // The area a round may fill per rank: a parity (phased) or a stage (pipelined: the four
     // areas cut into `stages` of "in" and `stages` of "out"), on 16 bytes.
     let (area, stages) = match shape.algo {
@@ -184,6 +187,22 @@ mod tests {
         assert_eq!(l.region, 21_840, "8 MiB / (3 × 128), on 16 bytes");
         let l = launch(&s, LargeKind::ReduceScatter, 2, 128 << 20, 8 << 20);
         assert_eq!((l.region, l.rounds), (64 << 10, 16));
+    }
+
+    #[test]
+    fn phased_halves_cover_parts_off_sixteen_bytes() {
+        let s = shape(LargeAlgo::Phased, 128, 512, 4, None);
+        for n in 2..=8 {
+            for kind in [LargeKind::AllGather, LargeKind::ReduceScatter] {
+                for bytes in [3, 4097 * 4, (64 << 20) + 4, (1 << 30) + 2] {
+                    let l = launch(&s, kind, n, bytes, 8 << 20);
+                    let parts = if kind == LargeKind::ReduceScatter { n - 1 } else { n };
+                    assert!(l.region > 0 && l.region.is_multiple_of(16), "{kind:?} {l:?}");
+                    assert!(l.region * parts * 128 <= 8 << 20, "{kind:?} {l:?}: the area holds a round");
+                    assert!(l.rounds * l.region * 128 >= bytes && (l.rounds - 1) * l.region * 128 < bytes, "{kind:?} {l:?}");
+                }
+            }
+        }
     }
 
     #[test]

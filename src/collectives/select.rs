@@ -70,18 +70,47 @@ impl Algorithm {
     }
 }
 
-/// The algorithm of a call moving `bytes` per rank; `aligned`: both buffers on 16 bytes (and,
-/// for all-gather and reduce-scatter, every rank's part too: `bytes` a multiple of 16);
-/// `large_min`: `GSC_COLL_LARGE_MIN`; `algo`: `GSC_COLL_LARGE_ALGO`.
-pub fn choose(coll: Collective, bytes: usize, aligned: bool, large_min: usize, algo: LargeAlgo) -> Algorithm {
-    let large = bytes >= large_min.max(16) && aligned;
+/// Where a call's addresses sit: every buffer address and, for all-gather and reduce-scatter,
+/// the bytes of a part (which stride the buffers), OR-ed together.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Alignment {
+    /// On 16 bytes: every kernel's 16-byte accesses.
+    Sixteen,
+    /// On whole elements, not on 16 bytes: the phased kernel moves such calls in narrower
+    /// accesses (`cuda::coll`'s `gsc_align_of`).
+    Elements,
+    /// Not even on whole elements: the one-shot kernel only.
+    Bytes,
+}
+
+impl Alignment {
+    /// The alignment of `bits` (addresses and strides OR-ed) for elements of `elem` bytes.
+    pub fn of(bits: u64, elem: usize) -> Alignment {
+        if bits.is_multiple_of(16) {
+            Alignment::Sixteen
+        } else if bits.is_multiple_of(elem as u64) {
+            Alignment::Elements
+        } else {
+            Alignment::Bytes
+        }
+    }
+}
+
+/// The algorithm of a call moving `bytes` per rank; `align`: its addresses' (`Alignment`);
+/// `large_min`: `GSC_COLL_LARGE_MIN`; `algo`: `GSC_COLL_LARGE_ALGO`. The phased kernel takes
+/// calls on whole elements, the pipelined one calls on 16 bytes only.
+pub fn choose(coll: Collective, bytes: usize, align: Alignment, large_min: usize, algo: LargeAlgo) -> Algorithm {
+    let fits = match algo {
+        LargeAlgo::Phased => align != Alignment::Bytes,
+        LargeAlgo::Pipelined => align == Alignment::Sixteen,
+    };
+    let large = bytes >= large_min.max(16) && fits;
     let large_algo = match algo {
         LargeAlgo::Phased => Algorithm::TwoShotPush,
         LargeAlgo::Pipelined => Algorithm::TwoShotPipelined,
     };
     match coll {
-        Collective::AllReduce if large => large_algo,
-        Collective::AllGather | Collective::ReduceScatter if large && bytes.is_multiple_of(16) => large_algo,
+        Collective::AllReduce | Collective::AllGather | Collective::ReduceScatter if large => large_algo,
         // On the all-reduce's pattern in the phased kernel only (`cuda::coll`).
         Collective::Broadcast | Collective::Reduce if large && algo == LargeAlgo::Phased => Algorithm::TwoShotPush,
         _ => Algorithm::OneShotLl,
@@ -176,14 +205,14 @@ pub fn describe(
         ),
     };
     for coll in Collective::ALL {
-        let line = match choose(coll, usize::MAX & !15, true, large_min, shape.algo) {
+        let line = match choose(coll, usize::MAX & !15, Alignment::Sixteen, large_min, shape.algo) {
             Algorithm::OneShotLl if coll.rooted() => format!(
                 "{} at every size (the pipelined kernel has no rooted collectives), rounds of 64 KiB acknowledged by the readers",
                 Algorithm::OneShotLl.name()
             ),
             Algorithm::OneShotLl => format!("{} at every size", Algorithm::OneShotLl.name()),
             large => format!(
-                "{} below {}, {} from there{} (buffers on 16 bytes, and for all-gather and reduce-scatter parts of whole 16 bytes; otherwise one-shot)",
+                "{} below {}, {} from there{} ({}; otherwise one-shot)",
                 Algorithm::OneShotLl.name(),
                 crate::config::format_size(large_min.max(16) as u64),
                 large.name(),
@@ -191,6 +220,10 @@ pub fn describe(
                     Collective::Broadcast => ", the root pushing slices the others forward (two ranks: the root pushing it whole)",
                     Collective::Reduce => ", the sums to the root only (two ranks: a reduce-scatter to the root)",
                     _ => "",
+                },
+                match large {
+                    Algorithm::TwoShotPipelined => "buffers on 16 bytes, and for all-gather and reduce-scatter parts of whole 16 bytes",
+                    _ => "buffers and parts on whole elements, in 16-byte accesses where they are on 16 bytes",
                 }
             ),
         };
@@ -223,24 +256,39 @@ mod tests {
     #[test]
     fn all_reduce_switches_at_the_threshold_when_aligned() {
         let min = 256 << 10;
-        let p = LargeAlgo::Phased;
-        assert_eq!(choose(Collective::AllReduce, min - 1, true, min, p), Algorithm::OneShotLl);
-        assert_eq!(choose(Collective::AllReduce, min, true, min, p), Algorithm::TwoShotPush);
-        assert_eq!(choose(Collective::AllReduce, min, true, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined);
-        assert_eq!(choose(Collective::AllReduce, min, false, min, p), Algorithm::OneShotLl, "unaligned buffers stay one-shot");
+        let (p, sixteen, elements, bytes) = (LargeAlgo::Phased, Alignment::Sixteen, Alignment::Elements, Alignment::Bytes);
+        assert_eq!(choose(Collective::AllReduce, min - 1, sixteen, min, p), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, min, sixteen, min, p), Algorithm::TwoShotPush);
+        assert_eq!(choose(Collective::AllReduce, min, sixteen, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined);
+        assert_eq!(choose(Collective::AllReduce, min, elements, min, p), Algorithm::TwoShotPush, "whole elements: phased");
+        assert_eq!(choose(Collective::AllReduce, min, elements, min, LargeAlgo::Pipelined), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, min, bytes, min, p), Algorithm::OneShotLl, "off whole elements: one-shot");
         // A threshold of 0 still leaves calls under one 16-byte piece to the one-shot kernel.
-        assert_eq!(choose(Collective::AllReduce, 8, true, 0, p), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, 8, sixteen, 0, p), Algorithm::OneShotLl);
         for coll in [Collective::AllGather, Collective::ReduceScatter] {
-            assert_eq!(choose(coll, 1 << 30, true, min, p), Algorithm::TwoShotPush, "{}", coll.name());
-            assert_eq!(choose(coll, 1 << 30, true, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined, "{}", coll.name());
-            assert_eq!(choose(coll, (1 << 30) + 4, true, min, p), Algorithm::OneShotLl, "{}: parts of whole 16 bytes", coll.name());
+            assert_eq!(choose(coll, 1 << 30, sixteen, min, p), Algorithm::TwoShotPush, "{}", coll.name());
+            assert_eq!(choose(coll, 1 << 30, sixteen, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined, "{}", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 4, elements, min, p), Algorithm::TwoShotPush, "{}: parts off 16 bytes", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 4, elements, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 1, bytes, min, p), Algorithm::OneShotLl, "{}", coll.name());
         }
         for coll in [Collective::Broadcast, Collective::Reduce] {
-            assert_eq!(choose(coll, 1 << 30, true, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
-            assert_eq!(choose(coll, min, true, min, p), Algorithm::TwoShotPush, "{}: the all-reduce's pattern", coll.name());
-            assert_eq!(choose(coll, min - 1, true, min, p), Algorithm::OneShotLl, "{}", coll.name());
-            assert_eq!(choose(coll, min, false, min, p), Algorithm::OneShotLl, "{}: unaligned", coll.name());
+            assert_eq!(choose(coll, 1 << 30, sixteen, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
+            assert_eq!(choose(coll, min, sixteen, min, p), Algorithm::TwoShotPush, "{}: the all-reduce's pattern", coll.name());
+            assert_eq!(choose(coll, min - 1, sixteen, min, p), Algorithm::OneShotLl, "{}", coll.name());
+            assert_eq!(choose(coll, min, elements, min, p), Algorithm::TwoShotPush, "{}: whole elements", coll.name());
+            assert_eq!(choose(coll, min, bytes, min, p), Algorithm::OneShotLl, "{}: off whole elements", coll.name());
         }
+    }
+
+    #[test]
+    fn alignment_reads_addresses_and_strides_for_the_element_size() {
+        assert_eq!(Alignment::of(0x7000_0000, 4), Alignment::Sixteen);
+        assert_eq!(Alignment::of(0x7000_0004, 4), Alignment::Elements);
+        assert_eq!(Alignment::of(0x7000_0002, 4), Alignment::Bytes);
+        assert_eq!(Alignment::of(0x7000_0001, 1), Alignment::Elements);
+        assert_eq!(Alignment::of(0x7000_0008, 8), Alignment::Elements);
+        assert_eq!(Alignment::of(0x7000_0004, 8), Alignment::Bytes);
     }
 
     #[test]

@@ -494,36 +494,122 @@ static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long
     return __syncthreads_and(ok);
 }
 
-/* Threads tid..threads-1 of the block (all of it: threadIdx.x, blockDim.x; the pipelined
- * kernel: one role's): copy len bytes (a multiple of 16, both sides on 16 bytes), four 16-byte
- * pieces in flight per thread. `cg`: the source was written by peers (loads skip L1). */
-static __device__ __forceinline__ void gsc_big_copy_by(unsigned tid, unsigned threads, unsigned char *t, const unsigned char *s,
-                                                       unsigned long long len, bool cg)
+/* The widest access (16, 8, 4, 2 or 1 bytes) that every address and length in `bits` (OR-ed
+ * together) allow. The workspace is always on 16 bytes; a user's buffers and an all-gather's or
+ * reduce-scatter's parts are on whole elements, not necessarily on 16 bytes (the host sends
+ * calls on fewer than whole elements to the one-shot kernel). */
+static __device__ __forceinline__ unsigned gsc_align_of(unsigned long long bits)
 {
-    const unsigned long long step = threads * 16ull;
-    for (unsigned long long i = tid * 16ull; i < len; i += 4 * step) {
-        uint4 v[4];
+    bits |= 16;
+    return (unsigned)(bits & (~bits + 1));
+}
+
+/* An access of G bytes, and its load (skipping L1 when `cg`, as gsc_ld_cg). */
+template <int G> struct gsc_word;
+template <> struct gsc_word<1> { typedef unsigned char t; };
+template <> struct gsc_word<2> { typedef unsigned short t; };
+template <> struct gsc_word<4> { typedef unsigned t; };
+template <> struct gsc_word<8> { typedef unsigned long long t; };
+template <> struct gsc_word<16> { typedef uint4 t; };
+template <int G> static __device__ __forceinline__ typename gsc_word<G>::t gsc_ld_cg_word(const unsigned char *p);
+template <> __device__ __forceinline__ uint4 gsc_ld_cg_word<16>(const unsigned char *p) { return gsc_ld_cg(p); }
+template <> __device__ __forceinline__ unsigned long long gsc_ld_cg_word<8>(const unsigned char *p)
+{
+    unsigned long long v;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+template <> __device__ __forceinline__ unsigned gsc_ld_cg_word<4>(const unsigned char *p)
+{
+    unsigned v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+template <> __device__ __forceinline__ unsigned short gsc_ld_cg_word<2>(const unsigned char *p)
+{
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+template <> __device__ __forceinline__ unsigned char gsc_ld_cg_word<1>(const unsigned char *p)
+{
+    unsigned short v;
+    asm volatile("ld.global.cg.u8 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return (unsigned char)v;
+}
+template <int G> static __device__ __forceinline__ typename gsc_word<G>::t gsc_ld_word(const unsigned char *p, bool cg)
+{
+    return cg ? gsc_ld_cg_word<G>(p) : *(const typename gsc_word<G>::t *)p;
+}
+
+/* gsc_big_copy_by in accesses of G bytes (G divides both addresses and len). */
+template <int G>
+static __device__ __forceinline__ void gsc_copy_words(unsigned tid, unsigned threads, unsigned char *t, const unsigned char *s, unsigned long long len,
+                                                      bool cg)
+{
+    typedef typename gsc_word<G>::t W;
+    const unsigned long long step = threads * (unsigned long long)G;
+    for (unsigned long long i = tid * (unsigned long long)G; i < len; i += 4 * step) {
+        W v[4];
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            if (i + k * step < len) v[k] = cg ? gsc_ld_cg(s + i + k * step) : *(const uint4 *)(s + i + k * step);
+            if (i + k * step < len) v[k] = gsc_ld_word<G>(s + i + k * step, cg);
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            if (i + k * step < len) *(uint4 *)(t + i + k * step) = v[k];
+            if (i + k * step < len) *(W *)(t + i + k * step) = v[k];
     }
 }
 
-static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsigned char *s, unsigned long long len, bool cg)
+/* Threads tid..threads-1 of the block (all of it: threadIdx.x, blockDim.x; the pipelined
+ * kernel: one role's): copy len bytes, four accesses in flight per thread. Without NARROW both
+ * sides and len are on 16 bytes (every kernel but gsc_coll_bign); with it each access is as
+ * wide as the sides and len allow. `cg`: the source was written by peers (loads skip L1). */
+template <bool NARROW = false>
+static __device__ __forceinline__ void gsc_big_copy_by(unsigned tid, unsigned threads, unsigned char *t, const unsigned char *s,
+                                                       unsigned long long len, bool cg)
 {
-    gsc_big_copy_by(threadIdx.x, blockDim.x, t, s, len, cg);
+    switch (NARROW ? gsc_align_of((unsigned long long)t | (unsigned long long)s | len) : 16) {
+    case 16: gsc_copy_words<16>(tid, threads, t, s, len, cg); break;
+    case 8: gsc_copy_words<8>(tid, threads, t, s, len, cg); break;
+    case 4: gsc_copy_words<4>(tid, threads, t, s, len, cg); break;
+    case 2: gsc_copy_words<2>(tid, threads, t, s, len, cg); break;
+    default: gsc_copy_words<1>(tid, threads, t, s, len, cg); break;
+    }
 }
 
-/* gsc_big_copy_by of this rank's input, multiplied by its scalar on the way for OP 4. */
-template <typename T, int OP>
+template <bool NARROW = false>
+static __device__ __forceinline__ void gsc_big_copy(unsigned char *t, const unsigned char *s, unsigned long long len, bool cg)
+{
+    gsc_big_copy_by<NARROW>(threadIdx.x, blockDim.x, t, s, len, cg);
+}
+
+/* One element of type T that peers wrote (skipping L1). */
+template <typename T> static __device__ __forceinline__ T gsc_ld_cg_elem(const unsigned char *p)
+{
+    union { typename gsc_word<sizeof(T)>::t w; T t; } u;
+    u.w = gsc_ld_word<sizeof(T)>(p, true);
+    return u.t;
+}
+
+/* One element of this rank's input, multiplied by its scalar for OP 4. */
+template <typename T, int OP> static __device__ __forceinline__ T gsc_big_own_elem(const unsigned char *s, const gsc_coll_args_t *a)
+{
+    const T x = *(const T *)s;
+    return OP == 4 ? gsc_apply<1>(x, gsc_premul_scalar<T>(a)) : x;
+}
+
+/* gsc_big_copy_by of this rank's input, multiplied by its scalar on the way for OP 4 (NARROW:
+ * element by element where either side is off 16 bytes). */
+template <typename T, int OP, bool NARROW = false>
 static __device__ __forceinline__ void gsc_big_copy_input_by(unsigned tid, unsigned threads, unsigned char *t, const unsigned char *s,
                                                              unsigned long long len, const gsc_coll_args_t *a)
 {
     if (OP != 4) {
-        gsc_big_copy_by(tid, threads, t, s, len, false);
+        gsc_big_copy_by<NARROW>(tid, threads, t, s, len, false);
+        return;
+    }
+    if (NARROW && gsc_align_of((unsigned long long)t | (unsigned long long)s | len) < 16) {
+        for (unsigned long long i = tid * sizeof(T); i < len; i += threads * sizeof(T)) *(T *)(t + i) = gsc_big_own_elem<T, OP>(s + i, a);
         return;
     }
     const T m = gsc_premul_scalar<T>(a);
@@ -550,7 +636,10 @@ template <typename T, int OP> static __device__ __forceinline__ uint4 gsc_big_ow
     return x.v;
 }
 
-template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(const gsc_coll_args_t *a)
+/* NARROW (the gsc_coll_bign kernels): buffers or all-gather and reduce-scatter parts on whole
+ * elements but not on 16 bytes, moved in narrower accesses; a kernel of its own, so that the
+ * 16-byte kernel's registers stay its own. */
+template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_coll_big(const gsc_coll_args_t *a)
 {
     const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank, b = blockIdx.x;
     const unsigned long long region = a->chunk, round_bytes = region * gridDim.x;
@@ -569,10 +658,10 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
              * all-reduce's pattern below sends fewer bytes from it. */
             #define GSC_BC_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * region)
             const unsigned char *send = (const unsigned char *)a->send + off;
-            if (me == a->root) gsc_big_copy(GSC_BC_OUT(1 - me), send, len, false);
+            if (me == a->root) gsc_big_copy<NARROW>(GSC_BC_OUT(1 - me), send, len, false);
             if (!(ok = gsc_big_flags(a, 1, e))) break;
-            if (me != a->root) gsc_big_copy((unsigned char *)a->recv + off, GSC_BC_OUT(me), len, true);
-            else if (a->send != a->recv) gsc_big_copy((unsigned char *)a->recv + off, send, len, false);
+            if (me != a->root) gsc_big_copy<NARROW>((unsigned char *)a->recv + off, GSC_BC_OUT(me), len, true);
+            else if (a->send != a->recv) gsc_big_copy<NARROW>((unsigned char *)a->recv + off, send, len, false);
             #undef GSC_BC_OUT
             continue;
         }
@@ -589,24 +678,35 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             const unsigned char *own = (const unsigned char *)a->send + (to_root ? 0 : me * a->send_stride) + off;
             for (unsigned long long q = 0; q < n; q++)
                 if (q != me && (!to_root || q == a->root))
-                    gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + GSC_RS_PLACE(me, q) * region,
+                    gsc_big_copy_input_by<T, OP, NARROW>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + GSC_RS_PLACE(me, q) * region,
                                                  (const unsigned char *)a->send + q * a->send_stride + off, len, a);
             if (!(ok = gsc_big_flags(a, 0, e))) break;
             if (to_root && me != a->root) continue;
             const unsigned char *in = GSC_RS_IN(me);
             unsigned char *recv = (unsigned char *)a->recv + off;
-            for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
-                gsc_vec<T> acc, x;
-                acc.v = me == 0 ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + i);
-                for (unsigned long long q = 1; q < n; q++) {
-                    x.v = q == me ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + GSC_RS_PLACE(q, me) * region + i);
-#pragma unroll
-                    for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_apply<OP>(acc.e[j], x.e[j]);
+            if (NARROW && gsc_align_of((unsigned long long)own | (unsigned long long)recv | len) < 16) {
+                /* Parts or buffers off 16 bytes: element by element, the same arithmetic. */
+                for (unsigned long long i = threadIdx.x * sizeof(T); i < len; i += blockDim.x * sizeof(T)) {
+                    T acc = me == 0 ? gsc_big_own_elem<T, OP>(own + i, a) : gsc_ld_cg_elem<T>(in + i);
+                    for (unsigned long long q = 1; q < n; q++)
+                        acc = gsc_apply<OP>(acc, q == me ? gsc_big_own_elem<T, OP>(own + i, a) : gsc_ld_cg_elem<T>(in + GSC_RS_PLACE(q, me) * region + i));
+                    if (AVG) acc = gsc_div(acc, n);
+                    *(T *)(recv + i) = acc;
                 }
-                if (AVG)
+            } else {
+                for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
+                    gsc_vec<T> acc, x;
+                    acc.v = me == 0 ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + i);
+                    for (unsigned long long q = 1; q < n; q++) {
+                        x.v = q == me ? gsc_big_own<T, OP>(own + i, a) : gsc_ld_cg(in + GSC_RS_PLACE(q, me) * region + i);
 #pragma unroll
-                    for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_div(acc.e[j], n);
-                *(uint4 *)(recv + i) = acc.v;
+                        for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_apply<OP>(acc.e[j], x.e[j]);
+                    }
+                    if (AVG)
+#pragma unroll
+                        for (int j = 0; j < 16 / sizeof(T); j++) acc.e[j] = gsc_div(acc.e[j], n);
+                    *(uint4 *)(recv + i) = acc.v;
+                }
             }
             #undef GSC_RS_IN
             #undef GSC_RS_PLACE
@@ -616,10 +716,10 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
             /* Our region goes to every rank's "out" area at our place; then every rank's region
              * from ours into the receive buffer. */
             #define GSC_AG_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * n * region)
-            for (unsigned long long q = 0; q < n; q++) gsc_big_copy(GSC_AG_OUT(q) + me * region, (const unsigned char *)a->send + off, len, false);
+            for (unsigned long long q = 0; q < n; q++) gsc_big_copy<NARROW>(GSC_AG_OUT(q) + me * region, (const unsigned char *)a->send + off, len, false);
             if (!(ok = gsc_big_flags(a, 1, e))) break;
             for (unsigned long long q = 0; q < n; q++)
-                gsc_big_copy((unsigned char *)a->recv + q * a->recv_stride + off, GSC_AG_OUT(me) + q * region, len, true);
+                gsc_big_copy<NARROW>((unsigned char *)a->recv + q * a->recv_stride + off, GSC_AG_OUT(me) + q * region, len, true);
             #undef GSC_AG_OUT
             continue;
         }
@@ -637,7 +737,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
         /* Push slice q of our input to rank q, at our place in its "in" area. */
         for (unsigned long long q = 0; q < n && (!bcast || me == a->root); q++) {
             const unsigned long long q0 = q * slice, q1 = GSC_SLICE_END(q);
-            if (q0 < q1) gsc_big_copy_input_by<T, OP>(threadIdx.x, blockDim.x, GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
+            if (q0 < q1) gsc_big_copy_input_by<T, OP, NARROW>(threadIdx.x, blockDim.x, GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
         }
         if (!(ok = gsc_big_flags(a, 0, e))) break;
         /* Reduce our slice from the n copies (rank order; broadcast: the root's copy) and push
@@ -669,9 +769,9 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_big(cons
          * root copies its own input instead (nothing when in place), a reduce's other ranks
          * receive nothing. */
         if (bcast && me == a->root) {
-            if (a->send != a->recv) gsc_big_copy((unsigned char *)a->recv + off, send, len, false);
+            if (a->send != a->recv) gsc_big_copy<NARROW>((unsigned char *)a->recv + off, send, len, false);
         } else if (!reduce || me == a->root) {
-            gsc_big_copy((unsigned char *)a->recv + off, GSC_BIG_OUT(me), len, true);
+            gsc_big_copy<NARROW>((unsigned char *)a->recv + off, GSC_BIG_OUT(me), len, true);
         }
         #undef GSC_SLICE_END
         #undef GSC_BIG_IN
@@ -776,12 +876,18 @@ extern "C" __global__ void gsc_coll_triggered_done(gsc_triggered_args_t t)
     extern "C" __global__ void gsc_coll_##TAG##_min(gsc_coll_args_t a) { gsc_coll_ll<T, 3, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_ll<T, 0, true>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_ll<T, 4, false>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_big<T, 0, false>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_big<T, 1, false>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_max(gsc_coll_args_t a) { gsc_coll_big<T, 2, false>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_min(gsc_coll_args_t a) { gsc_coll_big<T, 3, false>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_big<T, 4, false>(&a); }
+    extern "C" __global__ void gsc_coll_big_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_big<T, 0, false, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_big<T, 1, false, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_max(gsc_coll_args_t a) { gsc_coll_big<T, 2, false, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_min(gsc_coll_args_t a) { gsc_coll_big<T, 3, false, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_big<T, 4, false, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_big<T, 0, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_big<T, 1, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_max(gsc_coll_args_t a) { gsc_coll_big<T, 2, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_min(gsc_coll_args_t a) { gsc_coll_big<T, 3, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_big<T, 4, false, true>(&a); }
 "#;
 
 /// `gsc_coll_args_t`.
@@ -849,7 +955,7 @@ const TYPE_INSTANCES: [(&str, &str); 10] = [
 fn module_source(t: usize) -> String {
     let (ty, tag) = TYPE_INSTANCES[t];
     format!(
-        "{}\n#define GSC_ACK_WORDS {}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n{}\n",
+        "{}\n#define GSC_ACK_WORDS {}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_BIG_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n{}\n",
         super::kernels::DEVICE_HEADER,
         ACK_OFFSET / 8,
         FLAGS_OFFSET / 8,
@@ -857,6 +963,7 @@ fn module_source(t: usize) -> String {
         BIG_OFFSET,
         big_round_max(),
         crate::collectives::large::PIPELINED_MAX_THREADS,
+        crate::collectives::large::PHASED_MAX_THREADS,
         super::coll_direct::DIRECT_THREADS,
         super::coll_ring::RING_THREADS,
         super::coll_p2p::defines(),
@@ -869,7 +976,7 @@ fn module_source(t: usize) -> String {
 }
 
 /// Which module has kernel `name`: the one of the type tag in it (`gsc_coll_<tag>_<op>`,
-/// `gsc_coll_big_<tag>_<op>`, `gsc_net_reduce_<tag>_<op>`, ...); a name without one (the
+/// `gsc_coll_big_<tag>_<op>`, `gsc_coll_bign_<tag>_<op>`, `gsc_net_reduce_<tag>_<op>`, ...); a name without one (the
 /// barrier) is in every module, the first is taken.
 fn module_of(name: &str) -> usize {
     TYPE_INSTANCES.iter().position(|(_, tag)| name.contains(&format!("_{tag}_"))).unwrap_or(0)
@@ -1414,7 +1521,9 @@ mod tests {
     #[test]
     fn every_kernel_name_finds_its_type_module() {
         for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
-            for family in ["gsc_coll_", "gsc_coll_big_", "gsc_coll_pipe_", "gsc_net_reduce_", "gsc_direct_", "gsc_ring_reduce_"] {
+            for family in
+                ["gsc_coll_", "gsc_coll_big_", "gsc_coll_bign_", "gsc_coll_pipe_", "gsc_net_reduce_", "gsc_direct_", "gsc_ring_reduce_"]
+            {
                 for op in ["sum", "prod", "max", "min", "avg", "premul"] {
                     assert_eq!(module_of(&format!("{family}{tag}_{op}")), t, "{family}{tag}_{op}");
                 }
