@@ -645,15 +645,21 @@ fn mismatch(r: &Rank) -> Vec<String> {
     bad
 }
 
-fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
+/// Rank `rank` of `n` joins the job's communicator (unique id `uid`) on its GPU, with `config`,
+/// and gets a stream to run on.
+fn join_rank(rank: usize, n: usize, uid: &[u8], config: &gscomm::Config) -> Rank {
     set_device(gpu_of(rank)).unwrap();
     let uid = UniqueId::from_bytes(uid).unwrap();
     let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
-    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")]);
-    let comm = Communicator::new(boot, gpu_of(rank), &config).unwrap();
+    let comm = Communicator::new(boot, gpu_of(rank), config).unwrap();
     let stream = Stream::new().unwrap();
     let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
-    let r = Rank { comm, stream, cond };
+    Rank { comm, stream, cond }
+}
+
+fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
+    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")]);
+    let r = join_rank(rank, n, uid, &config);
     let t0 = Instant::now();
     let mut bad = bad_input(&r);
     bad.extend(mismatch(&r));
@@ -683,18 +689,12 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
 /// and over more rounds than stages; all-gather on every datatype and reduce-scatter on every
 /// operator; pre-multiplied sums; captured and graph-condition replays with new data each time.
 fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
-    set_device(gpu_of(rank)).unwrap();
-    let uid = UniqueId::from_bytes(uid).unwrap();
-    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
     let pipelined = [("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on"), ("GSC_COLL_LARGE_ALGO", "pipelined")];
-    let comm = Communicator::new(boot, gpu_of(rank), &config_with(&pipelined)).unwrap();
+    let r = join_rank(rank, n, uid, &config_with(&pipelined));
     let small = config_with(
         &[pipelined.as_slice(), &[("GSC_COLL_LARGE_BLOCKS", "37"), ("GSC_COLL_LARGE_THREADS", "96"), ("GSC_COLL_LARGE_STAGES", "8")]]
             .concat(),
     );
-    let stream = Stream::new().unwrap();
-    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
-    let r = Rank { comm, stream, cond };
     let mut bad = Vec::new();
     // Both shapes, the second on a communicator split from the first (same ranks).
     for shape in 0..2 {
@@ -752,19 +752,13 @@ enum PeerPath {
 /// kernels with the copy engines and the ring, one direct-kernel node with the direct kernel).
 /// Checks the path ran.
 fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], path: PeerPath) -> String {
-    set_device(gpu_of(rank)).unwrap();
-    let uid = UniqueId::from_bytes(uid).unwrap();
-    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
     let knobs: &[(&str, &str)] = match path {
         PeerPath::CopyEngines => &[("GSC_COLL_CE", "on"), ("GSC_COLL_CE_MIN", "0"), ("GSC_COLL_RING", "off")],
         PeerPath::Direct => &[("GSC_COLL_SM", "on"), ("GSC_COLL_SM_MIN", "0"), ("GSC_COLL_CE", "off"), ("GSC_COLL_RING", "off")],
         PeerPath::Ring => &[("GSC_COLL_RING", "on"), ("GSC_COLL_RING_MIN", "0"), ("GSC_COLL_SM", "off"), ("GSC_COLL_CE", "off")],
     };
     let config = config_with(&[&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")], knobs].concat());
-    let comm = Communicator::new(boot, gpu_of(rank), &config).unwrap();
-    let stream = Stream::new().unwrap();
-    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
-    let r = Rank { comm, stream, cond };
+    let r = join_rank(rank, n, uid, &config);
     let (name, calls) = match path {
         PeerPath::CopyEngines => ("copy-engine", Communicator::copy_engine_calls as fn(&Communicator) -> u64),
         PeerPath::Direct => ("direct-kernel", Communicator::direct_calls as fn(&Communicator) -> u64),
@@ -960,19 +954,13 @@ fn copy_engine_ring_collectives_exact_on_four_gpus() {
 }
 
 fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
-    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
-    let uid = chan.get("uid");
-    let v = run_rank(rank, n, &uid);
-    chan.put("result", v.as_bytes());
+    let (rank, n) = rank_of(role);
+    chan.put("result", run_rank(rank, n, &chan.get("uid")).as_bytes());
 }
 
 fn pipelined_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
-    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
-    let uid = chan.get("uid");
-    let v = run_rank_pipelined(rank, n, &uid);
-    chan.put("result", v.as_bytes());
+    let (rank, n) = rank_of(role);
+    chan.put("result", run_rank_pipelined(rank, n, &chan.get("uid")).as_bytes());
 }
 
 fn run_job(test: &str, n: usize) {
@@ -1208,14 +1196,7 @@ fn gib_collectives(r: &Rank, calls: &[GibCall], graphs: bool, what: &str) -> Vec
 /// ranks, the all-reduce and its halves on a stream on the phased kernel too (`auto` gives them
 /// the direct kernel there).
 fn run_rank_gib(rank: usize, n: usize, uid: &[u8]) -> String {
-    set_device(gpu_of(rank)).unwrap();
-    let uid = UniqueId::from_bytes(uid).unwrap();
-    let boot = Bootstrap::init(&uid, rank as u32, n as u32, T).unwrap();
-    let config = config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")]);
-    let comm = Communicator::new(boot, gpu_of(rank), &config).unwrap();
-    let stream = Stream::new().unwrap();
-    let cond = Condition::cuda(Category::Stream, stream.raw(), None).unwrap();
-    let r = Rank { comm, stream, cond };
+    let r = join_rank(rank, n, uid, &config_with(&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")]));
     let every = [GibCall::AllReduce, GibCall::Broadcast, GibCall::Reduce, GibCall::AllGather, GibCall::ReduceScatter];
     let t0 = Instant::now();
     let mut bad = gib_collectives(&r, &every, true, "auto");
@@ -1235,11 +1216,8 @@ fn run_rank_gib(rank: usize, n: usize, uid: &[u8]) -> String {
 }
 
 fn gib_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = role.strip_prefix("rank").unwrap().split_once("of").unwrap();
-    let (rank, n): (usize, usize) = (rank.parse().unwrap(), n.parse().unwrap());
-    let uid = chan.get("uid");
-    let v = run_rank_gib(rank, n, &uid);
-    chan.put("result", v.as_bytes());
+    let (rank, n) = rank_of(role);
+    chan.put("result", run_rank_gib(rank, n, &chan.get("uid")).as_bytes());
 }
 
 #[test]
