@@ -1251,8 +1251,9 @@ impl Communicator {
     }
 
     /// A large collective: one launch of the communicator's large kernel (phased or pipelined,
-    /// `large`), each block owning a region of every round. All-gather and reduce-scatter run
-    /// the halves of the all-reduce on parts of whole 16-byte pieces (`select`); the all-reduce,
+    /// `large`; the phased one's narrow twin where buffers or parts are off 16 bytes), each
+    /// block owning a region of every round. All-gather and reduce-scatter run the halves of
+    /// the all-reduce on parts of whole elements (`select`); the all-reduce,
     /// and broadcast and reduce on its pattern, move whole 16-byte pieces and a tail of fewer
     /// bytes (whole elements: 16 is a multiple of every datatype's size) follows as a one-shot
     /// exchange.

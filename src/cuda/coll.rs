@@ -591,11 +591,11 @@ template <typename T> static __device__ __forceinline__ T gsc_ld_cg_elem(const u
     return u.t;
 }
 
-/* One element of this rank's input, multiplied by its scalar for OP 4. */
-template <typename T, int OP> static __device__ __forceinline__ T gsc_big_own_elem(const unsigned char *s, const gsc_coll_args_t *a)
+/* One element of this rank's input, multiplied by its scalar `m` for OP 4. */
+template <typename T, int OP> static __device__ __forceinline__ T gsc_big_own_elem(const unsigned char *s, T m)
 {
     const T x = *(const T *)s;
-    return OP == 4 ? gsc_apply<1>(x, gsc_premul_scalar<T>(a)) : x;
+    return OP == 4 ? gsc_apply<1>(x, m) : x;
 }
 
 /* gsc_big_copy_by of this rank's input, multiplied by its scalar on the way for OP 4 (NARROW:
@@ -608,11 +608,11 @@ static __device__ __forceinline__ void gsc_big_copy_input_by(unsigned tid, unsig
         gsc_big_copy_by<NARROW>(tid, threads, t, s, len, false);
         return;
     }
+    const T m = gsc_premul_scalar<T>(a);
     if (NARROW && gsc_align_of((unsigned long long)t | (unsigned long long)s | len) < 16) {
-        for (unsigned long long i = tid * sizeof(T); i < len; i += threads * sizeof(T)) *(T *)(t + i) = gsc_big_own_elem<T, OP>(s + i, a);
+        for (unsigned long long i = tid * sizeof(T); i < len; i += threads * sizeof(T)) *(T *)(t + i) = gsc_big_own_elem<T, OP>(s + i, m);
         return;
     }
-    const T m = gsc_premul_scalar<T>(a);
     for (unsigned long long i = tid * 16ull; i < len; i += threads * 16ull) {
         gsc_vec<T> x;
         x.v = *(const uint4 *)(s + i);
@@ -686,10 +686,11 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
             unsigned char *recv = (unsigned char *)a->recv + off;
             if (NARROW && gsc_align_of((unsigned long long)own | (unsigned long long)recv | len) < 16) {
                 /* Parts or buffers off 16 bytes: element by element, the same arithmetic. */
+                const T m = OP == 4 ? gsc_premul_scalar<T>(a) : T();
                 for (unsigned long long i = threadIdx.x * sizeof(T); i < len; i += blockDim.x * sizeof(T)) {
-                    T acc = me == 0 ? gsc_big_own_elem<T, OP>(own + i, a) : gsc_ld_cg_elem<T>(in + i);
+                    T acc = me == 0 ? gsc_big_own_elem<T, OP>(own + i, m) : gsc_ld_cg_elem<T>(in + i);
                     for (unsigned long long q = 1; q < n; q++)
-                        acc = gsc_apply<OP>(acc, q == me ? gsc_big_own_elem<T, OP>(own + i, a) : gsc_ld_cg_elem<T>(in + GSC_RS_PLACE(q, me) * region + i));
+                        acc = gsc_apply<OP>(acc, q == me ? gsc_big_own_elem<T, OP>(own + i, m) : gsc_ld_cg_elem<T>(in + GSC_RS_PLACE(q, me) * region + i));
                     if (AVG) acc = gsc_div(acc, n);
                     *(T *)(recv + i) = acc;
                 }
