@@ -1154,7 +1154,8 @@ fn gib_collectives(r: &Rank, calls: &[GibCall], graphs: bool, what: &str) -> Vec
                     GibCall::AllReduce => all(i).sum(),
                     GibCall::Broadcast => gib_val(root, i, salt),
                     GibCall::Reduce => all(i).fold(f32::MIN, f32::max),
-                    GibCall::AllGather => gib_val(i / part, i % part, salt),
+                    // Rank q's part holds its input's elements q·part.. (see `from` below).
+                    GibCall::AllGather => gib_val(i / part, i, salt),
                     GibCall::ReduceScatter => all(me * part + i).sum(),
                 }
             };
