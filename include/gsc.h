@@ -833,7 +833,9 @@ typedef enum {
     GSC_FLOAT16 = 6,
     GSC_FLOAT32 = 7,
     GSC_FLOAT64 = 8,
-    GSC_BFLOAT16 = 9
+    GSC_BFLOAT16 = 9,
+    GSC_FLOAT8E4M3 = 10, /* 8-bit floats: reductions need compute capability 9.0, as in NCCL */
+    GSC_FLOAT8E5M2 = 11
 } gsc_datatype_t;
 
 /** Reduction operators (the values are NCCL's ncclRedOp_t). */

@@ -51,7 +51,7 @@ const char *MPIX_Last_error(void)
 static size_t type_size(MPI_Datatype t)
 {
     switch (t) {
-    case GSC_INT8: case GSC_UINT8: return 1;
+    case GSC_INT8: case GSC_UINT8: case GSC_FLOAT8E4M3: case GSC_FLOAT8E5M2: return 1;
     case GSC_FLOAT16: case GSC_BFLOAT16: return 2;
     case GSC_INT32: case GSC_UINT32: case GSC_FLOAT32: return 4;
     case GSC_INT64: case GSC_UINT64: case GSC_FLOAT64: return 8;

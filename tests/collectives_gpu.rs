@@ -171,6 +171,54 @@ fn large_all_reduce_of(r: &Rank, count: usize, dtypes: &[DataType], ops: &[RedOp
     bad
 }
 
+/// The fp8 types' arithmetic against NCCL's (`collectives::fp8`, which the reference follows):
+/// rank 0's element i is fp8 value i mod 256 and rank 1's (i / 256) mod 256, so one call meets
+/// every pair of values — NaNs, infinities, subnormals, saturation and every rounding case.
+/// Every operator, all-reduce and reduce-scatter; one-shot (64 Ki elements) and on the large
+/// kernels (64 repeats). NaN results compare as NaN: the conversions' NaN is canonical.
+fn fp8_every_pair(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let pattern = |q: usize, count: usize| -> Vec<u8> {
+        (0..count).map(|i| if q == 0 { i as u8 } else { ((i >> 8) as u8).wrapping_add(q as u8 - 1) }).collect()
+    };
+    let mut bad = Vec::new();
+    for dtype in [DataType::Float8E4M3, DataType::Float8E5M2] {
+        let f = dtype.fp8().unwrap();
+        let same = |a: u8, b: u8| a == b || (f.to_f32(a).is_nan() && f.to_f32(b).is_nan());
+        for op in RedOp::ALL {
+            for repeats in [1, 64] {
+                let count = 65_536 * repeats;
+                let ins: Vec<Vec<u8>> = (0..n).map(|q| pattern(q, count)).collect();
+                let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+                let want = reduce_reference(dtype, op, &refs);
+                let mut check = |what: &str, got: &[u8], want: &[u8]| {
+                    if let Some(i) = got.iter().zip(want).position(|(&a, &b)| !same(a, b)) {
+                        let (a, b) = (ins[0][i % ins[0].len()], ins[1 % n][i % ins[1 % n].len()]);
+                        bad.push(format!(
+                            "rank {me}: fp8 {what} {count} x {} {}: element {i} (inputs {a:#04x}, {b:#04x}, ...) is {:#04x}, not {:#04x}",
+                            dtype.name(),
+                            op.name(),
+                            got[i],
+                            want[i]
+                        ));
+                    }
+                };
+                let send = device_with(&ins[me], count);
+                let recv = device_with(&[], count);
+                unsafe { r.comm.all_reduce(send.ptr(), recv.ptr(), count, dtype, op, &r.cond) }.unwrap();
+                r.sync();
+                check("all_reduce", &recv.download().unwrap(), &want);
+                // Reduce-scatter: the same inputs, cut into n parts.
+                let part = count / n;
+                unsafe { r.comm.reduce_scatter(send.ptr(), recv.ptr(), part, dtype, op, &r.cond) }.unwrap();
+                r.sync();
+                check("reduce_scatter", &recv.download().unwrap()[..part], &want[me * part..(me + 1) * part]);
+            }
+        }
+    }
+    bad
+}
+
 /// The large kernels on buffers off 16 bytes (one element past an allocation's start) and on
 /// all-gather and reduce-scatter parts off 16 bytes, which the phased kernel moves in narrower
 /// accesses: all-reduce (and a pre-multiplied sum), broadcast from the last rank and reduce to
@@ -285,6 +333,7 @@ fn premul_scalar(dtype: DataType, q: usize) -> u64 {
         DataType::Bfloat16 => u64::from(f32_to_bf16(f)),
         DataType::Float32 => u64::from(f.to_bits()),
         DataType::Float64 => f64::from(f).to_bits(),
+        DataType::Float8E4M3 | DataType::Float8E5M2 => u64::from(dtype.fp8().unwrap().from_f64_satfinite(f.into())),
         _ => q as u64 + 2,
     }
 }
@@ -325,7 +374,7 @@ fn premul_sums(r: &Rank) -> Vec<String> {
         }
     }
     // The large kernels (whole 16-byte pieces, above the one-shot threshold).
-    for dtype in [DataType::Float32, DataType::Bfloat16, DataType::Int32] {
+    for dtype in [DataType::Float32, DataType::Bfloat16, DataType::Int32, DataType::Float8E5M2] {
         check(&mut bad, PremulKind::AllReduce, dtype, 4 << 20, false);
         check(&mut bad, PremulKind::ReduceScatter, dtype, 1 << 20, false);
     }
@@ -337,7 +386,16 @@ fn premul_sums(r: &Rank) -> Vec<String> {
 /// The large all-gather and reduce-scatter (the halves of the large all-reduce), parts of whole
 /// 16-byte pieces over several rounds, in place and not.
 fn large_halves(r: &Rank) -> Vec<String> {
-    large_halves_of(r, 1 << 20, &[(DataType::Float32, RedOp::Sum), (DataType::Bfloat16, RedOp::Max), (DataType::Uint64, RedOp::Prod)])
+    large_halves_of(
+        r,
+        1 << 20,
+        &[
+            (DataType::Float32, RedOp::Sum),
+            (DataType::Bfloat16, RedOp::Max),
+            (DataType::Uint64, RedOp::Prod),
+            (DataType::Float8E4M3, RedOp::Avg),
+        ],
+    )
 }
 
 /// `large_halves` on parts of `count` elements of each (datatype, operator) of `cases` (parts
@@ -671,6 +729,7 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
     eprintln!("rank {rank}: large all-reduce, broadcast and reduce checks in {:?}", t0.elapsed());
     bad.extend(large_halves(&r));
     bad.extend(large_off_sixteen(&r));
+    bad.extend(fp8_every_pair(&r));
     bad.extend(premul_sums(&r));
     bad.extend(graph_replays(&r, 20_000));
     bad.extend(graph_replays(&r, 300_000));

@@ -217,9 +217,9 @@ fn device_path_cases(comm: &Communicator, k: &UserKernel) -> Vec<String> {
     let result = PinnedBuf::new(16).unwrap();
     let before = comm.triggered_on_device();
     let (mut bad, mut armed) = (Vec::new(), 0);
-    // Every type but the 16-bit floats (they are launched: the device header has no half
+    // Every type but the 16- and 8-bit floats (they are launched: the device header has no half
     // arithmetic).
-    for dtype in DataType::ALL.into_iter().filter(|d| !matches!(d, DataType::Float16 | DataType::Bfloat16)) {
+    for dtype in DataType::ALL.into_iter().filter(|d| !d.is_narrow_float()) {
         for op in RedOp::ALL {
             for count in [1, 3, 256 / dtype.size()] {
                 for in_place in [false, true] {

@@ -46,7 +46,9 @@ fn input(dtype: DataType, rank: usize, seed: u64, count: usize) -> Vec<u8> {
             DataType::Float16 => out.extend_from_slice(&f32_to_f16(v).to_le_bytes()),
             DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v).to_le_bytes()),
             DataType::Float32 => out.extend_from_slice(&v.to_le_bytes()),
-            _ => out.extend_from_slice(&f64::from(v).to_le_bytes()),
+            DataType::Float64 => out.extend_from_slice(&f64::from(v).to_le_bytes()),
+            DataType::Float8E4M3 | DataType::Float8E5M2 => out.push(dtype.fp8().unwrap().from_f64_satfinite(v.into())),
+            other => unreachable!("{other:?} is not a float type"),
         }
     }
     out

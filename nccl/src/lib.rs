@@ -2645,7 +2645,9 @@ mod tests {
     fn datatypes_and_ops_follow_nccl_h() {
         assert!(matches!(types(7, Some(0)), Ok((DataType::Float32, RedOp::Sum))));
         assert!(matches!(types(9, Some(4)), Ok((DataType::Bfloat16, RedOp::Avg))));
-        assert!(types(10, Some(0)).is_err(), "fp8 is refused");
+        assert!(matches!(types(10, Some(4)), Ok((DataType::Float8E4M3, RedOp::Avg))));
+        assert!(matches!(types(11, None), Ok((DataType::Float8E5M2, RedOp::Sum))));
+        assert!(types(12, Some(0)).is_err(), "ncclNumTypes is not a type");
         assert!(types(7, Some(5)).is_err(), "pre-multiplied sum ops are not created");
     }
 }

@@ -278,7 +278,8 @@ fn header_enum(ty: &str) -> Vec<(String, i32)> {
 fn header_datatypes_and_ops_equal_the_rust_values() {
     use crate::collectives::{DataType, RedOp};
     let types = header_enum("gsc_datatype_t");
-    let names = ["INT8", "UINT8", "INT32", "UINT32", "INT64", "UINT64", "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16"];
+    let names =
+        ["INT8", "UINT8", "INT32", "UINT32", "INT64", "UINT64", "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "FLOAT8E4M3", "FLOAT8E5M2"];
     assert_eq!(types.len(), DataType::ALL.len());
     for ((name, v), (t, want)) in types.iter().zip(DataType::ALL.iter().zip(names)) {
         assert_eq!((name.as_str(), *v), (format!("GSC_{want}").as_str(), t.nccl()), "{}", t.name());

@@ -26,7 +26,7 @@ use super::select::{self, Alignment, Collective};
 use super::settings;
 use super::together::{Coll, Known, Shape};
 use super::triggered::{self, DeviceCall, Triggered};
-use super::types::{DataType, PreMulScalar, RedOp};
+use super::types::{DataType, PreMulScalar, RedOp, fp8_avg_scalar};
 use super::windows::{self, Offer, Window, Windows};
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::condition::{ArmedOutputs, Category, Condition};
@@ -912,8 +912,37 @@ impl Communicator {
         Ok(Call { send: if reads_send { call.send } else { 0 }, recv: if writes_recv { call.recv } else { 0 }, ..*call })
     }
 
-    /// The call `c` describes, its counts and root checked against this communicator.
+    /// The call `c` describes, its counts and root checked against this communicator; an fp8
+    /// average becomes NCCL's pre-multiplied sum (`fp8_arithmetic`).
     fn checked(&self, c: &Coll) -> Result<Call> {
+        let call = self.checked_counts(c)?;
+        if call.dtype.fp8().is_some() && call.kind.reduces() {
+            return self.fp8_arithmetic(call);
+        }
+        Ok(call)
+    }
+
+    /// An fp8 reduction: as NCCL, only on sm_90 and later GPUs (the kernels' conversions
+    /// need sm_89), and an average is a pre-multiplied sum by 1/n rounded to the type
+    /// (`types::fp8_avg_scalar`: averaging after summing would saturate the sum first).
+    fn fp8_arithmetic(&self, call: Call) -> Result<Call> {
+        let (major, minor) = crate::cuda::device_arch(self.device)?;
+        if major < 9 {
+            return Err(Error::invalid_param(format!(
+                "{} of {}: fp8 reductions need a GPU of compute capability 9.0 or later, as in NCCL; device {} is {major}.{minor}",
+                call.kind.name(),
+                call.dtype.name(),
+                self.device
+            )));
+        }
+        match fp8_avg_scalar(call.dtype, self.nranks) {
+            Some(scalar) if call.op == RedOp::Avg => Ok(Call { op: RedOp::Sum, premul: Some(PreMulScalar::Value(scalar.into())), ..call }),
+            _ => Ok(call),
+        }
+    }
+
+    /// The call `c` describes, its counts and root checked against this communicator.
+    fn checked_counts(&self, c: &Coll) -> Result<Call> {
         let n = self.nranks;
         let call = |kind, send, recv, part_bytes, dtype, op, root| Call { kind, send, recv, part_bytes, dtype, op, root, premul: None };
         Ok(match *c {

@@ -18,6 +18,7 @@ pub(crate) mod ce_ring;
 pub mod comm;
 pub(crate) mod copy_engine;
 pub(crate) mod direct;
+pub mod fp8;
 pub mod host;
 mod host_board;
 pub mod large;

@@ -43,7 +43,8 @@
 //! What is refused, with an error that changes nothing: graph conditions and streams being
 //! captured (the point-to-point operations and the scratch would have to become replayable
 //! nodes: not built), a condition with a group open (our exchange must be on the stream before
-//! the reduction kernel that follows it, which a group would defer), pre-multiplied sums.
+//! the reduction kernel that follows it, which a group would defer), pre-multiplied sums, and
+//! so fp8 averages (NCCL's is a pre-multiplied sum: `types::fp8_avg_scalar`).
 //!
 //! Matching: the inter-group steps use a worker of their own (`links`), so their messages never
 //! mix with the user's send/recv (`p2p`, another worker); as in NCCL every rank must issue the
@@ -538,6 +539,21 @@ impl NetComm {
         on: &Condition,
     ) -> Result<std::sync::MutexGuard<'_, StreamScratch>> {
         self.check_usable()?;
+        if dtype.fp8().is_some() && kind.reduces() {
+            // Every rank refuses alike: the call decides, not the rank.
+            if op == RedOp::Avg {
+                return Err(Error::unsupported(
+                    "an fp8 average across hosts: NCCL's is a pre-multiplied sum, which collectives across hosts do not take yet",
+                ));
+            }
+            let (major, minor) = crate::cuda::device_arch(self.device)?;
+            if major < 9 {
+                return Err(Error::invalid_param(format!(
+                    "fp8 reductions need a GPU of compute capability 9.0 or later, as in NCCL; device {} is {major}.{minor}",
+                    self.device
+                )));
+            }
+        }
         let guard = self.issue.lock().unwrap_or_else(|e| e.into_inner());
         if self.check_calls {
             let mine = Signature::new(kind, dtype, op, count, root);

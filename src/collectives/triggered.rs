@@ -65,11 +65,7 @@ const IDLE_SLEEP: Duration = Duration::from_millis(100);
 /// 16-bit floats (the device header has no half arithmetic), not a pre-multiplied sum. A
 /// function of the configuration and the call, so every rank decides alike.
 pub(crate) fn on_device(max: usize, kind: CollKind, bytes: usize, dtype: DataType, premul: bool, nranks: usize) -> bool {
-    kind == CollKind::AllReduce
-        && (1..=max).contains(&bytes)
-        && (2..=MAX_RANKS).contains(&nranks)
-        && !premul
-        && !matches!(dtype, DataType::Float16 | DataType::Bfloat16)
+    kind == CollKind::AllReduce && (1..=max).contains(&bytes) && (2..=MAX_RANKS).contains(&nranks) && !premul && !dtype.is_narrow_float()
 }
 
 /// A call `arm_on_device` takes: its buffers and bytes, and NCCL's codes of its datatype and

@@ -15,11 +15,16 @@
 //!   smaller, so on equal values (`0.0` vs `-0.0`) and on NaN the earlier rank wins;
 //! - `Float16` / `Bfloat16` widen both operands to `f32`, apply the `f32` operation and round the
 //!   result back to the 16-bit type at every step;
-//! - `Avg` is the `Sum` above, then one division by the number of ranks.
+//! - `Float8E4M3` / `Float8E5M2` step as NCCL does (`fp8`): widen to `f32`, apply the `f32`
+//!   operation, round to `half`, then to the fp8 type, saturating to its largest finite value;
+//! - `Avg` is the `Sum` above, then one division by the number of ranks — except for the fp8
+//!   types, which NCCL averages as a pre-multiplied sum with 1/n rounded to the type
+//!   (`fp8_avg_scalar`), and so do we.
 //!
 //! NaN payloads are not part of the contract: GPUs return a canonical NaN where the host keeps
 //! the payload, so tests compare NaN results as "is NaN", never by bits.
 
+use super::fp8::Fp8;
 use crate::error::{Error, Result};
 
 /// An element type, with the values of NCCL 2.28's `ncclDataType_t`.
@@ -35,11 +40,15 @@ pub enum DataType {
     Float32,
     Float64,
     Bfloat16,
+    /// 8-bit float, 4 exponent and 3 mantissa bits (`fp8::Fp8::E4M3`).
+    Float8E4M3,
+    /// 8-bit float, 5 exponent and 2 mantissa bits (`fp8::Fp8::E5M2`).
+    Float8E5M2,
 }
 
 impl DataType {
     /// Every type, in `ncclDataType_t` order.
-    pub const ALL: [DataType; 10] = [
+    pub const ALL: [DataType; 12] = [
         DataType::Int8,
         DataType::Uint8,
         DataType::Int32,
@@ -50,12 +59,14 @@ impl DataType {
         DataType::Float32,
         DataType::Float64,
         DataType::Bfloat16,
+        DataType::Float8E4M3,
+        DataType::Float8E5M2,
     ];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DataType::Int8 | DataType::Uint8 => 1,
+            DataType::Int8 | DataType::Uint8 | DataType::Float8E4M3 | DataType::Float8E5M2 => 1,
             DataType::Float16 | DataType::Bfloat16 => 2,
             DataType::Int32 | DataType::Uint32 | DataType::Float32 => 4,
             DataType::Int64 | DataType::Uint64 | DataType::Float64 => 8,
@@ -75,6 +86,8 @@ impl DataType {
             DataType::Float32 => "float",
             DataType::Float64 => "double",
             DataType::Bfloat16 => "bfloat16",
+            DataType::Float8E4M3 => "f8e4m3",
+            DataType::Float8E5M2 => "f8e5m2",
         }
     }
 
@@ -91,6 +104,8 @@ impl DataType {
             DataType::Float32 => "f32",
             DataType::Float64 => "f64",
             DataType::Bfloat16 => "bf16",
+            DataType::Float8E4M3 => "e4m3",
+            DataType::Float8E5M2 => "e5m2",
         }
     }
 
@@ -107,10 +122,8 @@ impl DataType {
             7 => Ok(DataType::Float32),
             8 => Ok(DataType::Float64),
             9 => Ok(DataType::Bfloat16),
-            // Valid NCCL values we do not implement: say so, rather than "unknown", so a caller
-            // porting NCCL code knows the value was understood.
-            10 => Err(Error::invalid_param(format!("ncclDataType_t {v} (ncclFloat8e4m3): fp8 types are not supported"))),
-            11 => Err(Error::invalid_param(format!("ncclDataType_t {v} (ncclFloat8e5m2): fp8 types are not supported"))),
+            10 => Ok(DataType::Float8E4M3),
+            11 => Ok(DataType::Float8E5M2),
             _ => Err(Error::invalid_param(format!("unknown ncclDataType_t value {v}"))),
         }
     }
@@ -128,6 +141,8 @@ impl DataType {
             DataType::Float32 => 7,
             DataType::Float64 => 8,
             DataType::Bfloat16 => 9,
+            DataType::Float8E4M3 => 10,
+            DataType::Float8E5M2 => 11,
         }
     }
 
@@ -141,12 +156,29 @@ impl DataType {
             "float32" => Some(DataType::Float32),
             "float64" => Some(DataType::Float64),
             "bf16" => Some(DataType::Bfloat16),
+            "fp8_e4m3" | "e4m3" => Some(DataType::Float8E4M3),
+            "fp8_e5m2" | "e5m2" => Some(DataType::Float8E5M2),
             _ => DataType::ALL.into_iter().find(|t| t.name() == s),
         }
     }
 
     pub fn is_float(self) -> bool {
-        matches!(self, DataType::Float16 | DataType::Float32 | DataType::Float64 | DataType::Bfloat16)
+        matches!(self, DataType::Float16 | DataType::Float32 | DataType::Float64 | DataType::Bfloat16) || self.fp8().is_some()
+    }
+
+    /// The fp8 format of an fp8 type.
+    pub fn fp8(self) -> Option<Fp8> {
+        match self {
+            DataType::Float8E4M3 => Some(Fp8::E4M3),
+            DataType::Float8E5M2 => Some(Fp8::E5M2),
+            _ => None,
+        }
+    }
+
+    /// Floats narrower than `f32` (16 and 8 bits): the kernels widen them to `f32` for every
+    /// step and round back.
+    pub fn is_narrow_float(self) -> bool {
+        self.is_float() && self.size() < 4
     }
 }
 
@@ -221,7 +253,7 @@ pub enum PreMulScalar {
 
 /// `input` (elements of `dtype`) multiplied by `scalar` (an element's bits) the way the
 /// kernels do it before a pre-multiplied sum: integers wrap, floats multiply in their type,
-/// 16-bit floats in `f32` rounded back. Reference for tests: `reduce_reference(dtype, Sum, ..)`
+/// 16-bit floats in `f32` rounded back, fp8 as NCCL does (`fp8::Fp8::step`). Reference for tests: `reduce_reference(dtype, Sum, ..)`
 /// of every rank's scaled input is the collective's result.
 pub fn premul_reference(dtype: DataType, scalar: u64, input: &[u8]) -> Vec<u8> {
     let w = dtype.size();
@@ -249,6 +281,8 @@ pub fn premul_reference(dtype: DataType, scalar: u64, input: &[u8]) -> Vec<u8> {
         DataType::Float64 => each!(f64, |a, b| a * b),
         DataType::Float16 => each!(u16, |a, b| f32_to_f16(f16_to_f32(a) * f16_to_f32(b))),
         DataType::Bfloat16 => each!(u16, |a, b| f32_to_bf16(bf16_to_f32(a) * bf16_to_f32(b))),
+        DataType::Float8E4M3 => each!(u8, |a, b| Fp8::E4M3.step(Fp8::E4M3.to_f32(a) * Fp8::E4M3.to_f32(b))),
+        DataType::Float8E5M2 => each!(u8, |a, b| Fp8::E5M2.step(Fp8::E5M2.to_f32(a) * Fp8::E5M2.to_f32(b))),
     }
     out
 }
@@ -342,7 +376,8 @@ pub fn f32_to_bf16(f: f32) -> u16 {
 /// of `dtype`; the result has the same length as one input.
 ///
 /// `Avg` divides the sum by `inputs.len()`: integers with truncating division of the (wrapped)
-/// sum, `f32` / `f64` natively, `f16` / `bf16` in `f32` and rounded back.
+/// sum, `f32` / `f64` natively, `f16` / `bf16` in `f32` and rounded back; the fp8 types sum
+/// their inputs pre-multiplied by 1/n instead (`fp8_avg_scalar`).
 ///
 /// # Panics
 ///
@@ -395,7 +430,29 @@ pub fn reduce_reference(dtype: DataType, op: RedOp, inputs: &[&[u8]]) -> Vec<u8>
         }
         DataType::Float16 => fold_narrow(inputs, op, f16_to_f32, f32_to_f16),
         DataType::Bfloat16 => fold_narrow(inputs, op, bf16_to_f32, f32_to_bf16),
+        DataType::Float8E4M3 | DataType::Float8E5M2 => fold_fp8(inputs, op, dtype),
     }
+}
+
+/// The fold for the fp8 types, as NCCL computes them (`fp8`): each step through `half`. Their
+/// average is NCCL's too: a pre-multiplied sum with the scalar 1/n rounded to the type
+/// (`fp8_avg_scalar`), not a division at the end, so it saturates only where the result does.
+fn fold_fp8(inputs: &[&[u8]], op: RedOp, dtype: DataType) -> Vec<u8> {
+    let f = dtype.fp8().expect("an fp8 type");
+    if op == RedOp::Avg {
+        let s = fp8_avg_scalar(dtype, inputs.len()).expect("an fp8 type") as u64;
+        let scaled: Vec<Vec<u8>> = inputs.iter().map(|x| premul_reference(dtype, s, x)).collect();
+        let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
+        return fold_fp8(&refs, RedOp::Sum, dtype);
+    }
+    let step = float_step::<f32>(op);
+    fold(inputs, u8::from_le_bytes, u8::to_le_bytes, |a, b| f.step(step(f.to_f32(a), f.to_f32(b))), |a| a)
+}
+
+/// The scalar NCCL averages an fp8 type with on `n` ranks (a pre-multiplied sum): 1/n rounded
+/// to the type, saturating; `None` for other types.
+pub fn fp8_avg_scalar(dtype: DataType, n: usize) -> Option<u8> {
+    dtype.fp8().map(|f| f.from_f64_satfinite(f64::from((1.0 / n as f64) as f32)))
 }
 
 /// The per-step floating-point operation; `Avg` steps are sums, its division comes at the end.
@@ -499,7 +556,7 @@ mod tests {
 
     #[test]
     fn datatype_tables() {
-        let sizes = [1, 1, 4, 4, 8, 8, 2, 4, 8, 2];
+        let sizes = [1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1];
         for (i, t) in DataType::ALL.into_iter().enumerate() {
             assert_eq!(t.nccl(), i as i32);
             assert_eq!(DataType::from_nccl(t.nccl()), Ok(t));
@@ -515,28 +572,52 @@ mod tests {
             ("float32", DataType::Float32),
             ("float64", DataType::Float64),
             ("bf16", DataType::Bfloat16),
+            ("fp8_e4m3", DataType::Float8E4M3),
+            ("e5m2", DataType::Float8E5M2),
         ] {
             assert_eq!(DataType::parse(alias), Some(t));
         }
-        assert_eq!(DataType::parse("fp8"), None);
+        assert_eq!(DataType::Float8E4M3.name(), "f8e4m3", "nccl-tests' name");
+        assert_eq!(DataType::parse("fp8"), None, "which of the two is not said");
         assert_eq!(DataType::parse(""), None);
         let floats: Vec<DataType> = DataType::ALL.into_iter().filter(|t| t.is_float()).collect();
-        assert_eq!(floats, [DataType::Float16, DataType::Float32, DataType::Float64, DataType::Bfloat16]);
+        assert_eq!(
+            floats,
+            [DataType::Float16, DataType::Float32, DataType::Float64, DataType::Bfloat16, DataType::Float8E4M3, DataType::Float8E5M2]
+        );
+        let narrow: Vec<DataType> = DataType::ALL.into_iter().filter(|t| t.is_narrow_float()).collect();
+        assert_eq!(narrow, [DataType::Float16, DataType::Bfloat16, DataType::Float8E4M3, DataType::Float8E5M2]);
+    }
+
+    #[test]
+    fn fp8_steps_through_half_and_averages_as_a_premultiplied_sum() {
+        let e4 = |v: f64| Fp8::E4M3.from_f64_satfinite(v);
+        let r = |op, ins: &[&[u8]]| reduce_reference(DataType::Float8E4M3, op, ins);
+        // 448 + 448 saturates to 448; the average of two 448s is 448 · 0.5 + 448 · 0.5, where
+        // a division after the sum would give 224.
+        assert_eq!(r(RedOp::Sum, &[&[e4(448.0)], &[e4(448.0)]]), [e4(448.0)]);
+        assert_eq!(r(RedOp::Avg, &[&[e4(448.0)], &[e4(448.0)]]), [e4(448.0)]);
+        // Three ranks: 1/3 rounds to 0.34375; 0.34375 + 0.6875 = 1.03125 rounds to 1, and
+        // 1 + 1.375 = 2.375 to the even 2.5.
+        assert_eq!(fp8_avg_scalar(DataType::Float8E4M3, 3), Some(e4(0.34375)));
+        assert_eq!(r(RedOp::Avg, &[&[e4(1.0)], &[e4(2.0)], &[e4(4.0)]]), [e4(2.5)]);
+        assert_eq!(fp8_avg_scalar(DataType::Float32, 3), None);
+        // Ranks fold in order, each step rounded: (1 + 0.0625) rounds back to 1 twice, where
+        // 0.0625 + 0.0625 first would have reached 1.125.
+        assert_eq!(r(RedOp::Sum, &[&[e4(1.0)], &[e4(0.0625)], &[e4(0.0625)]]), [e4(1.0)]);
+        assert_eq!(r(RedOp::Max, &[&[e4(-3.0)], &[e4(0.5)]]), [e4(0.5)]);
+        let e5 = |v: f64| Fp8::E5M2.from_f64_satfinite(v);
+        assert_eq!(reduce_reference(DataType::Float8E5M2, RedOp::Prod, &[&[e5(256.0)], &[e5(512.0)]]), [e5(57344.0)]);
+        assert_eq!(premul_reference(DataType::Float8E5M2, e5(0.5).into(), &[e5(3.0), e5(-1.5)]), [e5(1.5), e5(-0.75)]);
     }
 
     #[test]
     fn datatype_from_nccl_errors() {
-        for v in [10, 11] {
-            let e = DataType::from_nccl(v).unwrap_err();
-            assert_eq!(e.status(), Status::InvalidParam);
-            assert!(e.message().contains(&v.to_string()), "{e:?}");
-            assert!(e.message().contains("fp8"), "{e:?}");
-        }
+        // 12 is ncclNumTypes.
         for v in [-1, 12, i32::MAX] {
             let e = DataType::from_nccl(v).unwrap_err();
             assert_eq!(e.status(), Status::InvalidParam);
             assert!(e.message().contains(&v.to_string()), "{e:?}");
-            assert!(!e.message().contains("fp8"), "{e:?}");
         }
     }
 

@@ -114,6 +114,11 @@ impl CollKind {
             CollKind::Reduce => "reduce",
         }
     }
+
+    /// Whether the collective computes on its elements (all-gather and broadcast copy them).
+    pub(crate) fn reduces(self) -> bool {
+        matches!(self, CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce)
+    }
 }
 
 const SOURCE: &str = r#"
@@ -167,6 +172,36 @@ static __device__ __forceinline__ float gsc_to_f(gsc_bf16 x) { return __uint_as_
 static __device__ __forceinline__ gsc_f16 gsc_from_f(float f, gsc_f16) { gsc_f16 x; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x.v) : "f"(f)); return x; }
 static __device__ __forceinline__ gsc_bf16 gsc_from_f(float f, gsc_bf16) { gsc_bf16 x; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x.v) : "f"(f)); return x; }
 
+/* The fp8 types as their bits, stepped as NCCL does (collectives/fp8.rs): widened exactly, the
+ * operation in float (exact for two fp8 operands), rounded to half, then to fp8 to nearest
+ * even, saturating. The conversions are sm_89's; below it the host refuses fp8 arithmetic (as
+ * NCCL does below sm_90) and these are never reached, while the copies of fp8 data, which need
+ * no arithmetic, still compile and run. */
+struct gsc_e4m3 { unsigned char v; };
+struct gsc_e5m2 { unsigned char v; };
+#if __CUDA_ARCH__ >= 890
+#define GSC_FP8_TO_F(T, KIND) \
+    static __device__ __forceinline__ float gsc_to_f(T x) \
+    { \
+        unsigned h2; \
+        asm("cvt.rn.f16x2." KIND "x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)x.v)); \
+        return gsc_to_f(gsc_f16{(unsigned short)(h2 & 0xffff)}); \
+    } \
+    static __device__ __forceinline__ T gsc_from_f(float f, T) \
+    { \
+        const gsc_f16 h = gsc_from_f(f, gsc_f16{}); \
+        unsigned short b2; \
+        asm("cvt.rn.satfinite." KIND "x2.f16x2 %0, %1;" : "=h"(b2) : "r"((unsigned)h.v)); \
+        return T{(unsigned char)(b2 & 0xff)}; \
+    }
+#else
+#define GSC_FP8_TO_F(T, KIND) \
+    static __device__ __forceinline__ float gsc_to_f(T) { __trap(); return 0.0f; } \
+    static __device__ __forceinline__ T gsc_from_f(float, T) { __trap(); return T{0}; }
+#endif
+GSC_FP8_TO_F(gsc_e4m3, "e4m3")
+GSC_FP8_TO_F(gsc_e5m2, "e5m2")
+
 /* op: 0 sum (and avg before its division), 1 prod, 2 max, 3 min, 4 sum (of pre-multiplied
  * inputs: gsc_premul_unit). Max and min keep the
  * accumulator unless the new value is strictly greater (smaller). */
@@ -179,9 +214,15 @@ template <int OP, typename T> static __device__ __forceinline__ T gsc_apply(T a,
 }
 template <int OP> static __device__ __forceinline__ gsc_f16 gsc_apply(gsc_f16 a, gsc_f16 b) { return gsc_from_f(gsc_apply<OP>(gsc_to_f(a), gsc_to_f(b)), a); }
 template <int OP> static __device__ __forceinline__ gsc_bf16 gsc_apply(gsc_bf16 a, gsc_bf16 b) { return gsc_from_f(gsc_apply<OP>(gsc_to_f(a), gsc_to_f(b)), a); }
+template <int OP> static __device__ __forceinline__ gsc_e4m3 gsc_apply(gsc_e4m3 a, gsc_e4m3 b) { return gsc_from_f(gsc_apply<OP>(gsc_to_f(a), gsc_to_f(b)), a); }
+template <int OP> static __device__ __forceinline__ gsc_e5m2 gsc_apply(gsc_e5m2 a, gsc_e5m2 b) { return gsc_from_f(gsc_apply<OP>(gsc_to_f(a), gsc_to_f(b)), a); }
 template <typename T> static __device__ __forceinline__ T gsc_div(T a, unsigned long long n) { return a / (T)n; }
 template <> __device__ __forceinline__ gsc_f16 gsc_div(gsc_f16 a, unsigned long long n) { return gsc_from_f(gsc_to_f(a) / (float)n, a); }
 template <> __device__ __forceinline__ gsc_bf16 gsc_div(gsc_bf16 a, unsigned long long n) { return gsc_from_f(gsc_to_f(a) / (float)n, a); }
+/* Never used by the host (an fp8 average is a pre-multiplied sum, as in NCCL); here so that the
+ * average kernels of every type exist. */
+template <> __device__ __forceinline__ gsc_e4m3 gsc_div(gsc_e4m3 a, unsigned long long n) { return gsc_from_f(gsc_to_f(a) / (float)n, a); }
+template <> __device__ __forceinline__ gsc_e5m2 gsc_div(gsc_e5m2 a, unsigned long long n) { return gsc_from_f(gsc_to_f(a) / (float)n, a); }
 
 /* 8 bytes = one unit = two LL words; a unit holds whole elements of any type. */
 template <typename T> union gsc_unit { unsigned long long u; T v[8 / sizeof(T)]; };
@@ -938,7 +979,7 @@ impl ArgBlock for TriggeredArgs {}
 /// The element types the kernels are instantiated for: (C type, tag in kernel names). Each is
 /// a module of its own, so that the modules compile side by side (the whole set in one
 /// NVRTC call took 58–68 s on the device machines' CPUs).
-const TYPE_INSTANCES: [(&str, &str); 10] = [
+const TYPE_INSTANCES: [(&str, &str); 12] = [
     ("signed char", "i8"),
     ("unsigned char", "u8"),
     ("int", "i32"),
@@ -949,6 +990,8 @@ const TYPE_INSTANCES: [(&str, &str); 10] = [
     ("float", "f32"),
     ("double", "f64"),
     ("gsc_bf16", "bf16"),
+    ("gsc_e4m3", "e4m3"),
+    ("gsc_e5m2", "e5m2"),
 ];
 
 /// The source of the module of `TYPE_INSTANCES[t]`: every kernel of that type (and the
@@ -1552,6 +1595,21 @@ mod tests {
         for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
             let cubin =
                 super::super::kernels::compile_uncached(&module_source(t), (9, 0)).unwrap_or_else(|e| panic!("the {tag} module: {e}"));
+            assert!(cubin.starts_with(b"\x7fELF"), "the {tag} module is not a cubin");
+        }
+    }
+
+    /// The fp8 modules compile for a GPU without sm_89's fp8 conversions too (sm_80): their
+    /// copies run there, their arithmetic is refused by the host (`Communicator::checked`).
+    #[test]
+    fn fp8_modules_compile_below_sm89() {
+        if !super::super::kernels::nvrtc_present_or_say_why() {
+            return;
+        }
+        for tag in ["e4m3", "e5m2"] {
+            let t = TYPE_INSTANCES.iter().position(|(_, x)| *x == tag).expect("an fp8 module");
+            let cubin =
+                super::super::kernels::compile_uncached(&module_source(t), (8, 0)).unwrap_or_else(|e| panic!("the {tag} module: {e}"));
             assert!(cubin.starts_with(b"\x7fELF"), "the {tag} module is not a cubin");
         }
     }

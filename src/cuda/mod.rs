@@ -421,7 +421,6 @@ pub(crate) fn tie_to_graph<T: Send + 'static>(graph: cu::CUgraph, value: T) -> R
     check(unsafe { cu::cuGraphRetainUserObject(graph, obj, 1, mv) }, "cuGraphRetainUserObject")
 }
 
-/// Compute capability (major, minor) of the context's device.
 /// Streaming multiprocessors of `device`.
 pub(crate) fn sm_count(device: i32) -> Result<usize> {
     let mut v = 0;
@@ -433,20 +432,26 @@ pub(crate) fn sm_count(device: i32) -> Result<usize> {
     Ok(v.max(1) as usize)
 }
 
+/// Compute capability (major, minor) of `device`.
+pub(crate) fn device_arch(device: i32) -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    use cu::CUdevice_attribute::{
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJ, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MIN,
+    };
+    // SAFETY: valid out-pointers; `device` is an ordinal of a device the caller uses.
+    check(unsafe { cu::cuDeviceGetAttribute(&mut major, MAJ, device) }, "cuDeviceGetAttribute (compute capability)")?;
+    // SAFETY: as above.
+    check(unsafe { cu::cuDeviceGetAttribute(&mut minor, MIN, device) }, "cuDeviceGetAttribute (compute capability)")?;
+    Ok((major, minor))
+}
+
+/// Compute capability (major, minor) of the context's device.
 pub(crate) fn context_arch(ctx: cu::CUcontext) -> Result<(i32, i32)> {
     let _scope = CtxScope::enter(ctx)?;
     let mut dev: cu::CUdevice = 0;
     // SAFETY: a valid out-pointer, with `ctx` current.
     check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
-    let (mut major, mut minor) = (0, 0);
-    use cu::CUdevice_attribute::{
-        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJ, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MIN,
-    };
-    // SAFETY: valid out-pointers and a device of this context.
-    check(unsafe { cu::cuDeviceGetAttribute(&mut major, MAJ, dev) }, "cuDeviceGetAttribute")?;
-    // SAFETY: as above.
-    check(unsafe { cu::cuDeviceGetAttribute(&mut minor, MIN, dev) }, "cuDeviceGetAttribute")?;
-    Ok((major, minor))
+    device_arch(dev)
 }
 
 /// Launch `gsc_ops_kernel` on `stream` (captured into graph nodes when the stream is being

@@ -326,6 +326,7 @@ fn input(dtype: DataType, rank: usize, range: Range<usize>) -> Vec<u8> {
             DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v as f32).to_le_bytes()),
             DataType::Float32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
             DataType::Float64 => out.extend_from_slice(&(v as f64).to_le_bytes()),
+            DataType::Float8E4M3 | DataType::Float8E5M2 => out.push(dtype.fp8().expect("fp8").from_f64_satfinite(v as f64)),
         }
     }
     out
