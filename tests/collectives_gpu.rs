@@ -834,6 +834,9 @@ fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], path: PeerPath) -
     bad.extend(large_halves_of(&r, 3 << 19, &every_op));
     bad.extend(premul_sums(&r));
     bad.extend(carved_buffers(&r, name, calls));
+    if path == PeerPath::Direct {
+        bad.extend(direct_off_sixteen(&r));
+    }
     let before = calls(&r.comm);
     bad.extend(graph_replays(&r, 300_000));
     bad.extend(graph_replays(&r, 2_000_064));
@@ -852,6 +855,89 @@ fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], path: PeerPath) -
         bad.push(format!("rank {rank}: async error {e}"));
     }
     bad.join("\n")
+}
+
+/// The direct kernel on buffers off 16 bytes (`direct::common_offset`): every rank's buffers
+/// `shift` elements into their allocations, parts of whole 16 bytes; all-reduce, all-gather
+/// and reduce-scatter, in place and not, checked exactly, each of them on the direct kernel.
+/// Then ranks at different offsets: the workspace kernels take the call, still exact.
+fn direct_off_sixteen(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    // Parts of 256 KiB (every type's count a multiple of 16 bytes per rank and shard).
+    let part_bytes = 256 << 10;
+    let cases = [
+        (DataType::Float32, RedOp::Sum, 1),
+        (DataType::Bfloat16, RedOp::Max, 3),
+        (DataType::Int8, RedOp::Min, 5),
+        (DataType::Float64, RedOp::Prod, 1),
+        (DataType::Float8E4M3, RedOp::Sum, 15),
+    ];
+    for (dtype, op, shift) in cases {
+        let sz = dtype.size();
+        let part = part_bytes / sz;
+        let total = part * n;
+        let seed = 99_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64;
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, total)).collect();
+        let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+        let sum = reduce_reference(dtype, op, &refs);
+        for in_place in [false, true] {
+            let a = device_with(&[], (total + 16) * sz);
+            let b = device_with(&[], (total + 16) * sz);
+            let (a0, b0) = (a.ptr() + (shift * sz) as u64, b.ptr() + (shift * sz) as u64);
+            let what = |call: &str| {
+                format!("rank {me}: direct {call} {total} x {} {} {shift} elements in, in_place={in_place}", dtype.name(), op.name())
+            };
+            let before = r.comm.direct_calls();
+            // All-reduce of the whole inputs.
+            unsafe { gscomm::cuda::api::copy_to_device(a0, &ins[me]) }.unwrap();
+            let recv = if in_place { a0 } else { b0 };
+            unsafe { r.comm.all_reduce(a0, recv, total, dtype, op, &r.cond) }.unwrap();
+            r.sync();
+            if unsafe { gscomm::cuda::api::copy_from_device(recv, total * sz) }.unwrap() != sum {
+                bad.push(what("all_reduce"));
+            }
+            // Reduce-scatter of the same inputs.
+            unsafe { gscomm::cuda::api::copy_to_device(a0, &ins[me]) }.unwrap();
+            let recv = if in_place { a0 + (me * part_bytes) as u64 } else { b0 };
+            unsafe { r.comm.reduce_scatter(a0, recv, part, dtype, op, &r.cond) }.unwrap();
+            r.sync();
+            if unsafe { gscomm::cuda::api::copy_from_device(recv, part_bytes) }.unwrap() != sum[me * part_bytes..(me + 1) * part_bytes] {
+                bad.push(what("reduce_scatter"));
+            }
+            // All-gather of each rank's first part.
+            let send = if in_place { b0 + (me * part_bytes) as u64 } else { a0 };
+            unsafe { gscomm::cuda::api::copy_to_device(send, &ins[me][..part_bytes]) }.unwrap();
+            unsafe { r.comm.all_gather(send, b0, part, dtype, &r.cond) }.unwrap();
+            r.sync();
+            let want: Vec<u8> = ins.iter().flat_map(|x| x[..part_bytes].to_vec()).collect();
+            if unsafe { gscomm::cuda::api::copy_from_device(b0, total * sz) }.unwrap() != want {
+                bad.push(what("all_gather"));
+            }
+            if r.comm.direct_calls() != before + 3 {
+                bad.push(format!("{}: {} of 3 calls on the direct kernel", what("calls"), r.comm.direct_calls() - before));
+            }
+        }
+    }
+    // Rank q's buffers q + 1 floats in: no common offset, so the workspace kernels.
+    let (dtype, op) = (DataType::Float32, RedOp::Sum);
+    let total = (part_bytes / 4) * n;
+    let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 99_900, total)).collect();
+    let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+    let a = device_with(&[], (total + 16) * 4);
+    let b = device_with(&[], (total + 16) * 4);
+    let (a0, b0) = (a.ptr() + 4 * (me as u64 + 1), b.ptr() + 4 * (me as u64 + 1));
+    unsafe { gscomm::cuda::api::copy_to_device(a0, &ins[me]) }.unwrap();
+    let before = r.comm.direct_calls();
+    unsafe { r.comm.all_reduce(a0, b0, total, dtype, op, &r.cond) }.unwrap();
+    r.sync();
+    if unsafe { gscomm::cuda::api::copy_from_device(b0, total * 4) }.unwrap() != reduce_reference(dtype, op, &refs) {
+        bad.push(format!("rank {me}: the all-reduce of buffers at different offsets on every rank is wrong"));
+    }
+    if r.comm.direct_calls() != before {
+        bad.push(format!("rank {me}: buffers at different offsets on every rank took the direct kernel"));
+    }
+    bad
 }
 
 /// The seed's rules for registered memory: buffers carved from one `mem_alloc` allocation per

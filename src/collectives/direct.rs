@@ -91,6 +91,18 @@ pub(crate) fn auto_floor(kind: CollKind, replayed: bool, nranks: usize) -> usize
     }
 }
 
+/// The offset from 16 bytes every buffer of `bufs` (every rank's send and receive, each as
+/// one rank addresses them) lies at, if they share one and it is whole elements of `elem`
+/// bytes: the direct kernel then moves the first 16-byte piece of every source and destination
+/// together, and the elements before and after the pieces one by one. Buffers off 16 bytes
+/// alike are what a program gets from one offset into its allocations on every rank
+/// (nccl-tests' `-u`, slices of one tensor).
+pub(crate) fn common_offset(bufs: &[(u64, u64)], elem: usize) -> Option<u64> {
+    let at = bufs.first()?.0 % 16;
+    let alike = bufs.iter().all(|&(send, recv)| send % 16 == at && recv % 16 == at);
+    (alike && at.is_multiple_of(elem as u64)).then_some(at)
+}
+
 /// What one rank's kernel does: reduce `bytes` of every source (in this order) into every
 /// destination. Addresses as this rank sees them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -167,9 +179,11 @@ impl Direct {
         let (n, me) = (cx.nranks, cx.rank);
         // Everything that can fail on this rank alone comes before the ranks agree: after it,
         // every peer launches and would wait for this rank until the timeout.
-        // The kernel's 16-byte loads and stores need every address on 16 bytes; the offsets
-        // are (`wanted`), and the peers' mappings keep an address's place in its allocation.
-        let aligned = call.send.is_multiple_of(16) && call.recv.is_multiple_of(16);
+        // The kernel's 16-byte loads and stores need every address of the call at one offset
+        // from 16 bytes (`common_offset`); the parts' offsets are whole 16 bytes (`wanted`),
+        // and the peers' mappings keep an address's place in its allocation. Our own two
+        // buffers must agree before the peers' are worth asking for.
+        let own = common_offset(&[(call.send, call.recv)], call.dtype.size()).is_some();
         // Pre-multiplied sums never come here (`wanted`); the others have a kernel each.
         let name = format!("gsc_direct_{}_{}", call.dtype.kernel_tag(), call.op.kernel_tag());
         let ready = (|| -> Result<_> {
@@ -189,16 +203,21 @@ impl Direct {
         let (bufs, (kernel, per_gpu)) = match known {
             // Every rank sees the same buffers (windows: bases on 16 bytes everywhere and the
             // same offsets), so every rank falls back alike.
-            Some(bufs) if !bufs.iter().all(|&(send, recv)| send.is_multiple_of(16) && recv.is_multiple_of(16)) => return Ok(None),
+            Some(bufs) if common_offset(bufs, call.dtype.size()).is_none() => return Ok(None),
             // No rank can tell the others this one failed: like a failed launch below.
             Some(bufs) => (
                 bufs.to_vec(),
                 ready.map_err(|e| Self::give_up(cx, e, "loading the direct kernel for a call whose buffers every rank knew"))?,
             ),
             None => {
-                let Some(bufs) = peer_buffers::exchange(cx, call, aligned && ready.is_ok(), "the direct kernel")? else {
+                let Some(bufs) = peer_buffers::exchange(cx, call, own && ready.is_ok(), "the direct kernel")? else {
                     return Ok(None);
                 };
+                // Every rank has every rank's buffers (mapped: at the same offsets from 16
+                // bytes), so every rank decides alike.
+                if common_offset(&bufs, call.dtype.size()).is_none() {
+                    return Ok(None);
+                }
                 (bufs, ready?)
             }
         };
@@ -332,6 +351,18 @@ mod tests {
         let j = job(DirectKind::ReduceScatter, 1, 4, 64, false, &buffers(DirectKind::ReduceScatter, 4, 64, false));
         assert_eq!(j.srcs.len(), 4);
         assert!(j.srcs.windows(2).all(|w| w[0] < w[1]), "rank order: the model's bases grow with the rank");
+    }
+
+    #[test]
+    fn buffers_off_sixteen_bytes_alike_on_whole_elements_share_an_offset() {
+        assert_eq!(common_offset(&[(0x1000, 0x2000), (0x7000, 0x9010)], 4), Some(0));
+        assert_eq!(common_offset(&[(0x1004, 0x2004), (0x7014, 0x9004)], 4), Some(4));
+        assert_eq!(common_offset(&[(0x1005, 0x2005)], 1), Some(5));
+        assert_eq!(common_offset(&[(0x1004, 0x2004), (0x7008, 0x9008)], 4), None, "ranks at different offsets");
+        assert_eq!(common_offset(&[(0x1004, 0x2008)], 4), None, "send and receive at different offsets");
+        assert_eq!(common_offset(&[(0x1002, 0x2002)], 4), None, "off whole elements");
+        assert_eq!(common_offset(&[(0x1008, 0x2008)], 8), Some(8));
+        assert_eq!(common_offset(&[], 4), None);
     }
 
     #[test]

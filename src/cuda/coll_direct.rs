@@ -3,8 +3,9 @@
 //! workspace's areas as the phased and pipelined kernels do. One launch does a whole call:
 //! meet every rank, move and reduce, meet again. The host decides which buffers are read and
 //! written (`collectives::direct::job`); the kernel only reduces `nsrc` sources, in their
-//! order, into `ndst` destinations, 16 bytes a load. The source is appended to `coll`'s (it
-//! uses its helpers) and compiled with it.
+//! order, into `ndst` destinations, 16 bytes a load (every address at one offset from 16
+//! bytes: the elements before and after the 16-byte pieces go one by one). The source is
+//! appended to `coll`'s (it uses its helpers) and compiled with it.
 
 use super::coll::{CollArgs, MAX_RANKS};
 use super::replay::ArgBlock;
@@ -95,18 +96,32 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_direct(const 
     /* A rank that failed this round may have said so already (it writes our error word). */
     const int ok = __syncthreads_and(seen && in_step && *(volatile const unsigned long long *)(ctl + 2) == 0);
     if (ok) {
-        const unsigned long long nv = a->bytes / 16, step = gridDim.x * (unsigned long long)blockDim.x;
+        /* Every source and destination lies at one offset from 16 bytes, on whole elements
+         * (collectives::direct::common_offset): the `head` bytes before the first 16-byte
+         * piece and the `tail` after the last go element by element, one thread each. */
+        const unsigned long long to16 = (16 - (d->src[0] & 15)) & 15;
+        const unsigned long long head = to16 < a->bytes ? to16 : a->bytes;
+        const unsigned long long nv = (a->bytes - head) / 16, tail = a->bytes - head - nv * 16;
+        const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
         const unsigned long long nsrc = d->nsrc, ndst = d->ndst;
-        for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < nv; i += 4 * step) {
+        const unsigned long long g = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+        if (g < (head + tail) / sizeof(T)) {
+            const unsigned long long at = g * sizeof(T), off = at < head ? at : nv * 16 + at;
+            T acc = gsc_ld_cg_elem<T>((const unsigned char *)d->src[0] + off);
+            for (unsigned long long s = 1; s < nsrc; s++) acc = gsc_apply<OP>(acc, gsc_ld_cg_elem<T>((const unsigned char *)d->src[s] + off));
+            if (AVG) acc = gsc_div(acc, a->nranks);
+            for (unsigned long long t = 0; t < ndst; t++) *(T *)((unsigned char *)d->dst[t] + off) = acc;
+        }
+        for (unsigned long long i = g; i < nv; i += 4 * step) {
             gsc_vec<T> acc[4], x[4];
             /* Four pieces per source in flight: the loads of one source do not wait for each other. */
 #pragma unroll
             for (int k = 0; k < 4; k++)
-                if (i + k * step < nv) acc[k].v = gsc_ld_cg((const uint4 *)d->src[0] + i + k * step);
+                if (i + k * step < nv) acc[k].v = gsc_ld_cg((const uint4 *)(d->src[0] + head) + i + k * step);
             for (unsigned long long s = 1; s < nsrc; s++) {
 #pragma unroll
                 for (int k = 0; k < 4; k++)
-                    if (i + k * step < nv) x[k].v = gsc_ld_cg((const uint4 *)d->src[s] + i + k * step);
+                    if (i + k * step < nv) x[k].v = gsc_ld_cg((const uint4 *)(d->src[s] + head) + i + k * step);
 #pragma unroll
                 for (int k = 0; k < 4; k++)
 #pragma unroll
@@ -120,7 +135,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_direct(const 
             for (unsigned long long t = 0; t < ndst; t++)
 #pragma unroll
                 for (int k = 0; k < 4; k++)
-                    if (i + k * step < nv) ((uint4 *)d->dst[t])[i + k * step] = acc[k].v;
+                    if (i + k * step < nv) ((uint4 *)(d->dst[t] + head))[i + k * step] = acc[k].v;
         }
     } else if (in_step && threadIdx.x < a->nranks) {
         /* This round failed here: every rank's error word (ours too) says so, ahead of the
