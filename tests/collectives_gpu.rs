@@ -189,8 +189,11 @@ fn fp8_every_pair(r: &Rank) -> Vec<String> {
             for repeats in [1, 64] {
                 let count = 65_536 * repeats;
                 let ins: Vec<Vec<u8>> = (0..n).map(|q| pattern(q, count)).collect();
-                let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
-                let want = reduce_reference(dtype, op, &refs);
+                // The inputs repeat every 64 Ki elements: so does the result (the host's model
+                // of a 4 Mi-element call, computed once, would outlast the watchdog of ranks
+                // sharing GPUs).
+                let refs: Vec<&[u8]> = ins.iter().map(|x| &x[..65_536]).collect();
+                let want = reduce_reference(dtype, op, &refs).repeat(repeats);
                 let mut check = |what: &str, got: &[u8], want: &[u8]| {
                     if let Some(i) = got.iter().zip(want).position(|(&a, &b)| !same(a, b)) {
                         let (a, b) = (ins[0][i % ins[0].len()], ins[1 % n][i % ins[1 % n].len()]);
@@ -817,6 +820,10 @@ fn run_rank_on_peer_buffers(rank: usize, n: usize, uid: &[u8], path: PeerPath) -
         PeerPath::Ring => &[("GSC_COLL_RING", "on"), ("GSC_COLL_RING_MIN", "0"), ("GSC_COLL_SM", "off"), ("GSC_COLL_CE", "off")],
     };
     let config = config_with(&[&[("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on")], knobs].concat());
+    // GSC_LOG_LEVEL in the environment: each rank logs (why a call left the path, say).
+    if std::env::var_os("GSC_LOG_LEVEL").is_some() {
+        gscomm::log::init(&config).unwrap();
+    }
     let r = join_rank(rank, n, uid, &config);
     let (name, calls) = match path {
         PeerPath::CopyEngines => ("copy-engine", Communicator::copy_engine_calls as fn(&Communicator) -> u64),

@@ -1948,8 +1948,10 @@ mod tests {
             (Kind::AllReduceInPlace, 0, 16 << 20, 4 << 20, true),
             (Kind::AllGather, 16 << 20, 0, 2 << 20, true),
             (Kind::ReduceScatter, 0, 32 << 20, 4 << 20, true),
-            // 4 bytes off 16: unaligned on both ranks alike, the workspace kernels.
-            (Kind::AllReduce, 4, 4, 4 << 20, false),
+            // 4 bytes off 16 on both ranks alike: still the direct kernel (`direct::common_offset`).
+            (Kind::AllReduce, 4, 4, 4 << 20, true),
+            // Send and receive buffers at different offsets from 16 bytes: the workspace kernels.
+            (Kind::AllReduce, 4, 8, 4 << 20, false),
             // Below the floor: the workspace kernels.
             (Kind::AllReduce, 0, 0, 1 << 20, false),
         ];
