@@ -20,7 +20,7 @@ mod common;
 use common::*;
 use gscomm::bootstrap::{Bootstrap, UniqueId};
 use gscomm::collectives::net::hierarchical_reference;
-use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, reduce_reference};
+use gscomm::collectives::types::reduce_reference;
 use gscomm::collectives::{DataType, NetComm, RedOp};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Stream, device_count, gpu_test_skip_reason, set_device};
@@ -38,18 +38,9 @@ fn input(dtype: DataType, rank: usize, seed: u64, count: usize) -> Vec<u8> {
     if !dtype.is_float() {
         return pattern(seed * 31 + rank as u64, count * dtype.size());
     }
-    let raw = pattern(seed * 31 + rank as u64, count);
     let mut out = Vec::with_capacity(count * dtype.size());
-    for &b in &raw {
-        let v = f32::from(b % 5) - 2.0;
-        match dtype {
-            DataType::Float16 => out.extend_from_slice(&f32_to_f16(v).to_le_bytes()),
-            DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v).to_le_bytes()),
-            DataType::Float32 => out.extend_from_slice(&v.to_le_bytes()),
-            DataType::Float64 => out.extend_from_slice(&f64::from(v).to_le_bytes()),
-            DataType::Float8E4M3 | DataType::Float8E5M2 => out.push(dtype.fp8().unwrap().from_f64_satfinite(v.into())),
-            other => unreachable!("{other:?} is not a float type"),
-        }
+    for b in pattern(seed * 31 + rank as u64, count) {
+        dtype.push_integer(i64::from(b % 5) - 2, &mut out);
     }
     out
 }

@@ -180,6 +180,24 @@ impl DataType {
     pub fn is_narrow_float(self) -> bool {
         self.is_float() && self.size() < 4
     }
+
+    /// Append `v` as one little-endian element of this type: test and benchmark data. Small
+    /// integers (|v| up to 8, e5m2's limit) are exact in every type; integer types keep `v`'s low bits
+    /// (negative values wrap in the unsigned ones, as `reduce_reference` expects), floats
+    /// round to nearest (fp8 saturating).
+    pub fn push_integer(self, v: i64, out: &mut Vec<u8>) {
+        match self {
+            DataType::Int8 | DataType::Uint8 => out.push(v as u8),
+            DataType::Int32 | DataType::Uint32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+            DataType::Int64 | DataType::Uint64 => out.extend_from_slice(&v.to_le_bytes()),
+            DataType::Float16 => out.extend_from_slice(&f32_to_f16(v as f32).to_le_bytes()),
+            DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v as f32).to_le_bytes()),
+            DataType::Float32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DataType::Float64 => out.extend_from_slice(&(v as f64).to_le_bytes()),
+            DataType::Float8E4M3 => out.push(Fp8::E4M3.from_f64_satfinite(v as f64)),
+            DataType::Float8E5M2 => out.push(Fp8::E5M2.from_f64_satfinite(v as f64)),
+        }
+    }
 }
 
 /// A reduction operator, with the values of NCCL's `ncclRedOp_t` (built-in operators only).
@@ -553,6 +571,48 @@ mod tests {
     }
 
     // ---- names and NCCL values
+
+    /// Reads one element back as f64 (integers signed or not as the type is).
+    fn element_value(t: DataType, b: &[u8]) -> f64 {
+        match t {
+            DataType::Int8 => f64::from(b[0] as i8),
+            DataType::Uint8 => f64::from(b[0]),
+            DataType::Int32 => f64::from(i32::from_le_bytes(b.try_into().unwrap())),
+            DataType::Uint32 => f64::from(u32::from_le_bytes(b.try_into().unwrap())),
+            DataType::Int64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
+            DataType::Uint64 => u64::from_le_bytes(b.try_into().unwrap()) as f64,
+            DataType::Float16 => f64::from(f16_to_f32(u16::from_le_bytes(b.try_into().unwrap()))),
+            DataType::Bfloat16 => f64::from(bf16_to_f32(u16::from_le_bytes(b.try_into().unwrap()))),
+            DataType::Float32 => f64::from(f32::from_le_bytes(b.try_into().unwrap())),
+            DataType::Float64 => f64::from_le_bytes(b.try_into().unwrap()),
+            DataType::Float8E4M3 | DataType::Float8E5M2 => f64::from(t.fp8().unwrap().to_f32(b[0])),
+        }
+    }
+
+    #[test]
+    fn small_integers_are_exact_in_every_type() {
+        for t in DataType::ALL {
+            for v in -8..=8i64 {
+                let mut out = vec![0xee];
+                t.push_integer(v, &mut out);
+                assert_eq!(out.len(), 1 + t.size(), "{t:?} appends one element");
+                let back = element_value(t, &out[1..]);
+                let unsigned = matches!(t, DataType::Uint8 | DataType::Uint32 | DataType::Uint64);
+                if unsigned && v < 0 {
+                    // Wrapped: the type's modulus above zero.
+                    let modulus = 2f64.powi(8 * t.size() as i32);
+                    assert_eq!(back, modulus + v as f64, "{t:?} {v}");
+                } else {
+                    assert_eq!(back, v as f64, "{t:?} {v}");
+                }
+            }
+        }
+        // Beyond a type's range: low bits for integers, saturation for fp8.
+        let mut out = Vec::new();
+        DataType::Int8.push_integer(300, &mut out);
+        DataType::Float8E4M3.push_integer(1000, &mut out);
+        assert_eq!(out, [300u16 as u8, 0x7e], "e4m3's largest finite, 448");
+    }
 
     #[test]
     fn datatype_tables() {

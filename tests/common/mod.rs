@@ -798,23 +798,13 @@ pub fn run_rank_job(
 /// random bits for integers (sums and products wrap), small integers for floats (exact in every
 /// float type, so a result is wrong only when the data is).
 pub fn coll_input(dtype: gscomm::collectives::DataType, rank: usize, seed: u64, count: usize) -> Vec<u8> {
-    use gscomm::collectives::DataType;
-    use gscomm::collectives::types::{f32_to_bf16, f32_to_f16};
     let raw = pattern(seed * 31 + rank as u64, count * 8);
     if !dtype.is_float() {
         return raw[..count * dtype.size()].to_vec();
     }
     let mut out = Vec::with_capacity(count * dtype.size());
     for i in 0..count {
-        let v = f32::from(raw[i * 8] % 5) - 2.0;
-        match dtype {
-            DataType::Float16 => out.extend_from_slice(&f32_to_f16(v).to_le_bytes()),
-            DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v).to_le_bytes()),
-            DataType::Float32 => out.extend_from_slice(&v.to_le_bytes()),
-            DataType::Float64 => out.extend_from_slice(&f64::from(v).to_le_bytes()),
-            DataType::Float8E4M3 | DataType::Float8E5M2 => out.push(dtype.fp8().unwrap().from_f64_satfinite(v.into())),
-            other => unreachable!("{other:?} is not a float type"),
-        }
+        dtype.push_integer(i64::from(raw[i * 8] % 5) - 2, &mut out);
     }
     out
 }

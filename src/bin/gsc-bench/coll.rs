@@ -43,7 +43,7 @@
 use crate::nccl::{self, Nccl};
 use crate::{Control, Sweep, config, die, hex, parse_size, spawn_peer, unhex};
 use gscomm::bootstrap::{Bootstrap, UniqueId};
-use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, reduce_reference};
+use gscomm::collectives::types::reduce_reference;
 use gscomm::collectives::{Communicator, DataType, PeerOp, PeerTransfer, RedOp};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Function, Module, PinnedBuf, Stream, device_count, set_device};
@@ -317,17 +317,7 @@ fn value(rank: usize, i: usize) -> i64 {
 fn input(dtype: DataType, rank: usize, range: Range<usize>) -> Vec<u8> {
     let mut out = Vec::with_capacity(range.len() * dtype.size());
     for i in range {
-        let v = value(rank, i);
-        match dtype {
-            DataType::Int8 | DataType::Uint8 => out.push(v as i8 as u8),
-            DataType::Int32 | DataType::Uint32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
-            DataType::Int64 | DataType::Uint64 => out.extend_from_slice(&v.to_le_bytes()),
-            DataType::Float16 => out.extend_from_slice(&f32_to_f16(v as f32).to_le_bytes()),
-            DataType::Bfloat16 => out.extend_from_slice(&f32_to_bf16(v as f32).to_le_bytes()),
-            DataType::Float32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-            DataType::Float64 => out.extend_from_slice(&(v as f64).to_le_bytes()),
-            DataType::Float8E4M3 | DataType::Float8E5M2 => out.push(dtype.fp8().expect("fp8").from_f64_satfinite(v as f64)),
-        }
+        dtype.push_integer(value(rank, i), &mut out);
     }
     out
 }
