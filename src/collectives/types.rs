@@ -182,9 +182,9 @@ impl DataType {
     }
 
     /// Append `v` as one little-endian element of this type: test and benchmark data. Small
-    /// integers (|v| up to 8, e5m2's limit) are exact in every type; integer types keep `v`'s low bits
-    /// (negative values wrap in the unsigned ones, as `reduce_reference` expects), floats
-    /// round to nearest (fp8 saturating).
+    /// integers (|v| up to 8, e5m2's limit) are exact in every type; integer types keep `v`'s
+    /// low bits (negative values wrap in the unsigned ones, as `reduce_reference` expects),
+    /// floats round to nearest (fp8 saturating).
     pub fn push_integer(self, v: i64, out: &mut Vec<u8>) {
         match self {
             DataType::Int8 | DataType::Uint8 => out.push(v as u8),
