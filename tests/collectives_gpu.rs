@@ -292,6 +292,129 @@ fn large_off_sixteen(r: &Rank) -> Vec<String> {
     bad
 }
 
+/// Bytes rank `q`'s buffers lie past an allocation's start in `large_mixed_alignment`, for
+/// elements of `sz` bytes: on 16 bytes, a byte off, an element off, three bytes off (one byte:
+/// an element off), so that two ranks already differ in kind.
+fn mixed_offset(q: usize, sz: usize) -> usize {
+    [0, 1, sz, 3][q % 4]
+}
+
+/// The large kernels with every rank's buffers at its own offset (`mixed_offset`): one on 16
+/// bytes, one not even on whole elements. Each rank picks its kernel from its own addresses
+/// alone; before session 35 the rank off whole elements took the one-shot kernel and its peers
+/// the large one, and the call failed at `GSC_TIMEOUT`. Every collective over several rounds
+/// with a one-shot tail (odd counts), in place and not, and pre-multiplied sums.
+fn large_mixed_alignment(r: &Rank) -> Vec<String> {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let mut bad = Vec::new();
+    let count = (1 << 20) + 3;
+    let cases = [
+        (DataType::Float32, RedOp::Sum),
+        (DataType::Bfloat16, RedOp::Max),
+        (DataType::Float64, RedOp::Prod),
+        (DataType::Int32, RedOp::Avg),
+        (DataType::Float16, RedOp::Min),
+    ];
+    for (dtype, op) in cases {
+        let (sz, off) = (dtype.size(), mixed_offset(me, dtype.size()) as u64);
+        let what = |call: &str, in_place: bool| {
+            format!("rank {me}: {call} of {count} x {} {} at {off} bytes in, in_place={in_place}", dtype.name(), op.name())
+        };
+        let seed = 96_000 + dtype.nccl() as u64 * 10 + op.nccl() as u64;
+        // Reduce-scatter's inputs and all-gather's output hold n parts of `count`.
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, count * n)).collect();
+        let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+        let sum = reduce_reference(dtype, op, &refs);
+        let part = |x: &[u8], q: usize| x[q * count * sz..(q + 1) * count * sz].to_vec();
+        for in_place in [false, true] {
+            let (a, b) = (device_with(&[], (count * n + 16) * sz), device_with(&[], (count * n + 16) * sz));
+            let (send, other) = (a.ptr() + off, b.ptr() + off);
+            let read = |at: u64, len: usize| unsafe { gscomm::cuda::api::copy_from_device(at, len) }.unwrap();
+            let put = |at: u64, data: &[u8]| unsafe { gscomm::cuda::api::copy_to_device(at, data) }.unwrap();
+            // All-reduce, broadcast from the last rank and reduce to rank 0, on the first part.
+            let first: Vec<Vec<u8>> = ins.iter().map(|x| part(x, 0)).collect();
+            let first_refs: Vec<&[u8]> = first.iter().map(Vec::as_slice).collect();
+            let first_sum = reduce_reference(dtype, op, &first_refs);
+            let recv = if in_place { send } else { other };
+            for (call, root) in [("all_reduce", 0), ("broadcast", n - 1), ("reduce", 0)] {
+                put(send, &first[me]);
+                let done = unsafe {
+                    match call {
+                        "all_reduce" => r.comm.all_reduce(send, recv, count, dtype, op, &r.cond),
+                        "broadcast" => r.comm.broadcast(send, recv, count, dtype, root, &r.cond),
+                        _ => r.comm.reduce(send, recv, count, dtype, op, root, &r.cond),
+                    }
+                };
+                if let Err(e) = done {
+                    bad.push(format!("{}: {e}", what(call, in_place)));
+                    continue;
+                }
+                r.sync();
+                let want = if call == "broadcast" { &first[root] } else { &first_sum };
+                if (call != "reduce" || me == root) && read(recv, count * sz) != *want {
+                    bad.push(what(call, in_place));
+                }
+            }
+            // Reduce-scatter of the n parts.
+            put(send, &ins[me]);
+            let recv = if in_place { send + (me * count * sz) as u64 } else { other };
+            match unsafe { r.comm.reduce_scatter(send, recv, count, dtype, op, &r.cond) } {
+                Ok(_) => {
+                    r.sync();
+                    if read(recv, count * sz) != part(&sum, me) {
+                        bad.push(what("reduce_scatter", in_place));
+                    }
+                }
+                Err(e) => bad.push(format!("{}: {e}", what("reduce_scatter", in_place))),
+            }
+            // All-gather of each rank's own part of its input.
+            let from = if in_place { other + (me * count * sz) as u64 } else { send };
+            put(from, &part(&ins[me], me));
+            match unsafe { r.comm.all_gather(from, other, count, dtype, &r.cond) } {
+                Ok(_) => {
+                    r.sync();
+                    let want: Vec<u8> = (0..n).flat_map(|q| part(&ins[q], q)).collect();
+                    if read(other, count * n * sz) != want {
+                        bad.push(what("all_gather", in_place));
+                    }
+                }
+                Err(e) => bad.push(format!("{}: {e}", what("all_gather", in_place))),
+            }
+        }
+    }
+    // Pre-multiplied sums: each rank's input scaled element by element on its way.
+    let dtype = DataType::Float32;
+    for kind in [PremulKind::AllReduce, PremulKind::ReduceScatter, PremulKind::Reduce] {
+        let total = if kind == PremulKind::ReduceScatter { count * n } else { count };
+        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 96_500 + kind as u64, total)).collect();
+        let scaled: Vec<Vec<u8>> = ins.iter().enumerate().map(|(q, x)| premul_reference(dtype, premul_scalar(dtype, q), x)).collect();
+        let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
+        let sum = reduce_reference(dtype, RedOp::Sum, &refs);
+        let want = match kind {
+            PremulKind::ReduceScatter => sum[me * count * 4..(me + 1) * count * 4].to_vec(),
+            _ => sum,
+        };
+        let off = mixed_offset(me, 4) as u64;
+        let (a, b) = (device_with(&[], (total + 4) * 4), device_with(&[], (count + 4) * 4));
+        let (send, recv) = (a.ptr() + off, b.ptr() + off);
+        unsafe { gscomm::cuda::api::copy_to_device(send, &ins[me]) }.unwrap();
+        let scalar = PreMulScalar::Value(premul_scalar(dtype, me));
+        let root = n - 1;
+        match unsafe { r.comm.premul_sum(kind, send, recv, count, dtype, scalar, root, &r.cond) } {
+            Ok(_) => {
+                r.sync();
+                if (kind != PremulKind::Reduce || me == root)
+                    && unsafe { gscomm::cuda::api::copy_from_device(recv, count * 4) }.unwrap() != want
+                {
+                    bad.push(format!("rank {me}: premul {kind:?} of {count} floats at {off} bytes in"));
+                }
+            }
+            Err(e) => bad.push(format!("rank {me}: premul {kind:?} of {count} floats at {off} bytes in: {e}")),
+        }
+    }
+    bad
+}
+
 /// Broadcast and reduce on the large kernel (the all-reduce's pattern) over several rounds with
 /// a one-shot tail (odd counts), in place and not, on the datatypes of each size: broadcast
 /// from every root, reduce on every operator to the last rank.
@@ -1152,6 +1275,34 @@ fn collectives_exact_on_four_gpus() {
         return;
     }
     run_job("collectives_exact_on_four_gpus", 4);
+}
+
+/// `large_mixed_alignment` alone, with a short `GSC_TIMEOUT`: ranks whose kernels differ fail
+/// each call within it instead of hanging the suite.
+fn run_rank_mixed_alignment(rank: usize, n: usize, uid: &[u8]) -> String {
+    let r = join_rank(rank, n, uid, &config_with(&[("GSC_TIMEOUT", "10s"), ("GSC_COLL_CHECK", "on")]));
+    large_mixed_alignment(&r).join("\n")
+}
+
+fn mixed_alignment_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = rank_of(role);
+    chan.put("result", run_rank_mixed_alignment(rank, n, &chan.get("uid")).as_bytes());
+}
+
+#[test]
+fn ranks_at_different_alignments_exact_on_two_gpus() {
+    if run_child_role(mixed_alignment_roles) {
+        return;
+    }
+    run_job_with("ranks_at_different_alignments_exact_on_two_gpus", 2, mixed_alignment_roles, run_rank_mixed_alignment);
+}
+
+#[test]
+fn ranks_at_different_alignments_exact_on_four_gpus() {
+    if run_child_role(mixed_alignment_roles) {
+        return;
+    }
+    run_job_with("ranks_at_different_alignments_exact_on_four_gpus", 4, mixed_alignment_roles, run_rank_mixed_alignment);
 }
 
 #[test]

@@ -1305,7 +1305,8 @@ impl Communicator {
         };
         let family = match (self.large.algo, large_alignment(call)) {
             (crate::config::LargeAlgo::Phased, Alignment::Sixteen) => "big",
-            // Whole elements off 16 bytes (`select::choose` sends nothing narrower here).
+            // Off 16 bytes, buffers perhaps off whole elements too: the twin with the same
+            // rounds and flags, so ranks whose buffers sit differently still meet.
             (crate::config::LargeAlgo::Phased, _) => "bign",
             (crate::config::LargeAlgo::Pipelined, _) => "pipe",
         };

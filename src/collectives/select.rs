@@ -79,7 +79,8 @@ pub enum Alignment {
     /// On whole elements, not on 16 bytes: the phased kernel moves such calls in narrower
     /// accesses (`cuda::coll`'s `gsc_align_of`).
     Elements,
-    /// Not even on whole elements: the one-shot kernel only.
+    /// Not even on whole elements (a buffer at any byte): the phased kernel's narrow twin
+    /// moves such calls too, element by element through single bytes where it must reduce.
     Bytes,
 }
 
@@ -98,10 +99,18 @@ impl Alignment {
 
 /// The algorithm of a call moving `bytes` per rank; `align`: its addresses' (`Alignment`);
 /// `large_min`: `GSC_COLL_LARGE_MIN`; `algo`: `GSC_COLL_LARGE_ALGO`. The phased kernel takes
-/// calls on whole elements, the pipelined one calls on 16 bytes only.
+/// calls at any alignment, the pipelined one calls on 16 bytes only.
+///
+/// Every rank of a call chooses alone, from its own addresses, with no exchange. Under the
+/// phased kernel (the default) the choice therefore must not depend on them: ranks whose
+/// buffers sit differently (one on 16 bytes, one an element or a byte off) would otherwise run
+/// different kernels against each other's flags, and fail the call after `GSC_TIMEOUT`. The
+/// alignment only picks the phased kernel's twin (`gsc_coll_big` or `gsc_coll_bign`), which
+/// share one layout of rounds and flags. The pipelined kernel (experimental) has no narrow
+/// twin: under it, ranks must agree on whether their addresses are on 16 bytes (docs/USER_GUIDE.md).
 pub fn choose(coll: Collective, bytes: usize, align: Alignment, large_min: usize, algo: LargeAlgo) -> Algorithm {
     let fits = match algo {
-        LargeAlgo::Phased => align != Alignment::Bytes,
+        LargeAlgo::Phased => true,
         LargeAlgo::Pipelined => align == Alignment::Sixteen,
     };
     let large = bytes >= large_min.max(16) && fits;
@@ -262,7 +271,9 @@ mod tests {
         assert_eq!(choose(Collective::AllReduce, min, sixteen, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined);
         assert_eq!(choose(Collective::AllReduce, min, elements, min, p), Algorithm::TwoShotPush, "whole elements: phased");
         assert_eq!(choose(Collective::AllReduce, min, elements, min, LargeAlgo::Pipelined), Algorithm::OneShotLl);
-        assert_eq!(choose(Collective::AllReduce, min, bytes, min, p), Algorithm::OneShotLl, "off whole elements: one-shot");
+        // Off whole elements too: ranks at different offsets must choose alike.
+        assert_eq!(choose(Collective::AllReduce, min, bytes, min, p), Algorithm::TwoShotPush, "off whole elements: phased");
+        assert_eq!(choose(Collective::AllReduce, min, bytes, min, LargeAlgo::Pipelined), Algorithm::OneShotLl);
         // A threshold of 0 still leaves calls under one 16-byte piece to the one-shot kernel.
         assert_eq!(choose(Collective::AllReduce, 8, sixteen, 0, p), Algorithm::OneShotLl);
         for coll in [Collective::AllGather, Collective::ReduceScatter] {
@@ -270,14 +281,14 @@ mod tests {
             assert_eq!(choose(coll, 1 << 30, sixteen, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined, "{}", coll.name());
             assert_eq!(choose(coll, (1 << 30) + 4, elements, min, p), Algorithm::TwoShotPush, "{}: parts off 16 bytes", coll.name());
             assert_eq!(choose(coll, (1 << 30) + 4, elements, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
-            assert_eq!(choose(coll, (1 << 30) + 1, bytes, min, p), Algorithm::OneShotLl, "{}", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 4, bytes, min, p), Algorithm::TwoShotPush, "{}: a buffer off its elements", coll.name());
         }
         for coll in [Collective::Broadcast, Collective::Reduce] {
             assert_eq!(choose(coll, 1 << 30, sixteen, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
             assert_eq!(choose(coll, min, sixteen, min, p), Algorithm::TwoShotPush, "{}: the all-reduce's pattern", coll.name());
             assert_eq!(choose(coll, min - 1, sixteen, min, p), Algorithm::OneShotLl, "{}", coll.name());
             assert_eq!(choose(coll, min, elements, min, p), Algorithm::TwoShotPush, "{}: whole elements", coll.name());
-            assert_eq!(choose(coll, min, bytes, min, p), Algorithm::OneShotLl, "{}: off whole elements", coll.name());
+            assert_eq!(choose(coll, min, bytes, min, p), Algorithm::TwoShotPush, "{}: off whole elements", coll.name());
         }
     }
 

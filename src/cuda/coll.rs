@@ -536,9 +536,9 @@ static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long
 }
 
 /* The widest access (16, 8, 4, 2 or 1 bytes) that every address and length in `bits` (OR-ed
- * together) allow. The workspace is always on 16 bytes; a user's buffers and an all-gather's or
- * reduce-scatter's parts are on whole elements, not necessarily on 16 bytes (the host sends
- * calls on fewer than whole elements to the one-shot kernel). */
+ * together) allow. The workspace is always on 16 bytes; an all-gather's or reduce-scatter's parts
+ * are whole elements; a user's buffer may lie at any byte (the narrow kernel's element-wise
+ * steps then go through gsc_ld_elem and gsc_st_elem). */
 static __device__ __forceinline__ unsigned gsc_align_of(unsigned long long bits)
 {
     bits |= 16;
@@ -632,10 +632,35 @@ template <typename T> static __device__ __forceinline__ T gsc_ld_cg_elem(const u
     return u.t;
 }
 
-/* One element of this rank's input, multiplied by its scalar `m` for OP 4. */
+/* One element at p, and one stored there, where p may lie off a multiple of the element's
+ * size: a user's buffer at any byte, which the narrow kernel takes too, so that ranks whose
+ * buffers sit differently still run the same kernel (`collectives::select`). Byte by byte only
+ * where p is off: every element of a buffer takes the same branch. */
+template <typename T> union gsc_elem_bytes { T t; unsigned char b[sizeof(T)]; };
+template <typename T> static __device__ __forceinline__ T gsc_ld_elem(const unsigned char *p)
+{
+    if (((unsigned long long)p & (sizeof(T) - 1)) == 0) return *(const T *)p;
+    gsc_elem_bytes<T> u;
+#pragma unroll
+    for (int k = 0; k < (int)sizeof(T); k++) u.b[k] = p[k];
+    return u.t;
+}
+template <typename T> static __device__ __forceinline__ void gsc_st_elem(unsigned char *p, T v)
+{
+    if (((unsigned long long)p & (sizeof(T) - 1)) == 0) {
+        *(T *)p = v;
+        return;
+    }
+    gsc_elem_bytes<T> u;
+    u.t = v;
+#pragma unroll
+    for (int k = 0; k < (int)sizeof(T); k++) p[k] = u.b[k];
+}
+
+/* One element of this rank's input (at any byte), multiplied by its scalar `m` for OP 4. */
 template <typename T, int OP> static __device__ __forceinline__ T gsc_big_own_elem(const unsigned char *s, T m)
 {
-    const T x = *(const T *)s;
+    const T x = gsc_ld_elem<T>(s);
     return OP == 4 ? gsc_apply<1>(x, m) : x;
 }
 
@@ -677,9 +702,9 @@ template <typename T, int OP> static __device__ __forceinline__ uint4 gsc_big_ow
     return x.v;
 }
 
-/* NARROW (the gsc_coll_bign kernels): buffers or all-gather and reduce-scatter parts on whole
- * elements but not on 16 bytes, moved in narrower accesses; a kernel of its own, so that the
- * 16-byte kernel's registers stay its own. */
+/* NARROW (the gsc_coll_bign kernels): buffers or all-gather and reduce-scatter parts off 16
+ * bytes (buffers at any byte, parts on whole elements), moved in narrower accesses; a kernel of
+ * its own, so that the 16-byte kernel's registers stay its own. */
 template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_coll_big(const gsc_coll_args_t *a)
 {
     const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank, b = blockIdx.x;
@@ -749,7 +774,7 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
                     }
 #pragma unroll
                     for (int k = 0; k < 8; k++)
-                        if (i + k * step < len) *(T *)(recv + i + k * step) = AVG ? gsc_div(acc[k], n) : acc[k];
+                        if (i + k * step < len) gsc_st_elem<T>(recv + i + k * step, AVG ? gsc_div(acc[k], n) : acc[k]);
                 }
             } else {
                 for (unsigned long long i = threadIdx.x * 16ull; i < len; i += blockDim.x * 16ull) {
