@@ -117,15 +117,17 @@ static __device__ __forceinline__ unsigned long long gsc_globaltimer()
  * spins. Abort then releases a wait within about this long, far below any timeout. */
 #define GSC_ABORT_LOOK_NS 1000000ull
 
-/* Wait until *w >= v (system scope): 1, or 0 if timeout_ns passed first or, with an `abort`
- * word, once that word is non-zero (looked at every GSC_ABORT_LOOK_NS of waiting, above).
+/* Wait until *w >= v (system scope): 1, or 0 if timeout_ns passed first or, with a `stop0` or
+ * `stop1` word, once either is non-zero (looked at every GSC_ABORT_LOOK_NS of waiting, above:
+ * an abort word, or a collective workspace's error word).
  * `acquire`: the loads are acquire loads, for words that order data this thread reads after
  * them; otherwise relaxed (no L1 invalidation: the reads after stay cached).
  * (Relaxed loads with one fence after the one that saw the value measured slower than acquire
  * loads: 8 B per exchange 5.2 -> 6.3 us on 2 x H200.) */
-static __device__ __forceinline__ int gsc_spin_geq_or_abort(unsigned long long *w, unsigned long long v,
-                                                            unsigned long long timeout_ns, bool acquire,
-                                                            const volatile unsigned long long *abort)
+static __device__ __forceinline__ int gsc_spin_geq_or_stop(unsigned long long *w, unsigned long long v,
+                                                           unsigned long long timeout_ns, bool acquire,
+                                                           const volatile unsigned long long *stop0,
+                                                           const volatile unsigned long long *stop1)
 {
     const unsigned long long t0 = gsc_globaltimer();
     unsigned long long look = t0 + GSC_ABORT_LOOK_NS;
@@ -138,18 +140,18 @@ static __device__ __forceinline__ int gsc_spin_geq_or_abort(unsigned long long *
         if (x >= v) return 1;
         const unsigned long long now = gsc_globaltimer();
         if (now - t0 > timeout_ns) return 0;
-        if (abort && now >= look) {
-            if (*abort != 0) return 0;
+        if ((stop0 || stop1) && now >= look) {
+            if ((stop0 && *stop0 != 0) || (stop1 && *stop1 != 0)) return 0;
             look = now + GSC_ABORT_LOOK_NS;
         }
     }
 }
 
-/* Without an abort word. */
+/* Without a word to stop on. */
 static __device__ __forceinline__ int gsc_spin_geq_as(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns,
                                                       bool acquire)
 {
-    return gsc_spin_geq_or_abort(w, v, timeout_ns, acquire, 0);
+    return gsc_spin_geq_or_stop(w, v, timeout_ns, acquire, 0, 0);
 }
 
 static __device__ __forceinline__ int gsc_spin_geq(unsigned long long *w, unsigned long long v, unsigned long long timeout_ns)

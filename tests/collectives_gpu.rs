@@ -16,7 +16,7 @@ mod common;
 use common::*;
 use gscomm::bootstrap::{Bootstrap, UniqueId};
 use gscomm::collectives::types::{f32_to_bf16, f32_to_f16, premul_reference, reduce_reference};
-use gscomm::collectives::{Communicator, DataType, PreMulScalar, PremulKind, RedOp};
+use gscomm::collectives::{Coll, Communicator, DataType, PreMulScalar, PremulKind, RedOp};
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{DeviceBuf, Graph, Stream, device_count, gpu_test_skip_reason, set_device};
 use gscomm::{Context, Status};
@@ -1303,6 +1303,133 @@ fn ranks_at_different_alignments_exact_on_four_gpus() {
         return;
     }
     run_job_with("ranks_at_different_alignments_exact_on_four_gpus", 4, mixed_alignment_roles, run_rank_mixed_alignment);
+}
+
+/// `GSC_TIMEOUT` of the fail-fast test: long enough that its sleeps order the ranks' calls with
+/// seconds to spare.
+const FAIL_FAST_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The fail-fast test's calls after the first: a large all-reduce, a small broadcast from the
+/// last rank (one-shot, rooted), a large reduce-scatter, all-gather, reduce to rank 0 and
+/// broadcast from the last rank (the phased or pipelined kernel; rooted ones one-shot under
+/// the pipelined algorithm). `count` floats per rank; `send` and `recv` hold `n × count`.
+fn fail_fast_calls(comm: &Communicator, send: u64, recv: u64, count: usize, cond: &Condition) -> gscomm::Result<()> {
+    let n = comm.nranks();
+    let f = DataType::Float32;
+    let calls = [
+        Coll::AllReduce { send, recv, count, dtype: f, op: RedOp::Sum },
+        Coll::Broadcast { send, recv, count: 100, dtype: f, root: n - 1 },
+        Coll::ReduceScatter { send, recv, recv_count: count, dtype: f, op: RedOp::Max },
+        Coll::AllGather { send, recv, count, dtype: f },
+        Coll::Reduce { send, recv, count, dtype: f, op: RedOp::Sum, root: 0 },
+        Coll::Broadcast { send, recv, count, dtype: f, root: n - 1 },
+    ];
+    for c in &calls {
+        // SAFETY: buffers of this rank's device, large enough for every call, kept until the
+        // stream is synchronized.
+        unsafe { comm.collective(c, cond) }?;
+    }
+    Ok(())
+}
+
+/// One rank of the fail-fast scenario on `comm`: a small all-reduce and `fail_fast_calls`
+/// together (all must succeed), then apart. Rank 0 runs the small all-reduce alone (the others
+/// sleep), so it gives up after `FAIL_FAST_TIMEOUT`, and two timeouts after the start it runs
+/// the rest. The others wake at one and a half timeouts and run everything: their all-reduce
+/// finds rank 0's data, their large all-reduce waits for rank 0 — until rank 0's next launch,
+/// which finds its error word set, tells them (their error words), and their kernels stop
+/// within a millisecond; every later call of every rank then fails at once. Before session 36
+/// each of those calls waited a whole timeout (rank 0: five, the others: six).
+fn fail_fast_on(r: &Rank, comm: &Communicator, what: &str) -> Vec<String> {
+    let (me, n) = (comm.rank(), comm.nranks());
+    let count = 1 << 20;
+    let send = device_with(&input(DataType::Float32, me, 91, n * count), n * count * 4);
+    let recv = device_with(&[], n * count * 4);
+    let small = |comm: &Communicator| unsafe { comm.all_reduce(send.ptr(), recv.ptr(), 1000, DataType::Float32, RedOp::Sum, &r.cond) };
+    let mut bad = Vec::new();
+    let together = small(comm).map(|_| ()).and_then(|_| fail_fast_calls(comm, send.ptr(), recv.ptr(), count, &r.cond));
+    r.sync();
+    if let Err(e) = together.and_then(|_| comm.async_error()) {
+        return vec![format!("rank {me} ({what}): the calls made together failed: {e}")];
+    }
+    let start = Instant::now();
+    let t = FAIL_FAST_TIMEOUT;
+    let ran = if me == 0 {
+        let r0 = small(comm).map(|_| ());
+        r.sync();
+        let alone = start.elapsed();
+        if alone < t {
+            bad.push(format!("rank 0 ({what}): the all-reduce no peer joined ended after {alone:?}, before the timeout"));
+        }
+        std::thread::sleep((2 * t).saturating_sub(start.elapsed()));
+        let t0 = Instant::now();
+        let rest = r0.and_then(|_| fail_fast_calls(comm, send.ptr(), recv.ptr(), count, &r.cond));
+        r.sync();
+        let took = t0.elapsed();
+        eprintln!("rank 0 ({what}): the lone all-reduce ended after {alone:?}; the six calls after it took {took:?}");
+        if took > slowed(t / 4) {
+            bad.push(format!("rank 0 ({what}): six calls after a failed round took {took:?}, more than a quarter of GSC_TIMEOUT"));
+        }
+        rest
+    } else {
+        std::thread::sleep((3 * t / 2).saturating_sub(start.elapsed()));
+        let t0 = Instant::now();
+        let all = small(comm).map(|_| ()).and_then(|_| fail_fast_calls(comm, send.ptr(), recv.ptr(), count, &r.cond));
+        r.sync();
+        let took = t0.elapsed();
+        eprintln!("rank {me} ({what}): seven calls, rank 0 late, took {took:?}");
+        // Rank 0 tells us half a timeout after we start waiting for it.
+        if took > slowed(4 * t / 5) {
+            bad.push(format!("rank {me} ({what}): seven calls with rank 0 failed took {took:?}: a kernel waited for its own timeout"));
+        }
+        all
+    };
+    if let Err(e) = ran {
+        bad.push(format!("rank {me} ({what}): a call was refused: {e}"));
+    }
+    match comm.async_error() {
+        Err(e) if e.status() == Status::TimedOut => {}
+        other => bad.push(format!("rank {me} ({what}): async_error after the failed round: {other:?}, not TimedOut")),
+    }
+    bad
+}
+
+/// The fail-fast scenario on the phased kernel, then on a communicator split off with the
+/// pipelined one. Copy engines, direct kernel and ring off: they have fail-fast rules of their
+/// own (the kill tests).
+fn run_rank_fail_fast(rank: usize, n: usize, uid: &[u8]) -> String {
+    let knobs = [("GSC_TIMEOUT", "4s"), ("GSC_COLL_CE", "off"), ("GSC_COLL_SM", "off"), ("GSC_COLL_RING", "off")];
+    let r = join_rank(rank, n, uid, &config_with(&knobs));
+    let mut bad = fail_fast_on(&r, &r.comm, "phased");
+    let pipelined = config_with(&[knobs.as_slice(), &[("GSC_COLL_LARGE_ALGO", "pipelined")]].concat());
+    match r.comm.split(Some(0), rank as i32, &pipelined) {
+        Ok(Some(sub)) => bad.extend(fail_fast_on(&r, &sub, "pipelined")),
+        other => bad.push(format!("rank {rank}: split for the pipelined kernel: {:?}", other.map(|s| s.is_some()))),
+    }
+    bad.join("\n")
+}
+
+fn fail_fast_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+    let (rank, n) = rank_of(role);
+    chan.put("result", run_rank_fail_fast(rank, n, &chan.get("uid")).as_bytes());
+}
+
+/// After a round fails, later collectives of the workspace kernels fail at once on every rank
+/// instead of each waiting out `GSC_TIMEOUT` (`fail_fast_on`).
+#[test]
+fn a_failed_round_fails_later_collectives_at_once_on_two_gpus() {
+    if run_child_role(fail_fast_roles) {
+        return;
+    }
+    run_job_with("a_failed_round_fails_later_collectives_at_once_on_two_gpus", 2, fail_fast_roles, run_rank_fail_fast);
+}
+
+#[test]
+fn a_failed_round_fails_later_collectives_at_once_on_four_gpus() {
+    if run_child_role(fail_fast_roles) {
+        return;
+    }
+    run_job_with("a_failed_round_fails_later_collectives_at_once_on_four_gpus", 4, fail_fast_roles, run_rank_fail_fast);
 }
 
 #[test]

@@ -22,7 +22,9 @@
 //! The round counter lives in the workspace and is advanced by the kernel (the last block to
 //! finish), so collectives captured into a CUDA graph replay any number of times. A spin that
 //! outlasts the timeout records the round in the error word and gives up: a dead peer never
-//! hangs the GPU (`Workspace::error`).
+//! hangs the GPU (`Workspace::error`). The word stays set, and every later launch that finds it
+//! set moves nothing, tells its peers (their error words) and fails at once, so a failure costs
+//! one timeout rather than one per later call (`gsc_coll_out_of_step` in the source).
 
 use super::copy::primary_context;
 use super::kernels::{compile_cached, function, load_module};
@@ -161,7 +163,29 @@ static __device__ __forceinline__ bool gsc_coll_aborted(const gsc_coll_args_t *a
 /* Wait for *w >= v: 1, or 0 when the timeout passed or the communicator was aborted. */
 static __device__ __forceinline__ int gsc_coll_spin(const gsc_coll_args_t *a, unsigned long long *w, unsigned long long v, bool acquire)
 {
-    return gsc_spin_geq_or_abort(w, v, a->timeout_ns, acquire, (const volatile unsigned long long *)a->abort);
+    return gsc_spin_geq_or_stop(w, v, a->timeout_ns, acquire, (const volatile unsigned long long *)a->abort, 0);
+}
+
+/* The error word (control word 2) is set: a round of this communicator failed here, or a peer
+ * said one failed there. The ranks are then out of step for good: no later result is good and
+ * the host reports the failure (Communicator::async_error); the communicator is to be
+ * destroyed. */
+static __device__ __forceinline__ bool gsc_coll_failed(const gsc_coll_args_t *a)
+{
+    return ((volatile const unsigned long long *)a->ctl)[2] != 0;
+}
+
+/* gsc_coll_spin for the workspace kernels (one-shot, phased and pipelined), which also stop
+ * waiting once the error word is set (looked at with the abort word): a peer that found the
+ * communicator failed writes it (gsc_coll_out_of_step) and will never raise what we wait for.
+ * These kernels only write peers' workspaces and read their own, so one that stops early
+ * leaves no peer reading our buffers; what peers still write into our workspace is never read,
+ * since every later launch finds the error word set. (Kernels that touch peers' buffers — the
+ * copy-engine barrier, the direct kernel — wait their whole timeout instead.) */
+static __device__ __forceinline__ int gsc_coll_spin_in_step(const gsc_coll_args_t *a, unsigned long long *w, unsigned long long v, bool acquire)
+{
+    return gsc_spin_geq_or_stop(w, v, a->timeout_ns, acquire, (const volatile unsigned long long *)a->abort,
+                                (const volatile unsigned long long *)a->ctl + 2);
 }
 
 /* 16-bit floats as their bits; arithmetic in float, rounded back after every operation. */
@@ -273,7 +297,7 @@ static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long
                                     unsigned mask, unsigned long long *v, unsigned long long t0)
 {
     unsigned missing = mask;
-    unsigned long long look = 0; /* when to look at the abort word next (GSC_ABORT_LOOK_NS); 0: not waiting yet */
+    unsigned long long look = 0; /* when to look at the abort and error words next (GSC_ABORT_LOOK_NS); 0: not waiting yet */
     while (missing) {
         unsigned long long lo[GSC_COLL_MAX_RANKS], hi[GSC_COLL_MAX_RANKS];
 #pragma unroll
@@ -292,7 +316,7 @@ static __device__ int gsc_get_units(const gsc_coll_args_t *a, unsigned long long
             if (look == 0) {
                 look = now + GSC_ABORT_LOOK_NS;
             } else if (now >= look) {
-                if (gsc_coll_aborted(a)) return 0;
+                if (gsc_coll_aborted(a) || gsc_coll_failed(a)) return 0;
                 look = now + GSC_ABORT_LOOK_NS;
             }
         }
@@ -320,7 +344,8 @@ static __device__ __forceinline__ unsigned long long gsc_coll_begin(const gsc_co
 static __device__ void gsc_coll_end(const gsc_coll_args_t *a, unsigned long long last, int ok)
 {
     unsigned long long *ctl = (unsigned long long *)a->ctl;
-    if (!ok) ctl[2] = last;
+    /* The first failure stays: a later round's, or a peer's, never overwrites it. */
+    if (!ok && !gsc_coll_failed(a)) ctl[2] = last;
     __syncthreads();
     if (threadIdx.x == 0) {
         if (gridDim.x == 1) {
@@ -330,6 +355,27 @@ static __device__ void gsc_coll_end(const gsc_coll_args_t *a, unsigned long long
             *(volatile unsigned long long *)ctl = last;
         }
     }
+}
+
+/* Whether this launch (of first round e) finds the communicator failed (gsc_coll_failed),
+ * the same answer to every thread of the block. Then a workspace kernel moves nothing and waits
+ * for nobody: every peer is told (its error word; its kernels stop waiting for us within
+ * GSC_ABORT_LOOK_NS) and the launch ends its rounds as failed. So a failure costs one timeout,
+ * not one per later call and peer: before, every later launch waited its whole timeout for
+ * peers in other rounds (docs/ARCHITECTURE.md, "Failures of collectives"). A peer's error word
+ * is written only while it reads 0, so the first failure it recorded stays (a remote read, on
+ * this path only). */
+static __device__ bool gsc_coll_out_of_step(const gsc_coll_args_t *a, unsigned long long e)
+{
+    __shared__ int failed_s;
+    if (threadIdx.x == 0) failed_s = gsc_coll_failed(a);
+    __syncthreads();
+    const bool failed = failed_s != 0;
+    if (failed && blockIdx.x == 0 && threadIdx.x < a->nranks && threadIdx.x != a->rank) {
+        volatile unsigned long long *theirs = (volatile unsigned long long *)a->peer[threadIdx.x] + 2;
+        if (*theirs == 0) *theirs = e;
+    }
+    return failed;
 }
 
 /* One round: this rank's units of `bytes` at offset `off` of every part into the slots of
@@ -435,7 +481,7 @@ static __device__ int gsc_rooted_wait(const gsc_coll_args_t *a, unsigned long lo
         unsigned long long *ctl = (unsigned long long *)a->ctl;
         for (unsigned readers = gsc_rooted_readers(a); ok && readers; readers &= readers - 1) {
             const unsigned q = __ffs(readers) - 1;
-            ok = gsc_coll_spin(a, presence ? ctl + GSC_PRESENCE_WORDS + q * 8 : ctl + GSC_ACK_WORDS + q * GSC_ACK_WARPS + warp, v, true);
+            ok = gsc_coll_spin_in_step(a, presence ? ctl + GSC_PRESENCE_WORDS + q * 8 : ctl + GSC_ACK_WORDS + q * GSC_ACK_WARPS + warp, v, true);
         }
     }
     return __shfl_sync(0xffffffffu, ok, 0);
@@ -468,6 +514,10 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     const int rooted = a->kind == GSC_BROADCAST || a->kind == GSC_REDUCE;
     const int acked = rooted && a->rounds > 1;
     unsigned long long t0 = gsc_globaltimer();
+    if (gsc_coll_out_of_step(a, e0)) {
+        gsc_coll_end(a, e0 + a->rounds - 1, 0);
+        return;
+    }
 
     /* Presence (rooted collectives): one word to every peer, so nobody runs two rounds ahead. */
     if (rooted && tid < n)
@@ -486,7 +536,7 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     if (ok && acked) ok = gsc_rooted_wait(a, warp, e - 1, false);
     /* Rooted: everyone's presence of this round before this kernel may end. */
     if (ok && rooted && tid < n)
-        ok = gsc_coll_spin(a, ctl + GSC_PRESENCE_WORDS + tid * 8, e0, false);
+        ok = gsc_coll_spin_in_step(a, ctl + GSC_PRESENCE_WORDS + tid * 8, e0, false);
     gsc_coll_end(a, e, ok);
 }
 
@@ -519,8 +569,9 @@ template <typename T> union gsc_vec { uint4 v; T e[16 / sizeof(T)]; };
 
 /* Raise flag `which` (0 in, 1 out) of block b for round e at every rank, then wait for every
  * rank's. A barrier before (the block's writes come first: the release is cumulative over
- * them) and after (the block reads what the flags announce). 0 on timeout. */
-static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long which, unsigned long long e)
+ * them) and after (the block reads what the flags announce). 0 on timeout or abort and, with
+ * `in_step` (the phased kernel, not the copy-engine barrier), once the error word is set. */
+static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long which, unsigned long long e, bool in_step)
 {
     const unsigned long long n = a->nranks, me = a->rank, b = blockIdx.x;
     int ok = 1;
@@ -530,7 +581,7 @@ static __device__ int gsc_big_flags(const gsc_coll_args_t *a, unsigned long long
         unsigned long long *at = (unsigned long long *)a->peer[q] + GSC_FLAGS_WORDS + ((b * 2 + which) * GSC_COLL_MAX_RANKS + me);
         asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(at), "l"(e) : "memory");
         unsigned long long *mine = (unsigned long long *)a->ctl + GSC_FLAGS_WORDS + ((b * 2 + which) * GSC_COLL_MAX_RANKS + q);
-        ok = gsc_coll_spin(a, mine, e, true);
+        ok = in_step ? gsc_coll_spin_in_step(a, mine, e, true) : gsc_coll_spin(a, mine, e, true);
     }
     return __syncthreads_and(ok);
 }
@@ -709,7 +760,7 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
 {
     const unsigned long long e0 = gsc_coll_begin(a), n = a->nranks, me = a->rank, b = blockIdx.x;
     const unsigned long long region = a->chunk, round_bytes = region * gridDim.x;
-    int ok = 1;
+    int ok = !gsc_coll_out_of_step(a, e0);
     for (unsigned long long k = 0; ok && k < a->rounds; k++) {
         const unsigned long long e = e0 + k, par = e & 1;
         const unsigned long long off = k * round_bytes + b * region;
@@ -725,7 +776,7 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
             #define GSC_BC_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * region)
             const unsigned char *send = (const unsigned char *)a->send + off;
             if (me == a->root) gsc_big_copy<NARROW>(GSC_BC_OUT(1 - me), send, len, false);
-            if (!(ok = gsc_big_flags(a, 1, e))) break;
+            if (!(ok = gsc_big_flags(a, 1, e, true))) break;
             if (me != a->root) gsc_big_copy<NARROW>((unsigned char *)a->recv + off, GSC_BC_OUT(me), len, true);
             else if (a->send != a->recv) gsc_big_copy<NARROW>((unsigned char *)a->recv + off, send, len, false);
             #undef GSC_BC_OUT
@@ -746,7 +797,7 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
                 if (q != me && (!to_root || q == a->root))
                     gsc_big_copy_input_by<T, OP, NARROW>(threadIdx.x, blockDim.x, GSC_RS_IN(q) + GSC_RS_PLACE(me, q) * region,
                                                  (const unsigned char *)a->send + q * a->send_stride + off, len, a);
-            if (!(ok = gsc_big_flags(a, 0, e))) break;
+            if (!(ok = gsc_big_flags(a, 0, e, true))) break;
             if (to_root && me != a->root) continue;
             const unsigned char *in = GSC_RS_IN(me);
             unsigned char *recv = (unsigned char *)a->recv + off;
@@ -800,7 +851,7 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
              * from ours into the receive buffer. */
             #define GSC_AG_OUT(q) ((unsigned char *)a->peer[q] + GSC_BIG_OFFSET + (2 + par) * GSC_BIG_ROUND_MAX + b * n * region)
             for (unsigned long long q = 0; q < n; q++) gsc_big_copy<NARROW>(GSC_AG_OUT(q) + me * region, (const unsigned char *)a->send + off, len, false);
-            if (!(ok = gsc_big_flags(a, 1, e))) break;
+            if (!(ok = gsc_big_flags(a, 1, e, true))) break;
             for (unsigned long long q = 0; q < n; q++)
                 gsc_big_copy<NARROW>((unsigned char *)a->recv + q * a->recv_stride + off, GSC_AG_OUT(me) + q * region, len, true);
             #undef GSC_AG_OUT
@@ -822,7 +873,7 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
             const unsigned long long q0 = q * slice, q1 = GSC_SLICE_END(q);
             if (q0 < q1) gsc_big_copy_input_by<T, OP, NARROW>(threadIdx.x, blockDim.x, GSC_BIG_IN(q) + me * slice, send + q0, q1 - q0, a);
         }
-        if (!(ok = gsc_big_flags(a, 0, e))) break;
+        if (!(ok = gsc_big_flags(a, 0, e, true))) break;
         /* Reduce our slice from the n copies (rank order; broadcast: the root's copy) and push
          * the result to every rank that needs it. */
         const unsigned long long s1 = GSC_SLICE_END(me) > me * slice ? GSC_SLICE_END(me) - me * slice : 0;
@@ -847,7 +898,7 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
             for (unsigned long long q = 0; q < n; q++)
                 if (!reduce || q == a->root) *(uint4 *)(GSC_BIG_OUT(q) + me * slice + i) = acc.v;
         }
-        if (!(ok = gsc_big_flags(a, 1, e))) break;
+        if (!(ok = gsc_big_flags(a, 1, e, true))) break;
         /* Every slice's result is in our "out" area: into the receive buffer. A broadcast's
          * root copies its own input instead (nothing when in place), a reduce's other ranks
          * receive nothing. */
@@ -906,7 +957,7 @@ extern "C" __global__ void gsc_coll_barrier(gsc_coll_args_t a)
     unsigned long long e = gsc_coll_begin(&a);
     int ok = 0;
     if (*(volatile const unsigned long long *)((const unsigned long long *)a.ctl + 2) == 0) {
-        ok = gsc_big_flags(&a, 0, e);
+        ok = gsc_big_flags(&a, 0, e, false);
         if (!ok && threadIdx.x < a.nranks) *(volatile unsigned long long *)((unsigned long long *)a.peer[threadIdx.x] + 2) = e;
     } else if (threadIdx.x < a.nranks) {
         /* A round of this communicator failed before (a peer missed a timeout): the ranks are

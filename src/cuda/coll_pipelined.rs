@@ -34,9 +34,10 @@ pub(super) const SOURCE: &str = r#"
 /* word is never reset, a wait is "word >= e", and a graph replays any number of times.        */
 /* A raise is a release at system scope by lanes 0..n-1 of the role's first warp after the     */
 /* role's barrier (cumulative over every store of the role's threads before it); a wait is     */
-/* those lanes' acquire polls through gsc_coll_spin (timeout, abort word) and the role's       */
-/* barrier, which also carries the verdict to the whole role (bar.red.and) and to the other    */
-/* roles (a shared word they read at their next barrier).                                      */
+/* those lanes' acquire polls through gsc_coll_spin_in_step (timeout, abort and error words)  */
+/* and the role's barrier, which also carries the verdict to the whole role (bar.red.and) and  */
+/* to the other roles (a shared word they read at their next barrier). A launch that finds the */
+/* error word set runs no role at all (gsc_coll_out_of_step).                                  */
 /*                                                                                              */
 /* Why the reuse of a stage is safe (who may write which area when). Write "X(e) at r" for     */
 /* "flag X of round e raised by rank r"; areas are per block, and block b of every rank has    */
@@ -115,7 +116,7 @@ static __device__ __forceinline__ int gsc_role_sync_and(const gsc_role &r, int p
 static __device__ __forceinline__ int gsc_pipe_poll(const gsc_coll_args_t *a, const gsc_role &r, int which, unsigned long long v)
 {
     if (r.t >= a->nranks) return 1;
-    return gsc_coll_spin(a, gsc_pipe_flag(a->ctl, blockIdx.x, which, r.t), v, true);
+    return gsc_coll_spin_in_step(a, gsc_pipe_flag(a->ctl, blockIdx.x, which, r.t), v, true);
 }
 
 /* After the polls: the role's barrier with the verdict. 0 (to every thread of the role) when a
@@ -310,9 +311,10 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_pipe(con
      * without threads fails the launch's round rather than hang. */
     const bool shaped = blockDim.x % 32 == 0 && p > 0 && p % 32 == 0 && rd % 32 == 0 && p + rd <= blockDim.x && (a->kind == GSC_ALL_GATHER || rd > 0) &&
                         (a->kind == GSC_REDUCE_SCATTER || c > 0) && a->stages >= 2;
-    if (threadIdx.x == 0) failed = !shaped;
+    const bool in_step = !gsc_coll_out_of_step(a, e0);
+    if (threadIdx.x == 0) failed = !shaped || !in_step;
     __syncthreads();
-    if (shaped) {
+    if (shaped && in_step) {
         const unsigned t = threadIdx.x;
         if (t < p) {
             gsc_pipe_push<T, OP>(a, gsc_role{1, p, t}, e0, &failed);
