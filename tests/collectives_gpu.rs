@@ -1338,8 +1338,11 @@ fn fail_fast_calls(comm: &Communicator, send: u64, recv: u64, count: usize, cond
 /// the rest. The others wake at one and a half timeouts and run everything: their all-reduce
 /// finds rank 0's data, their large all-reduce waits for rank 0 — until rank 0's next launch,
 /// which finds its error word set, tells them (their error words), and their kernels stop
-/// within a millisecond; every later call of every rank then fails at once. Before session 36
-/// each of those calls waited a whole timeout (rank 0: five, the others: six).
+/// within a millisecond; every later call of every rank then fails at once, and rank 0 runs
+/// the six once more alone (peers that never come). Every rank's `async_error` must then say
+/// TimedOut. Before session 36 (the same test on the old kernels, 2026-11-23) the late ranks
+/// met rank 0's later calls, reported no error although rank 0's first call had failed, and
+/// each of rank 0's lone calls waited out its timeout.
 fn fail_fast_on(r: &Rank, comm: &Communicator, what: &str) -> Vec<String> {
     let (me, n) = (comm.rank(), comm.nranks());
     let count = 1 << 20;
@@ -1370,7 +1373,16 @@ fn fail_fast_on(r: &Rank, comm: &Communicator, what: &str) -> Vec<String> {
         if took > slowed(t / 4) {
             bad.push(format!("rank 0 ({what}): six calls after a failed round took {took:?}, more than a quarter of GSC_TIMEOUT"));
         }
-        rest
+        // Peers that never come (dead, or gone on): the six again, rank 0 alone.
+        let t0 = Instant::now();
+        let again = rest.and_then(|_| fail_fast_calls(comm, send.ptr(), recv.ptr(), count, &r.cond));
+        r.sync();
+        let took = t0.elapsed();
+        eprintln!("rank 0 ({what}): the six again, no peer joining, took {took:?}");
+        if took > slowed(t / 4) {
+            bad.push(format!("rank 0 ({what}): six calls no peer joined took {took:?}, more than a quarter of GSC_TIMEOUT"));
+        }
+        again
     } else {
         std::thread::sleep((3 * t / 2).saturating_sub(start.elapsed()));
         let t0 = Instant::now();

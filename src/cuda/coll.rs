@@ -357,24 +357,42 @@ static __device__ void gsc_coll_end(const gsc_coll_args_t *a, unsigned long long
     }
 }
 
-/* Whether this launch (of first round e) finds the communicator failed (gsc_coll_failed),
- * the same answer to every thread of the block. Then a workspace kernel moves nothing and waits
- * for nobody: every peer is told (its error word; its kernels stop waiting for us within
- * GSC_ABORT_LOOK_NS) and the launch ends its rounds as failed. So a failure costs one timeout,
- * not one per later call and peer: before, every later launch waited its whole timeout for
- * peers in other rounds (docs/ARCHITECTURE.md, "Failures of collectives"). A peer's error word
- * is written only while it reads 0, so the first failure it recorded stays (a remote read, on
- * this path only). */
+/* A launch of first round e found the communicator failed (gsc_coll_failed): tell every peer
+ * (lanes 0..n-1 of one warp; their kernels stop waiting for us within GSC_ABORT_LOOK_NS). A
+ * peer's error word is written only while it reads 0, so the first failure it recorded stays
+ * (a remote read, on this path only). */
+static __device__ __forceinline__ void gsc_coll_tell_peers(const gsc_coll_args_t *a, unsigned long long e)
+{
+    const unsigned q = threadIdx.x & 31;
+    if (q < a->nranks && q != a->rank) {
+        volatile unsigned long long *theirs = (volatile unsigned long long *)a->peer[q] + 2;
+        if (*theirs == 0) *theirs = e;
+    }
+}
+
+/* Whether this launch (of first round e) finds the communicator failed, the same answer to
+ * every thread of the block. Then a workspace kernel moves nothing and waits for nobody: it
+ * tells every peer (block 0) and ends its rounds as failed. So a failure costs one timeout,
+ * not one per later call: before, every later launch waited its whole timeout for peers that
+ * were in other rounds or gone (docs/ARCHITECTURE.md, "Failures of collectives"). */
 static __device__ bool gsc_coll_out_of_step(const gsc_coll_args_t *a, unsigned long long e)
 {
     __shared__ int failed_s;
     if (threadIdx.x == 0) failed_s = gsc_coll_failed(a);
     __syncthreads();
     const bool failed = failed_s != 0;
-    if (failed && blockIdx.x == 0 && threadIdx.x < a->nranks && threadIdx.x != a->rank) {
-        volatile unsigned long long *theirs = (volatile unsigned long long *)a->peer[threadIdx.x] + 2;
-        if (*theirs == 0) *theirs = e;
-    }
+    if (failed && blockIdx.x == 0 && threadIdx.x < 32) gsc_coll_tell_peers(a, e);
+    return failed;
+}
+
+/* The same for the one-shot kernel, without a block barrier (its latency is the small
+ * collectives' cost; the load goes out beside gsc_coll_begin's): each warp decides by a vote,
+ * so the answer is warp-uniform, as the kernel's warp-level acknowledgements need; warps of a
+ * launch may differ (a peer's word arriving in between), and either way the launch fails. */
+static __device__ __forceinline__ bool gsc_coll_out_of_step_warp(const gsc_coll_args_t *a, unsigned long long e)
+{
+    const bool failed = __any_sync(0xffffffffu, gsc_coll_failed(a));
+    if (failed && blockIdx.x == 0 && threadIdx.x < 32) gsc_coll_tell_peers(a, e);
     return failed;
 }
 
@@ -514,15 +532,11 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_ll(const
     const int rooted = a->kind == GSC_BROADCAST || a->kind == GSC_REDUCE;
     const int acked = rooted && a->rounds > 1;
     unsigned long long t0 = gsc_globaltimer();
-    if (gsc_coll_out_of_step(a, e0)) {
-        gsc_coll_end(a, e0 + a->rounds - 1, 0);
-        return;
-    }
+    int ok = !gsc_coll_out_of_step_warp(a, e0);
 
     /* Presence (rooted collectives): one word to every peer, so nobody runs two rounds ahead. */
-    if (rooted && tid < n)
+    if (ok && rooted && tid < n)
         asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"((unsigned long long *)a->peer[tid] + GSC_PRESENCE_WORDS + me * 8), "l"(e0) : "memory");
-    int ok = 1;
     for (unsigned long long c = 0; ok && c < a->rounds; c++) {
         unsigned long long off = c * a->chunk, bytes = a->bytes - off < a->chunk ? a->bytes - off : a->chunk;
         if (acked && c > 0) ok = gsc_rooted_wait(a, warp, c == 1 ? e0 : e0 + c - 2, c == 1);
