@@ -223,8 +223,8 @@ fn fp8_every_pair(r: &Rank) -> Vec<String> {
 }
 
 /// The large kernels on buffers off 16 bytes (one element past an allocation's start) and on
-/// all-gather and reduce-scatter parts off 16 bytes, which the phased kernel moves in narrower
-/// accesses: all-reduce (and a pre-multiplied sum), broadcast from the last rank and reduce to
+/// all-gather and reduce-scatter parts off 16 bytes, which the large kernels' narrow twins move
+/// in narrower accesses: all-reduce (and a pre-multiplied sum), broadcast from the last rank and reduce to
 /// rank 0, in place and not, then the halves.
 fn large_off_sixteen(r: &Rank) -> Vec<String> {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
@@ -872,7 +872,8 @@ fn run_rank(rank: usize, n: usize, uid: &[u8]) -> String {
 /// warps, one per role, 8 stages: 2 MiB rounds, so stages are reused many times per call):
 /// all-reduce on every datatype size × operator (odd counts: a one-shot tail), at the threshold
 /// and over more rounds than stages; all-gather on every datatype and reduce-scatter on every
-/// operator; pre-multiplied sums; captured and graph-condition replays with new data each time.
+/// operator; pre-multiplied sums; captured and graph-condition replays with new data each time;
+/// the narrow twin on buffers off 16 bytes and on ranks whose buffers sit differently.
 fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
     let pipelined = [("GSC_TIMEOUT", "30s"), ("GSC_COLL_CHECK", "on"), ("GSC_COLL_LARGE_ALGO", "pipelined")];
     let r = join_rank(rank, n, uid, &config_with(&pipelined));
@@ -911,6 +912,11 @@ fn run_rank_pipelined(rank: usize, n: usize, uid: &[u8]) -> String {
         bad.extend(premul_sums(r));
         bad.extend(graph_replays(r, 300_000));
         bad.extend(graph_replays(r, 2_000_003));
+        // The narrow twin (`gsc_coll_pipen`): buffers and parts off 16 bytes, and ranks whose
+        // buffers sit differently (before session 36 such calls went one-shot, and ranks that
+        // differed ran different kernels).
+        bad.extend(large_off_sixteen(r));
+        bad.extend(large_mixed_alignment(r));
         eprintln!("rank {rank}: pipelined {} checks in {:?}", s.describe(), t0.elapsed());
     }
     if let Err(e) = r.comm.async_error() {

@@ -1276,11 +1276,11 @@ impl Communicator {
             CollKind::Broadcast => Collective::Broadcast,
             CollKind::Reduce => Collective::Reduce,
         };
-        select::choose(coll, call.part_bytes, large_alignment(call), self.large_min, self.large.algo).is_large()
+        select::choose(coll, call.part_bytes, self.large_min, self.large.algo).is_large()
     }
 
     /// A large collective: one launch of the communicator's large kernel (phased or pipelined,
-    /// `large`; the phased one's narrow twin where buffers or parts are off 16 bytes), each
+    /// `large`; its narrow twin where buffers or parts are off 16 bytes), each
     /// block owning a region of every round. All-gather and reduce-scatter run the halves of
     /// the all-reduce on parts of whole elements (`select`); the all-reduce,
     /// and broadcast and reduce on its pattern, move whole 16-byte pieces and a tail of fewer
@@ -1303,13 +1303,7 @@ impl Communicator {
             reduce_threads: l.reduce_threads as u64,
             ..self.kernel_args(call, bytes, l.region, l.rounds)
         };
-        let family = match (self.large.algo, large_alignment(call)) {
-            (crate::config::LargeAlgo::Phased, Alignment::Sixteen) => "big",
-            // Off 16 bytes, buffers perhaps off whole elements too: the twin with the same
-            // rounds and flags, so ranks whose buffers sit differently still meet.
-            (crate::config::LargeAlgo::Phased, _) => "bign",
-            (crate::config::LargeAlgo::Pipelined, _) => "pipe",
-        };
+        let family = select::large_kernel(self.large.algo, large_alignment(call));
         let kernel = format!("gsc_coll_{family}_{}_{}", call.dtype.kernel_tag(), call.op_tag());
         let grid = Grid { blocks: self.large.blocks as u32, threads: self.large.threads as u32 };
         let cache = self.kernel_cache.as_deref();

@@ -1,5 +1,6 @@
 //! The collectives' algorithm table: which kernel runs a call, decided in one place from the
-//! collective, its bytes per rank, the ranks and the buffers' alignment, and printed by
+//! collective, its bytes per rank and the ranks (the buffers' alignment picks only between a
+//! large kernel's twins, `large_kernel`), and printed by
 //! `gsc-info -p`. The kernels are in `cuda::coll`; measurements behind the thresholds are in
 //! docs/PERF.md.
 
@@ -76,11 +77,11 @@ impl Algorithm {
 pub enum Alignment {
     /// On 16 bytes: every kernel's 16-byte accesses.
     Sixteen,
-    /// On whole elements, not on 16 bytes: the phased kernel moves such calls in narrower
-    /// accesses (`cuda::coll`'s `gsc_align_of`).
+    /// On whole elements, not on 16 bytes: the large kernels' narrow twins move such calls in
+    /// narrower accesses (`cuda::coll`'s `gsc_align_of`).
     Elements,
-    /// Not even on whole elements (a buffer at any byte): the phased kernel's narrow twin
-    /// moves such calls too, element by element through single bytes where it must reduce.
+    /// Not even on whole elements (a buffer at any byte): the narrow twins move such calls
+    /// too, element by element through single bytes where they must reduce.
     Bytes,
 }
 
@@ -97,23 +98,17 @@ impl Alignment {
     }
 }
 
-/// The algorithm of a call moving `bytes` per rank; `align`: its addresses' (`Alignment`);
-/// `large_min`: `GSC_COLL_LARGE_MIN`; `algo`: `GSC_COLL_LARGE_ALGO`. The phased kernel takes
-/// calls at any alignment, the pipelined one calls on 16 bytes only.
+/// The algorithm of a call moving `bytes` per rank; `large_min`: `GSC_COLL_LARGE_MIN`; `algo`:
+/// `GSC_COLL_LARGE_ALGO`.
 ///
-/// Every rank of a call chooses alone, from its own addresses, with no exchange. Under the
-/// phased kernel (the default) the choice therefore must not depend on them: ranks whose
-/// buffers sit differently (one on 16 bytes, one an element or a byte off) would otherwise run
-/// different kernels against each other's flags, and fail the call after `GSC_TIMEOUT`. The
-/// alignment only picks the phased kernel's twin (`gsc_coll_big` or `gsc_coll_bign`), which
-/// share one layout of rounds and flags. The pipelined kernel (experimental) has no narrow
-/// twin: under it, ranks must agree on whether their addresses are on 16 bytes (docs/USER_GUIDE.md).
-pub fn choose(coll: Collective, bytes: usize, align: Alignment, large_min: usize, algo: LargeAlgo) -> Algorithm {
-    let fits = match algo {
-        LargeAlgo::Phased => true,
-        LargeAlgo::Pipelined => align == Alignment::Sixteen,
-    };
-    let large = bytes >= large_min.max(16) && fits;
+/// Every rank of a call chooses alone, from its own addresses, with no exchange. The choice
+/// therefore does not depend on them: ranks whose buffers sit differently (one on 16 bytes, one
+/// an element or a byte off) would otherwise run different kernels against each other's flags,
+/// and fail the call after `GSC_TIMEOUT` (until session 35 the phased kernel's calls off 16
+/// bytes, and until session 36 the pipelined one's, went one-shot). The alignment only picks a
+/// large kernel's twin (`large_kernel`).
+pub fn choose(coll: Collective, bytes: usize, large_min: usize, algo: LargeAlgo) -> Algorithm {
+    let large = bytes >= large_min.max(16);
     let large_algo = match algo {
         LargeAlgo::Phased => Algorithm::TwoShotPush,
         LargeAlgo::Pipelined => Algorithm::TwoShotPipelined,
@@ -123,6 +118,18 @@ pub fn choose(coll: Collective, bytes: usize, align: Alignment, large_min: usize
         // On the all-reduce's pattern in the phased kernel only (`cuda::coll`).
         Collective::Broadcast | Collective::Reduce if large && algo == LargeAlgo::Phased => Algorithm::TwoShotPush,
         _ => Algorithm::OneShotLl,
+    }
+}
+
+/// The family of the large kernel (`gsc_coll_<family>_<type>_<op>`) that runs a large call
+/// under `algo` whose addresses are at `align`: the 16-byte kernel, or its narrow twin with the
+/// same roles, rounds and flags, so ranks whose buffers sit differently still meet.
+pub fn large_kernel(algo: LargeAlgo, align: Alignment) -> &'static str {
+    match (algo, align) {
+        (LargeAlgo::Phased, Alignment::Sixteen) => "big",
+        (LargeAlgo::Phased, _) => "bign",
+        (LargeAlgo::Pipelined, Alignment::Sixteen) => "pipe",
+        (LargeAlgo::Pipelined, _) => "pipen",
     }
 }
 
@@ -214,7 +221,7 @@ pub fn describe(
         ),
     };
     for coll in Collective::ALL {
-        let line = match choose(coll, usize::MAX & !15, Alignment::Sixteen, large_min, shape.algo) {
+        let line = match choose(coll, usize::MAX & !15, large_min, shape.algo) {
             Algorithm::OneShotLl if coll.rooted() => format!(
                 "{} at every size (the pipelined kernel has no rooted collectives), rounds of 64 KiB acknowledged by the readers",
                 Algorithm::OneShotLl.name()
@@ -231,8 +238,7 @@ pub fn describe(
                     _ => "",
                 },
                 match large {
-                    Algorithm::TwoShotPipelined => "buffers on 16 bytes, and for all-gather and reduce-scatter parts of whole 16 bytes",
-                    _ => "buffers and parts on whole elements, in 16-byte accesses where they are on 16 bytes",
+                    _ => "buffers at any byte, in 16-byte accesses where they and the parts are on 16 bytes",
                 }
             ),
         };
@@ -263,33 +269,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn all_reduce_switches_at_the_threshold_when_aligned() {
-        let min = 256 << 10;
-        let (p, sixteen, elements, bytes) = (LargeAlgo::Phased, Alignment::Sixteen, Alignment::Elements, Alignment::Bytes);
-        assert_eq!(choose(Collective::AllReduce, min - 1, sixteen, min, p), Algorithm::OneShotLl);
-        assert_eq!(choose(Collective::AllReduce, min, sixteen, min, p), Algorithm::TwoShotPush);
-        assert_eq!(choose(Collective::AllReduce, min, sixteen, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined);
-        assert_eq!(choose(Collective::AllReduce, min, elements, min, p), Algorithm::TwoShotPush, "whole elements: phased");
-        assert_eq!(choose(Collective::AllReduce, min, elements, min, LargeAlgo::Pipelined), Algorithm::OneShotLl);
-        // Off whole elements too: ranks at different offsets must choose alike.
-        assert_eq!(choose(Collective::AllReduce, min, bytes, min, p), Algorithm::TwoShotPush, "off whole elements: phased");
-        assert_eq!(choose(Collective::AllReduce, min, bytes, min, LargeAlgo::Pipelined), Algorithm::OneShotLl);
+    fn large_calls_switch_at_the_threshold() {
+        let (min, p, pipe) = (256 << 10, LargeAlgo::Phased, LargeAlgo::Pipelined);
+        assert_eq!(choose(Collective::AllReduce, min - 1, min, p), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, min, min, p), Algorithm::TwoShotPush);
+        assert_eq!(choose(Collective::AllReduce, min, min, pipe), Algorithm::TwoShotPipelined);
         // A threshold of 0 still leaves calls under one 16-byte piece to the one-shot kernel.
-        assert_eq!(choose(Collective::AllReduce, 8, sixteen, 0, p), Algorithm::OneShotLl);
+        assert_eq!(choose(Collective::AllReduce, 8, 0, p), Algorithm::OneShotLl);
         for coll in [Collective::AllGather, Collective::ReduceScatter] {
-            assert_eq!(choose(coll, 1 << 30, sixteen, min, p), Algorithm::TwoShotPush, "{}", coll.name());
-            assert_eq!(choose(coll, 1 << 30, sixteen, min, LargeAlgo::Pipelined), Algorithm::TwoShotPipelined, "{}", coll.name());
-            assert_eq!(choose(coll, (1 << 30) + 4, elements, min, p), Algorithm::TwoShotPush, "{}: parts off 16 bytes", coll.name());
-            assert_eq!(choose(coll, (1 << 30) + 4, elements, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
-            assert_eq!(choose(coll, (1 << 30) + 4, bytes, min, p), Algorithm::TwoShotPush, "{}: a buffer off its elements", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 4, min, p), Algorithm::TwoShotPush, "{}", coll.name());
+            assert_eq!(choose(coll, (1 << 30) + 4, min, pipe), Algorithm::TwoShotPipelined, "{}", coll.name());
         }
         for coll in [Collective::Broadcast, Collective::Reduce] {
-            assert_eq!(choose(coll, 1 << 30, sixteen, min, LargeAlgo::Pipelined), Algorithm::OneShotLl, "{}", coll.name());
-            assert_eq!(choose(coll, min, sixteen, min, p), Algorithm::TwoShotPush, "{}: the all-reduce's pattern", coll.name());
-            assert_eq!(choose(coll, min - 1, sixteen, min, p), Algorithm::OneShotLl, "{}", coll.name());
-            assert_eq!(choose(coll, min, elements, min, p), Algorithm::TwoShotPush, "{}: whole elements", coll.name());
-            assert_eq!(choose(coll, min, bytes, min, p), Algorithm::TwoShotPush, "{}: off whole elements", coll.name());
+            assert_eq!(choose(coll, 1 << 30, min, pipe), Algorithm::OneShotLl, "{}: no pipelined rooted kernel", coll.name());
+            assert_eq!(choose(coll, min, min, p), Algorithm::TwoShotPush, "{}: the all-reduce's pattern", coll.name());
+            assert_eq!(choose(coll, min - 1, min, p), Algorithm::OneShotLl, "{}", coll.name());
         }
+    }
+
+    #[test]
+    fn alignment_picks_only_the_twin_of_the_same_kernel() {
+        // Ranks whose buffers sit differently must run kernels with one layout of flags.
+        for algo in [LargeAlgo::Phased, LargeAlgo::Pipelined] {
+            let twins: Vec<&str> = [Alignment::Sixteen, Alignment::Elements, Alignment::Bytes].map(|a| large_kernel(algo, a)).into();
+            let wide = twins[0];
+            assert_eq!(twins[1..], [format!("{wide}n"), format!("{wide}n")], "{algo:?}");
+        }
+        assert_eq!(large_kernel(LargeAlgo::Phased, Alignment::Sixteen), "big");
+        assert_eq!(large_kernel(LargeAlgo::Pipelined, Alignment::Sixteen), "pipe");
     }
 
     #[test]

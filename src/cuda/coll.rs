@@ -1671,9 +1671,16 @@ mod tests {
     #[test]
     fn every_kernel_name_finds_its_type_module() {
         for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
-            for family in
-                ["gsc_coll_", "gsc_coll_big_", "gsc_coll_bign_", "gsc_coll_pipe_", "gsc_net_reduce_", "gsc_direct_", "gsc_ring_reduce_"]
-            {
+            for family in [
+                "gsc_coll_",
+                "gsc_coll_big_",
+                "gsc_coll_bign_",
+                "gsc_coll_pipe_",
+                "gsc_coll_pipen_",
+                "gsc_net_reduce_",
+                "gsc_direct_",
+                "gsc_ring_reduce_",
+            ] {
                 for op in ["sum", "prod", "max", "min", "avg", "premul"] {
                     assert_eq!(module_of(&format!("{family}{tag}_{op}")), t, "{family}{tag}_{op}");
                 }

@@ -193,7 +193,7 @@ static __device__ __forceinline__ unsigned long long gsc_pipe_slice(unsigned lon
 
 /* Pushers. Destinations in the order me + 1, me + 2, ..., me: at any moment the ranks write to
  * different ranks (a rotation), not all to rank 0 first. */
-template <typename T, int OP>
+template <typename T, int OP, bool NARROW>
 static __device__ void gsc_pipe_push(const gsc_coll_args_t *a, const gsc_role &r, unsigned long long e0, volatile int *failed)
 {
     const unsigned long long n = a->nranks, me = a->rank, S = a->stages, last = e0 + a->rounds - 1, region = a->chunk;
@@ -211,13 +211,14 @@ static __device__ void gsc_pipe_push(const gsc_coll_args_t *a, const gsc_role &r
         for (unsigned long long j = 1; j <= n; j++) {
             const unsigned long long q = (me + j) % n;
             if (ag) {
-                gsc_big_copy_by(r.t, r.threads, gsc_pipe_area(a, q, 1, s, per_block) + me * region, send, len, false);
+                gsc_big_copy_by<NARROW>(r.t, r.threads, gsc_pipe_area(a, q, 1, s, per_block) + me * region, send, len, false);
             } else if (rs) {
-                gsc_big_copy_input_by<T, OP>(r.t, r.threads, gsc_pipe_area(a, q, 0, s, per_block) + me * region, send + q * a->send_stride,
-                                             len, a);
+                gsc_big_copy_input_by<T, OP, NARROW>(r.t, r.threads, gsc_pipe_area(a, q, 0, s, per_block) + me * region,
+                                                     send + q * a->send_stride, len, a);
             } else {
                 const unsigned long long slice = gsc_pipe_slice(len, n), q0 = q * slice, q1 = (q + 1) * slice < len ? (q + 1) * slice : len;
-                if (q0 < q1) gsc_big_copy_input_by<T, OP>(r.t, r.threads, gsc_pipe_area(a, q, 0, s, per_block) + me * slice, send + q0, q1 - q0, a);
+                if (q0 < q1)
+                    gsc_big_copy_input_by<T, OP, NARROW>(r.t, r.threads, gsc_pipe_area(a, q, 0, s, per_block) + me * slice, send + q0, q1 - q0, a);
             }
         }
         gsc_role_sync(r);
@@ -229,7 +230,7 @@ static __device__ void gsc_pipe_push(const gsc_coll_args_t *a, const gsc_role &r
 
 /* Reducers (all-reduce, reduce-scatter): GSC_PIPE_REDUCE_UNROLL 16-byte pieces per thread per
  * step, the n copies of each in flight together. */
-template <typename T, int OP, bool AVG>
+template <typename T, int OP, bool AVG, bool NARROW>
 static __device__ void gsc_pipe_reduce(const gsc_coll_args_t *a, const gsc_role &r, unsigned long long e0, volatile int *failed)
 {
     constexpr int U = GSC_PIPE_REDUCE_UNROLL;
@@ -244,7 +245,16 @@ static __device__ void gsc_pipe_reduce(const gsc_coll_args_t *a, const gsc_role 
         unsigned long long off, len;
         gsc_pipe_range(a, k, &off, &len);
         const unsigned char *in = gsc_pipe_area(a, me, 0, s, per_block);
-        if (rs) {
+        if (rs && NARROW && gsc_align_of((unsigned long long)a->recv + off | len) < 16) {
+            /* The receive buffer or the part off 16 bytes: element by element (the n copies are
+             * in our IN[s], on 16 bytes), the same arithmetic. */
+            unsigned char *recv = (unsigned char *)a->recv + off;
+            for (unsigned long long i = r.t * sizeof(T); i < len; i += r.threads * sizeof(T)) {
+                T acc = gsc_ld_cg_elem<T>(in + i);
+                for (unsigned long long q = 1; q < n; q++) acc = gsc_apply<OP>(acc, gsc_ld_cg_elem<T>(in + q * region + i));
+                gsc_st_elem<T>(recv + i, AVG ? gsc_div(acc, n) : acc);
+            }
+        } else if (rs) {
             unsigned char *recv = (unsigned char *)a->recv + off;
             for (unsigned long long i = r.t * 16ull; i < len; i += U * step) {
                 gsc_vec<T> acc[U];
@@ -278,6 +288,7 @@ static __device__ void gsc_pipe_reduce(const gsc_coll_args_t *a, const gsc_role 
 }
 
 /* Copiers (all-reduce, all-gather): our OUT[s] into the receive buffer. */
+template <bool NARROW>
 static __device__ void gsc_pipe_copy(const gsc_coll_args_t *a, const gsc_role &r, unsigned long long e0, volatile int *failed)
 {
     const unsigned long long n = a->nranks, me = a->rank, S = a->stages, last = e0 + a->rounds - 1, region = a->chunk;
@@ -293,16 +304,19 @@ static __device__ void gsc_pipe_copy(const gsc_coll_args_t *a, const gsc_role &r
         const unsigned char *out = gsc_pipe_area(a, me, 1, s, per_block);
         if (ag) {
             for (unsigned long long q = 0; q < n; q++)
-                gsc_big_copy_by(r.t, r.threads, (unsigned char *)a->recv + q * a->recv_stride + off, out + q * region, len, true);
+                gsc_big_copy_by<NARROW>(r.t, r.threads, (unsigned char *)a->recv + q * a->recv_stride + off, out + q * region, len, true);
         } else {
-            gsc_big_copy_by(r.t, r.threads, (unsigned char *)a->recv + off, out, len, true);
+            gsc_big_copy_by<NARROW>(r.t, r.threads, (unsigned char *)a->recv + off, out, len, true);
         }
         gsc_role_sync(r);
         if (e + S <= last) gsc_pipe_raise(a, r, GSC_PIPE_READY, e + S);
     }
 }
 
-template <typename T, int OP, bool AVG> static __device__ void gsc_coll_pipe(const gsc_coll_args_t *a)
+/* NARROW (the gsc_coll_pipen kernels): buffers at any byte or parts off 16 bytes, moved in
+ * narrower accesses as the phased kernel's twin does, with the same roles, rounds and flags,
+ * so that ranks whose buffers sit differently still meet. */
+template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_coll_pipe(const gsc_coll_args_t *a)
 {
     __shared__ int failed;
     const unsigned long long e0 = gsc_coll_begin(a);
@@ -317,11 +331,11 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_pipe(con
     if (shaped && in_step) {
         const unsigned t = threadIdx.x;
         if (t < p) {
-            gsc_pipe_push<T, OP>(a, gsc_role{1, p, t}, e0, &failed);
+            gsc_pipe_push<T, OP, NARROW>(a, gsc_role{1, p, t}, e0, &failed);
         } else if (t < p + rd) {
-            if (a->kind != GSC_ALL_GATHER) gsc_pipe_reduce<T, OP, AVG>(a, gsc_role{2, rd, t - p}, e0, &failed);
+            if (a->kind != GSC_ALL_GATHER) gsc_pipe_reduce<T, OP, AVG, NARROW>(a, gsc_role{2, rd, t - p}, e0, &failed);
         } else if (a->kind != GSC_REDUCE_SCATTER) {
-            gsc_pipe_copy(a, gsc_role{3, c, t - p - rd}, e0, &failed);
+            gsc_pipe_copy<NARROW>(a, gsc_role{3, c, t - p - rd}, e0, &failed);
         }
     }
     __syncthreads();
@@ -329,10 +343,16 @@ template <typename T, int OP, bool AVG> static __device__ void gsc_coll_pipe(con
 }
 
 #define GSC_COLL_PIPE(T, TAG) \
-    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_pipe<T, 1, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_max(gsc_coll_args_t a) { gsc_coll_pipe<T, 2, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_min(gsc_coll_args_t a) { gsc_coll_pipe<T, 3, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, true>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_pipe<T, 4, false>(&a); }
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, false, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_pipe<T, 1, false, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_max(gsc_coll_args_t a) { gsc_coll_pipe<T, 2, false, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_min(gsc_coll_args_t a) { gsc_coll_pipe<T, 3, false, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, true, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_pipe<T, 4, false, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_pipe<T, 1, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_max(gsc_coll_args_t a) { gsc_coll_pipe<T, 2, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_min(gsc_coll_args_t a) { gsc_coll_pipe<T, 3, false, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, true, true>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_pipe<T, 4, false, true>(&a); }
 "#;
