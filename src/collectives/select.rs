@@ -228,7 +228,7 @@ pub fn describe(
             ),
             Algorithm::OneShotLl => format!("{} at every size", Algorithm::OneShotLl.name()),
             large => format!(
-                "{} below {}, {} from there{} ({}; otherwise one-shot)",
+                "{} below {}, {} from there{} (buffers at any byte, in 16-byte accesses where they and the parts are on 16 bytes)",
                 Algorithm::OneShotLl.name(),
                 crate::config::format_size(large_min.max(16) as u64),
                 large.name(),
@@ -237,9 +237,6 @@ pub fn describe(
                     Collective::Reduce => ", the sums to the root only (two ranks: a reduce-scatter to the root)",
                     _ => "",
                 },
-                match large {
-                    _ => "buffers at any byte, in 16-byte accesses where they and the parts are on 16 bytes",
-                }
             ),
         };
         let _ = writeln!(out, "[{}] {line}", coll.name());
