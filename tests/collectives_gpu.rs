@@ -1171,117 +1171,64 @@ fn rank_of(role: &str) -> (usize, usize) {
     (rank.parse().unwrap(), n.parse().unwrap())
 }
 
-fn copy_engine_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), PeerPath::CopyEngines);
-    chan.put("result", v.as_bytes());
-}
+/// A collective job's child roles and its tests on two and four GPUs: `$roles` runs rank r of n
+/// in a child (`$run` with the unique id the parent sends), and each test, named for itself,
+/// runs the job with rank 0 here (`run_rank_job`). Attributes (docs, `#[ignore]`) go before a
+/// test's name.
+macro_rules! rank_job_tests {
+    ($roles:ident, $run:expr, $(#[$two_attr:meta])* $two:ident, $(#[$four_attr:meta])* $four:ident) => {
+        fn $roles(role: &str, chan: &dyn Chan, _ctx: Context) {
+            let (rank, n) = rank_of(role);
+            let run: fn(usize, usize, &[u8]) -> String = $run;
+            chan.put("result", run(rank, n, &chan.get("uid")).as_bytes());
+        }
 
-fn direct_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), PeerPath::Direct);
-    chan.put("result", v.as_bytes());
-}
+        $(#[$two_attr])*
+        #[test]
+        fn $two() {
+            if run_child_role($roles) {
+                return;
+            }
+            run_job_with(stringify!($two), 2, $roles, $run);
+        }
 
-#[test]
-fn copy_engine_collectives_exact_on_two_gpus() {
-    if run_child_role(copy_engine_roles) {
-        return;
-    }
-    run_job_with("copy_engine_collectives_exact_on_two_gpus", 2, copy_engine_roles, |r, n, u| {
-        run_rank_on_peer_buffers(r, n, u, PeerPath::CopyEngines)
-    });
-}
-
-#[test]
-fn copy_engine_collectives_exact_on_four_gpus() {
-    if run_child_role(copy_engine_roles) {
-        return;
-    }
-    run_job_with("copy_engine_collectives_exact_on_four_gpus", 4, copy_engine_roles, |r, n, u| {
-        run_rank_on_peer_buffers(r, n, u, PeerPath::CopyEngines)
-    });
-}
-
-#[test]
-fn direct_kernel_collectives_exact_on_two_gpus() {
-    if run_child_role(direct_roles) {
-        return;
-    }
-    run_job_with("direct_kernel_collectives_exact_on_two_gpus", 2, direct_roles, |r, n, u| {
-        run_rank_on_peer_buffers(r, n, u, PeerPath::Direct)
-    });
-}
-
-#[test]
-fn direct_kernel_collectives_exact_on_four_gpus() {
-    if run_child_role(direct_roles) {
-        return;
-    }
-    run_job_with("direct_kernel_collectives_exact_on_four_gpus", 4, direct_roles, |r, n, u| {
-        run_rank_on_peer_buffers(r, n, u, PeerPath::Direct)
-    });
-}
-
-fn ring_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    let v = run_rank_on_peer_buffers(rank, n, &chan.get("uid"), PeerPath::Ring);
-    chan.put("result", v.as_bytes());
-}
-
-#[test]
-fn copy_engine_ring_collectives_exact_on_two_gpus() {
-    if run_child_role(ring_roles) {
-        return;
-    }
-    run_job_with("copy_engine_ring_collectives_exact_on_two_gpus", 2, ring_roles, |r, n, u| {
-        run_rank_on_peer_buffers(r, n, u, PeerPath::Ring)
-    });
-}
-
-#[test]
-fn copy_engine_ring_collectives_exact_on_four_gpus() {
-    if run_child_role(ring_roles) {
-        return;
-    }
-    run_job_with("copy_engine_ring_collectives_exact_on_four_gpus", 4, ring_roles, |r, n, u| {
-        run_rank_on_peer_buffers(r, n, u, PeerPath::Ring)
-    });
-}
-
-fn roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    chan.put("result", run_rank(rank, n, &chan.get("uid")).as_bytes());
-}
-
-fn pipelined_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    chan.put("result", run_rank_pipelined(rank, n, &chan.get("uid")).as_bytes());
-}
-
-fn run_job(test: &str, n: usize) {
-    run_job_with(test, n, roles, run_rank)
+        $(#[$four_attr])*
+        #[test]
+        fn $four() {
+            if run_child_role($roles) {
+                return;
+            }
+            run_job_with(stringify!($four), 4, $roles, $run);
+        }
+    };
 }
 
 fn run_job_with(test: &str, n: usize, roles: fn(&str, &dyn Chan, Context), run_rank: fn(usize, usize, &[u8]) -> String) {
     run_rank_job(test, n, T, roles, run_rank)
 }
 
-#[test]
-fn collectives_exact_on_two_gpus() {
-    if run_child_role(roles) {
-        return;
-    }
-    run_job("collectives_exact_on_two_gpus", 2);
-}
+rank_job_tests!(
+    copy_engine_roles,
+    |r, n, u| run_rank_on_peer_buffers(r, n, u, PeerPath::CopyEngines),
+    copy_engine_collectives_exact_on_two_gpus,
+    copy_engine_collectives_exact_on_four_gpus
+);
 
-#[test]
-fn collectives_exact_on_four_gpus() {
-    if run_child_role(roles) {
-        return;
-    }
-    run_job("collectives_exact_on_four_gpus", 4);
-}
+rank_job_tests!(
+    direct_roles,
+    |r, n, u| run_rank_on_peer_buffers(r, n, u, PeerPath::Direct),
+    direct_kernel_collectives_exact_on_two_gpus,
+    direct_kernel_collectives_exact_on_four_gpus
+);
+
+rank_job_tests!(
+    ring_roles,
+    |r, n, u| run_rank_on_peer_buffers(r, n, u, PeerPath::Ring),
+    copy_engine_ring_collectives_exact_on_two_gpus,
+    copy_engine_ring_collectives_exact_on_four_gpus
+);
+
+rank_job_tests!(roles, run_rank, collectives_exact_on_two_gpus, collectives_exact_on_four_gpus);
 
 /// `large_mixed_alignment` alone, with a short `GSC_TIMEOUT`: ranks whose kernels differ fail
 /// each call within it instead of hanging the suite.
@@ -1290,26 +1237,12 @@ fn run_rank_mixed_alignment(rank: usize, n: usize, uid: &[u8]) -> String {
     large_mixed_alignment(&r).join("\n")
 }
 
-fn mixed_alignment_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    chan.put("result", run_rank_mixed_alignment(rank, n, &chan.get("uid")).as_bytes());
-}
-
-#[test]
-fn ranks_at_different_alignments_exact_on_two_gpus() {
-    if run_child_role(mixed_alignment_roles) {
-        return;
-    }
-    run_job_with("ranks_at_different_alignments_exact_on_two_gpus", 2, mixed_alignment_roles, run_rank_mixed_alignment);
-}
-
-#[test]
-fn ranks_at_different_alignments_exact_on_four_gpus() {
-    if run_child_role(mixed_alignment_roles) {
-        return;
-    }
-    run_job_with("ranks_at_different_alignments_exact_on_four_gpus", 4, mixed_alignment_roles, run_rank_mixed_alignment);
-}
+rank_job_tests!(
+    mixed_alignment_roles,
+    run_rank_mixed_alignment,
+    ranks_at_different_alignments_exact_on_two_gpus,
+    ranks_at_different_alignments_exact_on_four_gpus
+);
 
 /// `GSC_TIMEOUT` of the fail-fast test: long enough that its sleeps order the ranks' calls with
 /// seconds to spare.
@@ -1427,49 +1360,26 @@ fn run_rank_fail_fast(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
-fn fail_fast_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    chan.put("result", run_rank_fail_fast(rank, n, &chan.get("uid")).as_bytes());
-}
+rank_job_tests!(
+    fail_fast_roles,
+    run_rank_fail_fast,
+    /// After a round fails, later collectives of the workspace kernels fail at once on every
+    /// rank instead of each waiting out `GSC_TIMEOUT` (`fail_fast_on`).
+    a_failed_round_fails_later_collectives_at_once_on_two_gpus,
+    a_failed_round_fails_later_collectives_at_once_on_four_gpus
+);
 
-/// After a round fails, later collectives of the workspace kernels fail at once on every rank
-/// instead of each waiting out `GSC_TIMEOUT` (`fail_fast_on`).
-#[test]
-fn a_failed_round_fails_later_collectives_at_once_on_two_gpus() {
-    if run_child_role(fail_fast_roles) {
-        return;
-    }
-    run_job_with("a_failed_round_fails_later_collectives_at_once_on_two_gpus", 2, fail_fast_roles, run_rank_fail_fast);
-}
-
-#[test]
-fn a_failed_round_fails_later_collectives_at_once_on_four_gpus() {
-    if run_child_role(fail_fast_roles) {
-        return;
-    }
-    run_job_with("a_failed_round_fails_later_collectives_at_once_on_four_gpus", 4, fail_fast_roles, run_rank_fail_fast);
-}
-
-#[test]
-fn pipelined_large_collectives_exact_on_two_gpus() {
-    if run_child_role(pipelined_roles) {
-        return;
-    }
-    run_job_with("pipelined_large_collectives_exact_on_two_gpus", 2, pipelined_roles, run_rank_pipelined);
-}
-
-/// Ignored: the pipelined kernel is experimental and, on four GPUs, slow enough (32–216 GB/s
-/// busbw against the phased kernel's 243–260: docs/PERF.md, session 15) that this suite
-/// outlives the children's 60 s watchdog. Run it with `--ignored` (and `GSC_TEST_CHILD_LIFE`)
-/// while working on that kernel.
-#[test]
-#[ignore = "experimental kernel: too slow on 4 GPUs for the children's watchdog (docs/PERF.md, session 15)"]
-fn pipelined_large_collectives_exact_on_four_gpus() {
-    if run_child_role(pipelined_roles) {
-        return;
-    }
-    run_job_with("pipelined_large_collectives_exact_on_four_gpus", 4, pipelined_roles, run_rank_pipelined);
-}
+rank_job_tests!(
+    pipelined_roles,
+    run_rank_pipelined,
+    pipelined_large_collectives_exact_on_two_gpus,
+    /// Ignored: the pipelined kernel is experimental and, on four GPUs, slow enough (32–216 GB/s
+    /// busbw against the phased kernel's 243–260: docs/PERF.md, session 15) that this suite
+    /// outlives the children's 60 s watchdog. Run it with `--ignored` (and `GSC_TEST_CHILD_LIFE`)
+    /// while working on that kernel.
+    #[ignore = "experimental kernel: too slow on 4 GPUs for the children's watchdog (docs/PERF.md, session 15)"]
+    pipelined_large_collectives_exact_on_four_gpus
+);
 
 // ---------------------------------------------------------------------------------------------
 // Issue #6: every collective at 1 GiB
@@ -1679,26 +1589,7 @@ fn run_rank_gib(rank: usize, n: usize, uid: &[u8]) -> String {
     bad.join("\n")
 }
 
-fn gib_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
-    let (rank, n) = rank_of(role);
-    chan.put("result", run_rank_gib(rank, n, &chan.get("uid")).as_bytes());
-}
-
-#[test]
-fn gib_collectives_exact_on_two_gpus() {
-    if run_child_role(gib_roles) {
-        return;
-    }
-    run_job_with("gib_collectives_exact_on_two_gpus", 2, gib_roles, run_rank_gib);
-}
-
-#[test]
-fn gib_collectives_exact_on_four_gpus() {
-    if run_child_role(gib_roles) {
-        return;
-    }
-    run_job_with("gib_collectives_exact_on_four_gpus", 4, gib_roles, run_rank_gib);
-}
+rank_job_tests!(gib_roles, run_rank_gib, gib_collectives_exact_on_two_gpus, gib_collectives_exact_on_four_gpus);
 
 // ---------------------------------------------------------------------------------------------
 // Issue #8: one rank of a collective is SIGKILLed
