@@ -1186,24 +1186,22 @@ macro_rules! rank_job_tests {
         $(#[$two_attr])*
         #[test]
         fn $two() {
-            if run_child_role($roles) {
-                return;
-            }
             run_job_with(stringify!($two), 2, $roles, $run);
         }
 
         $(#[$four_attr])*
         #[test]
         fn $four() {
-            if run_child_role($roles) {
-                return;
-            }
             run_job_with(stringify!($four), 4, $roles, $run);
         }
     };
 }
 
+/// Test `test`: in a child, its role (`roles`); otherwise the job of `n` ranks (`run_rank_job`).
 fn run_job_with(test: &str, n: usize, roles: fn(&str, &dyn Chan, Context), run_rank: fn(usize, usize, &[u8]) -> String) {
+    if run_child_role(roles) {
+        return;
+    }
     run_rank_job(test, n, T, roles, run_rank)
 }
 
@@ -1303,25 +1301,23 @@ fn fail_fast_on(r: &Rank, comm: &Communicator, what: &str) -> Vec<String> {
         if alone < t {
             bad.push(format!("rank 0 ({what}): the all-reduce no peer joined ended after {alone:?}, before the timeout"));
         }
+        eprintln!("rank 0 ({what}): the lone all-reduce ended after {alone:?}");
         std::thread::sleep((2 * t).saturating_sub(start.elapsed()));
-        let t0 = Instant::now();
-        let rest = r0.and_then(|_| fail_fast_calls(comm, send.ptr(), recv.ptr(), count, &r.cond));
-        r.sync();
-        let took = t0.elapsed();
-        eprintln!("rank 0 ({what}): the lone all-reduce ended after {alone:?}; the six calls after it took {took:?}");
-        if took > slowed(t / 4) {
-            bad.push(format!("rank 0 ({what}): six calls after a failed round took {took:?}, more than a quarter of GSC_TIMEOUT"));
-        }
+        // The six calls, after `before` succeeded, within a quarter of a timeout.
+        let six = |before: gscomm::Result<()>, when: &str, bad: &mut Vec<String>| {
+            let t0 = Instant::now();
+            let ran = before.and_then(|_| fail_fast_calls(comm, send.ptr(), recv.ptr(), count, &r.cond));
+            r.sync();
+            let took = t0.elapsed();
+            eprintln!("rank 0 ({what}): the six calls {when} took {took:?}");
+            if took > slowed(t / 4) {
+                bad.push(format!("rank 0 ({what}): the six calls {when} took {took:?}, more than a quarter of GSC_TIMEOUT"));
+            }
+            ran
+        };
+        let rest = six(r0, "after the failed round", &mut bad);
         // Peers that never come (dead, or gone on): the six again, rank 0 alone.
-        let t0 = Instant::now();
-        let again = rest.and_then(|_| fail_fast_calls(comm, send.ptr(), recv.ptr(), count, &r.cond));
-        r.sync();
-        let took = t0.elapsed();
-        eprintln!("rank 0 ({what}): the six again, no peer joining, took {took:?}");
-        if took > slowed(t / 4) {
-            bad.push(format!("rank 0 ({what}): six calls no peer joined took {took:?}, more than a quarter of GSC_TIMEOUT"));
-        }
-        again
+        six(rest, "again, no peer joining", &mut bad)
     } else {
         std::thread::sleep((3 * t / 2).saturating_sub(start.elapsed()));
         let t0 = Instant::now();
@@ -1849,8 +1845,5 @@ fn differing_roles(role: &str, chan: &dyn Chan, _ctx: Context) {
 /// get an error naming the rank and the knob on every rank, instead of a hang or wrong data.
 #[test]
 fn differing_collective_settings_are_refused_on_every_rank() {
-    if run_child_role(differing_roles) {
-        return;
-    }
     run_job_with("differing_collective_settings_are_refused_on_every_rank", 2, differing_roles, run_rank_differing);
 }
