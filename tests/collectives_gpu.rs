@@ -271,14 +271,7 @@ fn large_off_sixteen(r: &Rank) -> Vec<String> {
     let dtype = DataType::Float32;
     for (kind, count) in [(PremulKind::AllReduce, (1 << 20) + 1), (PremulKind::ReduceScatter, (1 << 19) + 1)] {
         let total = if kind == PremulKind::ReduceScatter { count * n } else { count };
-        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 98_000 + total as u64, total)).collect();
-        let scaled: Vec<Vec<u8>> = ins.iter().enumerate().map(|(q, x)| premul_reference(dtype, premul_scalar(dtype, q), x)).collect();
-        let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
-        let sum = reduce_reference(dtype, RedOp::Sum, &refs);
-        let want = match kind {
-            PremulKind::ReduceScatter => sum[me * count * 4..(me + 1) * count * 4].to_vec(),
-            _ => sum,
-        };
+        let (ins, want) = premul_case(kind, dtype, n, me, count, 98_000 + total as u64);
         let (a, b) = (device_with(&[], (total + 4) * 4), device_with(&[], (count + 4) * 4));
         let (send, recv) = (a.ptr() + 4, b.ptr() + 4);
         unsafe { gscomm::cuda::api::copy_to_device(send, &ins[me]) }.unwrap();
@@ -386,14 +379,7 @@ fn large_mixed_alignment(r: &Rank) -> Vec<String> {
     let dtype = DataType::Float32;
     for kind in [PremulKind::AllReduce, PremulKind::ReduceScatter, PremulKind::Reduce] {
         let total = if kind == PremulKind::ReduceScatter { count * n } else { count };
-        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, 96_500 + kind as u64, total)).collect();
-        let scaled: Vec<Vec<u8>> = ins.iter().enumerate().map(|(q, x)| premul_reference(dtype, premul_scalar(dtype, q), x)).collect();
-        let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
-        let sum = reduce_reference(dtype, RedOp::Sum, &refs);
-        let want = match kind {
-            PremulKind::ReduceScatter => sum[me * count * 4..(me + 1) * count * 4].to_vec(),
-            _ => sum,
-        };
+        let (ins, want) = premul_case(kind, dtype, n, me, count, 96_500 + kind as u64);
         let off = mixed_offset(me, 4) as u64;
         let (a, b) = (device_with(&[], (total + 4) * 4), device_with(&[], (count + 4) * 4));
         let (send, recv) = (a.ptr() + off, b.ptr() + off);
@@ -464,6 +450,23 @@ fn premul_scalar(dtype: DataType, q: usize) -> u64 {
     }
 }
 
+/// Every rank's input of a pre-multiplied `kind` of `count` elements of `dtype` (`seed`), and
+/// what rank `me` of `n` must receive: the inputs scaled by each rank's `premul_scalar`, summed
+/// in rank order (reduce-scatter: this rank's part).
+fn premul_case(kind: PremulKind, dtype: DataType, n: usize, me: usize, count: usize, seed: u64) -> (Vec<Vec<u8>>, Vec<u8>) {
+    let total = if kind == PremulKind::ReduceScatter { count * n } else { count };
+    let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, total)).collect();
+    let scaled: Vec<Vec<u8>> = ins.iter().enumerate().map(|(q, x)| premul_reference(dtype, premul_scalar(dtype, q), x)).collect();
+    let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
+    let sum = reduce_reference(dtype, RedOp::Sum, &refs);
+    let sz = dtype.size();
+    let want = match kind {
+        PremulKind::ReduceScatter => sum[me * count * sz..(me + 1) * count * sz].to_vec(),
+        _ => sum,
+    };
+    (ins, want)
+}
+
 /// Pre-multiplied sums (NCCL's ncclRedOpCreatePreMulSum): all-reduce, reduce-scatter and
 /// reduce on every datatype, one-shot and large, each rank with its own scalar (by value; and
 /// read from GPU memory for one case), checked exactly against the scaled inputs' sum.
@@ -473,15 +476,8 @@ fn premul_sums(r: &Rank) -> Vec<String> {
     let check = |bad: &mut Vec<String>, kind: PremulKind, dtype: DataType, count: usize, device_scalar: bool| {
         let seed = 40_000 + dtype.nccl() as u64 * 10 + kind as u64 + count as u64;
         let total = if kind == PremulKind::ReduceScatter { count * n } else { count };
-        let ins: Vec<Vec<u8>> = (0..n).map(|q| input(dtype, q, seed, total)).collect();
-        let scaled: Vec<Vec<u8>> = ins.iter().enumerate().map(|(q, x)| premul_reference(dtype, premul_scalar(dtype, q), x)).collect();
-        let refs: Vec<&[u8]> = scaled.iter().map(Vec::as_slice).collect();
-        let sum = reduce_reference(dtype, RedOp::Sum, &refs);
+        let (ins, want) = premul_case(kind, dtype, n, me, count, seed);
         let sz = dtype.size();
-        let want = match kind {
-            PremulKind::ReduceScatter => sum[me * count * sz..(me + 1) * count * sz].to_vec(),
-            _ => sum,
-        };
         let send = device_with(&ins[me], total * sz);
         let recv = device_with(&[], count * sz);
         let bits = premul_scalar(dtype, me);
