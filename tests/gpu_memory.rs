@@ -1151,6 +1151,12 @@ const VMM_CASES: &[(usize, usize, usize, u64)] = &[
     (64 << 20, 0, 64 << 20, 1),
 ];
 
+/// Bytes of the last two messages: the first from a VMM allocation, the second from a new
+/// allocation mapped at the same address after the first was freed (PyTorch's expandable
+/// segments reuse their ranges so). The receiver must read the new memory, and its mapping of
+/// the old is unmapped at once (`VmmCounters::replaced`), not retired.
+const VMM_REPLACED_BYTES: usize = 1 << 20;
+
 fn vmm_seed(case: usize, send: u64) -> u64 {
     0x5EED_0000 + 16 * case as u64 + send
 }
@@ -1188,13 +1194,32 @@ fn vmm_receiver(role: &str, chan: &dyn Chan, ctx: Context) {
             tag += 1;
         }
     }
+    let n = VMM_REPLACED_BYTES;
+    for s in 0..2 {
+        let dst = DeviceBuf::new(n).unwrap();
+        dst.fill(0xEE).unwrap();
+        let started = unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, n, tag, u64::MAX, RequestParams::default()).unwrap() };
+        let c = wait_release(&w, started);
+        if c.status != Status::Ok || c.info.length != n {
+            problems += &format!("[replaced allocation, send {s}: {:?}, {} B]", c.status, c.info.length);
+        }
+        let e0 = pinned_u64(&err);
+        k.check.launch(grid(n), 256, &stream, &[dst.ptr(), n as u64, vmm_seed(VMM_CASES.len(), s), 0, err.device_ptr()]).unwrap();
+        stream.synchronize().unwrap();
+        if pinned_u64(&err) != e0 {
+            problems += &format!("[replaced allocation, send {s}: wrong data]");
+        }
+        tag += 1;
+    }
     let after = vmm_counters();
-    // Every stream is idle: a safe point to unmap mappings of buffers the sender replaced.
+    // Every stream is idle: a safe point to close retired legacy mappings. There are none: every
+    // buffer was VMM, and replaced VMM mappings were unmapped at once.
     let released = release_retired_peer_mappings().map_err(|e| e.to_string());
     let report = format!(
-        "problems={problems};imported={};reads={};released={released:?}",
+        "problems={problems};imported={};reads={};replaced={};released={released:?}",
         after.imported - before.imported,
-        after.reads - before.reads
+        after.reads - before.reads,
+        after.replaced - before.replaced
     );
     chan.put("results", report.as_bytes());
     chan.get("bye");
@@ -1246,16 +1271,38 @@ fn vmm_send_buffer_read_by_another_process_through_fd_passing() {
             tag += 1;
         }
     }
+    // The replaced allocation: freed after its send completed, then new memory at its address.
+    let first = DeviceBuf::new_vmm(VMM_REPLACED_BYTES).unwrap();
+    let at = first.ptr();
+    let mut replaced = Some(first);
+    for s in 0..2 {
+        if s == 1 {
+            drop(replaced.take());
+            let again = DeviceBuf::new_vmm_at(VMM_REPLACED_BYTES, at).unwrap();
+            assert_eq!(again.ptr(), at, "the driver did not map the new allocation where the freed one was");
+            replaced = Some(again);
+        }
+        let buf = replaced.as_ref().unwrap();
+        k.fill.launch(grid(buf.len()), 256, &stream, &[buf.ptr(), buf.len() as u64, vmm_seed(VMM_CASES.len(), s)]).unwrap();
+        stream.synchronize().unwrap();
+        let started = unsafe { ep.tag_send_nbx(buf.ptr() as *const u8, buf.len(), tag, RequestParams::default()).unwrap() };
+        let c = wait_release(&w, started);
+        assert_eq!(c.status, Status::Ok, "send {s} of the replaced allocation");
+        tag += 1;
+    }
     let exported = vmm_counters().exported - before.exported;
     let theirs = String::from_utf8(p.get_progress("results", T, &w)).unwrap();
     eprintln!("receiver: {theirs}");
     let field =
         |name: &str| theirs.split(';').find_map(|f| f.strip_prefix(&format!("{name}="))).unwrap_or_else(|| panic!("no {name} in {theirs}"));
     assert_eq!(field("problems"), "", "receiver");
-    assert_eq!(exported, VMM_CASES.len() as u64, "one export per VMM allocation (a repeated send reuses it)");
-    assert_eq!(field("imported"), VMM_CASES.len().to_string(), "one import per allocation: the data was read through the VMM mapping");
-    assert_eq!(field("reads"), vmm_sends().to_string(), "every message read through a VMM mapping, none pushed through host memory");
-    assert!(field("released").starts_with("Ok("), "releasing retired mappings: {theirs}");
+    let allocations = VMM_CASES.len() as u64 + 2;
+    assert_eq!(exported, allocations, "one export per VMM allocation (a repeated send reuses it)");
+    assert_eq!(field("imported"), allocations.to_string(), "one import per allocation: the data was read through the VMM mapping");
+    assert_eq!(field("reads"), (vmm_sends() + 2).to_string(), "every message read through a VMM mapping, none pushed through host memory");
+    // At least the one made here; earlier cases' allocations may have reused a range too.
+    assert!(field("replaced").parse::<u64>().unwrap() >= 1, "the mapping of the freed allocation was not unmapped: {theirs}");
+    assert_eq!(field("released"), "Ok(0)", "VMM mappings are unmapped when replaced, never retired: {theirs}");
     p.put("bye", &[]);
     ep.close().unwrap();
     let deadline = Instant::now() + T;

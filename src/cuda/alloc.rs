@@ -217,7 +217,7 @@ pub(crate) fn alloc(bytes: usize) -> Result<u64> {
             let prop = vmm::shareable_prop(device, support.gdr);
             let gran = vmm::granularity(&prop, true)?;
             let len = round_up(bytes, gran)?;
-            let owned = vmm::Owned::create(&prop, len, gran, &access_for(device)?)?;
+            let owned = vmm::Owned::create(&prop, len, gran, &access_for(device)?, 0)?;
             (owned.ptr, Backing::Vmm(owned))
         }
         Choice::Plain(_) => {

@@ -231,7 +231,13 @@ impl DeviceBuf {
     /// process), `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess` (read/write for this
     /// device). The allocation is rounded up to the granularity; `len()` is what was asked.
     pub fn new_vmm(len: usize) -> Result<DeviceBuf> {
-        let owned = super::vmm::Owned::new(len)?;
+        DeviceBuf::new_vmm_at(len, 0)
+    }
+    /// `new_vmm`, mapped at `at` if that address range is free (the driver takes it as a hint:
+    /// `ptr()` says where it landed). New memory in a range that held a freed allocation, as
+    /// PyTorch's expandable segments map it: a peer that had mapped the old one must notice.
+    pub fn new_vmm_at(len: usize, at: u64) -> Result<DeviceBuf> {
+        let owned = super::vmm::Owned::new(len, at)?;
         Ok(DeviceBuf { ptr: owned.ptr, len, vmm: Some(owned) })
     }
     /// Whether this is a VMM allocation (`new_vmm`).
@@ -297,11 +303,14 @@ pub struct VmmCounters {
     pub imported: u64,
     /// Reads of peer memory that went through such a mapping (one per rendezvous read).
     pub reads: u64,
+    /// Mappings unmapped at once because the peer freed their allocation and made a new one at
+    /// the same address (legacy mappings are retired instead: `release_retired_peer_mappings`).
+    pub replaced: u64,
 }
 
 pub fn vmm_counters() -> VmmCounters {
     use super::vmm;
-    VmmCounters { exported: vmm::exports(), imported: vmm::imports(), reads: vmm::reads() }
+    VmmCounters { exported: vmm::exports(), imported: vmm::imports(), reads: vmm::reads(), replaced: vmm::replaced() }
 }
 
 /// How a GPU buffer at `ptr` would be described to a peer process when sent: `"legacy"` (a CUDA
@@ -317,10 +326,11 @@ pub fn ipc_export_kind(ptr: u64) -> Result<&'static str> {
     })
 }
 
-/// Unmap the mappings of peer GPU allocations that the peers have since freed and replaced (kept
-/// until now because unmapping synchronizes the device). Call it only where no stream waits on a
-/// gscomm operation, e.g. after synchronizing every stream that has conditions on it. Returns how
-/// many were released.
+/// Close the legacy (`cuIpcOpenMemHandle`) mappings of peer GPU allocations that the peers have
+/// since freed and replaced, kept until now because closing one synchronizes the device (VMM
+/// mappings are unmapped when replaced: `VmmCounters::replaced`). Call it only where no stream
+/// waits on a gscomm operation, e.g. after synchronizing every stream that has conditions on it.
+/// Returns how many were closed.
 pub fn release_retired_peer_mappings() -> Result<usize> {
     super::ipc::release_retired()
 }

@@ -21,11 +21,17 @@
 //! is never reused, so a freed and re-made allocation gets a fresh handle. The mapping cache is
 //! keyed by (peer process, allocation base, local GPU) and compares the handle (or the exporter
 //! and export id): a different one at the same base means the peer freed the old allocation and
-//! made a new one there. The old mapping is then retired, not closed: closing (`cuIpcCloseMemHandle`,
-//! `cuMemUnmap`) synchronizes the device, and `map_peer` runs on the proxy thread while user
-//! streams may wait on it (measured for the legacy close: it deadlocks). Retired mappings keep
-//! the peer's freed memory until `release_retired` is called at a point where no stream waits on
-//! gscomm (`cuda::api::release_retired_peer_mappings`), or the process exits.
+//! made a new one there (as PyTorch's expandable segments do, mapping new memory into the same
+//! range). Nothing of ours still reads the old one: the peer frees a buffer only after its own
+//! operations on it completed, and those complete only after our reads of it did. So:
+//! - a VMM mapping is unmapped at once (`vmm::release`). `cuMemUnmap` of an imported mapping
+//!   does not wait for the device: ~0.1 ms on an H100 while a stream waited on a memop and a
+//!   kernel spun (`docs/probes/vmm_block.py 2`, 2026-11-23), so the proxy thread may call it;
+//! - a legacy mapping is retired, not closed: `cuIpcCloseMemHandle` synchronizes the device, and
+//!   `map_peer` runs on the proxy thread while user streams may wait on it (measured: it
+//!   deadlocks). Retired mappings keep the peer's freed memory until `release_retired` is called
+//!   at a point where no stream waits on gscomm (`cuda::api::release_retired_peer_mappings`), or
+//!   the process exits.
 //!
 //! Not covered yet: a VMM buffer that spans several physical allocations (only the mapping its
 //! first byte is in is described, so the receiver refuses the range and the sender pushes the
@@ -269,13 +275,18 @@ struct Mapping {
 /// Mappings of peer allocations that were since replaced; closed by `release_retired`.
 static RETIRED: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
 
-fn retire(o: Opened) {
+/// Let go of the mapping of a peer allocation that was replaced (module doc): a VMM one is
+/// unmapped now (kept for `release_retired` if the driver refuses), a legacy one retired.
+fn let_go(o: Opened) {
+    if let Opened::Vmm(m) = &o {
+        match vmm::release(m) {
+            Ok(()) => return vmm::count_replaced(),
+            Err(e) => {
+                tracing::warn!(target: "gsc::cuda", mapping = ?o, error = %e, "could not unmap a replaced peer VMM mapping; kept for release_retired")
+            }
+        }
+    }
     RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(o);
-}
-
-/// Keep a VMM mapping for `release_retired` (used by `vmm` when a mapping cannot be finished).
-pub(crate) fn retire_vmm(m: vmm::Imported) {
-    retire(Opened::Vmm(m));
 }
 
 /// Close the mappings of replaced peer allocations. Closing synchronizes the device, so call it
@@ -385,10 +396,9 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
         return within(m);
     }
     if let Some(old) = map.remove(&slot) {
-        // The peer freed that allocation and made a new one at the same address. Closing the
-        // old mapping here is not safe (module doc): it is retired.
-        tracing::debug!(target: "gsc::cuda", pid = key.pid, base = format_args!("{:#x}", key.base), "peer allocation replaced; old mapping retired");
-        retire(old.opened);
+        // The peer freed that allocation and made a new one at the same address (module doc).
+        tracing::debug!(target: "gsc::cuda", pid = key.pid, base = format_args!("{:#x}", key.base), vmm = is_vmm, "peer allocation replaced; letting go of the old mapping");
+        let_go(old.opened);
     }
     // A VMM import fetches the descriptor from the peer's exporter under this lock: bounded by
     // vmm's fetch timeout, and immediate unless the exporter's process is stuck.

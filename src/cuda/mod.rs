@@ -15,9 +15,10 @@
 //! It arms nothing and launches nothing; the calls it does make (enqueueing a copy on our own
 //! non-blocking copy stream, querying its event, opening an IPC handle, and host-staged copies
 //! that wait on that copy stream only) never wait behind a stream that waits on the proxy. It
-//! also imports and maps a peer's VMM allocation (`vmm::import`; that these calls do not wait
-//! either is still to be measured: docs/probes/vmm_block.py); unmapping, which synchronizes, is
-//! left to `ipc::release_retired`. Nor does it allocate page-locked memory (`bounce`).
+//! also imports and maps a peer's VMM allocation (`vmm::import`) and unmaps one the peer
+//! replaced (`vmm::release`): measured not to wait (docs/probes/vmm_block.py). Closing a legacy
+//! mapping synchronizes the device, so that is left to `ipc::release_retired`. Nor does it
+//! allocate page-locked memory (`bounce`).
 //!
 //! The other side of that rule, on users' threads: nothing that can wait for the device (a
 //! kernel's lazy load, an allocation or free, a graph instantiation) may run after a call has

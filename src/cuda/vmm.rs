@@ -29,15 +29,15 @@
 //! Receiver side (`import`, on the proxy thread through `ipc::map_peer`): fetch the descriptor
 //! (bounded by `FETCH_TIMEOUT`), import it, close it, reserve a range rounded to the allocation's
 //! granularity, map, grant read/write to the GPU doing the copy, release the imported handle (the
-//! mapping holds the memory). `ipc::map_peer` caches the mapping per (peer, base, local GPU).
-//! Whether these driver calls can wait behind a user stream that waits on the proxy has not been
-//! measured yet (`docs/probes/vmm_block.py` does; the legacy `cuIpcOpenMemHandle` does not wait).
+//! mapping holds the memory). `ipc::map_peer` caches the mapping per (peer, base, local GPU) and
+//! unmaps it (`release`) when the peer replaces the allocation. None of these calls waits behind
+//! a user stream that waits on the proxy, nor behind a spinning kernel (`docs/probes/vmm_block.py`:
+//! the import calls on 2 × H200, 2026-11-21; `cuMemUnmap` too, ~0.1 ms, on an H100, 2026-11-23),
+//! unlike the legacy `cuIpcCloseMemHandle`.
 //!
 //! Not done: a buffer that spans several physical allocations (an expandable segment's tensor
 //! across two chunks) is described by its first one only, so the receiver refuses it as out of
-//! range and the data is pushed; fabric handles (multi-node NVLink); unmapping a replaced mapping
-//! on the proxy thread (`cuMemUnmap` synchronizes like `cuIpcCloseMemHandle`; see
-//! `ipc::release_retired`).
+//! range and the data is pushed; fabric handles (multi-node NVLink).
 
 use super::copy::primary_context;
 use super::{CtxScope, check, cu};
@@ -64,6 +64,7 @@ const MAX_EXPORTS: usize = 512;
 static EXPORTS: AtomicU64 = AtomicU64::new(0);
 static IMPORTS: AtomicU64 = AtomicU64::new(0);
 static READS: AtomicU64 = AtomicU64::new(0);
+static REPLACED: AtomicU64 = AtomicU64::new(0);
 
 /// Allocations exported (descriptors made) by this process.
 pub(crate) fn exports() -> u64 {
@@ -73,6 +74,15 @@ pub(crate) fn exports() -> u64 {
 /// Peer allocations imported and mapped by this process.
 pub(crate) fn imports() -> u64 {
     IMPORTS.load(Ordering::Relaxed)
+}
+
+/// Mappings unmapped because their peer allocation was replaced (`ipc::map_peer`).
+pub(crate) fn replaced() -> u64 {
+    REPLACED.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_replaced() {
+    REPLACED.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Reads of peer memory resolved through a VMM mapping (`ipc::map_peer` answers).
@@ -351,8 +361,10 @@ pub(crate) fn import(x: &VmmExport, device: i32) -> Result<Imported> {
     access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     // SAFETY: the range we just mapped and one valid descriptor.
     if let Err(e) = check(unsafe { cu::cuMemSetAccess(va, len as usize, &access, 1) }, "cuMemSetAccess") {
-        // Unmapping may synchronize the device (not on the proxy thread): keep it for later.
-        super::ipc::retire_vmm(imported);
+        // Nothing can have used the range: undone at once (unmapping does not wait, module doc).
+        if let Err(undo) = release(&imported) {
+            tracing::warn!(target: "gsc::cuda", va = format_args!("{va:#x}"), len, error = %undo, "could not undo a VMM mapping that got no access");
+        }
         return Err(e.context(format!("GPU {device} cannot access the peer's memory (no peer access between the GPUs?)")));
     }
     drop(handle);
@@ -361,7 +373,8 @@ pub(crate) fn import(x: &VmmExport, device: i32) -> Result<Imported> {
     Ok(imported)
 }
 
-/// Unmap and free an imported mapping. It may synchronize the device: never on the proxy thread.
+/// Unmap and free an imported mapping that nothing uses any more. It does not wait for the
+/// device (module doc), so the proxy thread may call it.
 pub(crate) fn release(m: &Imported) -> Result<()> {
     let _scope = CtxScope::enter(primary_context(m.device)?)?;
     // SAFETY: a range `import` mapped and nobody uses any more (the caller's promise).
@@ -407,8 +420,9 @@ pub(crate) fn granularity(prop: &cu::CUmemAllocationProp, recommended: bool) -> 
 
 impl Owned {
     /// At least `bytes` (rounded up to the minimum granularity) on the current context's device,
-    /// readable and writable by that device only.
-    pub(crate) fn new(bytes: usize) -> Result<Owned> {
+    /// readable and writable by that device only, mapped where the driver likes or, with `at`
+    /// non-zero, at `at` if that range is free (the driver's hint; `ptr` says where it landed).
+    pub(crate) fn new(bytes: usize, at: u64) -> Result<Owned> {
         let mut dev: cu::CUdevice = 0;
         super::current_context()?;
         // SAFETY: a valid out-pointer; a context is current.
@@ -416,13 +430,14 @@ impl Owned {
         let prop = shareable_prop(dev, false);
         let gran = granularity(&prop, false)?;
         let len = bytes.max(1).checked_next_multiple_of(gran).ok_or_else(|| Error::invalid_param("allocation size overflows"))?;
-        Owned::create(&prop, len, gran, &[dev])
+        Owned::create(&prop, len, gran, &[dev], at)
     }
 
     /// Create `len` bytes (a multiple of `align`, the granularity for `prop`) with `prop`,
-    /// reserve a range aligned to `align`, map it and grant read/write to each of `access`
-    /// (device ordinals; the owner among them). On failure everything done is undone.
-    pub(crate) fn create(prop: &cu::CUmemAllocationProp, len: usize, align: usize, access: &[i32]) -> Result<Owned> {
+    /// reserve a range aligned to `align` (at `at` if non-zero and free), map it and grant
+    /// read/write to each of `access` (device ordinals; the owner among them). On failure
+    /// everything done is undone.
+    pub(crate) fn create(prop: &cu::CUmemAllocationProp, len: usize, align: usize, access: &[i32], at: u64) -> Result<Owned> {
         let mut h: cu::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid pointers; the handle is released by `Handle`'s drop on failure below, or
         // by `Owned`'s drop / `free`.
@@ -430,7 +445,7 @@ impl Owned {
         let handle = Handle(h);
         let mut ptr: cu::CUdeviceptr = 0;
         // SAFETY: a valid out-pointer.
-        check(unsafe { cu::cuMemAddressReserve(&mut ptr, len, align, 0, 0) }, "cuMemAddressReserve")?;
+        check(unsafe { cu::cuMemAddressReserve(&mut ptr, len, align, at, 0) }, "cuMemAddressReserve")?;
         // SAFETY: our reservation and our allocation, both `len` bytes.
         if let Err(e) = check(unsafe { cu::cuMemMap(ptr, len, 0, handle.0, 0) }, "cuMemMap") {
             // SAFETY: our empty reservation.
@@ -461,9 +476,9 @@ impl Owned {
         Ok(Owned { ptr, len, handle: handle.0 })
     }
 
-    /// Undo `create`, reporting the driver's errors (drop ignores them): unmap (which waits for
-    /// work still using the range), release the physical memory, free the address range. Every
-    /// step is tried; the first failure is returned.
+    /// Undo `create`, reporting the driver's errors (drop ignores them): unmap (no work may use
+    /// the range any more: the unmap does not synchronize the device), release the physical memory, free the
+    /// address range. Every step is tried; the first failure is returned.
     pub(crate) fn free(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: our mapping, reservation and handle, each undone once (`this` is not dropped).
