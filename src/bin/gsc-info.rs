@@ -22,6 +22,9 @@ Without options: the version, the lanes and the RDMA NICs.
   -p, --protocols print the protocol selection table for each enabled lane, the
                   prepared transfers' engine and the collectives' algorithms
   -r, --rdma      print the RDMA NICs the GDA verbs engine can use (or why there are none)
+  -k, --kernels   build gscomm's kernels for every GPU of this machine now (compiled, or
+                  read from GSC_KERNEL_CACHE_DIR) and print how long each took: warms
+                  the cache before a job, so its ranks' first communicator does not wait
   -h, --help      print this help
 
 Short options combine: gsc-info -vl.
@@ -36,6 +39,7 @@ struct Wanted {
     help: bool,
     protocols: bool,
     rdma: bool,
+    kernels: bool,
 }
 
 fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
@@ -49,6 +53,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
             "--help" => vec!['h'],
             "--protocols" => vec!['p'],
             "--rdma" => vec!['r'],
+            "--kernels" => vec!['k'],
             s if s.len() > 1 && s.starts_with('-') && !s.starts_with("--") => s[1..].chars().collect(),
             _ => return Err(format!("unknown argument {arg:?}")),
         };
@@ -61,11 +66,20 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Wanted, String> {
                 'h' => wanted.help = true,
                 'p' => wanted.protocols = true,
                 'r' => wanted.rdma = true,
+                'k' => wanted.kernels = true,
                 _ => return Err(format!("unknown option -{flag}")),
             }
         }
     }
-    if !(wanted.version || wanted.config || wanted.status || wanted.lanes || wanted.help || wanted.protocols || wanted.rdma) {
+    if !(wanted.version
+        || wanted.config
+        || wanted.status
+        || wanted.lanes
+        || wanted.help
+        || wanted.protocols
+        || wanted.rdma
+        || wanted.kernels)
+    {
         wanted.version = true;
         wanted.lanes = true;
         wanted.rdma = true;
@@ -146,7 +160,7 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     }
     // Only read the environment when the output depends on it, so -v and -s work whatever
     // the GSC_* variables say.
-    let load = if wanted.config || wanted.lanes || wanted.protocols {
+    let load = if wanted.config || wanted.lanes || wanted.protocols || wanted.kernels {
         match Config::load_env() {
             Ok(load) => Some(load),
             Err(e) => {
@@ -190,7 +204,47 @@ fn run(wanted: &Wanted) -> Result<(), ExitCode> {
     if wanted.rdma {
         print_rdma(&mut out).map_err(io_failed)?;
     }
+    if let (true, Some(load)) = (wanted.kernels, &load) {
+        out.flush().map_err(io_failed)?;
+        build_kernels(&mut out, &load.config).map_err(|e| match e {
+            KernelsFailed::Io(e) => io_failed(e),
+            KernelsFailed::Build(why) => {
+                eprintln!("gsc-info: {why}");
+                ExitCode::FAILURE
+            }
+        })?;
+    }
     out.flush().map_err(io_failed)
+}
+
+enum KernelsFailed {
+    Io(io::Error),
+    Build(String),
+}
+
+/// `-k`: build the kernels for every GPU, one line per GPU as it is done.
+fn build_kernels(out: &mut impl Write, config: &Config) -> Result<(), KernelsFailed> {
+    use gscomm::cuda::api::device_count;
+    let io = KernelsFailed::Io;
+    if let Err(e) = gscomm::cuda::init() {
+        return Err(KernelsFailed::Build(format!("cannot build the kernels: {}", e.message())));
+    }
+    let gpus = device_count();
+    if gpus <= 0 {
+        return Err(KernelsFailed::Build("cannot build the kernels: no GPU on this machine".to_string()));
+    }
+    let dir = config.kernel_cache_dir.clone().or_else(gscomm::config::default_kernel_cache_dir);
+    let dir = dir.map_or_else(|| "no cache directory: compiled, not kept".to_string(), |d| d.display().to_string());
+    writeln!(out, "# gscomm's kernels ({dir})").map_err(io)?;
+    for gpu in 0..gpus {
+        let t0 = std::time::Instant::now();
+        match gscomm::collectives::prepare_kernels(gpu, config) {
+            Ok(()) => writeln!(out, "GPU {gpu}: ready in {:.1} s", t0.elapsed().as_secs_f64()).map_err(io)?,
+            Err(e) => return Err(KernelsFailed::Build(format!("GPU {gpu}: {}", e.message()))),
+        }
+        out.flush().map_err(io)?;
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -225,6 +279,9 @@ mod tests {
         let w = parse(&["--rdma"]).unwrap();
         assert!(w.rdma && !w.version && !w.lanes);
         assert!(parse(&["-vr"]).unwrap().rdma);
+        let w = parse(&["--kernels"]).unwrap();
+        assert!(w.kernels && !w.version && !w.lanes && !w.rdma);
+        assert!(parse(&["-k"]).unwrap().kernels);
         assert!(parse(&["-x"]).unwrap_err().contains("-x"));
         assert!(parse(&["-vx"]).unwrap_err().contains("-x"));
         assert!(parse(&["--verbose"]).is_err());

@@ -26,8 +26,9 @@
 //! set moves nothing, tells its peers (their error words) and fails at once, so a failure costs
 //! one timeout rather than one per later call (`gsc_coll_out_of_step` in the source).
 
+use super::coll_modules::{self, Module, TYPES, module_of};
 use super::copy::primary_context;
-use super::kernels::{compile_cached, function, load_module};
+use super::kernels::{function, load_module};
 use super::replay::{self, ArgBlock};
 use super::{CtxScope, Grid, check, context_arch, cu, ipc};
 use crate::error::{Error, Result, Status};
@@ -966,6 +967,7 @@ template <typename T, int OP> static __device__ void gsc_net_reduce(const gsc_ne
  * and also in every peer's error word: a peer that gets past this barrier anyway (it saw our
  * flag before we gave up) would otherwise finish the call on copies of buffers we no longer
  * guard and report success. */
+#ifdef GSC_COMMON_KERNELS /* the type-less kernels: in the common module only (coll_modules) */
 extern "C" __global__ void gsc_coll_barrier(gsc_coll_args_t a)
 {
     unsigned long long e = gsc_coll_begin(&a);
@@ -1012,8 +1014,10 @@ extern "C" __global__ void gsc_coll_triggered_done(gsc_triggered_args_t t)
     const unsigned long long v = ((d & ~bit) + 1) | (d & bit) | (failed ? bit : 0);
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(t.done), "l"(v) : "memory");
 }
+#endif /* GSC_COMMON_KERNELS */
 
-#define GSC_COLL(T, TAG) \
+/* One family of kernels per macro, each a module of its own per type (coll_modules). */
+#define GSC_COLL_LL(T, TAG) \
     extern "C" __global__ void gsc_net_reduce_##TAG##_sum(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 0>(&a); } \
     extern "C" __global__ void gsc_net_reduce_##TAG##_prod(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 1>(&a); } \
     extern "C" __global__ void gsc_net_reduce_##TAG##_max(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 2>(&a); } \
@@ -1023,13 +1027,15 @@ extern "C" __global__ void gsc_coll_triggered_done(gsc_triggered_args_t t)
     extern "C" __global__ void gsc_coll_##TAG##_max(gsc_coll_args_t a) { gsc_coll_ll<T, 2, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_min(gsc_coll_args_t a) { gsc_coll_ll<T, 3, false>(&a); } \
     extern "C" __global__ void gsc_coll_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_ll<T, 0, true>(&a); } \
-    extern "C" __global__ void gsc_coll_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_ll<T, 4, false>(&a); } \
+    extern "C" __global__ void gsc_coll_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_ll<T, 4, false>(&a); }
+#define GSC_COLL_BIG(T, TAG) \
     extern "C" __global__ void gsc_coll_big_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_big<T, 0, false, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_big<T, 1, false, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_max(gsc_coll_args_t a) { gsc_coll_big<T, 2, false, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_min(gsc_coll_args_t a) { gsc_coll_big<T, 3, false, false>(&a); } \
     extern "C" __global__ void gsc_coll_big_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_big<T, 0, true, false>(&a); } \
-    extern "C" __global__ void gsc_coll_big_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_big<T, 4, false, false>(&a); } \
+    extern "C" __global__ void gsc_coll_big_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_big<T, 4, false, false>(&a); }
+#define GSC_COLL_BIGN(T, TAG) \
     extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_big<T, 0, false, true>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_big<T, 1, false, true>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_BIG_MAX_THREADS) gsc_coll_bign_##TAG##_max(gsc_coll_args_t a) { gsc_coll_big<T, 2, false, true>(&a); } \
@@ -1082,30 +1088,21 @@ pub(crate) struct TriggeredArgs {
 }
 impl ArgBlock for TriggeredArgs {}
 
-/// The element types the kernels are instantiated for: (C type, tag in kernel names). Each is
-/// a module of its own, so that the modules compile side by side (the whole set in one
-/// NVRTC call took 58–68 s on the device machines' CPUs).
-const TYPE_INSTANCES: [(&str, &str); 12] = [
-    ("signed char", "i8"),
-    ("unsigned char", "u8"),
-    ("int", "i32"),
-    ("unsigned", "u32"),
-    ("long long", "i64"),
-    ("unsigned long long", "u64"),
-    ("gsc_f16", "f16"),
-    ("float", "f32"),
-    ("double", "f64"),
-    ("gsc_bf16", "bf16"),
-    ("gsc_e4m3", "e4m3"),
-    ("gsc_e5m2", "e5m2"),
-];
-
-/// The source of the module of `TYPE_INSTANCES[t]`: every kernel of that type (and the
-/// type-less ones, which every module has).
-fn module_source(t: usize) -> String {
-    let (ty, tag) = TYPE_INSTANCES[t];
+/// The source of one module of the collective kernels (`coll_modules`): the header, the
+/// sources of every kernel family, and the instantiations of that module's (type, family), or
+/// for the common module the type-less kernels.
+fn module_source(m: Module) -> String {
+    let instances = match m {
+        Module::Common => "#define GSC_COMMON_KERNELS\n".to_string(),
+        Module::Typed { t, family } => {
+            let (ty, tag) = TYPES[t];
+            family.macros().iter().map(|mac| format!("{mac}({ty}, {tag})\n")).collect()
+        }
+    };
+    // The instantiations come last, so `GSC_COMMON_KERNELS` must go first.
+    let (common, typed) = if m == Module::Common { (instances.as_str(), "") } else { ("", instances.as_str()) };
     format!(
-        "{}\n#define GSC_ACK_WORDS {}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_BIG_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\nGSC_COLL({ty}, {tag})\n{}\nGSC_COLL_PIPE({ty}, {tag})\n{}\nGSC_COLL_DIRECT({ty}, {tag})\n{}\nGSC_COLL_RING({ty}, {tag})\n{}\n",
+        "{}\n{common}#define GSC_ACK_WORDS {}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_BIG_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\n{}\n{}\n{}\n{}\n{typed}",
         super::kernels::DEVICE_HEADER,
         ACK_OFFSET / 8,
         FLAGS_OFFSET / 8,
@@ -1120,21 +1117,13 @@ fn module_source(t: usize) -> String {
         super::coll_pipelined::SOURCE,
         super::coll_direct::SOURCE,
         super::coll_ring::SOURCE,
-        // Type-less, as the barrier: in every module, the first one's is used.
         super::coll_p2p::SOURCE
     )
 }
 
-/// Which module has kernel `name`: the one of the type tag in it (`gsc_coll_<tag>_<op>`,
-/// `gsc_coll_big_<tag>_<op>`, `gsc_coll_bign_<tag>_<op>`, `gsc_net_reduce_<tag>_<op>`, ...); a name without one (the
-/// barrier) is in every module, the first is taken.
-fn module_of(name: &str) -> usize {
-    TYPE_INSTANCES.iter().position(|(_, tag)| name.contains(&format!("_{tag}_"))).unwrap_or(0)
-}
-
 /// The collective kernels of one context, by name (`gsc_coll_<type>_<op>`), loaded once. The
-/// first lookup in a context compiles (or finds in the cache) every type's module, in parallel,
-/// and loads them all.
+/// first lookup in a context builds every module (`coll_modules::build`: from the disk cache,
+/// or compiled in parallel) and loads them all.
 fn kernel(ctx: cu::CUcontext, name: &str, cache_dir: Option<&Path>) -> Result<cu::CUfunction> {
     type Loaded = HashMap<(usize, String), usize>;
     static LOADED: OnceLock<Mutex<(HashMap<usize, Vec<usize>>, Loaded)>> = OnceLock::new();
@@ -1145,18 +1134,14 @@ fn kernel(ctx: cu::CUcontext, name: &str, cache_dir: Option<&Path>) -> Result<cu
     }
     if !loaded.0.contains_key(&(ctx as usize)) {
         let arch = context_arch(ctx)?;
-        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
-            let jobs: Vec<_> =
-                (0..TYPE_INSTANCES.len()).map(|t| s.spawn(move || compile_cached(&module_source(t), arch, cache_dir))).collect();
-            jobs.into_iter()
-                .map(|j| j.join().unwrap_or_else(|_| Err(Error::new(Status::Internal, "a kernel compile thread panicked"))))
-                .collect()
-        });
+        let started = std::time::Instant::now();
+        let cubins = coll_modules::build(arch, cache_dir, &module_source);
         let _scope = CtxScope::enter(ctx)?;
         let mut modules = Vec::with_capacity(cubins.len());
         for cubin in cubins {
             modules.push(load_module(&cubin?)? as usize);
         }
+        tracing::debug!(target: "gsc::coll", modules = modules.len(), took = ?started.elapsed(), "collective kernels built and loaded");
         loaded.0.insert(ctx as usize, modules);
     }
     let module = loaded.0[&(ctx as usize)][module_of(name)] as cu::CUmodule;
@@ -1668,48 +1653,78 @@ pub(crate) unsafe fn stream_copy(device: i32, stream: usize, dst: u64, src: u64,
 mod tests {
     use super::*;
 
+    /// A module's source instantiates its own (type, family) and nothing else; the common
+    /// module's turns the type-less kernels on before the sources and instantiates nothing.
     #[test]
-    fn every_kernel_name_finds_its_type_module() {
-        for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
-            for family in [
-                "gsc_coll_",
-                "gsc_coll_big_",
-                "gsc_coll_bign_",
-                "gsc_coll_pipe_",
-                "gsc_coll_pipen_",
-                "gsc_net_reduce_",
-                "gsc_direct_",
-                "gsc_ring_reduce_",
-            ] {
-                for op in ["sum", "prod", "max", "min", "avg", "premul"] {
-                    assert_eq!(module_of(&format!("{family}{tag}_{op}")), t, "{family}{tag}_{op}");
+    fn each_module_source_instantiates_its_own_kernels_only() {
+        let macros =
+            ["GSC_COLL_LL(", "GSC_COLL_BIG(", "GSC_COLL_BIGN(", "GSC_COLL_PIPE(", "GSC_COLL_PIPEN(", "GSC_COLL_DIRECT(", "GSC_COLL_RING("];
+        for m in coll_modules::modules() {
+            let src = module_source(m);
+            let invoked: Vec<&str> = macros.iter().copied().filter(|mac| src.contains(&format!("\n{mac}"))).collect();
+            match m {
+                Module::Common => {
+                    assert!(invoked.is_empty(), "the common module instantiates {invoked:?}");
+                    let on = src.find("#define GSC_COMMON_KERNELS").expect("the common module defines GSC_COMMON_KERNELS");
+                    assert!(on < src.find("gsc_coll_barrier").unwrap(), "GSC_COMMON_KERNELS after the sources");
+                }
+                Module::Typed { t, family } => {
+                    assert!(!src.contains("#define GSC_COMMON_KERNELS"), "{m:?}");
+                    let want: Vec<String> = family.macros().iter().map(|mac| format!("{mac}({}, {})", TYPES[t].0, TYPES[t].1)).collect();
+                    assert_eq!(invoked.len(), want.len(), "{m:?} instantiates {invoked:?}");
+                    for w in want {
+                        assert_eq!(src.matches(&format!("\n{w}\n")).count(), 1, "{m:?}: {w}");
+                    }
                 }
             }
-            let src = module_source(t);
-            assert_eq!(src.matches("\nGSC_COLL(").count(), 1, "{tag}: one instantiation of the kernels");
-            assert_eq!(src.matches("\nGSC_COLL_PIPE(").count(), 1, "{tag}: one of the pipelined kernel");
-            assert!(src.contains(&format!("GSC_COLL({}, {tag})", TYPE_INSTANCES[t].0)));
-            assert!(src.contains(&format!("GSC_COLL_DIRECT({}, {tag})", TYPE_INSTANCES[t].0)));
-            assert!(src.contains(&format!("GSC_COLL_RING({}, {tag})", TYPE_INSTANCES[t].0)));
         }
-        assert_eq!(module_of("gsc_coll_barrier"), 0);
-        assert_eq!(module_of("gsc_ring_wait"), 0);
     }
 
-    /// Every type's module compiles for the device machines' GPUs (sm_90) wherever NVRTC is,
-    /// GPU or not (`kernels::nvrtc_present_or_say_why`).
+    /// The kernels a cubin holds, by the names of their `.text.<name>` sections.
+    fn kernels_in(cubin: &[u8]) -> std::collections::BTreeSet<String> {
+        let mut names = std::collections::BTreeSet::new();
+        let needle = b".text.";
+        for at in (0..cubin.len().saturating_sub(needle.len())).filter(|&i| &cubin[i..i + needle.len()] == needle) {
+            let rest = &cubin[at + needle.len()..];
+            let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+            names.insert(String::from_utf8_lossy(&rest[..end]).into_owned());
+        }
+        names
+    }
+
+    /// Compile every module for `arch` one after the other (on CI's two cores, compiles side by
+    /// side would starve the timing-sensitive tests running beside this one) and check that
+    /// each kernel in a cubin is where `module_of` looks for it.
+    fn modules_compile_and_hold_what_module_of_expects(arch: (i32, i32), only: impl Fn(Module) -> bool) {
+        for (i, m) in coll_modules::modules().into_iter().enumerate().filter(|&(_, m)| only(m)) {
+            let cubin = super::super::kernels::compile_uncached(&module_source(m), arch).unwrap_or_else(|e| panic!("{m:?}: {e}"));
+            assert!(cubin.starts_with(b"\x7fELF"), "{m:?} is not a cubin");
+            let names = kernels_in(&cubin);
+            let typed = match m {
+                Module::Common => 0,
+                Module::Typed { family, .. } => family.macros().len(),
+            };
+            // Six operators per macro but the four of `gsc_net_reduce_` and the ring's reduce.
+            assert!(names.len() >= 4 * typed.max(1), "{m:?} holds only {names:?}");
+            for n in &names {
+                assert_eq!(module_of(n), i, "{n} is in {m:?}, but module_of looks for it elsewhere");
+            }
+            if m == Module::Common {
+                for n in ["gsc_coll_barrier", "gsc_coll_triggered_done", "gsc_p2p", "gsc_p2p_self_copy", "gsc_ring_wait"] {
+                    assert!(names.contains(n), "the common module lacks {n}: {names:?}");
+                }
+            }
+        }
+    }
+
+    /// Every module compiles for the device machines' GPUs (sm_90) wherever NVRTC is, GPU or
+    /// not (`kernels::nvrtc_present_or_say_why`).
     #[test]
     fn every_collective_module_compiles_for_sm90() {
         if !super::super::kernels::nvrtc_present_or_say_why() {
             return;
         }
-        // One after the other: on CI's two cores, ten compiles at once would starve the
-        // timing-sensitive tests running beside this one.
-        for (t, (_, tag)) in TYPE_INSTANCES.iter().enumerate() {
-            let cubin =
-                super::super::kernels::compile_uncached(&module_source(t), (9, 0)).unwrap_or_else(|e| panic!("the {tag} module: {e}"));
-            assert!(cubin.starts_with(b"\x7fELF"), "the {tag} module is not a cubin");
-        }
+        modules_compile_and_hold_what_module_of_expects((9, 0), |_| true);
     }
 
     /// The fp8 modules compile for a GPU without sm_89's fp8 conversions too (sm_80): their
@@ -1719,12 +1734,8 @@ mod tests {
         if !super::super::kernels::nvrtc_present_or_say_why() {
             return;
         }
-        for tag in ["e4m3", "e5m2"] {
-            let t = TYPE_INSTANCES.iter().position(|(_, x)| *x == tag).expect("an fp8 module");
-            let cubin =
-                super::super::kernels::compile_uncached(&module_source(t), (8, 0)).unwrap_or_else(|e| panic!("the {tag} module: {e}"));
-            assert!(cubin.starts_with(b"\x7fELF"), "the {tag} module is not a cubin");
-        }
+        let fp8 = |m: Module| matches!(m, Module::Typed { t, .. } if TYPES[t].1.starts_with('e'));
+        modules_compile_and_hold_what_module_of_expects((8, 0), fp8);
     }
 
     #[test]

@@ -225,6 +225,7 @@ static __device__ __forceinline__ void gsc_p2p_copy(unsigned char *t, const unsi
         t[i] = cg ? *(volatile const unsigned char *)(s + i) : s[i];
 }
 
+#ifdef GSC_COMMON_KERNELS
 extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p_args_t args)
 {
     const gsc_p2p_args_t *a = &args;
@@ -313,6 +314,7 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p(gsc_p2p
     }
     ctl[16] = 0;
 }
+#endif /* GSC_COMMON_KERNELS */
 #undef GSC_P2P_AT
 #undef GSC_P2P_QUIET
 
@@ -324,6 +326,7 @@ typedef struct {
     unsigned long long dst, src, bytes, chunk;
 } gsc_p2p_self_copy_args_t;
 
+#ifdef GSC_COMMON_KERNELS
 extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p_self_copy(gsc_p2p_self_copy_args_t a)
 {
 #if __CUDA_ARCH__ >= 900
@@ -335,4 +338,5 @@ extern "C" __global__ void __launch_bounds__(GSC_P2P_THREADS, 1) gsc_p2p_self_co
         gsc_p2p_copy((unsigned char *)a.dst + off, (const unsigned char *)a.src + off, len, false);
     }
 }
+#endif /* GSC_COMMON_KERNELS */
 "#;

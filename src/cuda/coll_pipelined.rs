@@ -348,7 +348,8 @@ template <typename T, int OP, bool AVG, bool NARROW> static __device__ void gsc_
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_max(gsc_coll_args_t a) { gsc_coll_pipe<T, 2, false, false>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_min(gsc_coll_args_t a) { gsc_coll_pipe<T, 3, false, false>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_avg(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, true, false>(&a); } \
-    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_pipe<T, 4, false, false>(&a); } \
+    extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipe_##TAG##_premul(gsc_coll_args_t a) { gsc_coll_pipe<T, 4, false, false>(&a); }
+#define GSC_COLL_PIPEN(T, TAG) \
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_sum(gsc_coll_args_t a) { gsc_coll_pipe<T, 0, false, true>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_prod(gsc_coll_args_t a) { gsc_coll_pipe<T, 1, false, true>(&a); } \
     extern "C" __global__ void __launch_bounds__(GSC_PIPE_MAX_THREADS) gsc_coll_pipen_##TAG##_max(gsc_coll_args_t a) { gsc_coll_pipe<T, 2, false, true>(&a); } \

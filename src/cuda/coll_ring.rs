@@ -67,6 +67,7 @@ static __device__ int gsc_ring_await(const gsc_ring_args_t *r, unsigned long lon
 }
 
 /* One warp: wait for nflags flags from `flag` on, and clear them. */
+#ifdef GSC_COMMON_KERNELS
 extern "C" __global__ void gsc_ring_wait(gsc_ring_args_t r)
 {
     unsigned long long *f = (unsigned long long *)r.flag;
@@ -75,6 +76,7 @@ extern "C" __global__ void gsc_ring_wait(gsc_ring_args_t r)
         f[i] = 0;
     }
 }
+#endif /* GSC_COMMON_KERNELS */
 
 /* out = acc (op) own once the flag is raised (acc arrived); the last block clears the flag.
  * acc is what the ring brought so far (the ranks before this one), own this rank's input: the

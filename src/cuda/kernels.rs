@@ -3,17 +3,16 @@
 //! The source is include/gsc_device.cuh (the same header users compile into their kernels) plus
 //! gscomm's two node kernels: `gsc_ops_kernel`, the replay-safe trigger and completion nodes of
 //! graph and captured-stream conditions, and `gsc_seq_kernel`, a plain stream's trigger and wait
-//! when small GPU messages are staged around them (see `stage`). The cubin is kept under
-//! `GSC_KERNEL_CACHE_DIR` as `<hash of source and options>-sm_<arch>.cubin`, so only the first
-//! run on a machine pays for compilation; a damaged cache file is replaced.
+//! when small GPU messages are staged around them (see `stage`). Cubins are kept in the disk
+//! cache (`kernel_cache`), so only the first run on a machine pays for compilation.
 
+use super::kernel_cache::{Entry, Found};
 use super::{CtxScope, check, context_arch, cu};
 use crate::error::{Error, Result, Status};
 use cudarc::nvrtc::sys as nvrtc;
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
 pub(super) const DEVICE_HEADER: &str = include_str!("../../include/gsc_device.cuh");
@@ -687,35 +686,21 @@ pub(crate) fn function(module: cu::CUmodule, name: &str) -> Result<cu::CUfunctio
     Ok(f)
 }
 
-/// The cubin of `source` for `arch`, from the disk cache or freshly compiled.
+/// The cubin of `source` for `arch`, from the disk cache (`kernel_cache`) or freshly compiled;
+/// while another process compiles the same source, waits for its cubin.
 pub(crate) fn compile_cached(source: &str, arch: (i32, i32), cache_dir: Option<&Path>) -> Result<Vec<u8>> {
     let options = options(arch);
-    let mut h = Sha256::new();
-    h.update(source.as_bytes());
-    for o in &options {
-        h.update(o.as_bytes());
-    }
-    let digest: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
-    let dir: Option<PathBuf> = cache_dir.map(Path::to_path_buf).or_else(crate::config::default_kernel_cache_dir);
-    let path = dir.as_ref().map(|d| d.join(format!("{digest}-sm_{}{}.cubin", arch.0, arch.1)));
-    if let Some(p) = &path
-        && let Ok(bytes) = std::fs::read(p)
-    {
-        // A cubin is an ELF file; anything else is a damaged entry, compiled again below.
-        if bytes.starts_with(b"\x7fELF") {
-            return Ok(bytes);
-        }
-    }
-    let cubin = compile(source, &options)?;
-    if let (Some(d), Some(p)) = (&dir, &path) {
-        // Written to a temporary name and renamed, so a concurrent reader never sees half a file.
-        let tmp = d.join(format!(".{digest}.{}.tmp", std::process::id()));
-        let stored = std::fs::create_dir_all(d).and_then(|_| std::fs::write(&tmp, &cubin)).and_then(|_| std::fs::rename(&tmp, p));
-        if let Err(e) = stored {
-            tracing::warn!(target: "gsc::cuda", dir = %d.display(), error = %e, "cannot write the kernel cache; compiling again next time");
-        }
-    }
-    Ok(cubin)
+    Entry::new(source, &options, arch, cache_dir).get(|| compile(source, &options))
+}
+
+/// `compile_cached`, but `None` at once while another process compiles the same source (the
+/// caller builds something else meanwhile, then asks `compile_cached`).
+pub(crate) fn try_compile_cached(source: &str, arch: (i32, i32), cache_dir: Option<&Path>) -> Result<Option<Vec<u8>>> {
+    let options = options(arch);
+    Ok(match Entry::new(source, &options, arch, cache_dir).try_get(|| compile(source, &options))? {
+        Found::Cubin(c) => Some(c),
+        Found::Busy => None,
+    })
 }
 
 fn nvrtc_check(r: nvrtc::nvrtcResult, what: &str) -> Result<()> {
