@@ -26,7 +26,7 @@
 //! set moves nothing, tells its peers (their error words) and fails at once, so a failure costs
 //! one timeout rather than one per later call (`gsc_coll_out_of_step` in the source).
 
-use super::coll_modules::{self, Module, TYPES, module_of};
+use super::coll_modules::{self, MACROS, Module, TYPES, module_of};
 use super::copy::primary_context;
 use super::kernels::{function, load_module};
 use super::replay::{self, ArgBlock};
@@ -1016,7 +1016,7 @@ extern "C" __global__ void gsc_coll_triggered_done(gsc_triggered_args_t t)
 }
 #endif /* GSC_COMMON_KERNELS */
 
-/* One family of kernels per macro, each a module of its own per type (coll_modules). */
+/* One family of a type's kernels per macro (coll_modules::MACROS). */
 #define GSC_COLL_LL(T, TAG) \
     extern "C" __global__ void gsc_net_reduce_##TAG##_sum(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 0>(&a); } \
     extern "C" __global__ void gsc_net_reduce_##TAG##_prod(gsc_net_reduce_args_t a) { gsc_net_reduce<T, 1>(&a); } \
@@ -1089,14 +1089,14 @@ pub(crate) struct TriggeredArgs {
 impl ArgBlock for TriggeredArgs {}
 
 /// The source of one module of the collective kernels (`coll_modules`): the header, the
-/// sources of every kernel family, and the instantiations of that module's (type, family), or
-/// for the common module the type-less kernels.
+/// sources of every kernel family, and the instantiations of that module's type, or for the
+/// common module the type-less kernels.
 fn module_source(m: Module) -> String {
     let instances = match m {
         Module::Common => "#define GSC_COMMON_KERNELS\n".to_string(),
-        Module::Typed { t, family } => {
+        Module::Typed { t } => {
             let (ty, tag) = TYPES[t];
-            family.macros().iter().map(|mac| format!("{mac}({ty}, {tag})\n")).collect()
+            MACROS.iter().map(|mac| format!("{mac}({ty}, {tag})\n")).collect()
         }
     };
     // The instantiations come last, so `GSC_COMMON_KERNELS` must go first.
@@ -1653,24 +1653,22 @@ pub(crate) unsafe fn stream_copy(device: i32, stream: usize, dst: u64, src: u64,
 mod tests {
     use super::*;
 
-    /// A module's source instantiates its own (type, family) and nothing else; the common
+    /// A module's source instantiates its own type's kernels and nothing else; the common
     /// module's turns the type-less kernels on before the sources and instantiates nothing.
     #[test]
     fn each_module_source_instantiates_its_own_kernels_only() {
-        let macros =
-            ["GSC_COLL_LL(", "GSC_COLL_BIG(", "GSC_COLL_BIGN(", "GSC_COLL_PIPE(", "GSC_COLL_PIPEN(", "GSC_COLL_DIRECT(", "GSC_COLL_RING("];
         for m in coll_modules::modules() {
             let src = module_source(m);
-            let invoked: Vec<&str> = macros.iter().copied().filter(|mac| src.contains(&format!("\n{mac}"))).collect();
+            let invoked: Vec<&str> = MACROS.iter().copied().filter(|mac| src.contains(&format!("\n{mac}("))).collect();
             match m {
                 Module::Common => {
                     assert!(invoked.is_empty(), "the common module instantiates {invoked:?}");
                     let on = src.find("#define GSC_COMMON_KERNELS").expect("the common module defines GSC_COMMON_KERNELS");
                     assert!(on < src.find("gsc_coll_barrier").unwrap(), "GSC_COMMON_KERNELS after the sources");
                 }
-                Module::Typed { t, family } => {
+                Module::Typed { t } => {
                     assert!(!src.contains("#define GSC_COMMON_KERNELS"), "{m:?}");
-                    let want: Vec<String> = family.macros().iter().map(|mac| format!("{mac}({}, {})", TYPES[t].0, TYPES[t].1)).collect();
+                    let want: Vec<String> = MACROS.iter().map(|mac| format!("{mac}({}, {})", TYPES[t].0, TYPES[t].1)).collect();
                     assert_eq!(invoked.len(), want.len(), "{m:?} instantiates {invoked:?}");
                     for w in want {
                         assert_eq!(src.matches(&format!("\n{w}\n")).count(), 1, "{m:?}: {w}");
@@ -1700,10 +1698,7 @@ mod tests {
             let cubin = super::super::kernels::compile_uncached(&module_source(m), arch).unwrap_or_else(|e| panic!("{m:?}: {e}"));
             assert!(cubin.starts_with(b"\x7fELF"), "{m:?} is not a cubin");
             let names = kernels_in(&cubin);
-            let typed = match m {
-                Module::Common => 0,
-                Module::Typed { family, .. } => family.macros().len(),
-            };
+            let typed = if m == Module::Common { 0 } else { MACROS.len() };
             // Six operators per macro but the four of `gsc_net_reduce_` and the ring's reduce.
             assert!(names.len() >= 4 * typed.max(1), "{m:?} holds only {names:?}");
             for n in &names {

@@ -1,21 +1,23 @@
 //! How the collective kernels are cut into modules, and how a context's modules are built.
 //!
-//! Every typed kernel belongs to one element type (`TYPES`) and one family (`Family`: the
-//! one-shot kernel, the phased large kernel and its narrow twin, the pipelined one and its
-//! twin, the kernels on the peers' buffers), and a module holds one (type, family). The
+//! A module holds every typed kernel of one element type (`TYPES`; each family of them comes
+//! from one instantiation macro, `MACROS`), and one more module, `Module::Common`, the
 //! type-less kernels (the copy-engine barrier, the triggered collectives' last node, the
-//! point-to-point kernels, the ring's wait) make one more module, `Module::Common`; the
-//! source compiles them only where `GSC_COMMON_KERNELS` is defined.
+//! point-to-point kernels, the ring's wait), which the source compiles only where
+//! `GSC_COMMON_KERNELS` is defined, so that the twelve typed modules do not each compile them.
 //!
-//! Why so fine: the time to the first communicator on a fresh machine. A context builds every
-//! module before its first collective (modules cannot be loaded later: `kernels::load_module`).
-//! With one module per type, NVRTC 12.9 took 15–19 s per module on this project's CI machine
-//! (f32 15.5 s, of which the one-shot and phased kernels 9.6 s, the pipelined 5.1 s, the peer
-//! kernels 1.0 s), and the twelve compiled side by side could never take less than the slowest.
-//! Cut by family, no module takes more than a few seconds, and `build` spreads them over one
-//! thread per core. It shares the work with the other processes of the machine too (the ranks
-//! of a job start together): through `kernel_cache`'s lock, a module another process is
-//! compiling is left to it and read once the rest are done.
+//! A context builds every module before its first collective (modules cannot be loaded later:
+//! `kernels::load_module`). `build` compiles them on a pool of one thread per core and shares
+//! the work with the other processes of the machine, since the ranks of a job start together:
+//! through `kernel_cache`'s lock, a module another process is compiling is left to it and read
+//! once the rest are done, so each module is compiled once per machine, not once per rank.
+//!
+//! Measured on `nvidia-h100-x1` (16 cores), 2026-11-23, an emptied cache, seconds to the
+//! kernels per process (`.gpe/run56.sh`, docs/PERF.md): a module per type with nothing shared
+//! (before) 3.0 alone, 3.0–3.4 four processes at once, 3.3–3.9 eight; this layout 2.9, 2.3–2.7,
+//! 2.5–3.4. A module per type and family (73 modules) took 4.9 alone, 2.0–2.1 and 2.3–2.4:
+//! more modules parse the sources more often, which one process pays for. (The first minutes
+//! of a freshly started machine are another matter: 40–50 s, whatever the layout.)
 
 use super::kernels::{compile_cached, try_compile_cached};
 use crate::error::{Error, Result, Status};
@@ -39,80 +41,32 @@ pub(super) const TYPES: [(&str, &str); 12] = [
     ("gsc_e5m2", "e5m2"),
 ];
 
-/// A family of typed kernels: what one instantiation macro (or two) of the source declares.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(super) enum Family {
-    /// `gsc_coll_<tag>_<op>` (the one-shot kernel) and `gsc_net_reduce_<tag>_<op>`.
-    OneShot,
-    /// `gsc_coll_big_<tag>_<op>`.
-    Phased,
-    /// `gsc_coll_bign_<tag>_<op>`.
-    PhasedNarrow,
-    /// `gsc_coll_pipe_<tag>_<op>`.
-    Pipelined,
-    /// `gsc_coll_pipen_<tag>_<op>`.
-    PipelinedNarrow,
-    /// `gsc_direct_<tag>_<op>` and `gsc_ring_reduce_<tag>_<op>`.
-    PeerBuffers,
-}
-
-impl Family {
-    pub(super) const ALL: [Family; 6] =
-        [Family::OneShot, Family::Phased, Family::PhasedNarrow, Family::Pipelined, Family::PipelinedNarrow, Family::PeerBuffers];
-
-    /// The source's instantiation macros that declare this family's kernels for one type.
-    pub(super) fn macros(self) -> &'static [&'static str] {
-        match self {
-            Family::OneShot => &["GSC_COLL_LL"],
-            Family::Phased => &["GSC_COLL_BIG"],
-            Family::PhasedNarrow => &["GSC_COLL_BIGN"],
-            Family::Pipelined => &["GSC_COLL_PIPE"],
-            Family::PipelinedNarrow => &["GSC_COLL_PIPEN"],
-            Family::PeerBuffers => &["GSC_COLL_DIRECT", "GSC_COLL_RING"],
-        }
-    }
-
-    /// The family of a typed kernel, from its name's prefix.
-    fn of_kernel(name: &str) -> Option<Family> {
-        // A prefix before any it starts with: `gsc_coll_bign_` before `gsc_coll_big_`, and
-        // `gsc_coll_` (the one-shot kernel) last.
-        const PREFIXES: [(&str, Family); 8] = [
-            ("gsc_coll_bign_", Family::PhasedNarrow),
-            ("gsc_coll_big_", Family::Phased),
-            ("gsc_coll_pipen_", Family::PipelinedNarrow),
-            ("gsc_coll_pipe_", Family::Pipelined),
-            ("gsc_direct_", Family::PeerBuffers),
-            ("gsc_ring_reduce_", Family::PeerBuffers),
-            ("gsc_net_reduce_", Family::OneShot),
-            ("gsc_coll_", Family::OneShot),
-        ];
-        PREFIXES.iter().find(|(prefix, _)| name.starts_with(prefix)).map(|&(_, f)| f)
-    }
-}
+/// The source's instantiation macros, each declaring one family of a type's kernels: the
+/// one-shot kernel (`gsc_coll_<tag>_<op>`, with `gsc_net_reduce_<tag>_<op>`), the phased large
+/// kernel and its narrow twin (`gsc_coll_big_`, `gsc_coll_bign_`), the pipelined one and its
+/// twin (`gsc_coll_pipe_`, `gsc_coll_pipen_`), the direct and ring kernels on the peers'
+/// buffers (`gsc_direct_`, `gsc_ring_reduce_`).
+pub(super) const MACROS: [&str; 7] =
+    ["GSC_COLL_LL", "GSC_COLL_BIG", "GSC_COLL_BIGN", "GSC_COLL_PIPE", "GSC_COLL_PIPEN", "GSC_COLL_DIRECT", "GSC_COLL_RING"];
 
 /// One module of the collective kernels.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(super) enum Module {
     /// The type-less kernels.
     Common,
-    /// One family's kernels for `TYPES[t]`.
-    Typed { t: usize, family: Family },
+    /// Every typed kernel of `TYPES[t]`.
+    Typed { t: usize },
 }
 
 /// Every module, in the order `build` returns their cubins (and `module_of` counts).
 pub(super) fn modules() -> Vec<Module> {
-    let typed = (0..TYPES.len()).flat_map(|t| Family::ALL.into_iter().map(move |family| Module::Typed { t, family }));
-    std::iter::once(Module::Common).chain(typed).collect()
+    std::iter::once(Module::Common).chain((0..TYPES.len()).map(|t| Module::Typed { t })).collect()
 }
 
-/// Where in `modules()` kernel `name` is: the module of its type and family, or the common one
-/// for a name with neither.
+/// Where in `modules()` kernel `name` is: its type's module, or the common one for a name
+/// without a type tag (`gsc_coll_<tag>_<op>`, `gsc_coll_big_<tag>_<op>`, ...).
 pub(super) fn module_of(name: &str) -> usize {
-    let t = TYPES.iter().position(|(_, tag)| name.contains(&format!("_{tag}_")));
-    match (t, Family::of_kernel(name)) {
-        (Some(t), Some(family)) => 1 + t * Family::ALL.len() + Family::ALL.iter().position(|f| *f == family).expect("a family of ALL"),
-        _ => 0,
-    }
+    TYPES.iter().position(|(_, tag)| name.contains(&format!("_{tag}_"))).map_or(0, |t| 1 + t)
 }
 
 /// The cubin of every module for `arch`, in `modules()` order, from the disk cache or compiled
@@ -188,22 +142,22 @@ mod tests {
     #[test]
     fn every_typed_kernel_name_finds_its_module_and_untyped_ones_the_common_module() {
         let all = modules();
-        assert_eq!(all.len(), 1 + TYPES.len() * Family::ALL.len());
+        assert_eq!(all.len(), 1 + TYPES.len());
         assert_eq!(all[0], Module::Common);
         for (t, (_, tag)) in TYPES.iter().enumerate() {
-            for (prefix, family) in [
-                ("gsc_coll_", Family::OneShot),
-                ("gsc_net_reduce_", Family::OneShot),
-                ("gsc_coll_big_", Family::Phased),
-                ("gsc_coll_bign_", Family::PhasedNarrow),
-                ("gsc_coll_pipe_", Family::Pipelined),
-                ("gsc_coll_pipen_", Family::PipelinedNarrow),
-                ("gsc_direct_", Family::PeerBuffers),
-                ("gsc_ring_reduce_", Family::PeerBuffers),
+            for prefix in [
+                "gsc_coll_",
+                "gsc_net_reduce_",
+                "gsc_coll_big_",
+                "gsc_coll_bign_",
+                "gsc_coll_pipe_",
+                "gsc_coll_pipen_",
+                "gsc_direct_",
+                "gsc_ring_reduce_",
             ] {
                 for op in ["sum", "prod", "max", "min", "avg", "premul"] {
                     let name = format!("{prefix}{tag}_{op}");
-                    assert_eq!(all[module_of(&name)], Module::Typed { t, family }, "{name}");
+                    assert_eq!(all[module_of(&name)], Module::Typed { t }, "{name}");
                 }
             }
         }
