@@ -1092,15 +1092,14 @@ impl ArgBlock for TriggeredArgs {}
 /// sources of every kernel family, and the instantiations of that module's type, or for the
 /// common module the type-less kernels.
 fn module_source(m: Module) -> String {
-    let instances = match m {
-        Module::Common => "#define GSC_COMMON_KERNELS\n".to_string(),
+    // The common module's switch goes before the sources, a type's instantiations after them.
+    let (common, typed) = match m {
+        Module::Common => ("#define GSC_COMMON_KERNELS\n".to_string(), String::new()),
         Module::Typed { t } => {
             let (ty, tag) = TYPES[t];
-            MACROS.iter().map(|mac| format!("{mac}({ty}, {tag})\n")).collect()
+            (String::new(), MACROS.iter().map(|mac| format!("{mac}({ty}, {tag})\n")).collect())
         }
     };
-    // The instantiations come last, so `GSC_COMMON_KERNELS` must go first.
-    let (common, typed) = if m == Module::Common { (instances.as_str(), "") } else { ("", instances.as_str()) };
     format!(
         "{}\n{common}#define GSC_ACK_WORDS {}\n#define GSC_FLAGS_WORDS {}\n#define GSC_PIPE_FLAGS_WORDS {}\n#define GSC_BIG_OFFSET {}ull\n#define GSC_BIG_ROUND_MAX {}ull\n#define GSC_PIPE_MAX_THREADS {}\n#define GSC_BIG_MAX_THREADS {}\n#define GSC_DIRECT_THREADS {}\n#define GSC_RING_THREADS {}\n{}{SOURCE}\n{}\n{}\n{}\n{}\n{typed}",
         super::kernels::DEVICE_HEADER,

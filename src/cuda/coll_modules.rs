@@ -13,7 +13,7 @@
 //! once the rest are done, so each module is compiled once per machine, not once per rank.
 //!
 //! Measured on `nvidia-h100-x1` (16 cores), 2026-11-23, an emptied cache, seconds to the
-//! kernels per process (`.gpe/run56.sh`, docs/PERF.md): a module per type with nothing shared
+//! kernels per process (docs/ARCHITECTURE.md, "Kernel compilation"): a module per type with nothing shared
 //! (before) 3.0 alone, 3.0–3.4 four processes at once, 3.3–3.9 eight; this layout 2.9, 2.3–2.7,
 //! 2.5–3.4. A module per type and family (73 modules) took 4.9 alone, 2.0–2.1 and 2.3–2.4:
 //! more modules parse the sources more often, which one process pays for. (The first minutes
