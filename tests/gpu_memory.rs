@@ -1176,40 +1176,25 @@ fn vmm_receiver(role: &str, chan: &dyn Chan, ctx: Context) {
     let (stream, err) = (Stream::new().unwrap(), PinnedBuf::new(8).unwrap());
     let before = vmm_counters();
     let (mut problems, mut tag) = (String::new(), 0u64);
-    for (i, &(_, _, n, sends)) in VMM_CASES.iter().enumerate() {
+    // The cases, then the two messages of the replaced allocation (case `VMM_CASES.len()`).
+    let receives = VMM_CASES.iter().map(|&(_, _, n, sends)| (n, sends)).chain([(VMM_REPLACED_BYTES, 2)]);
+    for (i, (n, sends)) in receives.enumerate() {
         for s in 0..sends {
             let dst = DeviceBuf::new(n).unwrap();
             dst.fill(0xEE).unwrap();
             let started = unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, n, tag, u64::MAX, RequestParams::default()).unwrap() };
             let c = wait_release(&w, started);
             if c.status != Status::Ok || c.info.length != n {
-                problems += &format!("[{n} B send {s}: {:?}, {} B]", c.status, c.info.length);
+                problems += &format!("[case {i}, {n} B send {s}: {:?}, {} B]", c.status, c.info.length);
             }
             let e0 = pinned_u64(&err);
             k.check.launch(grid(n), 256, &stream, &[dst.ptr(), n as u64, vmm_seed(i, s), 0, err.device_ptr()]).unwrap();
             stream.synchronize().unwrap();
             if pinned_u64(&err) != e0 {
-                problems += &format!("[{n} B send {s}: wrong data]");
+                problems += &format!("[case {i}, {n} B send {s}: wrong data]");
             }
             tag += 1;
         }
-    }
-    let n = VMM_REPLACED_BYTES;
-    for s in 0..2 {
-        let dst = DeviceBuf::new(n).unwrap();
-        dst.fill(0xEE).unwrap();
-        let started = unsafe { w.tag_recv_nbx(dst.ptr() as *mut u8, n, tag, u64::MAX, RequestParams::default()).unwrap() };
-        let c = wait_release(&w, started);
-        if c.status != Status::Ok || c.info.length != n {
-            problems += &format!("[replaced allocation, send {s}: {:?}, {} B]", c.status, c.info.length);
-        }
-        let e0 = pinned_u64(&err);
-        k.check.launch(grid(n), 256, &stream, &[dst.ptr(), n as u64, vmm_seed(VMM_CASES.len(), s), 0, err.device_ptr()]).unwrap();
-        stream.synchronize().unwrap();
-        if pinned_u64(&err) != e0 {
-            problems += &format!("[replaced allocation, send {s}: wrong data]");
-        }
-        tag += 1;
     }
     let after = vmm_counters();
     // Every stream is idle: a safe point to close retired legacy mappings. There are none: every
