@@ -16,8 +16,8 @@
 //! kernels per process (docs/ARCHITECTURE.md, "Kernel compilation"): a module per type with nothing shared
 //! (before) 3.0 alone, 3.0–3.4 four processes at once, 3.3–3.9 eight; this layout 2.9, 2.3–2.7,
 //! 2.5–3.4. A module per type and family (73 modules) took 4.9 alone, 2.0–2.1 and 2.3–2.4:
-//! more modules parse the sources more often, which one process pays for. (The first minutes
-//! of a freshly started machine are another matter: 40–50 s, whatever the layout.)
+//! more modules parse the sources more often, which one process pays for. (The first CUDA
+//! process on a freshly started machine is another matter: 40–50 s, whatever the layout.)
 
 use super::kernels::{compile_cached, try_compile_cached};
 use crate::error::{Error, Result, Status};
