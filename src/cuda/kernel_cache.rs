@@ -13,19 +13,30 @@
 //! one compile of our own, not a hang. Where the directory cannot be written or `flock` is not
 //! supported (some network file systems), each process compiles on its own, as it would
 //! without the lock.
+//!
+//! Every build of gscomm with other kernel sources adds its own entries, so the cache is
+//! bounded (`CACHE_MAX_BYTES`): storing an entry past the bound removes the least recently used
+//! ones, by modification time, which a read renews. Removing an entry another process is about
+//! to read only makes that process compile it again.
 
 use crate::error::Result;
 use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 /// How long `Entry::get` waits for another process's compile of the same entry before
 /// compiling it itself. One module compiles in seconds even on a loaded machine.
 const LOCK_WAIT: Duration = Duration::from_secs(120);
 /// How often a waiting `Entry::get` tries the lock again.
 const LOCK_POLL: Duration = Duration::from_millis(20);
+/// The bytes of cubins the cache keeps: a type's collective module for sm_90 is 2.0–2.6 MB as
+/// NVRTC 12.9 compiles it (f32, bf16, i8, e4m3 measured, 2026-11-23), about 25 MB a build, so
+/// this holds some twenty builds.
+const CACHE_MAX_BYTES: u64 = 512 << 20;
+/// A temporary file this old was left by a writer that died before renaming it.
+const STALE_TMP: Duration = Duration::from_secs(3600);
 
 /// One cache entry: where its cubin is (none without a cache directory).
 pub(crate) struct Entry {
@@ -112,9 +123,15 @@ impl Entry {
     }
 
     fn read(&self) -> Option<Vec<u8>> {
-        let bytes = std::fs::read(self.path(".cubin")?).ok()?;
+        let path = self.path(".cubin")?;
+        let bytes = std::fs::read(&path).ok()?;
         // A cubin is an ELF file; anything else is a damaged entry, compiled again.
-        bytes.starts_with(b"\x7fELF").then_some(bytes)
+        if !bytes.starts_with(b"\x7fELF") {
+            return None;
+        }
+        // Used now, for `prune` (a read-only cache keeps its times: nothing to prune there).
+        let _ = File::options().write(true).open(&path).and_then(|f| f.set_modified(SystemTime::now()));
+        Some(bytes)
     }
 
     fn store(&self, cubin: &[u8]) {
@@ -126,6 +143,11 @@ impl Entry {
         if let Err(e) = stored {
             let _ = std::fs::remove_file(&tmp);
             tracing::warn!(target: "gsc::cuda", dir = %d.display(), error = %e, "cannot write the kernel cache; compiling again next time");
+            return;
+        }
+        let removed = prune(d, CACHE_MAX_BYTES);
+        if removed > 0 {
+            tracing::debug!(target: "gsc::cuda", dir = %d.display(), removed, "kernel cache over its bound: least recently used entries removed");
         }
     }
 
@@ -153,6 +175,43 @@ impl Entry {
             std::thread::sleep(LOCK_POLL);
         }
     }
+}
+
+/// While the cubins in `dir` take more than `max` bytes, remove the least recently used
+/// (oldest modification time) with their lock files, down to three quarters of `max`; also
+/// temporary files older than `STALE_TMP`. Returns how many cubins went.
+fn prune(dir: &Path, max: u64) -> usize {
+    let Ok(listing) = std::fs::read_dir(dir) else { return 0 };
+    let now = SystemTime::now();
+    let mut cubins: Vec<(SystemTime, u64, PathBuf)> = Vec::new();
+    for e in listing.filter_map(|e| e.ok()) {
+        let (path, Ok(meta)) = (e.path(), e.metadata()) else { continue };
+        let Ok(modified) = meta.modified() else { continue };
+        match path.extension().and_then(|x| x.to_str()) {
+            Some("cubin") => cubins.push((modified, meta.len(), path)),
+            Some("tmp") if now.duration_since(modified).is_ok_and(|age| age > STALE_TMP) => {
+                let _ = std::fs::remove_file(&path);
+            }
+            _ => {}
+        }
+    }
+    let mut total: u64 = cubins.iter().map(|c| c.1).sum();
+    if total <= max {
+        return 0;
+    }
+    cubins.sort();
+    let mut removed = 0;
+    for (_, len, path) in cubins {
+        if total <= max / 4 * 3 {
+            break;
+        }
+        if std::fs::remove_file(&path).is_ok() {
+            let _ = std::fs::remove_file(path.with_extension("lock"));
+            total -= len;
+            removed += 1;
+        }
+    }
+    removed
 }
 
 #[cfg(test)]
@@ -242,5 +301,38 @@ mod tests {
         assert!(matches!(e.lock(true), Locked::Unavailable));
         assert_eq!(e.get(|| Ok(elf(5))).unwrap(), elf(5));
         let _ = std::fs::remove_file(&file);
+    }
+
+    #[test]
+    fn past_its_bound_the_cache_drops_the_least_recently_used_entries() {
+        let dir = temp_dir("prune");
+        std::fs::create_dir_all(&dir).unwrap();
+        let t0 = SystemTime::now() - Duration::from_secs(1000);
+        let entry = |i: u64| dir.join(format!("e{i}.cubin"));
+        for i in 0..6u64 {
+            std::fs::write(entry(i), vec![0u8; 100]).unwrap();
+            std::fs::write(dir.join(format!("e{i}.lock")), b"").unwrap();
+            let f = File::options().write(true).open(entry(i)).unwrap();
+            f.set_modified(t0 + Duration::from_secs(10 * i)).unwrap();
+        }
+        // A read makes e0, the oldest, the most recently used.
+        let e0 = Entry { dir: Some(dir.clone()), name: "e0".into() };
+        std::fs::write(entry(0), elf(0).into_iter().chain([0u8; 95]).collect::<Vec<u8>>()).unwrap();
+        File::options().write(true).open(entry(0)).unwrap().set_modified(t0).unwrap();
+        assert!(e0.read().is_some());
+        let stale = dir.join(".x.1.tmp");
+        std::fs::write(&stale, b"half").unwrap();
+        File::options().write(true).open(&stale).unwrap().set_modified(t0 - STALE_TMP).unwrap();
+        assert_eq!(prune(&dir, 10_000), 0, "under the bound nothing goes");
+        assert!(!stale.exists(), "a stale temporary file goes anyway");
+        // 600 bytes against 350: the oldest go until at most 262 are left.
+        assert_eq!(prune(&dir, 350), 4);
+        let left: Vec<bool> = (0..6).map(|i| entry(i).exists()).collect();
+        assert_eq!(left, [true, false, false, false, false, true], "e0 (just read) and e5 (newest) stay");
+        for i in 1..5 {
+            assert!(!dir.join(format!("e{i}.lock")).exists(), "e{i}'s lock goes with it");
+        }
+        assert!(dir.join("e5.lock").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
