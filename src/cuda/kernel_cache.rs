@@ -35,6 +35,8 @@ const LOCK_POLL: Duration = Duration::from_millis(20);
 /// NVRTC 12.9 compiles it (f32, bf16, i8, e4m3 measured, 2026-11-23), about 25 MB a build, so
 /// this holds some twenty builds.
 const CACHE_MAX_BYTES: u64 = 512 << 20;
+/// A read renews an entry's time for `prune` once it is this old.
+const RENEW_AFTER: Duration = Duration::from_secs(24 * 3600);
 /// A temporary file this old was left by a writer that died before renaming it.
 const STALE_TMP: Duration = Duration::from_secs(3600);
 
@@ -129,8 +131,14 @@ impl Entry {
         if !bytes.starts_with(b"\x7fELF") {
             return None;
         }
-        // Used now, for `prune` (a read-only cache keeps its times: nothing to prune there).
-        let _ = File::options().write(true).open(&path).and_then(|f| f.set_modified(SystemTime::now()));
+        // Used now, for `prune`; at most once a day, so that the ranks of a large job reading a
+        // cache on a shared file system do not each write its metadata (a read-only cache keeps
+        // its times: nothing is pruned there).
+        let now = SystemTime::now();
+        let modified = std::fs::metadata(&path).and_then(|m| m.modified());
+        if modified.is_ok_and(|m| now.duration_since(m).is_ok_and(|age| age > RENEW_AFTER)) {
+            let _ = File::options().write(true).open(&path).and_then(|f| f.set_modified(now));
+        }
         Some(bytes)
     }
 
@@ -315,11 +323,19 @@ mod tests {
             let f = File::options().write(true).open(entry(i)).unwrap();
             f.set_modified(t0 + Duration::from_secs(10 * i)).unwrap();
         }
-        // A read makes e0, the oldest, the most recently used.
+        // A read makes e0, the oldest (older than a day), the most recently used.
         let e0 = Entry { dir: Some(dir.clone()), name: "e0".into() };
         std::fs::write(entry(0), elf(0).into_iter().chain([0u8; 95]).collect::<Vec<u8>>()).unwrap();
-        File::options().write(true).open(entry(0)).unwrap().set_modified(t0).unwrap();
+        File::options().write(true).open(entry(0)).unwrap().set_modified(t0 - RENEW_AFTER).unwrap();
         assert!(e0.read().is_some());
+        let renewed = std::fs::metadata(entry(0)).unwrap().modified().unwrap();
+        assert!(renewed > t0 + Duration::from_secs(60), "the read renewed e0's time");
+        // A read of an entry used within the day leaves its time alone.
+        let e5 = Entry { dir: Some(dir.clone()), name: "e5".into() };
+        std::fs::write(entry(5), elf(5).into_iter().chain([0u8; 95]).collect::<Vec<u8>>()).unwrap();
+        File::options().write(true).open(entry(5)).unwrap().set_modified(t0 + Duration::from_secs(50)).unwrap();
+        assert!(e5.read().is_some());
+        assert_eq!(std::fs::metadata(entry(5)).unwrap().modified().unwrap(), t0 + Duration::from_secs(50));
         let stale = dir.join(".x.1.tmp");
         std::fs::write(&stale, b"half").unwrap();
         File::options().write(true).open(&stale).unwrap().set_modified(t0 - STALE_TMP).unwrap();
