@@ -145,8 +145,15 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         "device_key" => {
             use crate::cuda::ipc::{DeviceKey, KeyKind};
             vec![
-                DeviceKey { pid: 1, base: 0x7000_0000, size: 1 << 20, kind: KeyKind::SameProcess }.encode(),
-                DeviceKey { pid: 1, base: 0x7000_0000, size: 1 << 20, kind: KeyKind::Legacy([7; crate::cuda::ipc::HANDLE_LEN]) }.encode(),
+                DeviceKey { pid: 1, base: 0x7000_0000, size: 1 << 20, kind: KeyKind::SameProcess, life: None }.encode(),
+                DeviceKey {
+                    pid: 1,
+                    base: 0x7000_0000,
+                    size: 1 << 20,
+                    kind: KeyKind::Legacy([7; crate::cuda::ipc::HANDLE_LEN]),
+                    life: None,
+                }
+                .encode(),
             ]
         }
         "unique_id" => {

@@ -13,7 +13,7 @@ mod common;
 use common::*;
 use gscomm::condition::{Category, Condition};
 use gscomm::cuda::api::{
-    DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, ipc_export_kind,
+    DeviceBuf, Function, Graph, Module, PinnedBuf, Stream, device_count, gpu_test_skip_reason, ipc_export_kind, mem_get_info,
     release_retired_peer_mappings, set_device, vmm_counters,
 };
 use gscomm::{Context, Direction, Endpoint, Engine, PrepareParams, RequestParams, Started, Status, Worker};
@@ -1157,6 +1157,16 @@ const VMM_CASES: &[(usize, usize, usize, u64)] = &[
 /// the old is unmapped at once (`VmmCounters::replaced`), not retired.
 const VMM_REPLACED_BYTES: usize = 1 << 20;
 
+/// Then a freed allocation, VMM and legacy (`cuMemAlloc`): one message of this size from it,
+/// after which the sender frees it and sends `FREED_LATER` messages of `FREED_LATER_BYTES`
+/// from another buffer. Its exports look at a few earlier allocations each and tell the
+/// receiver which are gone (`export_life`); the receiver lets go of its mapping of the freed
+/// one (a VMM one unmapped, `VmmCounters::freed`; a legacy one closed by
+/// `release_retired_peer_mappings`), and the sender gets the memory back.
+const FREED_BYTES: usize = 1 << 30;
+const FREED_LATER: u64 = 8;
+const FREED_LATER_BYTES: usize = 1 << 20;
+
 fn vmm_seed(case: usize, send: u64) -> u64 {
     0x5EED_0000 + 16 * case as u64 + send
 }
@@ -1176,8 +1186,10 @@ fn vmm_receiver(role: &str, chan: &dyn Chan, ctx: Context) {
     let (stream, err) = (Stream::new().unwrap(), PinnedBuf::new(8).unwrap());
     let before = vmm_counters();
     let (mut problems, mut tag) = (String::new(), 0u64);
-    // The cases, then the two messages of the replaced allocation (case `VMM_CASES.len()`).
-    let receives = VMM_CASES.iter().map(|&(_, _, n, sends)| (n, sends)).chain([(VMM_REPLACED_BYTES, 2)]);
+    // The cases, then the two messages of the replaced allocation (case `VMM_CASES.len()`), then
+    // the freed allocations (VMM, legacy), each a message and the later ones.
+    let freed = [(FREED_BYTES, 1), (FREED_LATER_BYTES, FREED_LATER)];
+    let receives = VMM_CASES.iter().map(|&(_, _, n, sends)| (n, sends)).chain([(VMM_REPLACED_BYTES, 2)]).chain(freed).chain(freed);
     for (i, (n, sends)) in receives.enumerate() {
         for s in 0..sends {
             let dst = DeviceBuf::new(n).unwrap();
@@ -1197,14 +1209,15 @@ fn vmm_receiver(role: &str, chan: &dyn Chan, ctx: Context) {
         }
     }
     let after = vmm_counters();
-    // Every stream is idle: a safe point to close retired legacy mappings. There are none: every
-    // buffer was VMM, and replaced VMM mappings were unmapped at once.
+    // Every stream is idle: a safe point to close retired legacy mappings: the freed legacy
+    // allocation's (replaced and freed VMM mappings were unmapped at once).
     let released = release_retired_peer_mappings().map_err(|e| e.to_string());
     let report = format!(
-        "problems={problems};imported={};reads={};replaced={};released={released:?}",
+        "problems={problems};imported={};reads={};replaced={};freed={};released={released:?}",
         after.imported - before.imported,
         after.reads - before.reads,
-        after.replaced - before.replaced
+        after.replaced - before.replaced,
+        after.freed - before.freed
     );
     chan.put("results", report.as_bytes());
     chan.get("bye");
@@ -1275,19 +1288,51 @@ fn vmm_send_buffer_read_by_another_process_through_fd_passing() {
         assert_eq!(c.status, Status::Ok, "send {s} of the replaced allocation");
         tag += 1;
     }
+    // The freed allocations: VMM, then legacy. The sender's free memory is read while each big
+    // one is allocated; once the receiver let go of them, it must have that memory back.
+    let mut send = |buf: &DeviceBuf, case: usize, s: u64| {
+        k.fill.launch(grid(buf.len()), 256, &stream, &[buf.ptr(), buf.len() as u64, vmm_seed(case, s)]).unwrap();
+        stream.synchronize().unwrap();
+        let started = unsafe { ep.tag_send_nbx(buf.ptr() as *const u8, buf.len(), tag, RequestParams::default()).unwrap() };
+        let c = wait_release(&w, started);
+        assert_eq!(c.status, Status::Ok, "send {s} of case {case}");
+        tag += 1;
+    };
+    let mut free_with_big = Vec::new();
+    for (vmm, case) in [(true, VMM_CASES.len() + 1), (false, VMM_CASES.len() + 3)] {
+        let alloc = |n| if vmm { DeviceBuf::new_vmm(n) } else { DeviceBuf::new(n) }.unwrap();
+        let big = alloc(FREED_BYTES);
+        send(&big, case, 0);
+        free_with_big.push(mem_get_info().unwrap().0);
+        drop(big);
+        let later = alloc(FREED_LATER_BYTES);
+        for s in 0..FREED_LATER {
+            send(&later, case + 1, s);
+        }
+    }
     let exported = vmm_counters().exported - before.exported;
     let theirs = String::from_utf8(p.get_progress("results", T, &w)).unwrap();
     eprintln!("receiver: {theirs}");
     let field =
         |name: &str| theirs.split(';').find_map(|f| f.strip_prefix(&format!("{name}="))).unwrap_or_else(|| panic!("no {name} in {theirs}"));
     assert_eq!(field("problems"), "", "receiver");
-    let allocations = VMM_CASES.len() as u64 + 2;
+    let allocations = VMM_CASES.len() as u64 + 4;
     assert_eq!(exported, allocations, "one export per VMM allocation (a repeated send reuses it)");
     assert_eq!(field("imported"), allocations.to_string(), "one import per allocation: the data was read through the VMM mapping");
-    assert_eq!(field("reads"), (vmm_sends() + 2).to_string(), "every message read through a VMM mapping, none pushed through host memory");
+    let reads = vmm_sends() + 2 + 1 + FREED_LATER;
+    assert_eq!(field("reads"), reads.to_string(), "every message read through a VMM mapping, none pushed through host memory");
     // At least the one made here; earlier cases' allocations may have reused a range too.
-    assert!(field("replaced").parse::<u64>().unwrap() >= 1, "the mapping of the freed allocation was not unmapped: {theirs}");
-    assert_eq!(field("released"), "Ok(0)", "VMM mappings are unmapped when replaced, never retired: {theirs}");
+    assert!(field("replaced").parse::<u64>().unwrap() >= 1, "the mapping of the replaced allocation was not unmapped: {theirs}");
+    assert!(field("freed").parse::<u64>().unwrap() >= 1, "no mapping of a freed VMM allocation was unmapped: {theirs}");
+    assert_eq!(field("released"), "Ok(1)", "VMM mappings are unmapped, the freed legacy one retired and closed: {theirs}");
+    let free_now = mem_get_info().unwrap().0;
+    eprintln!("sender: free memory with the big allocations {free_with_big:?}, after the receiver let go {free_now}");
+    for (what, with_big) in ["VMM", "legacy"].iter().zip(&free_with_big) {
+        assert!(
+            free_now >= with_big + FREED_BYTES * 3 / 4,
+            "the freed {what} allocation's memory did not come back: {free_now} free, {with_big} with it"
+        );
+    }
     p.put("bye", &[]);
     ep.close().unwrap();
     let deadline = Instant::now() + T;

@@ -35,6 +35,16 @@ pub fn current_device() -> Result<i32> {
     Ok(dev)
 }
 
+/// (free, total) bytes of device memory on the current device, as the driver counts them (for
+/// all processes: memory a peer still maps after its owner freed it counts as used).
+pub fn mem_get_info() -> Result<(usize, usize)> {
+    current_device()?;
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers; a context is current (`current_device` made sure).
+    check(unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
+    Ok((free, total))
+}
+
 /// At least `len` bytes of device memory on the current device, from gscomm's allocator
 /// (`cuda::alloc`): CUDA VMM memory shareable as a POSIX file descriptor, accessible from every
 /// GPU of this process that can reach it, or `cuMemAlloc` where the device cannot do that (the
@@ -306,11 +316,14 @@ pub struct VmmCounters {
     /// Mappings unmapped at once because the peer freed their allocation and made a new one at
     /// the same address (legacy mappings are retired instead: `release_retired_peer_mappings`).
     pub replaced: u64,
+    /// Mappings unmapped because the peer freed their allocation (the peer tells, through its
+    /// liveness table; legacy mappings are retired instead: `release_retired_peer_mappings`).
+    pub freed: u64,
 }
 
 pub fn vmm_counters() -> VmmCounters {
     use super::vmm;
-    VmmCounters { exported: vmm::exports(), imported: vmm::imports(), reads: vmm::reads(), replaced: vmm::replaced() }
+    VmmCounters { exported: vmm::exports(), imported: vmm::imports(), reads: vmm::reads(), replaced: vmm::replaced(), freed: vmm::freed() }
 }
 
 /// How a GPU buffer at `ptr` would be described to a peer process when sent: `"legacy"` (a CUDA
@@ -327,8 +340,8 @@ pub fn ipc_export_kind(ptr: u64) -> Result<&'static str> {
 }
 
 /// Close the legacy (`cuIpcOpenMemHandle`) mappings of peer GPU allocations that the peers have
-/// since freed and replaced, kept until now because closing one synchronizes the device (VMM
-/// mappings are unmapped when replaced: `VmmCounters::replaced`). Call it only where no stream
+/// since freed (and told, or replaced), kept until now because closing one synchronizes the
+/// device (VMM mappings are unmapped then: `VmmCounters::replaced`, `VmmCounters::freed`). Call it only where no stream
 /// waits on a gscomm operation, e.g. after synchronizing every stream that has conditions on it.
 /// Returns how many were closed.
 pub fn release_retired_peer_mappings() -> Result<usize> {

@@ -40,13 +40,15 @@
 //! of reach: pushed); fabric handles across nodes.
 
 use super::copy::primary_context;
+use super::export_life::{self, LIFE_LEN, Life, PeerTable};
 use super::memory::DevicePtr;
 use super::vmm;
 use super::{CtxScope, check, cu};
 use crate::error::{Error, Result, Status};
 use crate::transport::fd_pass::{SocketName, TOKEN_LEN};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 const KIND_LEGACY_IPC: u8 = 1;
 const KIND_SAME_PROCESS: u8 = 2;
@@ -54,12 +56,13 @@ const KIND_VMM_FD: u8 = 3;
 pub(crate) const HANDLE_LEN: usize = 64;
 /// Every kind starts with: kind, 3 reserved (zero), pid, base, size.
 const HEADER_LEN: usize = 1 + 3 + 4 + 8 + 8;
-/// Encoded size of a legacy or same-process key: the header, then the handle (zeros for the
-/// same-process kind).
+/// Encoded size of a same-process key: the header, then zeros where a legacy key has its handle.
 pub(crate) const KEY_LEN: usize = HEADER_LEN + HANDLE_LEN;
+/// Encoded size of a legacy key: the header, the handle, the allocation's liveness entry.
+pub(crate) const LEGACY_KEY_LEN: usize = KEY_LEN + LIFE_LEN;
 /// Encoded size of a VMM key: the header, export id, offset in the physical allocation, the
-/// exporter's token.
-pub(crate) const VMM_KEY_LEN: usize = HEADER_LEN + 8 + 8 + TOKEN_LEN;
+/// exporter's token, the allocation's liveness entry.
+pub(crate) const VMM_KEY_LEN: usize = HEADER_LEN + 8 + 8 + TOKEN_LEN + LIFE_LEN;
 
 /// How a peer reaches one of our device allocations.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,6 +72,9 @@ pub(crate) struct DeviceKey {
     pub base: u64,
     pub size: u64,
     pub kind: KeyKind,
+    /// Where the owner publishes whether the allocation still exists (`export_life`): legacy
+    /// and VMM keys; `None` when untracked.
+    pub life: Option<Life>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,7 +114,7 @@ impl DeviceKey {
             KeyKind::Legacy(_) => KIND_LEGACY_IPC,
             KeyKind::Vmm(_) => KIND_VMM_FD,
         };
-        let mut v = Vec::with_capacity(KEY_LEN);
+        let mut v = Vec::with_capacity(VMM_KEY_LEN.max(LEGACY_KEY_LEN));
         v.push(kind);
         v.extend_from_slice(&[0; 3]);
         v.extend_from_slice(&self.pid.to_le_bytes());
@@ -116,11 +122,15 @@ impl DeviceKey {
         v.extend_from_slice(&self.size.to_le_bytes());
         match &self.kind {
             KeyKind::SameProcess => v.extend_from_slice(&[0; HANDLE_LEN]),
-            KeyKind::Legacy(h) => v.extend_from_slice(h),
+            KeyKind::Legacy(h) => {
+                v.extend_from_slice(h);
+                Life::encode(self.life.as_ref(), &mut v);
+            }
             KeyKind::Vmm(r) => {
                 v.extend_from_slice(&r.export_id.to_le_bytes());
                 v.extend_from_slice(&r.phys_offset.to_le_bytes());
                 v.extend_from_slice(&r.token);
+                Life::encode(self.life.as_ref(), &mut v);
             }
         }
         v
@@ -129,7 +139,8 @@ impl DeviceKey {
     pub(crate) fn decode(b: &[u8]) -> Result<DeviceKey> {
         let Some(&kind) = b.first() else { return Err(bad_key("empty device memory key")) };
         let want = match kind {
-            KIND_LEGACY_IPC | KIND_SAME_PROCESS => KEY_LEN,
+            KIND_SAME_PROCESS => KEY_LEN,
+            KIND_LEGACY_IPC => LEGACY_KEY_LEN,
             KIND_VMM_FD => VMM_KEY_LEN,
             k => return Err(bad_key(format!("device memory key of unknown kind {k}"))),
         };
@@ -145,14 +156,18 @@ impl DeviceKey {
         if base.checked_add(size).is_none() {
             return Err(bad_key("device memory key describes a range past the address space"));
         }
+        let life = match kind {
+            KIND_SAME_PROCESS => None,
+            _ => Life::decode(&b[b.len() - LIFE_LEN..]).map_err(|what| bad_key(format!("device memory key with {what}")))?,
+        };
         let kind = match kind {
-            KIND_LEGACY_IPC => KeyKind::Legacy(b[HEADER_LEN..].try_into().expect("64 bytes")),
+            KIND_LEGACY_IPC => KeyKind::Legacy(b[HEADER_LEN..KEY_LEN].try_into().expect("64 bytes")),
             KIND_SAME_PROCESS => KeyKind::SameProcess,
             _ => {
                 let r = VmmRef {
                     export_id: u64_at(HEADER_LEN),
                     phys_offset: u64_at(HEADER_LEN + 8),
-                    token: b[HEADER_LEN + 16..].try_into().expect("token bytes"),
+                    token: b[HEADER_LEN + 16..HEADER_LEN + 16 + TOKEN_LEN].try_into().expect("token bytes"),
                 };
                 if size == 0 || r.export_id == 0 || r.token == [0; TOKEN_LEN] {
                     return Err(bad_key("VMM device memory key with an empty mapping, export id or exporter token"));
@@ -163,7 +178,7 @@ impl DeviceKey {
                 KeyKind::Vmm(r)
             }
         };
-        Ok(DeviceKey { pid, base, size, kind })
+        Ok(DeviceKey { pid, base, size, kind, life })
     }
 
     /// Where `[addr, addr+len)` of the peer's allocation is, checked to lie inside it.
@@ -188,6 +203,8 @@ pub(crate) fn export(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
         Vmm,
     }
     static EXPORTED: Mutex<Option<HashMap<u64, Exported>>> = Mutex::new(None);
+    // Find out what this process freed since (a few allocations per export).
+    export_life::sweep_step();
     let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
     let map = cache.get_or_insert_with(HashMap::new);
     match map.get(&ptr.buffer_id) {
@@ -215,7 +232,8 @@ pub(crate) fn export(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
         let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
         // SAFETY: `base` is the start of a live allocation; a valid out-pointer.
         check(unsafe { cu::cuIpcGetMemHandle(&mut h, base) }, "cuIpcGetMemHandle")?;
-        Ok(DeviceKey { pid: own_pid(), base, size: size as u64, kind: KeyKind::Legacy(h.reserved.map(|c| c as u8)) })
+        let life = export_life::track(base, ptr.buffer_id, ptr.device, None);
+        Ok(DeviceKey { pid: own_pid(), base, size: size as u64, kind: KeyKind::Legacy(h.reserved.map(|c| c as u8)), life })
     };
     // Buffer ids are never reused, so entries of freed buffers are only dead weight: bound it.
     if map.len() >= 4096 {
@@ -240,12 +258,13 @@ fn vmm_key(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
     let x = vmm::export(addr as u64, ptr.buffer_id, ptr.device)
         .map_err(|e| e.context("this VMM GPU buffer cannot be shared with another process"))?;
     let r = VmmRef { token: x.socket.token, export_id: x.export_id, phys_offset: x.phys_offset };
-    Ok(DeviceKey { pid: x.socket.pid, base: x.base, size: x.size, kind: KeyKind::Vmm(r) })
+    let life = export_life::track(x.base, ptr.buffer_id, ptr.device, Some(x.handle));
+    Ok(DeviceKey { pid: x.socket.pid, base: x.base, size: x.size, kind: KeyKind::Vmm(r), life })
 }
 
 /// A key for a buffer the peer reaches in our own address space (two workers of one process).
 pub(crate) fn same_process_key(addr: usize, len: usize) -> DeviceKey {
-    DeviceKey { pid: own_pid(), base: addr as u64, size: len as u64, kind: KeyKind::SameProcess }
+    DeviceKey { pid: own_pid(), base: addr as u64, size: len as u64, kind: KeyKind::SameProcess, life: None }
 }
 
 /// What identifies the peer allocation a mapping was made from.
@@ -270,16 +289,68 @@ struct Mapping {
     /// peer's claim in the key is checked against; for VMM the mapping size the driver accepted.
     size: u64,
     opened: Opened,
+    /// Where the owner tells whether the allocation still exists (untracked: `None`).
+    life: Option<(Arc<PeerTable>, Life)>,
+}
+
+/// (peer pid, peer allocation base, local GPU) -> our mapping of it.
+type Mappings = HashMap<(u32, u64, i32), Mapping>;
+static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
+
+/// When `map` was last looked through for freed allocations (ns since `LOOKED_EPOCH`).
+static LOOKED_AT: AtomicU64 = AtomicU64::new(0);
+static LOOKED_EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+/// `map_peer` looks for freed allocations at most this often (a load per tracked mapping).
+const LOOK_EVERY_NS: u64 = 1_000_000;
+
+/// Let go of every mapping whose allocation its owner has freed (`export_life`): a VMM one is
+/// unmapped now, a legacy one retired (closing it synchronizes the device: `release_retired`).
+fn let_go_of_freed(map: &mut Mappings) {
+    let freed: Vec<(u32, u64, i32)> =
+        map.iter().filter(|(_, m)| m.life.as_ref().is_some_and(|(t, l)| !t.alive(l))).map(|(k, _)| *k).collect();
+    for k in freed {
+        if let Some(m) = map.remove(&k) {
+            tracing::debug!(target: "gsc::cuda", pid = k.0, base = format_args!("{:#x}", k.1), "the peer freed an allocation mapped here; letting go of the mapping");
+            if let Opened::Vmm(v) = &m.opened {
+                match unmap_now(v) {
+                    Ok(()) => {
+                        vmm::count_freed();
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(target: "gsc::cuda", mapping = ?m.opened, error = %e, "could not unmap a freed peer VMM mapping; kept for release_retired")
+                    }
+                }
+            }
+            RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(m.opened);
+        }
+    }
+}
+
+/// `let_go_of_freed`, at most once per `LOOK_EVERY_NS`.
+fn let_go_of_freed_now_and_then(map: &mut Mappings) {
+    let now = LOOKED_EPOCH.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64;
+    let last = LOOKED_AT.load(Ordering::Relaxed);
+    if now.saturating_sub(last) >= LOOK_EVERY_NS && LOOKED_AT.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+        let_go_of_freed(map);
+    }
 }
 
 /// Mappings of peer allocations that were since replaced; closed by `release_retired`.
 static RETIRED: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
 
+/// Unmap a peer VMM mapping nobody reads any more, from any thread: with this thread's capture
+/// mode relaxed, so that another thread capturing a stream in the global mode is not broken by
+/// it (`cuMemUnmap` is one of the calls that mode forbids everywhere else).
+fn unmap_now(m: &vmm::Imported) -> Result<()> {
+    super::with_relaxed_capture(|| vmm::release(m))
+}
+
 /// Let go of the mapping of a peer allocation that was replaced (module doc): a VMM one is
 /// unmapped now (kept for `release_retired` if the driver refuses), a legacy one retired.
 fn let_go(o: Opened) {
     if let Opened::Vmm(m) = &o {
-        match vmm::release(m) {
+        match unmap_now(m) {
             Ok(()) => return vmm::count_replaced(),
             Err(e) => {
                 tracing::warn!(target: "gsc::cuda", mapping = ?o, error = %e, "could not unmap a replaced peer VMM mapping; kept for release_retired")
@@ -289,10 +360,14 @@ fn let_go(o: Opened) {
     RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(o);
 }
 
-/// Close the mappings of replaced peer allocations. Closing synchronizes the device, so call it
-/// only where no stream waits on a gscomm operation (never on the proxy thread). Returns how many
-/// were closed; every one is tried, and the first failure is returned after.
+/// Close the mappings of replaced peer allocations, and of those their owners have freed.
+/// Closing synchronizes the device, so call it only where no stream waits on a gscomm operation
+/// (never on the proxy thread). Returns how many were closed; every one is tried, and the first
+/// failure is returned after.
 pub(crate) fn release_retired() -> Result<usize> {
+    if let Some(map) = MAPPED.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        let_go_of_freed(map);
+    }
     let retired = std::mem::take(&mut *RETIRED.lock().unwrap_or_else(|e| e.into_inner()));
     let (mut done, mut first_err) = (0, None);
     for o in retired {
@@ -362,9 +437,6 @@ pub(crate) fn reach_own(addr: u64, len: usize, device: i32) -> Result<()> {
 /// The unified address at which the peer's `[addr, addr+len)` can be read from `device`'s
 /// context, opening (and caching) the peer's allocation when needed.
 pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> Result<u64> {
-    /// (peer pid, peer allocation base, local GPU) -> our mapping of it.
-    type Mappings = HashMap<(u32, u64, i32), Mapping>;
-    static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
     let offset = key.offset_of(addr, len)?;
     // Our own allocation (described for a worker of this process, or for a peer in another
     // process): used directly — from `device`'s kernels too, when it lives on another GPU (two
@@ -382,6 +454,7 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     let is_vmm = matches!(ident, Ident::Vmm(..));
     let mut cache = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
     let map = cache.get_or_insert_with(HashMap::new);
+    let_go_of_freed_now_and_then(map);
     let slot = (key.pid, key.base, device);
     let within = |m: &Mapping| -> Result<u64> {
         if offset + len as u64 > m.size {
@@ -410,9 +483,10 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
                 base: key.base,
                 size: key.size,
                 phys_offset: r.phys_offset,
+                handle: 0,
             };
             let imported = vmm::import(&x, device)?;
-            Mapping { ident, at: imported.va, size: key.size, opened: Opened::Vmm(imported) }
+            Mapping { ident, at: imported.va, size: key.size, opened: Opened::Vmm(imported), life: None }
         }
         Ident::Legacy(handle) => {
             let _scope = CtxScope::enter(primary_context(device)?)?;
@@ -438,9 +512,19 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
             // SAFETY: valid out-pointers; `mapped` was just mapped in the current context. A peer
             // cannot make us copy past the real allocation by claiming a larger one in its key.
             check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, mapped) }, "cuMemGetAddressRange(mapped)")?;
-            Mapping { ident, at: mapped, size: size as u64, opened: Opened::Legacy { device, mapped } }
+            Mapping { ident, at: mapped, size: size as u64, opened: Opened::Legacy { device, mapped }, life: None }
         }
     };
+    // Where the owner will tell us it freed the allocation; without it (an owner whose table
+    // cannot be reached) the mapping is kept as before.
+    let life = key.life.and_then(|l| match export_life::peer_table(key.pid, &l) {
+        Ok(t) => Some((t, l)),
+        Err(e) => {
+            tracing::debug!(target: "gsc::cuda", pid = key.pid, error = %e, "no liveness table from the peer: its mapping is kept until replaced");
+            None
+        }
+    });
+    let m = Mapping { life, ..m };
     let at = within(&m);
     map.insert(slot, m);
     at
@@ -450,20 +534,31 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
 mod tests {
     use super::*;
 
+    fn life() -> Option<Life> {
+        Some(Life { token: [0x33; TOKEN_LEN], table_id: 1, slot: 12, serial: 99 })
+    }
+
     fn vmm_key() -> DeviceKey {
         let r = VmmRef { token: [0x5a; TOKEN_LEN], export_id: 17, phys_offset: 0 };
-        DeviceKey { pid: 4242, base: 0x7f00_0020_0000, size: 2 << 20, kind: KeyKind::Vmm(r) }
+        DeviceKey { pid: 4242, base: 0x7f00_0020_0000, size: 2 << 20, kind: KeyKind::Vmm(r), life: life() }
     }
 
     #[test]
     fn keys_round_trip_and_reject_garbage() {
-        let k = DeviceKey { pid: 4242, base: 0x7f00_0000_0000, size: 1 << 30, kind: KeyKind::Legacy([7; HANDLE_LEN]) };
+        let k = DeviceKey { pid: 4242, base: 0x7f00_0000_0000, size: 1 << 30, kind: KeyKind::Legacy([7; HANDLE_LEN]), life: life() };
         let b = k.encode();
-        assert_eq!(b.len(), KEY_LEN);
+        assert_eq!(b.len(), LEGACY_KEY_LEN);
         assert_eq!(DeviceKey::decode(&b).unwrap(), k);
+        let untracked = DeviceKey { life: None, ..k.clone() };
+        assert_eq!(DeviceKey::decode(&untracked.encode()).unwrap(), untracked);
         let same = same_process_key(0x1000, 64);
+        assert_eq!(same.encode().len(), KEY_LEN);
         assert_eq!(DeviceKey::decode(&same.encode()).unwrap(), same);
-        assert!(DeviceKey::decode(&b[..KEY_LEN - 1]).is_err());
+        assert!(DeviceKey::decode(&b[..LEGACY_KEY_LEN - 1]).is_err());
+        // A liveness entry with serial 0 is refused, naming it.
+        let mut serial0 = b.clone();
+        serial0[LEGACY_KEY_LEN - 4..].copy_from_slice(&[0; 4]);
+        assert!(DeviceKey::decode(&serial0).unwrap_err().message().contains("serial 0"));
         assert!(DeviceKey::decode(&[]).is_err());
         let mut bad = b.clone();
         bad[0] = 9;
@@ -487,7 +582,8 @@ mod tests {
         assert_eq!(r.socket(k.pid), SocketName { pid: 4242, token: [0x5a; TOKEN_LEN] });
         // Every field survives, each at its own place.
         let r2 = VmmRef { token: core::array::from_fn(|i| i as u8 + 1), export_id: u64::MAX - 1, phys_offset: 4 << 20 };
-        let k2 = DeviceKey { pid: u32::MAX, base: 1 << 40, size: 6 << 20, kind: KeyKind::Vmm(r2) };
+        let l2 = Life { token: core::array::from_fn(|i| 200 - i as u8), table_id: u64::MAX, slot: 4095, serial: u32::MAX };
+        let k2 = DeviceKey { pid: u32::MAX, base: 1 << 40, size: 6 << 20, kind: KeyKind::Vmm(r2), life: Some(l2) };
         assert_eq!(DeviceKey::decode(&k2.encode()).unwrap(), k2);
     }
 
@@ -496,16 +592,16 @@ mod tests {
         let b = vmm_key().encode();
         let err = |bytes: &[u8]| DeviceKey::decode(bytes).unwrap_err();
         // Wrong lengths, including a VMM key padded to the legacy length and the reverse.
-        assert!(err(&b[..VMM_KEY_LEN - 1]).message().contains("expected 56"));
+        assert!(err(&b[..VMM_KEY_LEN - 1]).message().contains("expected 88"));
         let mut long = b.clone();
-        long.resize(KEY_LEN, 0);
-        assert!(err(&long).message().contains("expected 56"));
-        let mut legacy_as_vmm = DeviceKey { pid: 1, base: 0, size: 8, kind: KeyKind::Legacy([1; HANDLE_LEN]) }.encode();
+        long.resize(LEGACY_KEY_LEN, 0);
+        assert!(err(&long).message().contains("expected 88"));
+        let mut legacy_as_vmm = DeviceKey { pid: 1, base: 0, size: 8, kind: KeyKind::Legacy([1; HANDLE_LEN]), life: None }.encode();
         legacy_as_vmm[0] = KIND_VMM_FD;
-        assert!(err(&legacy_as_vmm).message().contains("expected 56"));
+        assert!(err(&legacy_as_vmm).message().contains("expected 88"));
         let mut vmm_as_legacy = b.clone();
         vmm_as_legacy[0] = KIND_LEGACY_IPC;
-        assert!(err(&vmm_as_legacy).message().contains("expected 88"));
+        assert!(err(&vmm_as_legacy).message().contains("expected 120"));
         // Empty mapping, export id 0, all-zero token, offset + size past u64.
         let patch = |at: usize, bytes: &[u8]| {
             let mut v = b.clone();
@@ -538,7 +634,7 @@ mod tests {
 
     #[test]
     fn ranges_outside_the_allocation_are_refused() {
-        let k = DeviceKey { pid: 1, base: 1000, size: 100, kind: KeyKind::SameProcess };
+        let k = DeviceKey { pid: 1, base: 1000, size: 100, kind: KeyKind::SameProcess, life: None };
         assert_eq!(k.offset_of(1000, 100).unwrap(), 0);
         assert_eq!(k.offset_of(1050, 50).unwrap(), 50);
         assert!(k.offset_of(999, 1).is_err());

@@ -40,6 +40,7 @@ mod coll_pipelined;
 pub(crate) mod coll_ring;
 pub(crate) mod copy;
 mod device_handle;
+mod export_life;
 pub(crate) mod host_round;
 pub(crate) mod ipc;
 mod kernel_cache;
@@ -130,6 +131,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuMemFreeHost",
     "cuMemsetD8_v2",
+    "cuMemGetInfo_v2",
     "cuThreadExchangeStreamCaptureMode",
     // VMM allocations shared as POSIX file descriptors (`vmm`).
     "cuMemRetainAllocationHandle",

@@ -65,6 +65,7 @@ static EXPORTS: AtomicU64 = AtomicU64::new(0);
 static IMPORTS: AtomicU64 = AtomicU64::new(0);
 static READS: AtomicU64 = AtomicU64::new(0);
 static REPLACED: AtomicU64 = AtomicU64::new(0);
+static FREED: AtomicU64 = AtomicU64::new(0);
 
 /// Allocations exported (descriptors made) by this process.
 pub(crate) fn exports() -> u64 {
@@ -83,6 +84,15 @@ pub(crate) fn replaced() -> u64 {
 
 pub(crate) fn count_replaced() {
     REPLACED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Mappings unmapped because their owner freed the allocation (`ipc::let_go_of_freed`).
+pub(crate) fn freed() -> u64 {
+    FREED.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_freed() {
+    FREED.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Reads of peer memory resolved through a VMM mapping (`ipc::map_peer` answers).
@@ -127,6 +137,11 @@ impl Drop for Handle {
 /// Whether `addr` lies in a mapped VMM allocation.
 pub(crate) fn is_vmm(addr: u64) -> bool {
     Handle::retain(addr).is_ok()
+}
+
+/// The value of the allocation handle mapped at `addr`, if it is VMM memory.
+pub(crate) fn handle_value(addr: u64) -> Option<u64> {
+    Handle::retain(addr).ok().map(|h| h.0)
 }
 
 /// Whether `device` may read and write the VMM mapping holding `addr` (`cuMemGetAccess`):
@@ -179,6 +194,9 @@ pub(crate) struct VmmExport {
     pub size: u64,
     /// Where `base` is in the physical allocation.
     pub phys_offset: u64,
+    /// The allocation handle value mapped at the exported address (0 on the importer's side,
+    /// which does not know it): tells allocations remapped under one buffer id apart.
+    pub handle: u64,
 }
 
 struct Exported {
@@ -195,7 +213,8 @@ struct Exported {
 /// This process's exporter service, started on the first export.
 static SERVER: Mutex<Option<(u32, Arc<FdServer>)>> = Mutex::new(None);
 
-fn server() -> Result<Arc<FdServer>> {
+/// This process's exporter (also serves `export_life`'s table).
+pub(crate) fn server() -> Result<Arc<FdServer>> {
     let mut s = SERVER.lock().unwrap_or_else(|e| e.into_inner());
     let pid = std::process::id();
     if let Some((owner, srv)) = s.as_ref() {
@@ -223,6 +242,7 @@ static EXPORTED: Mutex<Option<(HashMap<u64, Exported>, usize)>> = Mutex::new(Non
 /// withdraw its export, if any, so the exporter's descriptor no longer pins the physical memory
 /// (the sweep would find it only later). A peer that already imported it keeps its own mapping.
 pub(crate) fn withdraw(buffer_id: u64) {
+    super::export_life::gone(buffer_id);
     let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
     let Some(x) = cache.as_mut().and_then(|(map, _)| map.remove(&buffer_id)) else { return };
     if let Ok(srv) = server() {
@@ -276,7 +296,7 @@ pub(crate) fn export(addr: u64, buffer_id: u64, device: i32) -> Result<VmmExport
     }
     let export_id = srv.publish(fd);
     EXPORTS.fetch_add(1, Ordering::Relaxed);
-    let export = VmmExport { socket: srv.name(), export_id, base, size, phys_offset: 0 };
+    let export = VmmExport { socket: srv.name(), export_id, base, size, phys_offset: 0, handle: handle.0 };
     tracing::debug!(target: "gsc::cuda", base = format_args!("{base:#x}"), size, export_id, "VMM allocation exported");
     map.insert(buffer_id, Exported { export, handle: handle.0, addr, buffer_id });
     Ok(export)

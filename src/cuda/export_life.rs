@@ -1,0 +1,452 @@
+//! Whether the GPU allocations this process exported to its peers still exist, told to the
+//! processes that mapped them, so that a mapping is let go of once its allocation is freed.
+//!
+//! Why: a peer's mapping keeps the memory of an allocation after its owner frees it. On the
+//! h100-x1 (`docs/probes/ipc_free_held.py`, 2026-11-23), 46.9 GiB that the owner freed stayed in
+//! use while another process had them mapped, through legacy IPC and VMM alike, and the owner's
+//! next allocation of that size failed with CUDA_ERROR_OUT_OF_MEMORY; they came back the moment
+//! the importer closed or unmapped its mapping. gscomm maps the peers' buffers the first time a
+//! call needs them (the zero-copy paths), so without this a program that frees memory a peer
+//! had read (PyTorch's `empty_cache`, an `ncclMemFree`) got it back only when that peer exited
+//! or the owner mapped new memory at the same address (`ipc::map_peer`).
+//!
+//! Owner side: a table in shared memory (a memfd, served by this process's fd exporter,
+//! `vmm::server`), one 64-bit slot per exported allocation, holding `serial << 1 | 1` while the
+//! allocation lives. Every key of an allocation carries where the table is and its slot and
+//! serial (`Life`). An allocation is known to be gone when gscomm's allocator frees it (`gone`)
+//! or when a sweep finds evidence at its address (`sweep_step`, a few entries per export, so its
+//! cost per call is bounded): the driver names another buffer id there, or says no allocation
+//! is there, or (VMM) another physical allocation is mapped there. Only such evidence counts: a
+//! query that fails otherwise keeps the entry, because a mapping let go of while a peer still
+//! reads through it would fault. A freed slot is reused with a new serial.
+//!
+//! Importer side: `PeerTable` maps an owner's table read-only (fetched once per owner) and
+//! answers `alive` with one load. `ipc` looks at its mappings' slots (`ipc::let_go_of_freed`).
+//!
+//! Why letting go is safe once the owner freed: a peer frees a buffer only after its own
+//! operations on it completed, and those complete only after our reads of it (the collective
+//! kernels' closing meeting; a send's completion after the receiver's read).
+
+use super::copy::primary_context;
+use super::{CtxScope, cu};
+use crate::error::{Error, Result, Status};
+use crate::transport::fd_pass::{self, SocketName, TOKEN_LEN};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Slots in an owner's table (8 bytes each: a 32 KiB table). Exports past it are untracked:
+/// their peers keep their mappings, as before this module.
+const SLOTS: usize = 4096;
+
+/// Entries a sweep step looks at: one driver query each (two for VMM), ~0.1–0.2 µs apiece.
+const SWEEP_PER_STEP: usize = 4;
+
+/// How long an importer waits for an owner's table (its exporter thread answers at once unless
+/// its process is stuck or gone).
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Bytes of a `Life` in a key: the owner's exporter token, the table's export id, slot, serial.
+pub(crate) const LIFE_LEN: usize = TOKEN_LEN + 8 + 4 + 4;
+
+/// Where the liveness of one exported allocation is published.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Life {
+    /// The owner's fd exporter (its name is made of the key's pid and this).
+    pub token: [u8; TOKEN_LEN],
+    /// The export id under which that exporter serves the table.
+    pub table_id: u64,
+    pub slot: u32,
+    /// Never 0.
+    pub serial: u32,
+}
+
+impl Life {
+    /// `LIFE_LEN` bytes; all zero for none.
+    pub(crate) fn encode(life: Option<&Life>, out: &mut Vec<u8>) {
+        match life {
+            None => out.extend_from_slice(&[0; LIFE_LEN]),
+            Some(l) => {
+                out.extend_from_slice(&l.token);
+                out.extend_from_slice(&l.table_id.to_le_bytes());
+                out.extend_from_slice(&l.slot.to_le_bytes());
+                out.extend_from_slice(&l.serial.to_le_bytes());
+            }
+        }
+    }
+
+    /// The inverse of `encode` (`b` is `LIFE_LEN` bytes); `what` names the problem.
+    pub(crate) fn decode(b: &[u8]) -> std::result::Result<Option<Life>, &'static str> {
+        debug_assert_eq!(b.len(), LIFE_LEN);
+        let token: [u8; TOKEN_LEN] = b[..TOKEN_LEN].try_into().expect("token bytes");
+        let table_id = u64::from_le_bytes(b[TOKEN_LEN..TOKEN_LEN + 8].try_into().expect("8 bytes"));
+        let slot = u32::from_le_bytes(b[TOKEN_LEN + 8..TOKEN_LEN + 12].try_into().expect("4 bytes"));
+        let serial = u32::from_le_bytes(b[TOKEN_LEN + 12..].try_into().expect("4 bytes"));
+        if table_id == 0 {
+            return if b.iter().all(|&x| x == 0) { Ok(None) } else { Err("a liveness entry without a table but with other fields") };
+        }
+        if serial == 0 || slot as usize >= SLOTS || token == [0; TOKEN_LEN] {
+            return Err("a liveness entry with serial 0, a slot past the table or an empty exporter token");
+        }
+        Ok(Some(Life { token, table_id, slot, serial }))
+    }
+}
+
+fn slot_word(serial: u32) -> u64 {
+    (serial as u64) << 1 | 1
+}
+
+/// A table of `SLOTS` words in shared memory, mapped into this process.
+struct Table {
+    words: NonNull<AtomicU64>,
+}
+
+// SAFETY: the words are atomics in a mapping that lives as long as the `Table`.
+unsafe impl Send for Table {}
+// SAFETY: as above; every access is an atomic load or store.
+unsafe impl Sync for Table {}
+
+const TABLE_BYTES: usize = SLOTS * 8;
+
+impl Table {
+    /// A new table of zeros and the descriptor that shares it.
+    fn create() -> Result<(Table, OwnedFd)> {
+        // SAFETY: a NUL-terminated name; flags the kernel knows.
+        let raw = unsafe { libc::memfd_create(c"gsc-export-life".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(Error::io("memfd_create (export liveness table)", std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor of ours.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: our descriptor; a size that fits off_t.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), TABLE_BYTES as libc::off_t) } != 0 {
+            return Err(Error::io("ftruncate (export liveness table)", std::io::Error::last_os_error()));
+        }
+        Ok((Table::map(&fd, libc::PROT_READ | libc::PROT_WRITE)?, fd))
+    }
+
+    /// Map the table behind `fd` (`prot`: read-only for a peer's).
+    fn map(fd: &OwnedFd, prot: libc::c_int) -> Result<Table> {
+        // SAFETY: a zeroed stat is a valid out-value; our descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::io("fstat (export liveness table)", std::io::Error::last_os_error()));
+        }
+        if st.st_size as usize != TABLE_BYTES {
+            return Err(Error::new(
+                Status::ConnectionReset,
+                format!("an export liveness table of {} bytes (expected {TABLE_BYTES})", st.st_size),
+            ));
+        }
+        // SAFETY: a shared mapping of the whole file, which has exactly TABLE_BYTES bytes.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), TABLE_BYTES, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io("mmap (export liveness table)", std::io::Error::last_os_error()));
+        }
+        Ok(Table { words: NonNull::new(p as *mut AtomicU64).expect("mmap returned null") })
+    }
+
+    fn word(&self, slot: u32) -> &AtomicU64 {
+        assert!((slot as usize) < SLOTS);
+        // SAFETY: in bounds of the mapping (asserted), page-aligned so every word is aligned;
+        // AtomicU64 has u64's layout and the mapping lives as long as `self`.
+        unsafe { &*self.words.as_ptr().add(slot as usize) }
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `map` made, of TABLE_BYTES; nothing borrows it past `self`.
+        unsafe { libc::munmap(self.words.as_ptr() as *mut libc::c_void, TABLE_BYTES) };
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Owner side.
+
+/// One exported allocation being watched.
+struct Tracked {
+    slot: u32,
+    serial: u32,
+    /// An address in it (where it was exported from) and its GPU.
+    addr: u64,
+    device: i32,
+    /// The VMM allocation handle mapped at `addr` when exported (VMM: a range can be remapped
+    /// under the same buffer id, so the handle tells allocations apart too).
+    vmm_handle: Option<u64>,
+}
+
+struct Owner {
+    pid: u32,
+    table: Table,
+    token: [u8; TOKEN_LEN],
+    table_id: u64,
+    /// Buffer id (and, for VMM, handle) -> its entry.
+    tracked: HashMap<(u64, Option<u64>), Tracked>,
+    /// Sweep order (keys of `tracked`; stale ones are skipped).
+    order: VecDeque<(u64, Option<u64>)>,
+    free_slots: Vec<u32>,
+    next_slot: u32,
+    next_serial: u32,
+}
+
+enum OwnerState {
+    Unstarted,
+    Running(Owner),
+    /// The table could not be made (logged once): exports go untracked.
+    Failed,
+}
+
+static OWNER: Mutex<OwnerState> = Mutex::new(OwnerState::Unstarted);
+
+fn start_owner() -> Result<Owner> {
+    let srv = super::vmm::server()?;
+    let (table, fd) = Table::create()?;
+    let table_id = srv.publish(fd);
+    let name = srv.name();
+    Ok(Owner {
+        pid: std::process::id(),
+        table,
+        token: name.token,
+        table_id,
+        tracked: HashMap::new(),
+        order: VecDeque::new(),
+        free_slots: Vec::new(),
+        next_slot: 0,
+        next_serial: 1,
+    })
+}
+
+fn with_owner<T>(f: impl FnOnce(&mut Owner) -> Option<T>) -> Option<T> {
+    let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
+    if matches!(*state, OwnerState::Unstarted) {
+        *state = match start_owner() {
+            Ok(o) => OwnerState::Running(o),
+            Err(e) => {
+                tracing::warn!(target: "gsc::cuda", error = %e, "no export liveness table: peers keep their mappings of memory this process frees until it maps new memory there or they exit");
+                OwnerState::Failed
+            }
+        };
+    }
+    match &mut *state {
+        // A forked child shares the parent's table: it must not write into it.
+        OwnerState::Running(o) if o.pid == std::process::id() => f(o),
+        _ => None,
+    }
+}
+
+/// The liveness entry of the exported allocation with driver buffer id `buffer_id` (and VMM
+/// handle `vmm_handle`), at `addr` on `device`: made at its first export, the same afterwards.
+/// `None` when untracked (no table, or the table is full).
+pub(crate) fn track(addr: u64, buffer_id: u64, device: i32, vmm_handle: Option<u64>) -> Option<Life> {
+    with_owner(|o| {
+        let key = (buffer_id, vmm_handle);
+        if let Some(t) = o.tracked.get(&key) {
+            return Some(Life { token: o.token, table_id: o.table_id, slot: t.slot, serial: t.serial });
+        }
+        let slot = match o.free_slots.pop() {
+            Some(s) => s,
+            None if (o.next_slot as usize) < SLOTS => {
+                o.next_slot += 1;
+                o.next_slot - 1
+            }
+            None => return None,
+        };
+        let serial = o.next_serial;
+        o.next_serial = o.next_serial.checked_add(1).unwrap_or(1);
+        o.table.word(slot).store(slot_word(serial), Ordering::Release);
+        o.tracked.insert(key, Tracked { slot, serial, addr, device, vmm_handle });
+        o.order.push_back(key);
+        Some(Life { token: o.token, table_id: o.table_id, slot, serial })
+    })
+}
+
+fn retire(o: &mut Owner, key: (u64, Option<u64>)) {
+    if let Some(t) = o.tracked.remove(&key) {
+        o.table.word(t.slot).store(0, Ordering::Release);
+        o.free_slots.push(t.slot);
+    }
+}
+
+/// The allocation with buffer id `buffer_id` is being freed by gscomm's allocator: tell its
+/// peers now.
+pub(crate) fn gone(buffer_id: u64) {
+    let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
+    if let OwnerState::Running(o) = &mut *state {
+        if o.pid != std::process::id() {
+            return;
+        }
+        let keys: Vec<_> = o.tracked.keys().filter(|(id, _)| *id == buffer_id).copied().collect();
+        for k in keys {
+            retire(o, k);
+        }
+    }
+}
+
+/// Look at the next few watched allocations and tell the peers of those that are evidently
+/// gone. Called on every export (a few driver queries: ~1 µs), so a program that keeps
+/// communicating finds its frees out.
+pub(crate) fn sweep_step() {
+    let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
+    let OwnerState::Running(o) = &mut *state else { return };
+    if o.pid != std::process::id() || o.order.is_empty() {
+        return;
+    }
+    // The queries need a context: one entered per GPU met in this step (usually one).
+    let mut scope: Option<(i32, CtxScope)> = None;
+    for _ in 0..SWEEP_PER_STEP.min(o.order.len()) {
+        let Some(key) = o.order.pop_front() else { break };
+        let Some(t) = o.tracked.get(&key) else { continue };
+        if scope.as_ref().is_none_or(|(d, _)| *d != t.device) {
+            scope = None;
+            let Ok(s) = primary_context(t.device).and_then(CtxScope::enter) else {
+                o.order.push_back(key);
+                continue;
+            };
+            scope = Some((t.device, s));
+        }
+        if evidently_gone(t, key.0) {
+            tracing::debug!(target: "gsc::cuda", addr = format_args!("{:#x}", t.addr), "an exported allocation was freed; its peers are told");
+            retire(o, key);
+        } else {
+            o.order.push_back(key);
+        }
+    }
+}
+
+/// Whether the driver shows that the allocation `t` (buffer id `buffer_id`) no longer exists
+/// (a context of its GPU is current).
+fn evidently_gone(t: &Tracked, buffer_id: u64) -> bool {
+    use cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID as BUFFER_ID;
+    let mut id: u64 = 0;
+    // SAFETY: an 8-byte out-value for BUFFER_ID; the driver only looks the address up.
+    let r = unsafe { cu::cuPointerGetAttribute(&mut id as *mut u64 as *mut std::ffi::c_void, BUFFER_ID, t.addr as cu::CUdeviceptr) };
+    match r {
+        cu::CUresult::CUDA_ERROR_INVALID_VALUE => true,
+        cu::CUresult::CUDA_SUCCESS if id != buffer_id => true,
+        cu::CUresult::CUDA_SUCCESS => match t.vmm_handle {
+            Some(h) => super::vmm::handle_value(t.addr).is_some_and(|now| now != h),
+            None => false,
+        },
+        _ => false,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Importer side.
+
+/// An owner's table, mapped read-only here.
+pub(crate) struct PeerTable(Table);
+
+impl PeerTable {
+    /// Whether the allocation `life` describes still exists, as far as its owner has found.
+    pub(crate) fn alive(&self, life: &Life) -> bool {
+        self.0.word(life.slot).load(Ordering::Acquire) == slot_word(life.serial)
+    }
+}
+
+/// The table of the owner (process `pid`) that `life` names: fetched and mapped the first time.
+pub(crate) fn peer_table(pid: u32, life: &Life) -> Result<Arc<PeerTable>> {
+    type Tables = HashMap<(u32, [u8; TOKEN_LEN], u64), Arc<PeerTable>>;
+    static TABLES: Mutex<Option<Tables>> = Mutex::new(None);
+    let key = (pid, life.token, life.table_id);
+    if let Some(t) = TABLES.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|m| m.get(&key)) {
+        return Ok(t.clone());
+    }
+    let fd = fd_pass::fetch_fd(&SocketName { pid, token: life.token }, life.table_id, FETCH_TIMEOUT)?;
+    let table = Arc::new(PeerTable(Table::map(&fd, libc::PROT_READ)?));
+    let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(tables.get_or_insert_with(HashMap::new).entry(key).or_insert(table).clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner_with_table() -> (Owner, OwnedFd) {
+        let (table, fd) = Table::create().unwrap();
+        let o = Owner {
+            pid: std::process::id(),
+            table,
+            token: [9; TOKEN_LEN],
+            table_id: 3,
+            tracked: HashMap::new(),
+            order: VecDeque::new(),
+            free_slots: Vec::new(),
+            next_slot: 0,
+            next_serial: 1,
+        };
+        (o, fd)
+    }
+
+    fn add(o: &mut Owner, buffer_id: u64) -> Life {
+        let slot = o.free_slots.pop().unwrap_or_else(|| {
+            o.next_slot += 1;
+            o.next_slot - 1
+        });
+        let serial = o.next_serial;
+        o.next_serial += 1;
+        o.table.word(slot).store(slot_word(serial), Ordering::Release);
+        o.tracked.insert((buffer_id, None), Tracked { slot, serial, addr: 0, device: 0, vmm_handle: None });
+        Life { token: o.token, table_id: o.table_id, slot, serial }
+    }
+
+    #[test]
+    fn a_peer_sees_an_allocation_die_and_its_slot_reused_under_a_new_serial() {
+        let (mut o, fd) = owner_with_table();
+        // The peer's view: the same memory, mapped read-only from the shared descriptor.
+        let peer = PeerTable(Table::map(&fd, libc::PROT_READ).unwrap());
+        let a = add(&mut o, 10);
+        let b = add(&mut o, 11);
+        assert!(peer.alive(&a) && peer.alive(&b));
+        retire(&mut o, (10, None));
+        assert!(!peer.alive(&a), "a retired allocation still looks alive");
+        assert!(peer.alive(&b), "retiring one allocation touched another");
+        // Its slot goes to the next export, with a serial the old key does not have.
+        let c = add(&mut o, 12);
+        assert_eq!(c.slot, a.slot);
+        assert!(peer.alive(&c) && !peer.alive(&a));
+        retire(&mut o, (99, None)); // unknown: nothing changes
+        assert!(peer.alive(&b) && peer.alive(&c));
+    }
+
+    #[test]
+    fn life_entries_round_trip_and_bad_ones_are_named() {
+        let l = Life { token: [7; TOKEN_LEN], table_id: 5, slot: 17, serial: 3 };
+        let mut v = Vec::new();
+        Life::encode(Some(&l), &mut v);
+        assert_eq!(v.len(), LIFE_LEN);
+        assert_eq!(Life::decode(&v), Ok(Some(l)));
+        let mut none = Vec::new();
+        Life::encode(None, &mut none);
+        assert_eq!(Life::decode(&none), Ok(None));
+        let patch = |at: usize, bytes: &[u8]| {
+            let mut b = v.clone();
+            b[at..at + bytes.len()].copy_from_slice(bytes);
+            b
+        };
+        assert!(Life::decode(&patch(TOKEN_LEN + 12, &0u32.to_le_bytes())).is_err(), "serial 0");
+        assert!(Life::decode(&patch(TOKEN_LEN + 8, &(SLOTS as u32).to_le_bytes())).is_err(), "slot past the table");
+        assert!(Life::decode(&patch(0, &[0; TOKEN_LEN])).is_err(), "no token");
+        let mut half = none.clone();
+        half[TOKEN_LEN + 12] = 1;
+        assert!(Life::decode(&half).is_err(), "no table but a serial");
+    }
+
+    #[test]
+    fn a_table_of_the_wrong_size_is_refused() {
+        // SAFETY: a NUL-terminated name.
+        let raw = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh descriptor of ours.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: our descriptor.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 64) }, 0);
+        let e = Table::map(&fd, libc::PROT_READ).err().expect("a 64-byte table was accepted");
+        assert!(e.to_string().contains("expected"), "{e}");
+    }
+}
