@@ -932,6 +932,15 @@ gsc_status_t gsc_gpu_mem_alloc(void **ptr_p, size_t size);
 /** Free memory from gsc_gpu_mem_alloc() (NULL: nothing to do). Any other pointer, one inside an
  *  allocation, or one freed already is GSC_ERR_INVALID_PARAM, and nothing is freed. */
 gsc_status_t gsc_gpu_mem_free(void *ptr);
+/** Close this process's mappings of peer GPU memory that the peers have freed (or replaced), and
+ *  write how many were closed to `*closed_p` (NULL: not wanted). A mapping keeps the memory of a
+ *  peer's allocation in use after its owner frees it. Once the owner finds the allocation gone
+ *  (when it next shares GPU memory), gscomm unmaps a VMM mapping (gsc_gpu_mem_alloc, PyTorch's
+ *  expandable segments) by itself, but closing a legacy one (cudaMalloc memory) synchronizes the
+ *  device, so those wait for this call. Call it only where no stream waits on a gscomm operation
+ *  and no thread of the process is inside a group of calls, e.g. after synchronizing every
+ *  stream that has gscomm work. Every mapping is tried; the first failure is returned. */
+gsc_status_t gsc_release_peer_mappings(size_t *closed_p);
 
 /** GSC_OK, or why the communicator's work cannot be trusted: GSC_ERR_TIMED_OUT when a collective
  *  or gsc_comm_transfers() kernel gave up waiting for a peer (GSC_TIMEOUT), GSC_ERR_INVALID_PARAM

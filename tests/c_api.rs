@@ -781,6 +781,12 @@ static void stale_handles(gsc_context_h ctx)
     EXPECT_STATUS(gsc_gpu_mem_free(buf), GSC_ERR_INVALID_PARAM, "");
     EXPECT(gsc_gpu_mem_free(NULL) == GSC_OK);
     EXPECT_STATUS(gsc_gpu_mem_alloc(NULL, 64), GSC_ERR_INVALID_PARAM, "ptr_p is NULL");
+    /* No peer memory mapped in this process: nothing to close, GPU or not; NULL is allowed. */
+    {
+        size_t closed = 99;
+        EXPECT(gsc_release_peer_mappings(&closed) == GSC_OK && closed == 0);
+        EXPECT(gsc_release_peer_mappings(NULL) == GSC_OK);
+    }
     EXPECT(gsc_get_unique_id(&uid) == GSC_OK);
     if (gsc_comm_init_rank(&comm, 1, &uid, 0, 0) == GSC_OK) {
         gsc_comm_h sub = NULL, again = NULL;

@@ -393,6 +393,23 @@ pub unsafe extern "C" fn gsc_gpu_mem_free(ptr: *mut c_void) -> i32 {
     })
 }
 
+/// `gsc_release_peer_mappings`: close the mappings of peer allocations their owners freed
+/// (`cuda::api::release_retired_peer_mappings`).
+///
+/// # Safety
+/// `closed_p` is NULL or points to a writable size_t.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gsc_release_peer_mappings(closed_p: *mut usize) -> i32 {
+    ffi_guard("gsc_release_peer_mappings", || {
+        let closed = crate::cuda::api::release_retired_peer_mappings()?;
+        if !closed_p.is_null() {
+            // SAFETY: the caller's contract.
+            unsafe { *closed_p = closed };
+        }
+        Ok(Status::Ok.code())
+    })
+}
+
 /// `gsc_comm_query`: GSC_OK, or why the communicator's collectives cannot be trusted (a kernel
 /// gave up waiting for a peer).
 #[unsafe(no_mangle)]

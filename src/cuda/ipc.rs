@@ -33,6 +33,14 @@
 //!   at a point where no stream waits on gscomm (`cuda::api::release_retired_peer_mappings`), or
 //!   the process exits.
 //!
+//! A peer that frees an allocation without mapping new memory at its address is found out
+//! through its liveness table (`export_life`): every legacy and VMM key says where the owner
+//! publishes whether the allocation still exists, the owner marks it gone when its allocator
+//! frees it or a sweep finds it gone, and `map_peer` looks through the mappings for such ones
+//! (at most once a millisecond; `release_retired` too). They are let go of as replaced ones are:
+//! a VMM mapping unmapped at once, a legacy one retired. Without that, a mapping kept the peer's
+//! memory used until this process exited (`docs/probes/ipc_free_held.py`).
+//!
 //! Not covered yet: a VMM buffer that spans several physical allocations (only the mapping its
 //! first byte is in is described, so the receiver refuses the range and the sender pushes the
 //! data through host memory); VMM memory made without `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
