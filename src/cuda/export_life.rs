@@ -351,17 +351,24 @@ impl PeerTable {
 }
 
 /// The table of the owner (process `pid`) that `life` names: fetched and mapped the first time.
-pub(crate) fn peer_table(pid: u32, life: &Life) -> Result<Arc<PeerTable>> {
-    type Tables = HashMap<(u32, [u8; TOKEN_LEN], u64), Arc<PeerTable>>;
+/// A failure is remembered too (that owner's allocations are then untracked here), so an owner
+/// whose exporter cannot be reached (another network namespace; a stuck process) costs one try,
+/// not one per allocation.
+pub(crate) fn peer_table(pid: u32, life: &Life) -> Option<Arc<PeerTable>> {
+    type Tables = HashMap<(u32, [u8; TOKEN_LEN], u64), Option<Arc<PeerTable>>>;
     static TABLES: Mutex<Option<Tables>> = Mutex::new(None);
     let key = (pid, life.token, life.table_id);
     if let Some(t) = TABLES.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|m| m.get(&key)) {
-        return Ok(t.clone());
+        return t.clone();
     }
-    let fd = fd_pass::fetch_fd(&SocketName { pid, token: life.token }, life.table_id, FETCH_TIMEOUT)?;
-    let table = Arc::new(PeerTable(Table::map(&fd, libc::PROT_READ)?));
+    let fetched = fd_pass::fetch_fd(&SocketName { pid, token: life.token }, life.table_id, FETCH_TIMEOUT)
+        .and_then(|fd| Table::map(&fd, libc::PROT_READ))
+        .map(|t| Arc::new(PeerTable(t)));
+    if let Err(e) = &fetched {
+        tracing::debug!(target: "gsc::cuda", pid, error = %e, "no liveness table from this peer: mappings of its memory are kept until replaced");
+    }
     let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
-    Ok(tables.get_or_insert_with(HashMap::new).entry(key).or_insert(table).clone())
+    tables.get_or_insert_with(HashMap::new).entry(key).or_insert(fetched.ok()).clone()
 }
 
 #[cfg(test)]
@@ -436,6 +443,29 @@ mod tests {
         let mut half = none.clone();
         half[TOKEN_LEN + 12] = 1;
         assert!(Life::decode(&half).is_err(), "no table but a serial");
+    }
+
+    #[test]
+    fn an_importer_fetches_the_table_through_the_exporter_and_sees_a_free() {
+        // This process as both owner and importer: the table goes through the fd exporter's
+        // socket as it would to another process. No GPU: tracking and `gone` make no driver call.
+        let (id_a, id_b) = (u64::MAX - 0x1000, u64::MAX - 0x1001);
+        let a = track(0x7000_0000, id_a, 0, None).expect("tracked");
+        let b = track(0x7100_0000, id_b, 0, Some(5)).expect("tracked");
+        assert_eq!(track(0x7000_0000, id_a, 0, None), Some(a), "a second export of one allocation has the same entry");
+        assert_ne!(track(0x7100_0000, id_b, 0, Some(6)), Some(b), "another VMM handle under the same buffer id is another allocation");
+        let table = peer_table(std::process::id(), &a).expect("the table through the socket");
+        assert!(table.alive(&a) && table.alive(&b));
+        gone(id_a);
+        assert!(!table.alive(&a), "a free was not seen");
+        assert!(table.alive(&b));
+        gone(id_b);
+        assert!(!table.alive(&b));
+        // An owner that cannot be reached: no table, at once, and remembered.
+        let nowhere = Life { token: [0xEE; TOKEN_LEN], ..a };
+        let t0 = std::time::Instant::now();
+        assert!(peer_table(1, &nowhere).is_none() && peer_table(1, &nowhere).is_none());
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     }
 
     #[test]

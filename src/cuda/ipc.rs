@@ -524,14 +524,8 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
         }
     };
     // Where the owner will tell us it freed the allocation; without it (an owner whose table
-    // cannot be reached) the mapping is kept as before.
-    let life = key.life.and_then(|l| match export_life::peer_table(key.pid, &l) {
-        Ok(t) => Some((t, l)),
-        Err(e) => {
-            tracing::debug!(target: "gsc::cuda", pid = key.pid, error = %e, "no liveness table from the peer: its mapping is kept until replaced");
-            None
-        }
-    });
+    // cannot be reached) the mapping is kept until replaced, as before.
+    let life = key.life.and_then(|l| export_life::peer_table(key.pid, &l).map(|t| (t, l)));
     let m = Mapping { life, ..m };
     let at = within(&m);
     map.insert(slot, m);
