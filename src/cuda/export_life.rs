@@ -14,14 +14,21 @@
 //! `vmm::server`), one 64-bit slot per exported allocation, holding `serial << 1 | 1` while the
 //! allocation lives. Every key of an allocation carries where the table is and its slot and
 //! serial (`Life`). An allocation is known to be gone when gscomm's allocator frees it (`gone`)
-//! or when a sweep finds evidence at its address (`sweep_step`, a few entries per export, so its
-//! cost per call is bounded): the driver names another buffer id there, or says no allocation
-//! is there, or (VMM) another physical allocation is mapped there. Only such evidence counts: a
-//! query that fails otherwise keeps the entry, because a mapping let go of while a peer still
-//! reads through it would fault. A freed slot is reused with a new serial.
+//! or when a sweep finds evidence at its address (`sweep`): the driver names another buffer id
+//! there, or says no allocation is there, or (VMM) another physical allocation is mapped there.
+//! Only such evidence counts: a query that fails otherwise keeps the entry, because a mapping
+//! let go of while a peer still reads through it would fault. A freed slot is reused with a new
+//! serial.
 //!
 //! Importer side: `PeerTable` maps an owner's table read-only (fetched once per owner) and
-//! answers `alive` with one load. `ipc` looks at its mappings' slots (`ipc::let_go_of_freed`).
+//! answers `alive` with one load. `ipc` looks at its mappings' slots
+//! (`ipc::let_go_of_freed_mappings`).
+//!
+//! Both run on a thread of their own (`janitor`), every `JANITOR_PERIOD`, started with the first
+//! tracked export or mapping: so memory comes back within a few periods of its free whether or
+//! not the program keeps communicating (a program replaying CUDA graphs makes no call that
+//! would look), and no call pays for the looking. The driver calls it makes (pointer and handle
+//! queries, `cuMemUnmap`) do not wait for the device (`docs/probes/vmm_block.py`).
 //!
 //! Why letting go is safe once the owner freed: a peer frees a buffer only after its own
 //! operations on it completed, and those complete only after our reads of it (the collective
@@ -31,7 +38,7 @@ use super::copy::primary_context;
 use super::{CtxScope, cu};
 use crate::error::{Error, Result, Status};
 use crate::transport::fd_pass::{self, SocketName, TOKEN_LEN};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,9 +49,8 @@ use std::time::Duration;
 /// their peers keep their mappings, as before this module.
 const SLOTS: usize = 4096;
 
-/// Entries a sweep step looks at: one pointer query each (plus a handle query for VMM; four
-/// pointer attributes in one query cost ~0.1–0.16 µs on the H200s, `memory::device_ptr`).
-const SWEEP_PER_STEP: usize = 4;
+/// How often the janitor looks: an owner's free reaches its peers within about two periods.
+const JANITOR_PERIOD: Duration = Duration::from_millis(100);
 
 /// How long an importer waits for an owner's table (its exporter thread answers at once unless
 /// its process is stuck or gone).
@@ -188,8 +194,6 @@ struct Owner {
     table_id: u64,
     /// Buffer id (and, for VMM, handle) -> its entry.
     tracked: HashMap<(u64, Option<u64>), Tracked>,
-    /// Sweep order (keys of `tracked`; stale ones are skipped).
-    order: VecDeque<(u64, Option<u64>)>,
     free_slots: Vec<u32>,
     next_slot: u32,
     next_serial: u32,
@@ -215,7 +219,6 @@ fn start_owner() -> Result<Owner> {
         token: name.token,
         table_id,
         tracked: HashMap::new(),
-        order: VecDeque::new(),
         free_slots: Vec::new(),
         next_slot: 0,
         next_serial: 1,
@@ -261,7 +264,7 @@ pub(crate) fn track(addr: u64, buffer_id: u64, device: i32, vmm_handle: Option<u
         o.next_serial = o.next_serial.checked_add(1).unwrap_or(1);
         o.table.word(slot).store(slot_word(serial), Ordering::Release);
         o.tracked.insert(key, Tracked { slot, serial, addr, device, vmm_handle });
-        o.order.push_back(key);
+        ensure_janitor();
         Some(Life { token: o.token, table_id: o.table_id, slot, serial })
     })
 }
@@ -288,35 +291,61 @@ pub(crate) fn gone(buffer_id: u64) {
     }
 }
 
-/// Look at the next few watched allocations and tell the peers of those that are evidently
-/// gone. Called on every export (a context push and a few queries), so a program that keeps
-/// communicating finds its frees out.
-pub(crate) fn sweep_step() {
+/// Look at every watched allocation and tell the peers of those that are evidently gone: a
+/// pointer query each (plus a handle query for VMM; four pointer attributes in one query cost
+/// ~0.1–0.16 µs on the H200s, `memory::device_ptr`).
+fn sweep() {
     let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
     let OwnerState::Running(o) = &mut *state else { return };
-    if o.pid != std::process::id() || o.order.is_empty() {
+    if o.pid != std::process::id() {
         return;
     }
-    // The queries need a context: one entered per GPU met in this step (usually one).
+    // The queries need a context: one entered per GPU met (usually one).
     let mut scope: Option<(i32, CtxScope)> = None;
-    for _ in 0..SWEEP_PER_STEP.min(o.order.len()) {
-        let Some(key) = o.order.pop_front() else { break };
-        let Some(t) = o.tracked.get(&key) else { continue };
+    let mut gone_now = Vec::new();
+    for (key, t) in &o.tracked {
         if scope.as_ref().is_none_or(|(d, _)| *d != t.device) {
             scope = None;
-            let Ok(s) = primary_context(t.device).and_then(CtxScope::enter) else {
-                o.order.push_back(key);
-                continue;
-            };
+            let Ok(s) = primary_context(t.device).and_then(CtxScope::enter) else { continue };
             scope = Some((t.device, s));
         }
         if evidently_gone(t, key.0) {
             tracing::debug!(target: "gsc::cuda", addr = format_args!("{:#x}", t.addr), "an exported allocation was freed; its peers are told");
-            retire(o, key);
-        } else {
-            o.order.push_back(key);
+            gone_now.push(*key);
         }
     }
+    drop(scope);
+    for key in gone_now {
+        retire(o, key);
+    }
+}
+
+/// Start the janitor thread (once per process; a forked child starts its own).
+fn ensure_janitor() {
+    static STARTED: Mutex<Option<u32>> = Mutex::new(None);
+    let mut started = STARTED.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if *started == Some(pid) {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("gsc-peer-memory".into()).spawn(|| {
+        loop {
+            std::thread::sleep(JANITOR_PERIOD);
+            sweep();
+            super::ipc::let_go_of_freed_mappings();
+        }
+    });
+    match spawned {
+        Ok(_) => *started = Some(pid),
+        Err(e) => {
+            tracing::warn!(target: "gsc::cuda", error = %e, "no thread to watch for freed GPU memory: peers let go of it only when it is replaced")
+        }
+    }
+}
+
+/// A peer's allocation with a liveness entry was mapped here: the janitor will watch it.
+pub(crate) fn watch_mappings() {
+    ensure_janitor();
 }
 
 /// Whether the driver shows that the allocation `t` (buffer id `buffer_id`) no longer exists
@@ -383,7 +412,6 @@ mod tests {
             token: [9; TOKEN_LEN],
             table_id: 3,
             tracked: HashMap::new(),
-            order: VecDeque::new(),
             free_slots: Vec::new(),
             next_slot: 0,
             next_serial: 1,
@@ -448,12 +476,13 @@ mod tests {
     #[test]
     fn an_importer_fetches_the_table_through_the_exporter_and_sees_a_free() {
         // This process as both owner and importer: the table goes through the fd exporter's
-        // socket as it would to another process. No GPU: tracking and `gone` make no driver call.
+        // socket as it would to another process. No GPU: tracking and `gone` make no driver call,
+        // and the janitor's sweep skips entries of a device that does not exist (-1).
         let (id_a, id_b) = (u64::MAX - 0x1000, u64::MAX - 0x1001);
-        let a = track(0x7000_0000, id_a, 0, None).expect("tracked");
-        let b = track(0x7100_0000, id_b, 0, Some(5)).expect("tracked");
-        assert_eq!(track(0x7000_0000, id_a, 0, None), Some(a), "a second export of one allocation has the same entry");
-        assert_ne!(track(0x7100_0000, id_b, 0, Some(6)), Some(b), "another VMM handle under the same buffer id is another allocation");
+        let a = track(0x7000_0000, id_a, -1, None).expect("tracked");
+        let b = track(0x7100_0000, id_b, -1, Some(5)).expect("tracked");
+        assert_eq!(track(0x7000_0000, id_a, -1, None), Some(a), "a second export of one allocation has the same entry");
+        assert_ne!(track(0x7100_0000, id_b, -1, Some(6)), Some(b), "another VMM handle under the same buffer id is another allocation");
         let table = peer_table(std::process::id(), &a).expect("the table through the socket");
         assert!(table.alive(&a) && table.alive(&b));
         gone(id_a);

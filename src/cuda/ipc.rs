@@ -36,8 +36,8 @@
 //! A peer that frees an allocation without mapping new memory at its address is found out
 //! through its liveness table (`export_life`): every legacy and VMM key says where the owner
 //! publishes whether the allocation still exists, the owner marks it gone when its allocator
-//! frees it or a sweep finds it gone, and `map_peer` looks through the mappings for such ones
-//! (at most once a millisecond; `release_retired` too). They are let go of as replaced ones are:
+//! frees it or its sweep finds it gone, and a thread of ours looks through the mappings for such
+//! ones every 100 ms (`release_retired` too). They are let go of as replaced ones are:
 //! a VMM mapping unmapped at once, a legacy one retired. Without that, a mapping kept the peer's
 //! memory used until this process exited (`docs/probes/ipc_free_held.py`).
 //!
@@ -55,7 +55,6 @@ use super::{CtxScope, check, cu};
 use crate::error::{Error, Result, Status};
 use crate::transport::fd_pass::{SocketName, TOKEN_LEN};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 const KIND_LEGACY_IPC: u8 = 1;
@@ -211,8 +210,6 @@ pub(crate) fn export(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
         Vmm,
     }
     static EXPORTED: Mutex<Option<HashMap<u64, Exported>>> = Mutex::new(None);
-    // Find out what this process freed since (a few allocations per export).
-    export_life::sweep_step();
     let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
     let map = cache.get_or_insert_with(HashMap::new);
     match map.get(&ptr.buffer_id) {
@@ -305,12 +302,6 @@ struct Mapping {
 type Mappings = HashMap<(u32, u64, i32), Mapping>;
 static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
 
-/// When `map` was last looked through for freed allocations (ns since `LOOKED_EPOCH`).
-static LOOKED_AT: AtomicU64 = AtomicU64::new(0);
-static LOOKED_EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-/// `map_peer` looks for freed allocations at most this often (a load per tracked mapping).
-const LOOK_EVERY_NS: u64 = 1_000_000;
-
 /// Let go of every mapping whose allocation its owner has freed (`export_life`): a VMM one is
 /// unmapped now, a legacy one retired (closing it synchronizes the device: `release_retired`).
 fn let_go_of_freed(map: &mut Mappings) {
@@ -335,11 +326,9 @@ fn let_go_of_freed(map: &mut Mappings) {
     }
 }
 
-/// `let_go_of_freed`, at most once per `LOOK_EVERY_NS`.
-fn let_go_of_freed_now_and_then(map: &mut Mappings) {
-    let now = LOOKED_EPOCH.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64;
-    let last = LOOKED_AT.load(Ordering::Relaxed);
-    if now.saturating_sub(last) >= LOOK_EVERY_NS && LOOKED_AT.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+/// `let_go_of_freed` on this process's mappings (`export_life`'s janitor calls it).
+pub(crate) fn let_go_of_freed_mappings() {
+    if let Some(map) = MAPPED.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
         let_go_of_freed(map);
     }
 }
@@ -373,9 +362,7 @@ fn let_go(o: Opened) {
 /// (never on the proxy thread). Returns how many were closed; every one is tried, and the first
 /// failure is returned after.
 pub(crate) fn release_retired() -> Result<usize> {
-    if let Some(map) = MAPPED.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        let_go_of_freed(map);
-    }
+    let_go_of_freed_mappings();
     let retired = std::mem::take(&mut *RETIRED.lock().unwrap_or_else(|e| e.into_inner()));
     let (mut done, mut first_err) = (0, None);
     for o in retired {
@@ -462,7 +449,6 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     let is_vmm = matches!(ident, Ident::Vmm(..));
     let mut cache = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
     let map = cache.get_or_insert_with(HashMap::new);
-    let_go_of_freed_now_and_then(map);
     let slot = (key.pid, key.base, device);
     let within = |m: &Mapping| -> Result<u64> {
         if offset + len as u64 > m.size {
@@ -526,6 +512,9 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
     // Where the owner will tell us it freed the allocation; without it (an owner whose table
     // cannot be reached) the mapping is kept until replaced, as before.
     let life = key.life.and_then(|l| export_life::peer_table(key.pid, &l).map(|t| (t, l)));
+    if life.is_some() {
+        export_life::watch_mappings();
+    }
     let m = Mapping { life, ..m };
     let at = within(&m);
     map.insert(slot, m);
