@@ -176,6 +176,7 @@ impl Drop for Table {
 // Owner side.
 
 /// One exported allocation being watched.
+#[derive(Clone)]
 struct Tracked {
     slot: u32,
     serial: u32,
@@ -293,30 +294,38 @@ pub(crate) fn gone(buffer_id: u64) {
 
 /// Look at every watched allocation and tell the peers of those that are evidently gone: a
 /// pointer query each (plus a handle query for VMM; four pointer attributes in one query cost
-/// ~0.1–0.16 µs on the H200s, `memory::device_ptr`).
+/// ~0.1–0.16 µs on the H200s, `memory::device_ptr`). The queries run without the lock, so an
+/// export never waits for a sweep; an entry retired or replaced meanwhile is left alone.
 fn sweep() {
-    let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
-    let OwnerState::Running(o) = &mut *state else { return };
-    if o.pid != std::process::id() {
-        return;
-    }
+    let watched: Vec<((u64, Option<u64>), Tracked)> = {
+        let state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
+        match &*state {
+            OwnerState::Running(o) if o.pid == std::process::id() => o.tracked.iter().map(|(k, t)| (*k, t.clone())).collect(),
+            _ => return,
+        }
+    };
     // The queries need a context: one entered per GPU met (usually one).
     let mut scope: Option<(i32, CtxScope)> = None;
     let mut gone_now = Vec::new();
-    for (key, t) in &o.tracked {
+    for (key, t) in watched {
         if scope.as_ref().is_none_or(|(d, _)| *d != t.device) {
             scope = None;
             let Ok(s) = primary_context(t.device).and_then(CtxScope::enter) else { continue };
             scope = Some((t.device, s));
         }
-        if evidently_gone(t, key.0) {
+        if evidently_gone(&t, key.0) {
             tracing::debug!(target: "gsc::cuda", addr = format_args!("{:#x}", t.addr), "an exported allocation was freed; its peers are told");
-            gone_now.push(*key);
+            gone_now.push((key, t.serial));
         }
     }
     drop(scope);
-    for key in gone_now {
-        retire(o, key);
+    let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
+    if let OwnerState::Running(o) = &mut *state {
+        for (key, serial) in gone_now {
+            if o.tracked.get(&key).is_some_and(|t| t.serial == serial) {
+                retire(o, key);
+            }
+        }
     }
 }
 
