@@ -143,7 +143,9 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 .collect()
         }
         "device_key" => {
-            use crate::cuda::ipc::{DeviceKey, KeyKind};
+            use crate::cuda::export_life::Life;
+            use crate::cuda::ipc::{DeviceKey, KeyKind, VmmRef};
+            use crate::transport::fd_pass::TOKEN_LEN;
             vec![
                 DeviceKey { pid: 1, base: 0x7000_0000, size: 1 << 20, kind: KeyKind::SameProcess, life: None }.encode(),
                 DeviceKey {
@@ -152,6 +154,14 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                     size: 1 << 20,
                     kind: KeyKind::Legacy([7; crate::cuda::ipc::HANDLE_LEN]),
                     life: None,
+                }
+                .encode(),
+                DeviceKey {
+                    pid: 1,
+                    base: 0x7000_0000,
+                    size: 2 << 20,
+                    kind: KeyKind::Vmm(VmmRef { token: [3; TOKEN_LEN], export_id: 2, phys_offset: 0 }),
+                    life: Some(Life { token: [3; TOKEN_LEN], table_id: 1, slot: 5, serial: 9 }),
                 }
                 .encode(),
             ]

@@ -40,7 +40,7 @@ mod coll_pipelined;
 pub(crate) mod coll_ring;
 pub(crate) mod copy;
 mod device_handle;
-mod export_life;
+pub(crate) mod export_life;
 pub(crate) mod host_round;
 pub(crate) mod ipc;
 mod kernel_cache;
