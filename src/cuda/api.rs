@@ -341,8 +341,9 @@ pub fn ipc_export_kind(ptr: u64) -> Result<&'static str> {
 
 /// Close the legacy (`cuIpcOpenMemHandle`) mappings of peer GPU allocations that the peers have
 /// since freed (and told, or replaced), kept until now because closing one synchronizes the
-/// device (VMM mappings are unmapped then: `VmmCounters::replaced`, `VmmCounters::freed`). Call it only where no stream
-/// waits on a gscomm operation, e.g. after synchronizing every stream that has conditions on it.
+/// device (VMM mappings are unmapped then: `VmmCounters::replaced`, `VmmCounters::freed`).
+/// Call it only where no stream waits on a gscomm operation and no thread of the process is
+/// inside a group of calls, e.g. after synchronizing every stream that has conditions on it.
 /// Returns how many were closed.
 pub fn release_retired_peer_mappings() -> Result<usize> {
     super::ipc::release_retired()

@@ -24,7 +24,7 @@
 //! answers `alive` with one load. `ipc` looks at its mappings' slots
 //! (`ipc::let_go_of_freed_mappings`).
 //!
-//! Both run on a thread of their own (`janitor`), every `JANITOR_PERIOD`, started with the first
+//! Both run on a thread of their own (`ensure_janitor`), every `JANITOR_PERIOD`, started with the first
 //! tracked export or mapping: so memory comes back within a few periods of its free whether or
 //! not the program keeps communicating (a program replaying CUDA graphs makes no call that
 //! would look), and no call pays for the looking. The driver calls it makes (pointer and handle
@@ -119,10 +119,12 @@ unsafe impl Sync for Table {}
 const TABLE_BYTES: usize = SLOTS * 8;
 
 impl Table {
-    /// A new table of zeros and the descriptor that shares it.
+    /// A new table of zeros and the descriptor that shares it. The file is sealed once mapped
+    /// here: a peer can map it read-only only, and can neither shrink it (which would fault our
+    /// writes) nor grow it.
     fn create() -> Result<(Table, OwnedFd)> {
         // SAFETY: a NUL-terminated name; flags the kernel knows.
-        let raw = unsafe { libc::memfd_create(c"gsc-export-life".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(c"gsc-export-life".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if raw < 0 {
             return Err(Error::io("memfd_create (export liveness table)", std::io::Error::last_os_error()));
         }
@@ -132,7 +134,15 @@ impl Table {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), TABLE_BYTES as libc::off_t) } != 0 {
             return Err(Error::io("ftruncate (export liveness table)", std::io::Error::last_os_error()));
         }
-        Ok((Table::map(&fd, libc::PROT_READ | libc::PROT_WRITE)?, fd))
+        let table = Table::map(&fd, libc::PROT_READ | libc::PROT_WRITE)?;
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+        // SAFETY: our descriptor; F_ADD_SEALS takes an int of seal bits.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            // Kernels before 5.1 lack F_SEAL_FUTURE_WRITE: same-uid peers are trusted anyway
+            // (transport::fd_pass), so the table still works, only unguarded.
+            tracing::debug!(target: "gsc::cuda", error = %std::io::Error::last_os_error(), "the export liveness table could not be sealed");
+        }
+        Ok((table, fd))
     }
 
     /// Map the table behind `fd` (`prot`: read-only for a peer's).
@@ -504,6 +514,21 @@ mod tests {
         let t0 = std::time::Instant::now();
         assert!(peer_table(1, &nowhere).is_none() && peer_table(1, &nowhere).is_none());
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn a_peer_can_neither_write_nor_shrink_the_table() {
+        let (_table, fd) = Table::create().unwrap();
+        // SAFETY: our descriptor.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_FUTURE_WRITE == 0 {
+            println!("skipped: this kernel cannot seal a memfd against future writes (Linux 5.1+)");
+            return;
+        }
+        assert!(Table::map(&fd, libc::PROT_READ | libc::PROT_WRITE).is_err(), "a writable mapping of a sealed table");
+        // SAFETY: our descriptor.
+        assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 8) }, 0, "a sealed table was shrunk");
+        assert!(Table::map(&fd, libc::PROT_READ).is_ok());
     }
 
     #[test]

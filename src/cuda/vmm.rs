@@ -240,7 +240,8 @@ static EXPORTED: Mutex<Option<(HashMap<u64, Exported>, usize)>> = Mutex::new(Non
 
 /// The allocation with driver buffer id `buffer_id` is being freed by its owner (`cuda::alloc`):
 /// withdraw its export, if any, so the exporter's descriptor no longer pins the physical memory
-/// (the sweep would find it only later). A peer that already imported it keeps its own mapping.
+/// (the sweep would find it only later), and tell the peers that mapped it (`export_life::gone`),
+/// so that they let go of their mappings, which pin it too.
 pub(crate) fn withdraw(buffer_id: u64) {
     super::export_life::gone(buffer_id);
     let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
