@@ -237,7 +237,8 @@ pub(crate) fn export(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
         let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
         // SAFETY: `base` is the start of a live allocation; a valid out-pointer.
         check(unsafe { cu::cuIpcGetMemHandle(&mut h, base) }, "cuIpcGetMemHandle")?;
-        let life = export_life::track(base, ptr.buffer_id, ptr.device, None);
+        // Watched at the address the buffer id was read at: by construction the same allocation.
+        let life = export_life::track(addr as u64, ptr.buffer_id, ptr.device, None);
         Ok(DeviceKey { pid: own_pid(), base, size: size as u64, kind: KeyKind::Legacy(h.reserved.map(|c| c as u8)), life })
     };
     // Buffer ids are never reused, so entries of freed buffers are only dead weight: bound it.
@@ -263,7 +264,9 @@ fn vmm_key(addr: usize, ptr: DevicePtr) -> Result<DeviceKey> {
     let x = vmm::export(addr as u64, ptr.buffer_id, ptr.device)
         .map_err(|e| e.context("this VMM GPU buffer cannot be shared with another process"))?;
     let r = VmmRef { token: x.socket.token, export_id: x.export_id, phys_offset: x.phys_offset };
-    let life = export_life::track(x.base, ptr.buffer_id, ptr.device, Some(x.handle));
+    // Watched at the address the buffer id and the handle were read at (the mapping's base could
+    // be another allocation's where the driver reports only the reservation's range).
+    let life = export_life::track(addr as u64, ptr.buffer_id, ptr.device, Some(x.handle));
     Ok(DeviceKey { pid: x.socket.pid, base: x.base, size: x.size, kind: KeyKind::Vmm(r), life })
 }
 
