@@ -934,10 +934,10 @@ gsc_status_t gsc_gpu_mem_alloc(void **ptr_p, size_t size);
 gsc_status_t gsc_gpu_mem_free(void *ptr);
 /** Close this process's mappings of peer GPU memory that the peers have freed (or replaced), and
  *  write how many were closed to `*closed_p` (NULL: not wanted). A mapping keeps the memory of a
- *  peer's allocation in use after its owner frees it. Once the owner finds the allocation gone
- *  (when it next shares GPU memory), gscomm unmaps a VMM mapping (gsc_gpu_mem_alloc, PyTorch's
- *  expandable segments) by itself, but closing a legacy one (cudaMalloc memory) synchronizes the
- *  device, so those wait for this call. Call it only where no stream waits on a gscomm operation
+ *  peer's allocation in use after its owner frees it. A thread of each process finds its frees
+ *  and unmaps the VMM mappings of peers' freed memory (gsc_gpu_mem_alloc, PyTorch's expandable
+ *  segments) by itself, 2 s later. Closing a legacy one (cudaMalloc memory) synchronizes the
+ *  device, so those wait for this call, which also unmaps VMM ones without waiting out the 2 s. Call it only where no stream waits on a gscomm operation
  *  and no thread of the process is inside a group of calls, e.g. after synchronizing every
  *  stream that has gscomm work. Every mapping is tried; the first failure is returned. */
 gsc_status_t gsc_release_peer_mappings(size_t *closed_p);

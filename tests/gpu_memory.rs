@@ -19,6 +19,13 @@ use gscomm::cuda::api::{
 use gscomm::{Context, Direction, Endpoint, Engine, PrepareParams, RequestParams, Started, Status, Worker};
 use std::time::{Duration, Instant};
 
+/// The tests of this binary share the GPUs, and one of them reads the device's free memory
+/// (`vmm_send_buffer_read_by_another_process_through_fd_passing`): they run one at a time.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static GPUS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GPUS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const T: Duration = Duration::from_secs(300);
 
 const KERNELS: &str = r#"
@@ -938,6 +945,7 @@ fn gpu_buffers_between_two_gpus_ipc_and_staged() {
     if run_child_role(two_roles) {
         return;
     }
+    let _gpus = one_at_a_time();
     if let Some(why) = gpu_skip(2) {
         eprintln!("skipped: {why}");
         return;
@@ -1085,6 +1093,7 @@ fn seed_graph_broadcast_across_three_gpus() {
     if run_child_role(bcast_roles) {
         return;
     }
+    let _gpus = one_at_a_time();
     if let Some(why) = gpu_skip(3) {
         eprintln!("skipped: {why}");
         return;
@@ -1154,7 +1163,7 @@ const VMM_CASES: &[(usize, usize, usize, u64)] = &[
 /// Bytes of the last two messages: the first from a VMM allocation, the second from a new
 /// allocation mapped at the same address after the first was freed (PyTorch's expandable
 /// segments reuse their ranges so). The receiver must read the new memory, and its mapping of
-/// the old is unmapped at once (`VmmCounters::replaced`), not retired.
+/// the old is unmapped (after a grace of 2 s: `VmmCounters::replaced`), not retired.
 const VMM_REPLACED_BYTES: usize = 1 << 20;
 
 /// Then a freed allocation, VMM and legacy (`cuMemAlloc`): one message of this size from it,
@@ -1208,9 +1217,9 @@ fn vmm_receiver(role: &str, chan: &dyn Chan, ctx: Context) {
             tag += 1;
         }
     }
-    // The sender's thread finds its frees, and ours unmaps the freed VMM mappings, within a few
-    // of their 100 ms periods, with no call of ours: wait for that (bounded).
-    let deadline = Instant::now() + Duration::from_secs(5);
+    // The sender's thread finds its frees, and ours unmaps the freed VMM mappings 2 s later (the
+    // grace for reads of a round a peer gave up on), with no call of ours: wait (bounded).
+    let deadline = Instant::now() + Duration::from_secs(10);
     while vmm_counters().freed == before.freed && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -1243,6 +1252,7 @@ fn vmm_send_buffer_read_by_another_process_through_fd_passing() {
     if run_child_role(vmm_receiver) {
         return;
     }
+    let _gpus = one_at_a_time();
     if let Some(why) = gpu_skip(1) {
         eprintln!("skipped: {why}");
         return;
@@ -1312,6 +1322,9 @@ fn vmm_send_buffer_read_by_another_process_through_fd_passing() {
         assert_eq!(c.status, Status::Ok, "send {s} of case {case}");
         tag += 1;
     };
+    // The baseline: nothing of this part allocated yet (the receiver's buffers of earlier
+    // messages were freed when it read them).
+    let free_before = mem_get_info().unwrap().0;
     let (mut free_with_big, mut kept) = (Vec::new(), Vec::new());
     for (vmm, case) in [(true, VMM_CASES.len() + 1), (false, VMM_CASES.len() + 3)] {
         let alloc = |n| if vmm { DeviceBuf::new_vmm(n) } else { DeviceBuf::new(n) }.unwrap();
@@ -1345,14 +1358,21 @@ fn vmm_send_buffer_read_by_another_process_through_fd_passing() {
     // first (then they count as replaced).
     assert!(field("freed").parse::<u64>().unwrap() >= 1, "no mapping of a freed VMM allocation was unmapped: {theirs}");
     assert_eq!(field("released"), "Ok(1)", "VMM mappings are unmapped, the freed legacy one retired and closed: {theirs}");
-    let free_now = mem_get_info().unwrap().0;
-    eprintln!("sender: free memory with the big allocations {free_with_big:?}, after the receiver let go {free_now}");
-    for (what, with_big) in ["VMM", "legacy"].iter().zip(&free_with_big) {
-        assert!(
-            free_now >= with_big + FREED_BYTES * 3 / 4,
-            "the freed {what} allocation's memory did not come back: {free_now} free, {with_big} with it"
-        );
+    // Both big allocations' memory must come back (the receiver unmaps the VMM one by itself
+    // after a grace of 2 s, and closed the legacy one before it reported): all but the later
+    // buffers' few MiB and some slack for the driver, within a bound.
+    let slack = 64 << 20;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut free_now = mem_get_info().unwrap().0;
+    while free_now + slack < free_before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        free_now = mem_get_info().unwrap().0;
     }
+    eprintln!("sender: free memory {free_before} before, {free_with_big:?} with each big allocation, {free_now} after the receiver let go");
+    assert!(
+        free_now + slack >= free_before,
+        "the freed allocations' memory did not come back: {free_now} free now, {free_before} before them ({free_with_big:?} with each)"
+    );
     p.put("bye", &[]);
     ep.close().unwrap();
     let deadline = Instant::now() + T;
@@ -1449,6 +1469,7 @@ fn prepared_ring_across_four_gpus() {
     if run_child_role(ring_roles) {
         return;
     }
+    let _gpus = one_at_a_time();
     if let Some(why) = gpu_skip(RING as i32) {
         eprintln!("skipped: {why}");
         return;
@@ -1604,6 +1625,7 @@ fn mem_alloc_carved_into_send_and_receive_buffers_between_two_processes() {
     if run_child_role(carved_peer) {
         return;
     }
+    let _gpus = one_at_a_time();
     if let Some(why) = gpu_skip(1) {
         eprintln!("skipped: {why}");
         return;

@@ -313,7 +313,7 @@ pub struct VmmCounters {
     pub imported: u64,
     /// Reads of peer memory that went through such a mapping (one per rendezvous read).
     pub reads: u64,
-    /// Mappings unmapped at once because the peer freed their allocation and made a new one at
+    /// Mappings unmapped (2 s later) because the peer freed their allocation and made a new one at
     /// the same address (legacy mappings are retired instead: `release_retired_peer_mappings`).
     pub replaced: u64,
     /// Mappings unmapped because the peer freed their allocation (the peer tells, through its

@@ -24,10 +24,11 @@
 //! answers `alive` with one load. `ipc` looks at its mappings' slots
 //! (`ipc::let_go_of_freed_mappings`).
 //!
-//! Both run on a thread of their own (`ensure_janitor`), every `JANITOR_PERIOD`, started with the first
-//! tracked export or mapping: so memory comes back within a few periods of its free whether or
-//! not the program keeps communicating (a program replaying CUDA graphs makes no call that
-//! would look), and no call pays for the looking. The driver calls it makes (pointer and handle
+//! Both run on a thread of their own (`ensure_janitor`), every `JANITOR_PERIOD`, started with the
+//! first tracked export or mapping, which also unmaps VMM mappings `ipc::GRACE` (2 s) after they
+//! were let go of: so memory comes back within about 2.2 s of its free whether or not the
+//! program keeps communicating (a program replaying CUDA graphs makes no call that would look),
+//! and no call pays for the looking. The driver calls it makes (pointer and handle
 //! queries, `cuMemUnmap`) do not wait for the device (`docs/probes/vmm_block.py`).
 //!
 //! Why letting go is safe once the owner freed: a peer frees a buffer only after its own
@@ -41,7 +42,7 @@ use crate::transport::fd_pass::{self, SocketName, TOKEN_LEN};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -136,10 +137,13 @@ impl Table {
         }
         let table = Table::map(&fd, libc::PROT_READ | libc::PROT_WRITE)?;
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
-        // SAFETY: our descriptor; F_ADD_SEALS takes an int of seal bits.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            // Kernels before 5.1 lack F_SEAL_FUTURE_WRITE: same-uid peers are trusted anyway
-            // (transport::fd_pass), so the table still works, only unguarded.
+        let seal = |bits: libc::c_int| {
+            // SAFETY: our descriptor; F_ADD_SEALS takes an int of seal bits.
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, bits) == 0 }
+        };
+        // Kernels before 5.1 lack F_SEAL_FUTURE_WRITE: then at least no resizing. Same-uid
+        // peers are trusted anyway (transport::fd_pass), so the table works either way.
+        if !seal(seals) && !seal(libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL) {
             tracing::debug!(target: "gsc::cuda", error = %std::io::Error::last_os_error(), "the export liveness table could not be sealed");
         }
         Ok((table, fd))
@@ -218,6 +222,15 @@ enum OwnerState {
 }
 
 static OWNER: Mutex<OwnerState> = Mutex::new(OwnerState::Unstarted);
+/// The process whose table `OWNER` holds (0: none yet), read before taking the lock: a child
+/// forked while another thread held it must not wait for a lock nobody will release.
+static OWNER_PID: AtomicU32 = AtomicU32::new(0);
+
+/// Whether this process may touch `OWNER` (a forked child of its owner may not).
+fn owner_is_us() -> bool {
+    let pid = OWNER_PID.load(Ordering::Acquire);
+    pid == 0 || pid == std::process::id()
+}
 
 fn start_owner() -> Result<Owner> {
     let srv = super::vmm::server()?;
@@ -237,10 +250,16 @@ fn start_owner() -> Result<Owner> {
 }
 
 fn with_owner<T>(f: impl FnOnce(&mut Owner) -> Option<T>) -> Option<T> {
+    if !owner_is_us() {
+        return None;
+    }
     let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
     if matches!(*state, OwnerState::Unstarted) {
         *state = match start_owner() {
-            Ok(o) => OwnerState::Running(o),
+            Ok(o) => {
+                OWNER_PID.store(o.pid, Ordering::Release);
+                OwnerState::Running(o)
+            }
             Err(e) => {
                 tracing::warn!(target: "gsc::cuda", error = %e, "no export liveness table: peers keep their mappings of memory this process frees until it maps new memory there or they exit");
                 OwnerState::Failed
@@ -290,6 +309,9 @@ fn retire(o: &mut Owner, key: (u64, Option<u64>)) {
 /// The allocation with buffer id `buffer_id` is being freed by gscomm's allocator: tell its
 /// peers now.
 pub(crate) fn gone(buffer_id: u64) {
+    if !owner_is_us() {
+        return;
+    }
     let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
     if let OwnerState::Running(o) = &mut *state {
         if o.pid != std::process::id() {
@@ -307,6 +329,9 @@ pub(crate) fn gone(buffer_id: u64) {
 /// ~0.1–0.16 µs on the H200s, `memory::device_ptr`). The queries run without the lock, so an
 /// export never waits for a sweep; an entry retired or replaced meanwhile is left alone.
 fn sweep() {
+    if !owner_is_us() {
+        return;
+    }
     let watched: Vec<((u64, Option<u64>), Tracked)> = {
         let state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
         match &*state {
@@ -350,8 +375,21 @@ fn ensure_janitor() {
     let spawned = std::thread::Builder::new().name("gsc-peer-memory".into()).spawn(|| {
         loop {
             std::thread::sleep(JANITOR_PERIOD);
-            sweep();
-            super::ipc::let_go_of_freed_mappings();
+            // Its driver calls (handle retains and releases, unmaps) must not break another
+            // thread's capture in the global mode: relaxed for this thread. A panic is logged
+            // and the next period tried; nothing else runs on this thread.
+            let tick = std::panic::catch_unwind(|| {
+                if super::init().is_ok() {
+                    let _ = super::with_relaxed_capture(|| {
+                        sweep();
+                        super::ipc::let_go_of_freed_mappings();
+                        Ok(())
+                    });
+                }
+            });
+            if tick.is_err() {
+                tracing::error!(target: "gsc::cuda", "the peer-memory janitor panicked; trying again next period");
+            }
         }
     });
     match spawned {

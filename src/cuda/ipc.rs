@@ -23,10 +23,12 @@
 //! and export id): a different one at the same base means the peer freed the old allocation and
 //! made a new one there (as PyTorch's expandable segments do, mapping new memory into the same
 //! range). Nothing of ours still reads the old one: the peer frees a buffer only after its own
-//! operations on it completed, and those complete only after our reads of it did. So:
-//! - a VMM mapping is unmapped at once (`vmm::release`). `cuMemUnmap` of an imported mapping
-//!   does not wait for the device: ~0.1 ms on an H100 while a stream waited on a memop and a
-//!   kernel spun (`docs/probes/vmm_block.py 2`, 2026-11-23), so the proxy thread may call it;
+//! operations on it completed, and those complete only after our reads of it did (but for a
+//! round the peer gave up on: hence `GRACE`). So:
+//! - a VMM mapping is unmapped `GRACE` (2 s) later, by `export_life`'s thread. `cuMemUnmap` of an
+//!   imported mapping does not wait for the device: ~0.1 ms on an H100 while a stream waited on
+//!   a memop and a kernel spun (`docs/probes/vmm_block.py 2`, 2026-11-23), so any thread may
+//!   call it;
 //! - a legacy mapping is retired, not closed: `cuIpcCloseMemHandle` synchronizes the device, and
 //!   `map_peer` runs on the proxy thread while user streams may wait on it (measured: it
 //!   deadlocks). Retired mappings keep the peer's freed memory until `release_retired` is called
@@ -38,8 +40,9 @@
 //! publishes whether the allocation still exists, the owner marks it gone when its allocator
 //! frees it or its sweep finds it gone, and a thread of ours looks through the mappings for such
 //! ones every 100 ms (`release_retired` too). They are let go of as replaced ones are:
-//! a VMM mapping unmapped at once, a legacy one retired. Without that, a mapping kept the peer's
-//! memory used until this process exited (`docs/probes/ipc_free_held.py`).
+//! a VMM mapping unmapped after `GRACE`, a legacy one retired. A mapping is looked up by its
+//! liveness entry too, so one whose entry says gone is never used again. Without that, a mapping
+//! kept the peer's memory used until this process exited (`docs/probes/ipc_free_held.py`).
 //!
 //! Not covered yet: a VMM buffer that spans several physical allocations (only the mapping its
 //! first byte is in is described, so the receiver refuses the range and the sender pushes the
@@ -56,6 +59,7 @@ use crate::error::{Error, Result, Status};
 use crate::transport::fd_pass::{SocketName, TOKEN_LEN};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 const KIND_LEGACY_IPC: u8 = 1;
 const KIND_SAME_PROCESS: u8 = 2;
@@ -305,59 +309,96 @@ struct Mapping {
 type Mappings = HashMap<(u32, u64, i32), Mapping>;
 static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
 
-/// Let go of every mapping whose allocation its owner has freed (`export_life`): a VMM one is
-/// unmapped now, a legacy one retired (closing it synchronizes the device: `release_retired`).
+/// How long a VMM mapping stays after it was let go of (its allocation replaced or freed by
+/// its owner), unless the application releases it itself (`release_retired`). A peer frees a
+/// buffer only after its own call on it ended, and that normally means ours ended too. But a
+/// rank that gives up on a round (its timeout, an abort) ends its call while our kernel or copy
+/// may still be reading its buffer, and unmapping under that read would fault this process's
+/// context. Such a read is a few milliseconds of copying from a peer that had arrived (1 GiB at
+/// NVLink speed: ~3 ms), so the grace is hundreds of times that.
+const GRACE: Duration = Duration::from_secs(2);
+
+/// Why a mapping was let go of (which counter its unmap adds to).
+#[derive(Copy, Clone, Debug)]
+enum LetGo {
+    /// The owner made a new allocation at its address.
+    Replaced,
+    /// The owner said it freed the allocation (`export_life`).
+    Freed,
+}
+
+/// VMM mappings let go of, unmapped by `export_life`'s janitor once `GRACE` has passed.
+static DYING: Mutex<Vec<(vmm::Imported, LetGo, Instant)>> = Mutex::new(Vec::new());
+
+/// Mappings of peer allocations that were since replaced or freed; closed by `release_retired`.
+static RETIRED: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
+
+/// Let go of a mapping nothing new will use (it left `MAPPED`): a VMM one is unmapped after
+/// `GRACE`, a legacy one retired (closing it synchronizes the device: `release_retired`).
+fn let_go(o: Opened, why: LetGo) {
+    match o {
+        Opened::Vmm(m) => {
+            DYING.lock().unwrap_or_else(|e| e.into_inner()).push((m, why, Instant::now()));
+            export_life::watch_mappings();
+        }
+        legacy => RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(legacy),
+    }
+}
+
+/// Unmap a peer VMM mapping nobody reads any more, from any thread: with this thread's capture
+/// mode relaxed, so that another thread capturing a stream in the global mode is not broken by
+/// it (`cuMemUnmap` is one of the calls that mode forbids everywhere else). One the driver
+/// refuses to unmap is kept for `release_retired`.
+fn unmap_now(m: vmm::Imported, why: LetGo) {
+    match super::with_relaxed_capture(|| vmm::release(&m)) {
+        Ok(()) => match why {
+            LetGo::Replaced => vmm::count_replaced(),
+            LetGo::Freed => vmm::count_freed(),
+        },
+        Err(e) => {
+            tracing::warn!(target: "gsc::cuda", mapping = ?m, error = %e, "could not unmap a peer VMM mapping; kept for release_retired");
+            RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(Opened::Vmm(m));
+        }
+    }
+}
+
+/// Take every mapping whose allocation its owner has freed (`export_life`) out of `map` and let
+/// go of it.
 fn let_go_of_freed(map: &mut Mappings) {
     let freed: Vec<(u32, u64, i32)> =
         map.iter().filter(|(_, m)| m.life.as_ref().is_some_and(|(t, l)| !t.alive(l))).map(|(k, _)| *k).collect();
     for k in freed {
         if let Some(m) = map.remove(&k) {
             tracing::debug!(target: "gsc::cuda", pid = k.0, base = format_args!("{:#x}", k.1), "the peer freed an allocation mapped here; letting go of the mapping");
-            if let Opened::Vmm(v) = &m.opened {
-                match unmap_now(v) {
-                    Ok(()) => {
-                        vmm::count_freed();
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(target: "gsc::cuda", mapping = ?m.opened, error = %e, "could not unmap a freed peer VMM mapping; kept for release_retired")
-                    }
-                }
-            }
-            RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(m.opened);
+            let_go(m.opened, LetGo::Freed);
         }
     }
 }
 
-/// `let_go_of_freed` on this process's mappings (`export_life`'s janitor calls it).
+/// Unmap the VMM mappings let go of at least `grace` ago.
+fn unmap_dying(grace: Duration) {
+    let due: Vec<(vmm::Imported, LetGo)> = {
+        let mut dying = DYING.lock().unwrap_or_else(|e| e.into_inner());
+        let (due, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut *dying).into_iter().partition(|(_, _, at)| at.elapsed() >= grace);
+        *dying = wait;
+        due.into_iter().map(|(m, why, _)| (m, why)).collect()
+    };
+    for (m, why) in due {
+        unmap_now(m, why);
+    }
+}
+
+/// `export_life`'s janitor, every period: let go of the mappings whose owners freed them, and
+/// unmap those let go of `GRACE` ago. The mappings are skipped while another thread holds them:
+/// `map_peer` may be fetching a descriptor or table under the lock (seconds, at worst), and the
+/// next period comes soon.
 pub(crate) fn let_go_of_freed_mappings() {
-    if let Some(map) = MAPPED.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        let_go_of_freed(map);
+    match MAPPED.try_lock() {
+        Ok(mut cache) => cache.as_mut().map_or((), let_go_of_freed),
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().as_mut().map_or((), let_go_of_freed),
+        Err(std::sync::TryLockError::WouldBlock) => {}
     }
-}
-
-/// Mappings of peer allocations that were since replaced; closed by `release_retired`.
-static RETIRED: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
-
-/// Unmap a peer VMM mapping nobody reads any more, from any thread: with this thread's capture
-/// mode relaxed, so that another thread capturing a stream in the global mode is not broken by
-/// it (`cuMemUnmap` is one of the calls that mode forbids everywhere else).
-fn unmap_now(m: &vmm::Imported) -> Result<()> {
-    super::with_relaxed_capture(|| vmm::release(m))
-}
-
-/// Let go of the mapping of a peer allocation that was replaced (module doc): a VMM one is
-/// unmapped now (kept for `release_retired` if the driver refuses), a legacy one retired.
-fn let_go(o: Opened) {
-    if let Opened::Vmm(m) = &o {
-        match unmap_now(m) {
-            Ok(()) => return vmm::count_replaced(),
-            Err(e) => {
-                tracing::warn!(target: "gsc::cuda", mapping = ?o, error = %e, "could not unmap a replaced peer VMM mapping; kept for release_retired")
-            }
-        }
-    }
-    RETIRED.lock().unwrap_or_else(|e| e.into_inner()).push(o);
+    unmap_dying(GRACE);
 }
 
 /// Close the mappings of replaced peer allocations, and of those their owners have freed.
@@ -365,7 +406,11 @@ fn let_go(o: Opened) {
 /// (never on the proxy thread). Returns how many were closed; every one is tried, and the first
 /// failure is returned after.
 pub(crate) fn release_retired() -> Result<usize> {
-    let_go_of_freed_mappings();
+    // The caller promises nothing of ours still reads them: no grace.
+    if let Some(map) = MAPPED.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        let_go_of_freed(map);
+    }
+    unmap_dying(Duration::ZERO);
     let retired = std::mem::take(&mut *RETIRED.lock().unwrap_or_else(|e| e.into_inner()));
     let (mut done, mut first_err) = (0, None);
     for o in retired {
@@ -462,13 +507,17 @@ pub(crate) fn map_peer(key: &DeviceKey, addr: u64, len: usize, device: i32) -> R
         }
         Ok(m.at + offset)
     };
-    if let Some(m) = map.get(&slot).filter(|m| m.ident == ident) {
+    // A hit needs the same liveness entry too: an owner can map an allocation it had unmapped
+    // back at its address, under the export it had (`vmm::export`'s cache), while the entry our
+    // mapping watches says gone, and the janitor would unmap it under the new use.
+    let same_life = |m: &Mapping| m.life.as_ref().map(|(_, l)| *l) == key.life || m.life.is_none();
+    if let Some(m) = map.get(&slot).filter(|m| m.ident == ident && same_life(m)) {
         return within(m);
     }
     if let Some(old) = map.remove(&slot) {
         // The peer freed that allocation and made a new one at the same address (module doc).
         tracing::debug!(target: "gsc::cuda", pid = key.pid, base = format_args!("{:#x}", key.base), vmm = is_vmm, "peer allocation replaced; letting go of the old mapping");
-        let_go(old.opened);
+        let_go(old.opened, LetGo::Replaced);
     }
     // A VMM import fetches the descriptor from the peer's exporter under this lock: bounded by
     // vmm's fetch timeout, and immediate unless the exporter's process is stuck.
