@@ -354,12 +354,22 @@ fn sweep() {
         }
     }
     drop(scope);
+    let mut retired = Vec::new();
     let mut state = OWNER.lock().unwrap_or_else(|e| e.into_inner());
     if let OwnerState::Running(o) = &mut *state {
         for (key, serial) in gone_now {
             if o.tracked.get(&key).is_some_and(|t| t.serial == serial) {
                 retire(o, key);
+                retired.push(key);
             }
+        }
+    }
+    drop(state);
+    // Our own descriptor of a freed VMM allocation pins its memory as a peer's mapping does: close
+    // it now, so no peer can be handed the old export either.
+    for (buffer_id, handle) in retired {
+        if let Some(h) = handle {
+            super::vmm::withdraw_export(buffer_id, Some(h));
         }
     }
 }

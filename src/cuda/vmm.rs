@@ -244,8 +244,19 @@ static EXPORTED: Mutex<Option<(HashMap<u64, Exported>, usize)>> = Mutex::new(Non
 /// so that they let go of their mappings, which pin it too.
 pub(crate) fn withdraw(buffer_id: u64) {
     super::export_life::gone(buffer_id);
+    withdraw_export(buffer_id, None);
+}
+
+/// Stop serving the export of the allocation with buffer id `buffer_id` (and, if given, handle
+/// value `handle`: another allocation remapped under that id keeps its export) and close its
+/// descriptor, which would pin the memory: `export_life` found it freed.
+pub(crate) fn withdraw_export(buffer_id: u64, handle: Option<u64>) {
     let mut cache = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(x) = cache.as_mut().and_then(|(map, _)| map.remove(&buffer_id)) else { return };
+    let Some((map, _)) = cache.as_mut() else { return };
+    if map.get(&buffer_id).is_none_or(|x| handle.is_some_and(|h| h != x.handle)) {
+        return;
+    }
+    let x = map.remove(&buffer_id).expect("looked up above");
     if let Ok(srv) = server() {
         srv.withdraw(x.export.export_id);
     }
