@@ -23,8 +23,10 @@
 //!   not export again and a remapped range is never served stale. The exporter keeps the
 //!   descriptor open while it serves it, and an open descriptor may keep the physical memory
 //!   alive after the user frees it, so entries whose allocation is gone are withdrawn (and their
-//!   descriptors closed) when a new export finds the cache grown (at 64 entries, then each time
-//!   it has doubled), and at most `MAX_EXPORTS` descriptors are held.
+//!   descriptors closed): at once when gscomm's allocator frees it (`withdraw`), within 100 ms
+//!   when `export_life`'s sweep finds it freed (`withdraw_export`), and when a new export finds
+//!   the cache grown (at 64 entries, then each time it has doubled); at most `MAX_EXPORTS`
+//!   descriptors are held.
 //!
 //! Receiver side (`import`, on the proxy thread through `ipc::map_peer`): fetch the descriptor
 //! (bounded by `FETCH_TIMEOUT`), import it, close it, reserve a range rounded to the allocation's
