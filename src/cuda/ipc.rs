@@ -416,8 +416,9 @@ pub(crate) fn release_retired() -> Result<usize> {
     for o in retired {
         let r = match &o {
             Opened::Legacy { device, mapped } => primary_context(*device).and_then(CtxScope::enter).and_then(|_scope| {
-                // SAFETY: a mapping cuIpcOpenMemHandle made in this context, replaced in the
-                // cache, so no copy reads it any more; closed once (it left RETIRED above).
+                // SAFETY: a mapping cuIpcOpenMemHandle made in this context, let go of (its
+                // allocation replaced or freed), and the caller promises no copy or kernel reads
+                // it any more; closed once (it left RETIRED above).
                 check(unsafe { cu::cuIpcCloseMemHandle(*mapped) }, "cuIpcCloseMemHandle")
             }),
             Opened::Vmm(m) => vmm::release(m),
